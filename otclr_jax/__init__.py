@@ -1,0 +1,1 @@
+"""OTCLR in JAX: contrastive learning with optimal-transport positive views."""

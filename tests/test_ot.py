@@ -1,0 +1,302 @@
+"""Tests of otclr_jax.ot against POT, ott-jax, NumPy and closed forms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ot as pot
+import pytest
+from ott.geometry import grid
+from ott.problems.linear import linear_problem
+from ott.solvers.linear import sinkhorn
+
+from otclr_jax import ot
+
+EPS = 0.05
+
+
+def _histogram(rng, m=16):
+  h = rng.random((m, m)) + 1e-3
+  return (h / h.sum()).astype(np.float32)
+
+
+@pytest.fixture
+def pair():
+  rng = np.random.default_rng(0)
+  return _histogram(rng), _histogram(rng)
+
+
+def _blob(m, center, width=1.2):
+  rows, cols = np.meshgrid(np.arange(m), np.arange(m), indexing='ij')
+  h = np.exp(-((rows - center[0]) ** 2 + (cols - center[1]) ** 2) / width**2)
+  h += 1e-6
+  return (h / h.sum()).astype(np.float32)
+
+
+def _centroid(h):
+  r = ot.grid_points(h.shape[-1])
+  return (np.asarray(h, np.float64).reshape(-1, 1) * r).sum(0)
+
+
+class TestGrid:
+
+  def test_cost_is_normalised_squared_distance(self):
+    c = ot.grid_cost(4)
+    r = ot.grid_points(4)
+    np.testing.assert_allclose(c[1, 4], np.sum((r[1] - r[4]) ** 2) / 2.0)
+    assert c.max() == pytest.approx(1.0)
+    assert c[0, 15] == pytest.approx(1.0)
+
+  def test_cost_is_separable(self):
+    m = 5
+    cx = ot.axis_cost(m)
+    full = cx[:, None, :, None] + cx[None, :, None, :]
+    np.testing.assert_allclose(full.reshape(m * m, m * m), ot.grid_cost(m),
+                               atol=1e-12)
+
+
+class TestSinkhorn:
+
+  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  def test_plan_matches_pot(self, pair, num_iters):
+    a, b = pair
+    c = ot.grid_cost(16)
+    expected = pot.sinkhorn(a.ravel().astype(np.float64),
+                            b.ravel().astype(np.float64), c, reg=EPS,
+                            numItermax=num_iters, stopThr=0)
+    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
+    assert plan.shape == (256, 256)
+    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+
+  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  def test_plan_matches_ott_grid_solver(self, pair, num_iters):
+    a, b = pair
+    axis = jnp.linspace(0.0, 1.0, 16) / np.sqrt(2.0)  # max cost 1 on [0,1]^2
+    geom = grid.Grid(x=[axis, axis], epsilon=EPS)
+    prob = linear_problem.LinearProblem(geom, a.ravel(), b.ravel())
+    solver = sinkhorn.Sinkhorn(
+        lse_mode=False, min_iterations=num_iters, max_iterations=num_iters,
+        inner_iterations=num_iters, implicit_diff=None)
+    out = solver(prob)
+    f, g = np.asarray(out.f, np.float64), np.asarray(out.g, np.float64)
+    expected = np.exp((f[:, None] + g[None, :] - ot.grid_cost(16)) / EPS)
+    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
+    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+
+  def test_marginals(self, pair):
+    a, b = pair
+    plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
+    np.testing.assert_allclose(plan.sum(1), a.ravel(), rtol=1e-5)
+    np.testing.assert_allclose(plan.sum(0), b.ravel(), rtol=1e-3, atol=1e-7)
+
+  def test_cost_matches_numpy_formula(self, pair):
+    a, b = pair
+    plan = pot.sinkhorn(a.ravel().astype(np.float64),
+                        b.ravel().astype(np.float64), ot.grid_cost(16),
+                        reg=EPS, numItermax=20, stopThr=0)
+    expected = (plan * ot.grid_cost(16)).sum() + EPS * (
+        plan * (np.log(plan) - 1.0)).sum()
+    assert float(ot.sinkhorn_cost(a, b)) == pytest.approx(expected, rel=1e-5)
+
+  def test_cost_batched(self, pair):
+    a, b = pair
+    batch = ot.sinkhorn_cost(np.stack([a, b]), np.stack([b, a]))
+    assert batch.shape == (2,)
+    assert float(batch[0]) == pytest.approx(float(ot.sinkhorn_cost(a, b)),
+                                            rel=1e-6)
+
+
+class TestDisplace:
+
+  @pytest.mark.parametrize('alpha', [0.0, 0.25, 0.5, 0.8, 1.0])
+  def test_fast_matches_dense_splat(self, pair, alpha):
+    a, b = pair
+    plan = ot.sinkhorn_plan(a, b)
+    expected = np.asarray(ot.dense_displace(plan, alpha))
+    np.testing.assert_allclose(ot.displace(a, b, alpha), expected, rtol=1e-4,
+                               atol=1e-8)
+
+  def test_dense_splat_matches_python_loop(self):
+    rng = np.random.default_rng(3)
+    m, alpha = 4, 0.3
+    plan = rng.random((m * m, m * m))
+    r = ot.grid_points(m)
+    expected = np.zeros((m, m))
+    for i in range(m * m):
+      for j in range(m * m):
+        g = ((1 - alpha) * r[i] + alpha * r[j]) * (m - 1)
+        k = np.clip(np.floor(g), 0, m - 2).astype(int)
+        t = g - k
+        for dr in (0, 1):
+          for dc in (0, 1):
+            w = (t[0] if dr else 1 - t[0]) * (t[1] if dc else 1 - t[1])
+            expected[k[0] + dr, k[1] + dc] += plan[i, j] * w
+    got = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+  @pytest.mark.parametrize('alpha', [0.1, 0.5, 0.9])
+  def test_mass_and_centroid_are_exact(self, pair, alpha):
+    a, b = pair
+    plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
+    out = np.asarray(ot.displace(a, b, alpha), np.float64)
+    assert out.sum() == pytest.approx(plan.sum(), rel=1e-5)
+    r = ot.grid_points(16)
+    expected = ((1 - alpha) * (plan.sum(1)[:, None] * r).sum(0)
+                + alpha * (plan.sum(0)[:, None] * r).sum(0))
+    np.testing.assert_allclose(_centroid(out), expected, rtol=1e-5)
+
+  def test_alpha_zero_returns_source(self, pair):
+    a, b = pair
+    np.testing.assert_allclose(ot.displace(a, b, 0.0), a, rtol=1e-5)
+
+  def test_alpha_one_returns_column_marginal(self, pair):
+    a, b = pair
+    plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
+    out = np.asarray(ot.displace(a, b, 1.0))
+    np.testing.assert_allclose(out.ravel(), plan.sum(0), rtol=1e-5)
+    np.testing.assert_allclose(out, b, rtol=1e-3)
+
+  def test_translated_blob_moves_half_way(self):
+    src, dst = _blob(16, (4.0, 5.0)), _blob(16, (10.0, 9.0))
+    mid = ot.displace(src, dst, 0.5)
+    np.testing.assert_allclose(
+        _centroid(mid), (_centroid(src) + _centroid(dst)) / 2, atol=1e-5)
+    # Mass moves rather than cross-fades: the peak sits half-way, not at the
+    # endpoints (a linear blend would keep two peaks at the endpoints).
+    peak = np.unravel_index(np.argmax(mid), mid.shape)
+    assert peak == (7, 7)
+
+  def test_gradients_are_finite(self, pair):
+    a, b = pair
+    fn = lambda a, b, alpha: jnp.sum(ot.displace(a, b, alpha) ** 2)
+    grads = jax.grad(fn, argnums=(0, 1, 2))(a, b, 0.5)
+    for g in grads:
+      assert np.all(np.isfinite(g))
+    assert float(grads[2]) != 0.0
+
+  def test_alpha_gradient_matches_finite_difference(self):
+    src, dst = _blob(16, (4.0, 5.0)), _blob(16, (10.0, 9.0))
+    weights = np.random.default_rng(0).random((16, 16)).astype(np.float32)
+    fn = lambda alpha: jnp.sum(weights * ot.displace(src, dst, alpha))
+    # Splatting is piecewise linear in alpha with kinks where a packet lands
+    # on a vertex, at alpha = k / (j - i); 0.37 +- 1e-3 holds none for m = 16.
+    alpha, h = 0.37, 1e-3
+    kinks = [k / d for d in range(1, 16) for k in range(d + 1)]
+    assert all(abs(alpha - kink) > h for kink in kinks)
+    fd = (fn(alpha + h) - fn(alpha - h)) / (2 * h)
+    assert float(jax.grad(fn)(alpha)) == pytest.approx(float(fd), rel=1e-2)
+
+
+def _images(rng, shape):
+  return jnp.asarray(rng.random(shape), jnp.float32)
+
+
+class TestOTViews:
+
+  @pytest.mark.parametrize('size', [32, 96])
+  def test_jit_vmap_shapes(self, size):
+    rng = np.random.default_rng(size)
+    x, xs = _images(rng, (2, 3, size, size, 3)), _images(rng, (2, 3, size, size, 3))
+    fn = jax.jit(jax.vmap(ot.ot_views))
+    out = fn(x, xs)
+    assert out.shape == (2, 3, size, size, 3)
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
+    np.testing.assert_allclose(out[1], ot.ot_views(x[1], xs[1]), atol=1e-5)
+
+  def test_alpha_endpoints_return_low_resolution_inputs(self):
+    rng = np.random.default_rng(1)
+    x, xs = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
+    low = lambda img: ot.measure_to_image(*ot.image_to_measure(img, 16), 32, 32)
+    np.testing.assert_allclose(ot.ot_views(x, xs, alpha=0.0), low(x), atol=1e-5)
+    np.testing.assert_allclose(ot.ot_views(x, xs, alpha=1.0), low(xs), atol=1e-3)
+
+  @pytest.mark.parametrize('alpha', [0.25, 0.5])
+  def test_channel_means_interpolate_linearly(self, alpha):
+    # At grid resolution (16 x 16 images, m = 16) resizing is the identity, so
+    # conservation of mass and offset makes each channel mean move linearly.
+    rng = np.random.default_rng(2)
+    x = 0.2 + 0.6 * _images(rng, (2, 16, 16, 3))
+    xs = 0.2 + 0.6 * _images(rng, (2, 16, 16, 3))
+    out = ot.ot_views(x, xs, alpha=alpha, grid_size=16)
+    expected = (1 - alpha) * x.mean(axis=(1, 2)) + alpha * xs.mean(axis=(1, 2))
+    np.testing.assert_allclose(out.mean(axis=(1, 2)), expected, atol=1e-4)
+
+  def test_gradients_are_finite(self):
+    rng = np.random.default_rng(3)
+    x, xs = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
+    loss = lambda x, xs, alpha: jnp.sum(ot.ot_views(x, xs, alpha) ** 2)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, xs, 0.5)
+    for g in grads:
+      assert np.all(np.isfinite(g))
+    assert float(jnp.abs(grads[0]).sum()) > 0
+    assert float(grads[2]) != 0.0
+
+  def test_image_sinkhorn_cost_averages_channels(self):
+    rng = np.random.default_rng(4)
+    x, y = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
+    p, _, _ = ot.image_to_measure(x, 16)
+    q, _, _ = ot.image_to_measure(y, 16)
+    expected = np.mean(np.asarray(ot.sinkhorn_cost(p, q)), axis=-1)
+    np.testing.assert_allclose(ot.image_sinkhorn_cost(x, y), expected,
+                               rtol=1e-6)
+
+
+class TestErrors:
+  """Every public entry point rejects bad input with a clear message."""
+
+  x = jnp.zeros((2, 32, 32, 3)) + 0.5
+
+  @pytest.mark.parametrize('kwargs, match', [
+      ({'alpha': -0.1}, 'alpha'),
+      ({'alpha': 1.5}, 'alpha'),
+      ({'epsilon': 0.0}, 'epsilon'),
+      ({'epsilon': -1.0}, 'epsilon'),
+      ({'num_iters': 0}, 'num_iters'),
+      ({'num_iters': 2.5}, 'num_iters'),
+      ({'grid_size': 1}, 'grid_size'),
+      ({'grid_size': 33}, 'grid_size'),
+  ])
+  def test_bad_arguments(self, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+      ot.ot_views(self.x, self.x, **kwargs)
+
+  def test_wrong_rank(self):
+    with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
+      ot.ot_views(self.x[0], self.x[0])
+
+  def test_mismatched_shapes(self):
+    with pytest.raises(ValueError, match='shape'):
+      ot.ot_views(self.x, self.x[:1])
+
+  @pytest.mark.parametrize('bad', [np.nan, np.inf])
+  def test_non_finite_pixels(self, bad):
+    with pytest.raises(ValueError, match='NaN or infinite'):
+      ot.ot_views(self.x.at[0, 1, 2, 0].set(bad), self.x)
+
+  def test_shape_errors_raise_under_jit(self):
+    with pytest.raises(ValueError, match='shape'):
+      jax.jit(ot.ot_views)(self.x, self.x[:1])
+    with pytest.raises(ValueError, match='grid_size'):
+      jax.jit(ot.ot_views, static_argnames='grid_size')(self.x, self.x,
+                                                        grid_size=64)
+
+  def test_traced_values_propagate_nan(self):
+    out = jax.jit(ot.ot_views)(self.x, self.x, 1.5)
+    assert bool(jnp.all(jnp.isnan(out)))
+    # A bad pixel poisons only its own image, so a batch stays debuggable.
+    bad = self.x.at[0, 1, 2, 0].set(jnp.nan)
+    out = jax.jit(ot.ot_views)(bad, self.x)
+    assert bool(jnp.any(jnp.isnan(out[0])))
+    assert bool(jnp.all(jnp.isfinite(out[1])))
+
+  def test_grid_functions(self):
+    a = np.full((4, 4), 1 / 16, np.float32)
+    with pytest.raises(ValueError, match='square'):
+      ot.displace(a[:, :3], a[:, :3], 0.5)
+    with pytest.raises(ValueError, match='share'):
+      ot.sinkhorn_cost(a, np.full((5, 5), 1 / 25, np.float32))
+    with pytest.raises(ValueError, match='single'):
+      ot.sinkhorn_plan(a[None], a[None])
+    with pytest.raises(ValueError, match='alpha'):
+      ot.displace(a, a, 2.0)
+    with pytest.raises(ValueError, match='NaN'):
+      ot.sinkhorn_cost(a * np.nan, a)
