@@ -69,22 +69,30 @@ def _check_static_int(name: str, value, minimum: int) -> int:
 def _check_scalar_range(name: str, value, low: float, high: float | None,
                         low_inclusive: bool):
   """Raises for a concrete out-of-range scalar; NaN-poisons a traced one."""
+  if _is_concrete(value):
+    # NumPy, not jnp: inside a jit trace even ops on constants are staged.
+    concrete = np.asarray(value, np.float32)
+    if concrete.ndim != 0:
+      raise ValueError(f'{name} must be a scalar, got shape {concrete.shape}.')
+    ok = concrete >= low if low_inclusive else concrete > low
+    if high is not None:
+      ok = ok and concrete <= high
+    if not ok:
+      bounds = (f"{'[' if low_inclusive else '('}{low}, "
+                f"{high if high is not None else 'inf'}]")
+      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete)}.')
+    return jnp.float32(concrete)
   value = jnp.asarray(value, jnp.float32)
   if value.ndim != 0:
     raise ValueError(f'{name} must be a scalar, got shape {value.shape}.')
   ok = value >= low if low_inclusive else value > low
   if high is not None:
     ok = jnp.logical_and(ok, value <= high)
-  if _is_concrete(value):
-    if not bool(ok):
-      bounds = f"{'[' if low_inclusive else '('}{low}, {high if high is not None else 'inf'}]"
-      raise ValueError(f'{name} must lie in {bounds}, got {float(value)}.')
-    return value
   return jnp.where(ok, value, jnp.nan)
 
 
-def _check_finite(name: str, x: jax.Array):
-  if _is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
+def _check_finite(name: str, x) -> None:
+  if _is_concrete(x) and not np.isfinite(np.asarray(x)).all():
     raise ValueError(
         f'{name} contains NaN or infinite values; OT views need finite '
         'pixels (see the module docstring for the behaviour under jit).')
@@ -232,6 +240,8 @@ def _sinkhorn_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
 
 
 def _prepare(a, b, epsilon, num_iters):
+  _check_finite('a', a)
+  _check_finite('b', b)
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   m = _check_grid('a', a)
@@ -241,8 +251,6 @@ def _prepare(a, b, epsilon, num_iters):
   num_iters = _check_static_int('num_iters', num_iters, 1)
   epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  _check_finite('a', a)
-  _check_finite('b', b)
   return a, b, m, epsilon, num_iters
 
 
@@ -412,6 +420,8 @@ def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.
   """
+  _check_finite('x', x)
+  _check_finite('x_strong', x_strong)
   x = jnp.asarray(x, jnp.float32)
   x_strong = jnp.asarray(x_strong, jnp.float32)
   _check_images(x, x_strong)
@@ -420,8 +430,6 @@ def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
   alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
   epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  _check_finite('x', x)
-  _check_finite('x_strong', x_strong)
   p_src, mass_src, off_src = image_to_measure(x, m)
   p_str, mass_str, off_str = image_to_measure(x_strong, m)
   kx = _axis_kernel(m, epsilon)
@@ -446,6 +454,8 @@ def image_sinkhorn_cost(x, y, grid_size: int = 16, epsilon=0.05,
   Returns:
     `[B]` costs `mean_c S_eps(x_c, y_c)` (METHOD.md section 6 [decision]).
   """
+  _check_finite('x', x)
+  _check_finite('y', y)
   x = jnp.asarray(x, jnp.float32)
   y = jnp.asarray(y, jnp.float32)
   _check_images(x, y)
@@ -453,8 +463,6 @@ def image_sinkhorn_cost(x, y, grid_size: int = 16, epsilon=0.05,
   num_iters = _check_static_int('num_iters', num_iters, 1)
   epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  _check_finite('x', x)
-  _check_finite('y', y)
   p, _, _ = image_to_measure(x, m)
   q, _, _ = image_to_measure(y, m)
   kx = _axis_kernel(m, epsilon)

@@ -288,6 +288,17 @@ class TestErrors:
     assert bool(jnp.any(jnp.isnan(out[0])))
     assert bool(jnp.all(jnp.isfinite(out[1])))
 
+  def test_closed_over_constants_are_checked_under_jit(self):
+    x = np.full((2, 32, 32, 3), 0.5, np.float32)
+    out = jax.jit(lambda: ot.ot_views(x, x, alpha=0.25))()
+    assert out.shape == x.shape
+    bad = x.copy()
+    bad[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match='NaN or infinite'):
+      jax.jit(lambda: ot.ot_views(bad, x))()
+    with pytest.raises(ValueError, match='alpha'):
+      jax.jit(lambda: ot.ot_views(x, x, alpha=2.0))()
+
   def test_grid_functions(self):
     a = np.full((4, 4), 1 / 16, np.float32)
     with pytest.raises(ValueError, match='square'):
