@@ -1,0 +1,195 @@
+"""Pretraining losses: NT-Xent, the Sinkhorn regulariser and their combination.
+
+METHOD.md section 6:
+
+* ``L_NCE``: NT-Xent over the 2B l2-normalised projections of the two views.
+* ``L_Sinkhorn = 1/2 [S(x_hat_1, x) + S(x_hat_2, x) + S(x_hat_1, x_s1)
+  + S(x_hat_2, x_s2)]``, averaged over the batch, with ``S`` the entropic
+  Sinkhorn cost of ``otclr_jax.ot.image_sinkhorn_cost`` (averaged over
+  channels).
+* ``L_pre = L_NCE + beta * L_Sinkhorn``.
+
+With a fixed interpolation coefficient ``alpha`` the images entering
+``L_Sinkhorn`` do not depend on the network parameters, so its gradient with
+respect to them is exactly zero and ``beta`` has no effect on training (pinned
+in ``tests/test_losses.py``). The term only acts when ``alpha`` is learnt:
+training then parameterises ``alpha = alpha_from_logit(logit)`` and
+differentiates the generated views, hence ``L_Sinkhorn`` (and ``L_NCE``), with
+respect to the logit. Even then it reaches the network parameters only through
+the views ``alpha`` produces.
+
+Everything here is pure ``jax.numpy`` on global arrays: under ``jax.jit`` with
+the batch sharded over devices, the negatives of NT-Xent are the global batch
+without explicit collectives.
+"""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otclr_jax import ot
+
+# Finite, so masked entries give exp(.) = 0 and a zero gradient; -inf would turn
+# into NaN through 0 * inf in the backward pass. Logits are bounded by 1 / tau.
+_MASK_VALUE = -1e9
+
+
+def _check_positive_scalar(name: str, value) -> None:
+  if isinstance(value, (int, float)) and not value > 0:
+    raise ValueError(f'{name} must be > 0, got {value}.')
+
+
+def _l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
+  # The floor keeps an all-zero row finite (it maps to zero, not NaN).
+  sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
+  return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
+
+
+def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
+            temperature: float = 0.5) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """NT-Xent (InfoNCE) loss of SimCLR and its contrastive top-1 accuracy.
+
+  The 2B embeddings ``z = normalise(concat(z1, z2))`` give logits
+  ``z_i . z_j / temperature``; anchor ``i`` has its positive at ``i + B``
+  (mod 2B) and the other 2B - 2 embeddings as negatives:
+  ``L = 1/(2B) sum_i -log(exp(l_{i,p(i)}) / sum_{j != i} exp(l_ij))``.
+
+  Args:
+    z1: projections of the first views [B, D] (raw, not normalised).
+    z2: projections of the second views [B, D]; row b pairs with ``z1[b]``.
+    temperature: softmax temperature tau > 0.
+
+  Returns:
+    loss: scalar mean over the 2B anchors, float32.
+    top1: scalar fraction of anchors whose positive is strictly more similar
+      than every negative (ties count as wrong, so a collapsed embedding scores
+      0, not 1).
+
+  Raises:
+    ValueError: if the shapes differ or are not [B, D], or temperature <= 0.
+  """
+  if z1.ndim != 2 or z1.shape != z2.shape:
+    raise ValueError(
+        f'z1 and z2 must both be [B, D] with equal shapes, got {z1.shape} and '
+        f'{z2.shape}.')
+  _check_positive_scalar('temperature', temperature)
+  batch = z1.shape[0]
+  dtype = jnp.promote_types(jnp.result_type(z1, z2), jnp.float32)
+  z = _l2_normalise(jnp.concatenate([z1, z2], axis=0).astype(dtype))
+  logits = (z @ z.T) / temperature
+
+  index = jnp.arange(2 * batch)
+  positive = (index + batch) % (2 * batch)
+  is_self = index[:, None] == index[None, :]
+  is_positive = index[None, :] == positive[:, None]
+  pos_logits = logits[index, positive]
+
+  logits_no_self = jnp.where(is_self, _MASK_VALUE, logits)
+  loss = jnp.mean(jax.nn.logsumexp(logits_no_self, axis=1) - pos_logits)
+
+  negatives = jnp.where(is_positive, _MASK_VALUE, logits_no_self)
+  top1 = jnp.mean((pos_logits > jnp.max(negatives, axis=1)).astype(dtype))
+  return loss, top1
+
+
+def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
+                         xh1: jnp.ndarray, xh2: jnp.ndarray, *,
+                         grid_size: int, epsilon: float,
+                         num_iters: int) -> jnp.ndarray:
+  """``L_Sinkhorn`` of METHOD.md section 6, averaged over the batch.
+
+  ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]`` with the
+  generated view as the first (source) measure, as written; finite-iteration
+  Sinkhorn is not symmetric in its arguments. ``S`` includes the entropy term,
+  so it (and this loss) can be negative.
+
+  Args:
+    x: source images [B, H, W, C] in [0, 1].
+    xs1: first strong views [B, H, W, C].
+    xs2: second strong views [B, H, W, C].
+    xh1: generated views ``D(x, xs1)`` [B, H, W, C].
+    xh2: generated views ``D(x, xs2)`` [B, H, W, C].
+    grid_size: OT grid side m.
+    epsilon: entropic regularisation.
+    num_iters: exact number of Sinkhorn iterations.
+
+  Returns:
+    Scalar float32. Differentiable in all images (and so in a learnt alpha).
+
+  Raises:
+    ValueError: if the five batches are not [B, H, W, C] of one shape.
+  """
+  shapes = {name: a.shape for name, a in
+            (('x', x), ('xs1', xs1), ('xs2', xs2), ('xh1', xh1), ('xh2', xh2))}
+  if x.ndim != 4 or len(set(shapes.values())) != 1:
+    raise ValueError(
+        f'All images must be [B, H, W, C] of one shape, got {shapes}.')
+  # One call over the 4 pairs keeps a single vmapped Sinkhorn loop.
+  sources = jnp.concatenate([xh1, xh2, xh1, xh2], axis=0)
+  targets = jnp.concatenate([x, x, xs1, xs2], axis=0)
+  costs = ot.image_sinkhorn_cost(sources, targets, grid_size=grid_size,
+                                 epsilon=epsilon, num_iters=num_iters)
+  per_image = jnp.sum(costs.reshape(4, x.shape[0]), axis=0)
+  return 0.5 * jnp.mean(per_image)
+
+
+def pretrain_loss(
+    z1: jnp.ndarray, z2: jnp.ndarray, reg: Optional[jnp.ndarray] = None, *,
+    temperature: float = 0.5,
+    beta: float = 0.0) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+  """``L_pre = L_NCE + beta * L_Sinkhorn``.
+
+  Args:
+    z1: projections of the first views [B, D].
+    z2: projections of the second views [B, D].
+    reg: ``L_Sinkhorn`` (scalar) from ``sinkhorn_regulariser``, or None for
+      plain SimCLR (then ``beta`` is ignored).
+    temperature: NT-Xent temperature.
+    beta: weight of the regulariser (may be traced).
+
+  Returns:
+    loss: scalar ``L_pre``.
+    parts: dict with ``'loss'``, ``'nce'``, ``'top1'`` and, when ``reg`` is
+      given, ``'sinkhorn'`` (unweighted), all scalars for logging.
+  """
+  nce, top1 = nt_xent(z1, z2, temperature)
+  parts = {'nce': nce, 'top1': top1}
+  loss = nce
+  if reg is not None:
+    reg = jnp.asarray(reg)
+    if reg.ndim != 0:
+      raise ValueError(f'reg must be a scalar, got shape {reg.shape}.')
+    loss = loss + beta * reg
+    parts['sinkhorn'] = reg
+  parts['loss'] = loss
+  return loss, parts
+
+
+def alpha_from_logit(logit: jnp.ndarray) -> jnp.ndarray:
+  """Learnable interpolation coefficient ``alpha = sigmoid(logit)``.
+
+  Args:
+    logit: unconstrained scalar (a trainable parameter).
+
+  Returns:
+    ``alpha`` in (0, 1), differentiable in ``logit``.
+  """
+  return jax.nn.sigmoid(logit)
+
+
+def alpha_to_logit(alpha: float) -> float:
+  """Inverse of ``alpha_from_logit``, to initialise the logit from a config.
+
+  Args:
+    alpha: initial coefficient, strictly inside (0, 1).
+
+  Returns:
+    ``log(alpha / (1 - alpha))`` as a Python float.
+  """
+  if not 0.0 < alpha < 1.0:
+    raise ValueError(
+        f'A learnt alpha is a sigmoid: its initial value must lie strictly in '
+        f'(0, 1), got {alpha}.')
+  return float(np.log(alpha) - np.log1p(-alpha))

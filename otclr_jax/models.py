@@ -1,0 +1,235 @@
+"""ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
+
+The encoder follows the torchvision ResNet-18 layout (the paper's setting),
+without the final classifier:
+
+* ``stem='imagenet'``: 7x7/2 convolution, BatchNorm, ReLU, 3x3/2 max-pool. The
+  paper uses this stem even at 32 x 32 inputs (its 11.18M parameters and 0.074
+  GFLOPs per image match it), so a 32 x 32 image reaches the last stage at
+  1 x 1.
+* ``stem='cifar'``: 3x3/1 convolution, BatchNorm, ReLU, no pooling (the usual
+  CIFAR variant; offered for comparison, not used by the paper).
+
+Then four stages of two ``BasicBlock``s with widths 64-128-256-512 (stride 2 at
+the first block of stages 2-4, with a 1x1/2 convolution + BatchNorm shortcut),
+and a global average pool giving features ``h`` of shape [B, 512].
+
+Padding is explicit and symmetric, as in torchvision (``'SAME'`` would pad
+stride-2 layers asymmetrically on even sizes). Convolutions have no bias
+(BatchNorm follows) and use He-normal initialisation with fan-out, like
+torchvision.
+
+BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
+epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
+global, so the batch statistics are those of the global batch without any
+``axis_name``.
+
+Mixed precision: computations run in ``dtype`` (e.g. ``jnp.bfloat16``);
+parameters are always float32 and BatchNorm reductions are done in float32; the
+returned features and projections are float32.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+STEMS = ('imagenet', 'cifar')
+
+# He-normal with fan-out, as torchvision initialises ResNet convolutions.
+_conv_init = nn.initializers.variance_scaling(2.0, 'fan_out', 'normal')
+
+
+def _check_images(x: jnp.ndarray) -> None:
+  if x.ndim != 4:
+    raise ValueError(
+        f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions with a residual connection (ResNet-18/34 block).
+
+  Attributes:
+    features: number of output channels.
+    strides: stride of the first convolution (and of the projection shortcut).
+    zero_init_residual: initialise the scale of the block's last BatchNorm to
+      zero so the block starts as the identity (Goyal et al., 2017).
+    dtype: computation dtype.
+  """
+  features: int
+  strides: int = 1
+  zero_init_residual: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
+    """Applies the block.
+
+    Args:
+      x: activations [B, H, W, C_in].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      Activations [B, H / strides, W / strides, features].
+    """
+    conv = lambda f, k, s, p, name: nn.Conv(
+        f, (k, k), strides=(s, s), padding=((p, p), (p, p)), use_bias=False,
+        kernel_init=_conv_init, dtype=self.dtype, param_dtype=jnp.float32,
+        name=name)
+    norm = lambda name, scale_init=nn.initializers.ones: nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, epsilon=1e-5,
+        scale_init=scale_init, dtype=self.dtype, param_dtype=jnp.float32,
+        name=name)
+
+    residual = x
+    y = conv(self.features, 3, self.strides, 1, 'conv1')(x)
+    y = nn.relu(norm('bn1')(y))
+    y = conv(self.features, 3, 1, 1, 'conv2')(y)
+    last_scale_init = (nn.initializers.zeros if self.zero_init_residual
+                       else nn.initializers.ones)
+    y = norm('bn2', last_scale_init)(y)
+    if self.strides != 1 or x.shape[-1] != self.features:
+      residual = conv(self.features, 1, self.strides, 0, 'shortcut_conv')(x)
+      residual = norm('shortcut_bn')(residual)
+    return nn.relu(y + residual)
+
+
+class ResNet18(nn.Module):
+  """ResNet-18 feature extractor (no classifier).
+
+  Attributes:
+    stem: ``'imagenet'`` (7x7/2 conv + 3x3/2 max-pool, the paper's setting) or
+      ``'cifar'`` (3x3/1 conv, no pool).
+    dtype: computation dtype; parameters stay float32.
+    zero_init_residual: zero-initialise the last BatchNorm scale of every block.
+      Off by default, as in torchvision (and presumably the paper).
+  """
+  stem: str = 'imagenet'
+  dtype: Any = jnp.float32
+  zero_init_residual: bool = False
+
+  def __post_init__(self):
+    if self.stem not in STEMS:
+      raise ValueError(f'Unknown stem {self.stem!r}; expected one of {STEMS}.')
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
+    """Computes pooled features.
+
+    Args:
+      x: images [B, H, W, C] (float, any range the input pipeline chooses).
+      train: use batch statistics and update the running averages
+        (requires ``mutable=['batch_stats']``).
+
+    Returns:
+      Globally average-pooled features [B, 512], float32.
+    """
+    _check_images(x)
+    x = x.astype(self.dtype)
+    if self.stem == 'imagenet':
+      kernel, stride, pad = 7, 2, 3
+    else:
+      kernel, stride, pad = 3, 1, 1
+    x = nn.Conv(64, (kernel, kernel), strides=(stride, stride),
+                padding=((pad, pad), (pad, pad)), use_bias=False,
+                kernel_init=_conv_init, dtype=self.dtype,
+                param_dtype=jnp.float32, name='stem_conv')(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                     dtype=self.dtype, param_dtype=jnp.float32,
+                     name='stem_bn')(x)
+    x = nn.relu(x)
+    if self.stem == 'imagenet':
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+
+    for stage, features in enumerate((64, 128, 256, 512)):
+      for block in range(2):
+        strides = 2 if stage > 0 and block == 0 else 1
+        x = BasicBlock(features, strides=strides,
+                       zero_init_residual=self.zero_init_residual,
+                       dtype=self.dtype,
+                       name=f'stage{stage + 1}_block{block + 1}')(x, train)
+
+    # Pool in float32: the mean over many low-precision activations loses bits.
+    return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
+
+
+class ProjectionHead(nn.Module):
+  """Two-layer MLP projection head g: Dense -> BatchNorm -> ReLU -> Dense.
+
+  SimCLR v1 has no BatchNorm in the head; we follow the common SimCLR v2 /
+  PyTorch practice of a BatchNorm after the hidden layer (the paper only says
+  "2-layer"). The hidden Dense has no bias because BatchNorm follows it.
+
+  Attributes:
+    hidden_dim: width of the hidden layer.
+    out_dim: dimension of the projection z.
+    dtype: computation dtype; parameters stay float32.
+  """
+  hidden_dim: int = 2048
+  out_dim: int = 128
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h: jnp.ndarray, train: bool) -> jnp.ndarray:
+    """Projects features.
+
+    Args:
+      h: features [B, D].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      Projections [B, out_dim], float32, not normalised.
+    """
+    if h.ndim != 2:
+      raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
+    y = nn.Dense(self.hidden_dim, use_bias=False, dtype=self.dtype,
+                 param_dtype=jnp.float32, name='hidden')(h)
+    y = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                     dtype=self.dtype, param_dtype=jnp.float32, name='bn')(y)
+    y = nn.relu(y)
+    y = nn.Dense(self.out_dim, dtype=self.dtype, param_dtype=jnp.float32,
+                 name='out')(y)
+    return y.astype(jnp.float32)
+
+
+class SimCLRNet(nn.Module):
+  """Encoder f (ResNet-18) followed by projection head g.
+
+  Attributes:
+    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    proj_hidden_dim: hidden width of the projection head.
+    proj_dim: output dimension of the projection head.
+    dtype: computation dtype; parameters stay float32.
+    zero_init_residual: see ``ResNet18``.
+  """
+  stem: str = 'imagenet'
+  proj_hidden_dim: int = 2048
+  proj_dim: int = 128
+  dtype: Any = jnp.float32
+  zero_init_residual: bool = False
+
+  def __post_init__(self):
+    if self.stem not in STEMS:
+      raise ValueError(f'Unknown stem {self.stem!r}; expected one of {STEMS}.')
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray,
+               train: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Encodes and projects a batch of views.
+
+    Args:
+      x: images [B, H, W, C].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      h: encoder features [B, 512], float32 (used by the linear probe).
+      z: projections [B, proj_dim], float32, not normalised (the loss does it).
+    """
+    h = ResNet18(stem=self.stem, dtype=self.dtype,
+                 zero_init_residual=self.zero_init_residual,
+                 name='encoder')(x, train)
+    z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,
+                       dtype=self.dtype, name='head')(h, train)
+    return h, z

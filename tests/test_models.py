@@ -1,0 +1,221 @@
+"""Tests for otclr_jax.models."""
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from otclr_jax import models
+
+
+def _count(tree):
+  return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
+
+
+def _abstract_variables(module, shape):
+  return jax.eval_shape(
+      lambda: module.init(jax.random.key(0), jnp.zeros(shape), train=False))
+
+
+def _numpy_variables(module, shape, seed=0):
+  """Initial variables filled from NumPy (He-normal kernels, fresh BatchNorm).
+
+  ``module.init`` compiles one random-number kernel per parameter shape, which
+  costs seconds on a shared CPU; the structure comes from ``jax.eval_shape``.
+  """
+  rng = np.random.default_rng(seed)
+  abstract = flax.traverse_util.flatten_dict(
+      _abstract_variables(module, shape))
+  filled = {}
+  for path, leaf in abstract.items():
+    if path[-1] == 'kernel':
+      fan_in = np.prod(leaf.shape[:-1])
+      value = rng.normal(0.0, np.sqrt(2.0 / fan_in), leaf.shape)
+    elif path[-1] in ('scale', 'var'):
+      value = np.ones(leaf.shape)
+    else:
+      value = np.zeros(leaf.shape)
+    filled[path] = jnp.asarray(value, leaf.dtype)
+  return flax.traverse_util.unflatten_dict(filled)
+
+
+def _resnet18_param_count(stem_kernel):
+  """Closed-form parameter count of a ResNet-18 without fc (convs have no bias).
+
+  Args:
+    stem_kernel: side of the first convolution (7 for imagenet, 3 for cifar).
+
+  Returns:
+    Number of trainable parameters (conv kernels + BatchNorm scale and bias).
+  """
+  conv = lambda k, cin, cout: k * k * cin * cout
+  bn = lambda c: 2 * c
+  total = conv(stem_kernel, 3, 64) + bn(64)
+  cin = 64
+  for cout in (64, 128, 256, 512):
+    for block in range(2):
+      total += conv(3, cin, cout) + bn(cout) + conv(3, cout, cout) + bn(cout)
+      if block == 0 and cin != cout:
+        total += conv(1, cin, cout) + bn(cout)
+      cin = cout
+  return total
+
+
+def test_imagenet_stem_parameter_count():
+  variables = _abstract_variables(models.ResNet18(stem='imagenet'),
+                                  (2, 32, 32, 3))
+  # torchvision resnet18 has 11,689,512 parameters, its fc 512 * 1000 + 1000.
+  assert _resnet18_param_count(7) == 11_689_512 - 513_000
+  assert _count(variables['params']) == 11_176_512
+  # The paper's "11.18M".
+  assert round(_count(variables['params']) / 1e6, 2) == 11.18
+
+
+def test_cifar_stem_parameter_count():
+  variables = _abstract_variables(models.ResNet18(stem='cifar'), (2, 32, 32, 3))
+  assert _count(variables['params']) == _resnet18_param_count(3) == 11_168_832
+
+
+def test_batch_stats_count():
+  variables = _abstract_variables(models.ResNet18(), (2, 32, 32, 3))
+  # One running mean and one running variance per BatchNorm channel.
+  assert _count(variables['batch_stats']) == (
+      _count(variables['params']) - _count(
+          [v for k, v in flax.traverse_util.flatten_dict(
+              variables['params']).items() if k[-1] == 'kernel']))
+
+
+def test_projection_head_parameter_count():
+  variables = _abstract_variables(
+      models.SimCLRNet(proj_hidden_dim=2048, proj_dim=128), (2, 32, 32, 3))
+  head = variables['params']['head']
+  # Dense without bias, BatchNorm scale + bias, Dense with bias.
+  assert _count(head) == 512 * 2048 + 2 * 2048 + 2048 * 128 + 128
+
+
+def test_params_are_float32_even_for_bfloat16():
+  variables = _abstract_variables(models.SimCLRNet(dtype=jnp.bfloat16),
+                                  (2, 32, 32, 3))
+  dtypes = {leaf.dtype for leaf in jax.tree.leaves(variables)}
+  assert dtypes == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize('stem, size, last_spatial', [
+    ('imagenet', 32, 1),
+    ('imagenet', 96, 3),
+    ('cifar', 32, 4),
+    ('cifar', 96, 12),
+])
+def test_output_and_last_stage_shapes(stem, size, last_spatial):
+  model = models.SimCLRNet(stem=stem, proj_hidden_dim=64, proj_dim=16)
+  x = jnp.zeros((3, size, size, 3))
+  variables = _abstract_variables(model, x.shape)
+  (h, z), state = jax.eval_shape(
+      lambda v: model.apply(v, x, train=False, capture_intermediates=True),
+      variables)
+  assert h.shape == (3, 512) and h.dtype == jnp.float32
+  assert z.shape == (3, 16) and z.dtype == jnp.float32
+  last = state['intermediates']['encoder']['stage4_block2']['__call__'][0]
+  assert last.shape == (3, last_spatial, last_spatial, 512)
+
+
+def _jit_apply(model, train):
+  # One compilation is cheaper than the op-by-op compilations of eager apply.
+  if train:
+    return jax.jit(lambda v, x: model.apply(v, x, train=True,
+                                            mutable=['batch_stats']))
+  return jax.jit(lambda v, x: model.apply(v, x, train=False))
+
+
+def test_train_mode_updates_batch_stats_and_eval_mode_does_not():
+  model = models.SimCLRNet(stem='imagenet', proj_hidden_dim=32, proj_dim=8)
+  x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
+  # Same first example, different rest of the batch.
+  x_alt = x.at[1:].set(jax.random.uniform(jax.random.key(2), (3, 32, 32, 3)))
+  variables = _numpy_variables(model, x.shape)
+  old_stats = variables['batch_stats']
+  apply_train, apply_eval = _jit_apply(model, True), _jit_apply(model, False)
+
+  (h_train, _), updates = apply_train(variables, x)
+  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), old_stats,
+                         updates['batch_stats'])
+  assert all(jax.tree.leaves(changed))
+  (h_train_alt, _), _ = apply_train(variables, x_alt)
+  assert not np.allclose(h_train[0], h_train_alt[0], atol=1e-3)
+
+  # Eval mode needs no mutable collection (flax raises if it tried to write one)
+  # and each example's output does not depend on the rest of the batch.
+  h_eval, _ = apply_eval(variables, x)
+  h_eval_alt, _ = apply_eval(variables, x_alt)
+  np.testing.assert_allclose(h_eval[0], h_eval_alt[0], rtol=1e-5, atol=1e-5)
+
+  # The head's running statistics follow an exponential average with momentum
+  # 0.9 of the biased batch statistics of the hidden pre-activations.
+  kernel = np.asarray(variables['params']['head']['hidden']['kernel'],
+                      np.float64)
+  pre = np.asarray(h_train, np.float64) @ kernel
+  new_head = updates['batch_stats']['head']['bn']
+  np.testing.assert_allclose(new_head['mean'], 0.1 * pre.mean(0),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(new_head['var'], 0.9 + 0.1 * pre.var(0),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_runs_and_returns_float32():
+  x = jax.random.uniform(jax.random.key(1), (2, 32, 32, 3))
+  model32 = models.SimCLRNet(proj_hidden_dim=32, proj_dim=8)
+  model16 = models.SimCLRNet(proj_hidden_dim=32, proj_dim=8,
+                             dtype=jnp.bfloat16)
+  variables = _numpy_variables(model32, x.shape)
+  h32, z32 = _jit_apply(model32, False)(variables, x)
+  (h16, z16), updates = _jit_apply(model16, True)(variables, x)
+  h16_eval, z16_eval = _jit_apply(model16, False)(variables, x)
+  for out in (h16, z16, h16_eval, z16_eval):
+    assert out.dtype == jnp.float32
+    assert np.all(np.isfinite(out))
+  assert {leaf.dtype for leaf in jax.tree.leaves(updates)} == {
+      jnp.dtype(jnp.float32)}
+  # Same parameters, lower precision: close in relative norm.
+  rel = np.linalg.norm(h16_eval - h32) / np.linalg.norm(h32)
+  assert rel < 0.05, rel
+  rel = np.linalg.norm(z16_eval - z32) / np.linalg.norm(z32)
+  assert rel < 0.05, rel
+
+
+def test_zero_init_residual_block_starts_as_identity():
+  x = jax.random.uniform(jax.random.key(1), (2, 4, 4, 8))
+  block = models.BasicBlock(8, zero_init_residual=True)
+  variables = block.init(jax.random.key(0), x, train=False)
+  np.testing.assert_array_equal(variables['params']['bn2']['scale'], 0.0)
+  np.testing.assert_array_equal(variables['params']['bn1']['scale'], 1.0)
+  # Non-negative inputs pass through relu(x + 0) unchanged.
+  y, _ = block.apply(variables, x, train=True, mutable=['batch_stats'])
+  np.testing.assert_allclose(y, x, rtol=0, atol=0)
+
+  default = models.BasicBlock(8).init(jax.random.key(0), x, train=False)
+  np.testing.assert_array_equal(default['params']['bn2']['scale'], 1.0)
+
+
+def test_downsampling_block_has_projection_shortcut():
+  block = models.BasicBlock(16, strides=2)
+  variables = jax.eval_shape(
+      lambda: block.init(jax.random.key(0), jnp.zeros((2, 8, 8, 8)),
+                         train=False))
+  assert variables['params']['shortcut_conv']['kernel'].shape == (1, 1, 8, 16)
+  y = jax.eval_shape(lambda v: block.apply(v, jnp.zeros((2, 8, 8, 8)),
+                                           train=False), variables)
+  assert y.shape == (2, 4, 4, 16)
+
+
+def test_bad_stem_raises():
+  with pytest.raises(ValueError, match='stem'):
+    models.ResNet18(stem='resnet')
+  with pytest.raises(ValueError, match='stem'):
+    models.SimCLRNet(stem='')
+
+
+def test_bad_input_rank_raises():
+  model = models.ResNet18()
+  with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
+    model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
