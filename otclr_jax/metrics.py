@@ -1,0 +1,537 @@
+"""Clustering and view metrics on embeddings (METHOD.md section 7).
+
+Clustering metrics take l2-normalised embeddings `z` [n, d] and integer cluster
+ids `assign` [n] in [0, num_clusters). All distances are Euclidean. Clusters
+with no members (an id in [0, num_clusters) that `assign` never uses) are masked
+out of every average, so they never turn a result into NaN.
+
+Definitions, with C the set of non-empty clusters, n_c the size of cluster c and
+mu_c the mean of its members (the centroid):
+
+  * silhouette: mean over all points of s_i = (b_i - a_i) / max(a_i, b_i), where
+    a_i is the mean distance to the other members of i's cluster and b_i the
+    smallest mean distance to the members of another non-empty cluster. Points
+    in singleton clusters, and points with a_i = b_i = 0, get s_i = 0. This is
+    `sklearn.metrics.silhouette_score` with `metric='euclidean'`.
+  * compactness: mean over c in C of (1 / n_c) sum_{i in c} ||z_i - mu_c||^2.
+  * centroid margin: mean over c in C of min_{c' in C, c' != c} of
+    ||mu_c - mu_c'||, the Euclidean distance between cluster means (the
+    centroids are not re-normalised to the sphere).
+  * inter/intra ratio: the mean of ||mu_c - mu_c'|| over unordered pairs of
+    distinct c, c' in C, divided by the mean of ||z_i - z_j|| over all pairs
+    i != j that share a cluster, pooled over clusters: every within-cluster pair
+    counts once, so large clusters weigh more than in a mean of per-cluster
+    means.
+
+All four need at least two non-empty clusters and at least one cluster with
+two or more members (sklearn's `2 <= #clusters <= n - 1`). The public functions
+raise a ValueError when `assign` is concrete and violates this; under an outer
+`jax.jit` the check cannot run, and an undefined value comes out as NaN. Ids
+outside [0, num_clusters) are likewise only caught when `assign` is concrete;
+under tracing such points belong to no cluster.
+
+Silhouette and the within-cluster term of the inter/intra ratio need all
+pairwise distances. They are computed block by block over rows with `lax.map`:
+each step forms one [block_size, n] slab of distances and immediately reduces
+it to per-cluster sums [block_size, num_clusters], so peak memory is
+O(block_size * n) rather than O(n^2). The slab uses
+||x||^2 + ||y||^2 - 2 <x, y> with a full-precision matmul; in float32 this
+leaves an absolute error of about 1e-3 on distances between near-duplicate,
+distinct points (self-distances are set to exactly 0).
+
+View metrics compare paired embeddings (one row per image) and images.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from sklearn import cluster as sk_cluster
+
+# Rows of the pairwise-distance slab per `lax.map` step. At n = 10k this is a
+# 40 MB float32 slab, small on any accelerator and on the host.
+DEFAULT_BLOCK_SIZE = 1024
+
+
+# ---------------------------------------------------------------------------
+# Input validation.
+# ---------------------------------------------------------------------------
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_num_clusters(num_clusters: Any) -> None:
+  if (isinstance(num_clusters, bool)
+      or not isinstance(num_clusters, (int, np.integer))
+      or num_clusters < 2):
+    raise ValueError(
+        f'num_clusters must be an int >= 2, got {num_clusters!r}.')
+
+
+def _check_embeddings(z: Any, name: str = 'z') -> None:
+  if jnp.ndim(z) != 2:
+    raise ValueError(
+        f'{name} must have shape [n, d], got shape {jnp.shape(z)}.')
+  if not jnp.issubdtype(jnp.result_type(z), jnp.floating):
+    raise ValueError(
+        f'{name} must be a floating array, got dtype {jnp.result_type(z)}.')
+  if jnp.shape(z)[0] < 1:
+    raise ValueError(f'{name} must contain at least one row, got shape '
+                     f'{jnp.shape(z)}.')
+
+
+def _check_clustering_inputs(z: Any, assign: Any, num_clusters: Any,
+                             block_size: Any = None) -> None:
+  """Validates the arguments shared by the clustering metrics."""
+  _check_num_clusters(num_clusters)
+  _check_embeddings(z)
+  if jnp.ndim(assign) != 1:
+    raise ValueError(
+        f'assign must have shape [n], got shape {jnp.shape(assign)}.')
+  if not jnp.issubdtype(jnp.result_type(assign), jnp.integer):
+    raise ValueError(
+        f'assign must hold integer cluster ids, got dtype '
+        f'{jnp.result_type(assign)}.')
+  n = jnp.shape(z)[0]
+  if jnp.shape(assign)[0] != n:
+    raise ValueError(
+        f'z has {n} rows but assign has {jnp.shape(assign)[0]} entries; '
+        'they must match.')
+  if block_size is not None and (
+      isinstance(block_size, bool)
+      or not isinstance(block_size, (int, np.integer)) or block_size < 1):
+    raise ValueError(
+        f'block_size must be a positive int or None, got {block_size!r}.')
+  if _is_concrete(assign):
+    ids = np.asarray(assign)
+    if ids.min() < 0 or ids.max() >= num_clusters:
+      raise ValueError(
+          f'assign must lie in [0, num_clusters={num_clusters}), got values '
+          f'in [{ids.min()}, {ids.max()}].')
+    num_used = np.unique(ids).size
+    if not 2 <= num_used <= n - 1:
+      raise ValueError(
+          f'The clustering metrics need 2 <= #non-empty clusters <= n - 1; '
+          f'assign uses {num_used} cluster(s) for n = {n} points.')
+
+
+def _check_paired(arrays: dict[str, Any], rank: int, layout: str) -> None:
+  """Checks that arrays are floating, of the given rank and the same shape."""
+  shapes = set()
+  for name, x in arrays.items():
+    if jnp.ndim(x) != rank:
+      raise ValueError(
+          f'{name} must have shape {layout}, got shape {jnp.shape(x)}.')
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(
+          f'{name} must be a floating array, got dtype {jnp.result_type(x)}.')
+    if jnp.shape(x)[0] < 1:
+      raise ValueError(f'{name} must contain at least one row.')
+    shapes.add(tuple(jnp.shape(x)))
+  if len(shapes) != 1:
+    described = ', '.join(f'{k} {jnp.shape(v)}' for k, v in arrays.items())
+    raise ValueError(f'Shapes must match, got {described}.')
+
+
+# ---------------------------------------------------------------------------
+# Jitted cores.
+# ---------------------------------------------------------------------------
+
+
+def _cluster_stats(z: jax.Array, assign: jax.Array, num_clusters: int):
+  """Returns one-hot memberships [n, K], sizes [K] and centroids [K, d]."""
+  onehot = jax.nn.one_hot(assign, num_clusters, dtype=z.dtype)
+  counts = jax.ops.segment_sum(jnp.ones_like(z[:, 0]), assign, num_clusters)
+  sums = jax.ops.segment_sum(z, assign, num_clusters)
+  centroids = sums / jnp.maximum(counts, 1.0)[:, None]
+  return onehot, counts, centroids
+
+
+def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
+                           block_size: int | None) -> jax.Array:
+  """Sums of distances from every point to the members of every cluster.
+
+  Args:
+    z: [n, d] embeddings.
+    onehot: [n, K] cluster memberships.
+    block_size: rows per step; None computes all rows in one step.
+
+  Returns:
+    [n, K] array, entry (i, c) = sum over j in cluster c of ||z_i - z_j||.
+  """
+  n = z.shape[0]
+  sq_norms = jnp.sum(z * z, axis=1)
+  block = n if block_size is None else min(block_size, n)
+  num_blocks = -(-n // block)
+  pad = num_blocks * block - n
+  rows = jnp.pad(z, ((0, pad), (0, 0)))
+  row_sq = jnp.pad(sq_norms, (0, pad))
+  row_idx = jnp.arange(num_blocks * block)
+
+  def one_block(args):
+    x, x_sq, idx = args
+    # HIGHEST keeps accelerators from using reduced-precision (e.g. TF32)
+    # matmuls, whose error would dominate the small within-cluster distances.
+    gram = jnp.dot(x, z.T, precision=lax.Precision.HIGHEST)
+    sq = jnp.maximum(x_sq[:, None] + sq_norms[None, :] - 2.0 * gram, 0.0)
+    # Rounding leaves ||x||^2 + ||x||^2 - 2<x, x> slightly above zero; the
+    # self-distance must not leak into a point's own-cluster mean.
+    sq = jnp.where(idx[:, None] == jnp.arange(n)[None, :], 0.0, sq)
+    return jnp.dot(jnp.sqrt(sq), onehot, precision=lax.Precision.HIGHEST)
+
+  sums = lax.map(one_block, (rows.reshape(num_blocks, block, -1),
+                             row_sq.reshape(num_blocks, block),
+                             row_idx.reshape(num_blocks, block)))
+  return sums.reshape(num_blocks * block, -1)[:n]
+
+
+def _pairs_of_nonempty(counts: jax.Array) -> jax.Array:
+  """[K, K] mask of ordered pairs of distinct non-empty clusters."""
+  nonempty = counts > 0
+  return (nonempty[:, None] & nonempty[None, :]
+          & ~jnp.eye(counts.shape[0], dtype=bool))
+
+
+def _centroid_distances(centroids: jax.Array) -> jax.Array:
+  diff = centroids[:, None, :] - centroids[None, :, :]
+  return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+
+
+def _silhouette_from(assign, onehot, counts, dist_sums):
+  own_count = counts[assign]
+  own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
+  a = own_sum / jnp.maximum(own_count - 1.0, 1.0)
+  mean_to = dist_sums / jnp.maximum(counts, 1.0)[None, :]
+  not_other = (onehot > 0) | (counts[None, :] == 0)
+  b = jnp.min(jnp.where(not_other, jnp.inf, mean_to), axis=1)
+  denom = jnp.maximum(a, b)
+  # sklearn's convention: singletons, and a = b = 0, score 0.
+  s = jnp.where((own_count > 1) & (denom > 0),
+                (b - a) / jnp.where(denom > 0, denom, 1.0), 0.0)
+  # With a single non-empty cluster every b is inf: undefined.
+  return jnp.where(jnp.sum(counts > 0) >= 2, jnp.mean(s), jnp.nan)
+
+
+def _compactness_from(z, assign, counts, centroids):
+  resid = z - centroids[assign]
+  per_cluster = jax.ops.segment_sum(
+      jnp.sum(resid * resid, axis=1), assign, counts.shape[0]) / jnp.maximum(
+          counts, 1.0)
+  nonempty = counts > 0
+  return jnp.sum(jnp.where(nonempty, per_cluster, 0.0)) / jnp.sum(nonempty)
+
+
+def _centroid_margin_from(counts, centroids):
+  nonempty = counts > 0
+  nearest = jnp.min(jnp.where(_pairs_of_nonempty(counts),
+                              _centroid_distances(centroids), jnp.inf), axis=1)
+  num_nonempty = jnp.sum(nonempty)
+  margin = jnp.sum(jnp.where(nonempty, nearest, 0.0)) / num_nonempty
+  return jnp.where(num_nonempty >= 2, margin, jnp.nan)
+
+
+def _inter_intra_ratio_from(assign, counts, centroids, dist_sums):
+  pairs = _pairs_of_nonempty(counts)
+  inter = jnp.sum(jnp.where(pairs, _centroid_distances(centroids), 0.0)
+                  ) / jnp.sum(pairs)
+  own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
+  # Ordered pairs i != j in the same cluster: sum_c n_c (n_c - 1). Each
+  # unordered pair appears twice in both numerator and denominator.
+  intra = jnp.sum(own_sum) / jnp.sum(counts * (counts - 1.0))
+  return inter / intra
+
+
+@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
+def _silhouette(z, assign, *, num_clusters, block_size):
+  z = z.astype(jnp.float32)
+  onehot, counts, _ = _cluster_stats(z, assign, num_clusters)
+  dist_sums = _cluster_distance_sums(z, onehot, block_size)
+  return _silhouette_from(assign, onehot, counts, dist_sums)
+
+
+@functools.partial(jax.jit, static_argnames=('num_clusters',))
+def _compactness(z, assign, *, num_clusters):
+  z = z.astype(jnp.float32)
+  _, counts, centroids = _cluster_stats(z, assign, num_clusters)
+  return _compactness_from(z, assign, counts, centroids)
+
+
+@functools.partial(jax.jit, static_argnames=('num_clusters',))
+def _centroid_margin(z, assign, *, num_clusters):
+  z = z.astype(jnp.float32)
+  _, counts, centroids = _cluster_stats(z, assign, num_clusters)
+  return _centroid_margin_from(counts, centroids)
+
+
+@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
+def _inter_intra_ratio(z, assign, *, num_clusters, block_size):
+  z = z.astype(jnp.float32)
+  onehot, counts, centroids = _cluster_stats(z, assign, num_clusters)
+  dist_sums = _cluster_distance_sums(z, onehot, block_size)
+  return _inter_intra_ratio_from(assign, counts, centroids, dist_sums)
+
+
+@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
+def _all_cluster_metrics(z, assign, *, num_clusters, block_size):
+  """All four clustering metrics sharing one pairwise-distance pass."""
+  z = z.astype(jnp.float32)
+  onehot, counts, centroids = _cluster_stats(z, assign, num_clusters)
+  dist_sums = _cluster_distance_sums(z, onehot, block_size)
+  return {
+      'silhouette': _silhouette_from(assign, onehot, counts, dist_sums),
+      'compactness': _compactness_from(z, assign, counts, centroids),
+      'centroid_margin': _centroid_margin_from(counts, centroids),
+      'inter_intra_ratio': _inter_intra_ratio_from(assign, counts, centroids,
+                                                   dist_sums),
+  }
+
+
+@jax.jit
+def _view_distance(z1, z2):
+  diff = z1.astype(jnp.float32) - z2.astype(jnp.float32)
+  return jnp.mean(jnp.sqrt(jnp.sum(diff * diff, axis=-1)))
+
+
+@jax.jit
+def _view_cosine(z1, z2):
+  z1 = z1.astype(jnp.float32)
+  z2 = z2.astype(jnp.float32)
+  # The floor only matters for all-zero rows, whose cosine is then 0.
+  n1 = jnp.maximum(jnp.linalg.norm(z1, axis=-1), 1e-12)
+  n2 = jnp.maximum(jnp.linalg.norm(z2, axis=-1), 1e-12)
+  return jnp.mean(jnp.sum(z1 * z2, axis=-1) / (n1 * n2))
+
+
+@jax.jit
+def _pixel_l2(views, strong):
+  diff = (views.astype(jnp.float32) - strong.astype(jnp.float32)).reshape(
+      views.shape[0], -1)
+  return jnp.mean(jnp.sqrt(jnp.mean(diff * diff, axis=-1)))
+
+
+# ---------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------
+
+
+def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
+               block_size: int | None = DEFAULT_BLOCK_SIZE) -> jax.Array:
+  """Mean silhouette coefficient with Euclidean distances.
+
+  Matches `sklearn.metrics.silhouette_score(z, assign)`: singleton-cluster
+  points contribute 0 to the mean. Pairwise distances are formed block by
+  block (see the module docstring).
+
+  Args:
+    z: [n, d] l2-normalised embeddings, computed in float32.
+    assign: [n] integer cluster ids in [0, num_clusters).
+    num_clusters: number of cluster ids K >= 2 (static); unused ids are
+      empty clusters and are ignored.
+    block_size: rows of the [block_size, n] distance slab per step (static);
+      None forms the whole [n, n] matrix at once.
+
+  Returns:
+    [] float32 in [-1, 1]; NaN under tracing if fewer than two clusters are
+    non-empty.
+
+  Raises:
+    ValueError: on bad shapes or dtypes, num_clusters < 2, or (for concrete
+      `assign`) ids out of range or not 2 <= #non-empty clusters <= n - 1.
+  """
+  _check_clustering_inputs(z, assign, num_clusters, block_size)
+  return _silhouette(z, assign, num_clusters=num_clusters,
+                     block_size=block_size)
+
+
+def compactness(z: jax.Array, assign: jax.Array, *,
+                num_clusters: int) -> jax.Array:
+  """Mean squared distance to the cluster centroid, averaged over clusters.
+
+  Each non-empty cluster c contributes (1 / n_c) sum_{i in c} ||z_i - mu_c||^2
+  with equal weight; empty clusters are skipped.
+
+  Args:
+    z: [n, d] l2-normalised embeddings, computed in float32.
+    assign: [n] integer cluster ids in [0, num_clusters).
+    num_clusters: number of cluster ids K >= 2 (static).
+
+  Returns:
+    [] float32 >= 0 (squared distance units; lower is tighter).
+
+  Raises:
+    ValueError: as for `silhouette`.
+  """
+  _check_clustering_inputs(z, assign, num_clusters)
+  return _compactness(z, assign, num_clusters=num_clusters)
+
+
+def centroid_margin(z: jax.Array, assign: jax.Array, *,
+                    num_clusters: int) -> jax.Array:
+  """Mean distance from each centroid to the nearest other centroid.
+
+  Centroids are the Euclidean means of the cluster members (not projected
+  back to the sphere); the average runs over non-empty clusters, and only
+  non-empty clusters count as neighbours.
+
+  Args:
+    z: [n, d] l2-normalised embeddings, computed in float32.
+    assign: [n] integer cluster ids in [0, num_clusters).
+    num_clusters: number of cluster ids K >= 2 (static).
+
+  Returns:
+    [] float32 >= 0 (distance units; higher is better separated). NaN under
+    tracing if fewer than two clusters are non-empty.
+
+  Raises:
+    ValueError: as for `silhouette`.
+  """
+  _check_clustering_inputs(z, assign, num_clusters)
+  return _centroid_margin(z, assign, num_clusters=num_clusters)
+
+
+def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
+                      block_size: int | None = DEFAULT_BLOCK_SIZE
+                      ) -> jax.Array:
+  """Mean inter-centroid distance over mean within-cluster pairwise distance.
+
+  Numerator: mean of ||mu_c - mu_c'|| over unordered pairs of distinct
+  non-empty clusters. Denominator: mean of ||z_i - z_j|| over all pairs
+  i != j in the same cluster, pooled over clusters (each pair counts once,
+  whatever its cluster's size).
+
+  Args:
+    z: [n, d] l2-normalised embeddings, computed in float32.
+    assign: [n] integer cluster ids in [0, num_clusters).
+    num_clusters: number of cluster ids K >= 2 (static).
+    block_size: rows of the distance slab per step (static); None for all.
+
+  Returns:
+    [] float32 >= 0 (dimensionless; higher is better separated); inf if all
+    within-cluster distances are zero, NaN under tracing if it is undefined.
+
+  Raises:
+    ValueError: as for `silhouette`.
+  """
+  _check_clustering_inputs(z, assign, num_clusters, block_size)
+  return _inter_intra_ratio(z, assign, num_clusters=num_clusters,
+                            block_size=block_size)
+
+
+def view_distance(z1: jax.Array, z2: jax.Array) -> jax.Array:
+  """Mean Euclidean distance between paired embeddings.
+
+  No normalisation is applied: pass l2-normalised embeddings, for which the
+  result lies in [0, 2].
+
+  Args:
+    z1: [n, d] embeddings of the first views.
+    z2: [n, d] embeddings of the second views, row i paired with z1[i].
+
+  Returns:
+    [] float32, mean_i ||z1_i - z2_i||.
+  """
+  _check_paired({'z1': z1, 'z2': z2}, 2, '[n, d]')
+  return _view_distance(z1, z2)
+
+
+def view_cosine(z1: jax.Array, z2: jax.Array) -> jax.Array:
+  """Mean cosine similarity between paired embeddings.
+
+  Rows are normalised here, so raw projections work too; an all-zero row
+  has cosine 0.
+
+  Args:
+    z1: [n, d] embeddings of the first views.
+    z2: [n, d] embeddings of the second views, row i paired with z1[i].
+
+  Returns:
+    [] float32 in [-1, 1].
+  """
+  _check_paired({'z1': z1, 'z2': z2}, 2, '[n, d]')
+  return _view_cosine(z1, z2)
+
+
+def anchor_distance(z1: jax.Array, z2: jax.Array,
+                    z_anchor: jax.Array) -> jax.Array:
+  """Mean distance of both views to the embedding of the unaugmented source.
+
+  Defined as (mean_i ||z1_i - a_i|| + mean_i ||z2_i - a_i||) / 2, i.e. the mean
+  over all 2n (view, anchor) pairs. No normalisation is applied.
+
+  Args:
+    z1: [n, d] embeddings of the first views.
+    z2: [n, d] embeddings of the second views.
+    z_anchor: [n, d] embeddings of the unaugmented images the views came from.
+
+  Returns:
+    [] float32.
+  """
+  _check_paired({'z1': z1, 'z2': z2, 'z_anchor': z_anchor}, 2, '[n, d]')
+  return 0.5 * (_view_distance(z1, z_anchor) + _view_distance(z2, z_anchor))
+
+
+def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
+  """Mean per-image RMS pixel difference between a view and its strong endpoint.
+
+  Per image, the L2 norm of the flattened difference divided by
+  sqrt(H * W * C), i.e. the root-mean-square difference, so the value is in
+  the units of the pixels (in [0, 1] for images in [0, 1]) and does not grow
+  with resolution. The paper's 0.17-0.34 on 32 x 32 x 3 images fits this
+  scale; the plain L2 norm is this value times sqrt(H * W * C).
+
+  Args:
+    views: [n, H, W, C] views (e.g. OT-interpolated), values in [0, 1].
+    strong: [n, H, W, C] the strong augmentations they were made from.
+
+  Returns:
+    [] float32, mean over images.
+  """
+  _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
+  return _pixel_l2(views, strong)
+
+
+def cluster_metrics(z: np.ndarray, num_clusters: int,
+                    seed: int) -> dict[str, Any]:
+  """Runs K-means on embeddings and scores the clustering.
+
+  Uses `sklearn.cluster.KMeans(n_clusters=num_clusters, random_state=seed,
+  n_init=10)`, so the result is deterministic given `seed`.
+
+  Args:
+    z: [n, d] l2-normalised embeddings (NumPy or JAX), n > num_clusters.
+    num_clusters: K >= 2, normally the number of classes.
+    seed: K-means random state.
+
+  Returns:
+    Dict with float entries 'silhouette', 'compactness', 'centroid_margin',
+    'inter_intra_ratio' and 'assign', the int32 [n] K-means labels.
+
+  Raises:
+    ValueError: on bad shapes, num_clusters < 2 or num_clusters >= n.
+  """
+  _check_num_clusters(num_clusters)
+  _check_embeddings(z)
+  z = np.asarray(z, dtype=np.float32)
+  if num_clusters >= z.shape[0]:
+    raise ValueError(
+        f'num_clusters ({num_clusters}) must be smaller than the number of '
+        f'points ({z.shape[0]}).')
+  kmeans = sk_cluster.KMeans(
+      n_clusters=num_clusters, random_state=seed, n_init=10)
+  assign = kmeans.fit_predict(z).astype(np.int32)
+  if not 2 <= np.unique(assign).size <= z.shape[0] - 1:
+    raise ValueError(
+        'K-means found a degenerate clustering (e.g. too few distinct '
+        'points); the clustering metrics are undefined.')
+  values = _all_cluster_metrics(
+      z, assign, num_clusters=num_clusters, block_size=DEFAULT_BLOCK_SIZE)
+  result: dict[str, Any] = {k: float(v) for k, v in values.items()}
+  result['assign'] = assign
+  return result
