@@ -1,0 +1,58 @@
+"""The paper's pretraining hyperparameters (METHOD.md sections 1, 6 and 8).
+
+Every other config imports this one and overrides a few fields. Any field can
+be overridden on the command line, e.g. `--config.ot.epsilon=0.1`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.mode = 'train'  # 'train' pretrains; 'eval' probes the latest checkpoint.
+  config.seed = 0
+  config.method = 'otclr'  # 'otclr' or the 'simclr' baseline.
+
+  config.dataset = 'imagenet300'  # see otclr_jax/input_pipeline.py for names.
+  config.data_dir = ''  # '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
+  config.image_size = 32
+  config.batch_size = 256
+  config.num_epochs = 20
+  config.total_steps = 0  # > 0 overrides num_epochs.
+
+  config.log_every_steps = 50
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 3
+  config.dtype = 'float32'  # activations; 'bfloat16' for mixed precision.
+
+  config.model = ml_collections.ConfigDict()
+  config.model.stem = 'imagenet'  # 7x7/2 conv + max-pool, as in the paper.
+  config.model.proj_hidden_dim = 2048
+  config.model.proj_dim = 128
+
+  config.loss = ml_collections.ConfigDict()
+  config.loss.temperature = 0.5
+
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'sgd'  # or 'lars'.
+  # [decision] The paper gives no learning rate: SimCLR's linear scaling,
+  # lr = base_lr * batch_size / 256, linear warmup then cosine decay to 0.
+  config.optim.base_lr = 0.3
+  config.optim.momentum = 0.9
+  config.optim.weight_decay = 1e-4
+  config.optim.warmup_epochs = 2.0
+
+  config.ot = ml_collections.ConfigDict()
+  config.ot.grid_size = 16
+  config.ot.epsilon = 0.05
+  config.ot.num_iters = 20
+  config.ot.alpha = 0.5
+  config.ot.beta = 0.0
+  # Train alpha = sigmoid(logit), initialised at ot.alpha; only then does the
+  # Sinkhorn regulariser reach any parameter (METHOD.md section 6).
+  config.ot.learn_alpha = False
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.datasets = ('cifar10',)
+  config.eval.at_end = False
+  return config
