@@ -1,0 +1,439 @@
+"""Tests for otclr_jax.augment: single operations against NumPy / SciPy /
+colorsys references, the samplers' ranges and distributions, and the full
+pipeline's probabilities, determinism and contracts."""
+
+import colorsys
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import ndimage
+from scipy import stats
+
+from otclr_jax import augment
+
+LUMA = np.array([0.2989, 0.587, 0.114])
+
+# Every operation off and the crop fixed to the whole image: the pipeline is
+# then the identity, and one operation at a time can be switched on.
+ALL_OFF = dict(
+    crop_scale=(1.0, 1.0),
+    crop_ratio=(1.0, 1.0),
+    flip_prob=0.0,
+    jitter_prob=0.0,
+    grayscale_prob=0.0,
+    blur_prob=0.0,
+)
+
+
+def _images(n, h, w, seed=0):
+  """Random RGB images with distinct channels and no left-right symmetry."""
+  rng = np.random.default_rng(seed)
+  return rng.uniform(0.05, 0.95, size=(n, h, w, 3)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(**overrides):
+  return jax.jit(functools.partial(augment.simclr_augment, **overrides))
+
+
+def _augment(key, images, **overrides):
+  # lru_cache needs hashable arguments: tuples are, and so are the floats.
+  return np.asarray(_jitted(**overrides)(key, jnp.asarray(images)))
+
+
+def _changed(out, images):
+  return np.any(out != images, axis=(1, 2, 3))
+
+
+def _assert_frequency(hits, p, name):
+  """Binomial check: |freq - p| within 4.5 standard errors."""
+  n = hits.size
+  freq = hits.mean()
+  tol = 4.5 * math.sqrt(p * (1 - p) / n)
+  assert abs(freq - p) <= tol, f'{name}: frequency {freq:.4f}, expected {p} +- {tol:.4f}'
+
+
+# ---------------------------------------------------------------------------
+# NumPy references.
+
+
+def _np_luma(x):
+  return x[..., 0] * LUMA[0] + x[..., 1] * LUMA[1] + x[..., 2] * LUMA[2]
+
+
+def _np_brightness(x, f):
+  return np.clip(f * x, 0, 1)
+
+
+def _np_contrast(x, f):
+  return np.clip(f * x + (1 - f) * _np_luma(x).mean(), 0, 1)
+
+
+def _np_saturation(x, f):
+  return np.clip(f * x + (1 - f) * _np_luma(x)[..., None], 0, 1)
+
+
+def _np_hue(x, delta):
+  out = np.empty_like(x, dtype=np.float64)
+  for idx in np.ndindex(x.shape[:-1]):
+    h, s, v = colorsys.rgb_to_hsv(*x[idx].astype(np.float64))
+    out[idx] = colorsys.hsv_to_rgb((h + delta) % 1.0, s, v)
+  return out
+
+
+_NP_OPS = {
+    augment.BRIGHTNESS: _np_brightness,
+    augment.CONTRAST: _np_contrast,
+    augment.SATURATION: _np_saturation,
+    augment.HUE: _np_hue,
+}
+
+
+def _np_resized_crop(image, box):
+  """Bilinear resampling with scipy.ndimage (order 1, edge-clamped)."""
+  h, w = image.shape[:2]
+  top, left, bh, bw = [float(v) for v in box]
+  ys = top + (np.arange(h) + 0.5) * bh / h - 0.5
+  xs = left + (np.arange(w) + 0.5) * bw / w - 0.5
+  yy, xx = np.meshgrid(ys, xs, indexing='ij')
+  return np.stack([
+      ndimage.map_coordinates(image[..., c].astype(np.float64), [yy, xx],
+                              order=1, mode='nearest')
+      for c in range(image.shape[-1])
+  ], axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# Crop.
+
+
+# max_area: the largest box with ratio <= 4/3 that fits (24 x 32 in 24 x 40).
+@pytest.mark.parametrize('height,width,max_area', [(32, 32, 1.0),
+                                                   (24, 40, 0.8)])
+def test_crop_box_within_ranges(height, width, max_area):
+  keys = jax.random.split(jax.random.key(1), 4000)
+  boxes = np.asarray(jax.vmap(
+      lambda k: augment.sample_crop_box(k, height, width))(keys))
+  top, left, bh, bw = boxes.T
+  area = bh * bw / (height * width)
+  ratio = bw / bh
+  assert area.min() >= 0.08 * (1 - 1e-5)
+  assert area.max() <= max_area * (1 + 1e-5)
+  assert ratio.min() >= 0.75 * (1 - 1e-5)
+  assert ratio.max() <= (4 / 3) * (1 + 1e-5)
+  assert top.min() >= 0 and left.min() >= 0
+  assert (top + bh).max() <= height + 1e-4
+  assert (left + bw).max() <= width + 1e-4
+  # Both ends of the ranges are actually reached.
+  assert area.min() < 0.1 and area.max() > 0.95 * max_area
+  assert ratio.min() < 0.77 and ratio.max() > 1.3
+
+
+def test_crop_box_distribution():
+  # With scale <= 0.5 every draw fits on a square image, so no rejection:
+  # area fraction and log aspect ratio are uniform, offsets uniform in range.
+  n, side = 3000, 32
+  keys = jax.random.split(jax.random.key(2), n)
+  boxes = np.asarray(jax.vmap(lambda k: augment.sample_crop_box(
+      k, side, side, scale=(0.08, 0.5)))(keys)).astype(np.float64)
+  top, left, bh, bw = boxes.T
+  area = bh * bw / side**2
+  log_ratio = np.log(bw / bh)
+  lo, hi = math.log(3 / 4), math.log(4 / 3)
+  assert stats.kstest(area, stats.uniform(0.08, 0.42).cdf).pvalue > 1e-3
+  assert stats.kstest(log_ratio, stats.uniform(lo, hi - lo).cdf).pvalue > 1e-3
+  assert stats.kstest(top / (side - bh), 'uniform').pvalue > 1e-3
+  assert stats.kstest(left / (side - bw), 'uniform').pvalue > 1e-3
+
+
+@pytest.mark.parametrize('height,width,ratio,expected', [
+    # Square image, ratio range above 1: full width, height W / 1.2.
+    (32, 32, (1.2, 1.3), (32 / 1.2, 32.0)),
+    # Wide image, ratio range below its own: full height, width H * 4/3.
+    (12, 40, (0.75, 4 / 3), (12.0, 16.0)),
+])
+def test_crop_box_fallback_is_centred(height, width, ratio, expected):
+  # scale = 1 never fits with these ratios: every draw falls back.
+  keys = jax.random.split(jax.random.key(3), 16)
+  boxes = np.asarray(jax.vmap(lambda k: augment.sample_crop_box(
+      k, height, width, scale=(1.0, 1.0), ratio=ratio))(keys))
+  bh, bw = expected
+  want = np.array([(height - bh) / 2, (width - bw) / 2, bh, bw])
+  np.testing.assert_allclose(boxes, np.broadcast_to(want, boxes.shape),
+                             rtol=1e-6, atol=1e-5)
+
+
+def test_resized_crop_matches_scipy():
+  image = _images(1, 12, 16, seed=4)[0]
+  keys = jax.random.split(jax.random.key(4), 8)
+  for key in keys:
+    box = augment.sample_crop_box(key, 12, 16)
+    got = np.asarray(augment.resized_crop(jnp.asarray(image), box))
+    np.testing.assert_allclose(got, _np_resized_crop(image, np.asarray(box)),
+                               rtol=0, atol=2e-6)
+  # Sub-pixel box touching the border, where the edge clamp matters.
+  box = np.array([0.0, 11.3, 3.7, 4.7], np.float32)
+  got = np.asarray(augment.resized_crop(jnp.asarray(image), jnp.asarray(box)))
+  np.testing.assert_allclose(got, _np_resized_crop(image, box), atol=2e-6)
+
+
+def test_resized_crop_full_box_is_identity_and_flip_mirrors():
+  image = jnp.asarray(_images(1, 10, 14, seed=5)[0])
+  full = jnp.array([0.0, 0.0, 10.0, 14.0])
+  np.testing.assert_array_equal(augment.resized_crop(image, full), image)
+  np.testing.assert_array_equal(
+      augment.resized_crop(image, full, flip=True), image[:, ::-1])
+  box = jnp.array([1.5, 2.25, 6.0, 9.5])
+  np.testing.assert_allclose(
+      augment.resized_crop(image, box, flip=True),
+      augment.resized_crop(image, box)[:, ::-1], rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(augment.horizontal_flip(image),
+                                np.flip(np.asarray(image), axis=1))
+
+
+# ---------------------------------------------------------------------------
+# Colour.
+
+
+@pytest.mark.parametrize('factor', [0.0, 0.6, 1.3, 1.4])
+def test_blend_ops_match_closed_forms(factor):
+  x = _images(1, 6, 7, seed=6)[0]
+  xj = jnp.asarray(x)
+  np.testing.assert_allclose(augment.adjust_brightness(xj, factor),
+                             _np_brightness(x, factor), atol=1e-6)
+  np.testing.assert_allclose(augment.adjust_contrast(xj, factor),
+                             _np_contrast(x, factor), atol=1e-6)
+  np.testing.assert_allclose(augment.adjust_saturation(xj, factor),
+                             _np_saturation(x, factor), atol=1e-6)
+
+
+@pytest.mark.parametrize('delta', [0.1, -0.1, 0.037, 0.5, -0.5])
+def test_hue_matches_colorsys(delta):
+  x = _images(1, 6, 7, seed=7)[0]
+  # Include grey, saturated and boundary colours.
+  x[0, :5] = [[0.5, 0.5, 0.5], [1, 0, 0], [0, 1, 1], [0, 0, 0], [1, 1, 1]]
+  np.testing.assert_allclose(augment.adjust_hue(jnp.asarray(x), delta),
+                             _np_hue(x, delta), rtol=0, atol=1e-6)
+
+
+def test_zero_strength_is_identity():
+  x = jnp.asarray(_images(1, 8, 8, seed=8)[0])
+  np.testing.assert_array_equal(augment.adjust_brightness(x, 1.0), x)
+  np.testing.assert_array_equal(augment.adjust_contrast(x, 1.0), x)
+  np.testing.assert_array_equal(augment.adjust_saturation(x, 1.0), x)
+  np.testing.assert_array_equal(augment.adjust_hue(x, 0.0), x)
+  # Strength 0 samples exactly those identity factors.
+  factors, _ = augment.sample_jitter(jax.random.key(0), 0.0, 0.0, 0.0, 0.0)
+  np.testing.assert_array_equal(factors, augment.IDENTITY_FACTORS)
+  for seed in range(3):
+    out = augment.color_jitter(jax.random.key(seed), x, 0.0, 0.0, 0.0, 0.0)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_grayscale_equal_channels_and_luma():
+  x = _images(1, 5, 6, seed=9)[0]
+  g = np.asarray(augment.grayscale(jnp.asarray(x)))
+  np.testing.assert_array_equal(g[..., 0], g[..., 1])
+  np.testing.assert_array_equal(g[..., 0], g[..., 2])
+  np.testing.assert_allclose(g[..., 0], _np_luma(x), atol=1e-6)
+
+
+@pytest.mark.parametrize('order', [
+    (0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2), (2, 0, 3, 1), (0, 2, 1, 3),
+    (3, 0, 1, 2)])
+def test_apply_jitter_follows_order(order):
+  x = _images(1, 6, 6, seed=10)[0]
+  factors = np.array([1.35, 0.65, 1.3, -0.08], np.float32)
+  want = x.astype(np.float64)
+  for op in order:
+    want = _NP_OPS[op](want, factors[op])
+  got = augment.apply_jitter(jnp.asarray(x), jnp.asarray(factors),
+                             jnp.asarray(order, jnp.int32))
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+  np.testing.assert_array_equal(
+      augment.apply_jitter(jnp.asarray(x), jnp.array(augment.IDENTITY_FACTORS),
+                           jnp.asarray(order, jnp.int32)), x)
+
+
+def test_order_matters():
+  # Sanity check that the previous test can tell orders apart.
+  x = _images(1, 6, 6, seed=11)[0]
+  factors = jnp.array([1.4, 0.6, 1.4, 0.1])
+  a = augment.apply_jitter(jnp.asarray(x), factors, jnp.array([0, 1, 2, 3]))
+  b = augment.apply_jitter(jnp.asarray(x), factors, jnp.array([3, 2, 1, 0]))
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3
+
+
+def test_sample_jitter_ranges_and_uniform_order():
+  n = 4800
+  keys = jax.random.split(jax.random.key(12), n)
+  factors, orders = jax.vmap(augment.sample_jitter)(keys)
+  factors, orders = np.asarray(factors), np.asarray(orders)
+  for i in range(3):
+    assert factors[:, i].min() >= 0.6 and factors[:, i].max() <= 1.4
+    assert stats.kstest(factors[:, i], stats.uniform(0.6, 0.8).cdf).pvalue > 1e-3
+  assert stats.kstest(factors[:, 3], stats.uniform(-0.1, 0.2).cdf).pvalue > 1e-3
+  np.testing.assert_array_equal(np.sort(orders, axis=1),
+                                np.broadcast_to(np.arange(4), orders.shape))
+  perms = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
+  counts = np.bincount([perms[tuple(o)] for o in orders], minlength=24)
+  assert stats.chisquare(counts).pvalue > 1e-4, counts
+  _, fixed = jax.vmap(functools.partial(augment.sample_jitter,
+                                        random_order=False))(keys[:10])
+  np.testing.assert_array_equal(fixed, np.broadcast_to(np.arange(4), (10, 4)))
+
+
+# ---------------------------------------------------------------------------
+# Blur.
+
+
+def test_blur_kernel_size():
+  assert augment.blur_kernel_size(32) == 3
+  assert augment.blur_kernel_size(224) == 23
+  assert augment.blur_kernel_size(96) == 9
+  assert augment.blur_kernel_size(40) == 5
+  assert augment.blur_kernel_size(16) == 1
+
+
+@pytest.mark.parametrize('sigma,size', [(0.5, 3), (1.7, 5), (2.0, 9)])
+def test_gaussian_blur_matches_scipy(sigma, size):
+  x = _images(1, 11, 13, seed=13)[0]
+  taps = np.arange(size) - size // 2
+  w = np.exp(-taps**2 / (2 * sigma**2))
+  w /= w.sum()
+  np.testing.assert_allclose(augment.gaussian_kernel(sigma, size), w,
+                             rtol=1e-6)
+  # scipy's 'mirror' is reflection without repeating the edge pixel.
+  want = ndimage.correlate1d(x.astype(np.float64), w, axis=0, mode='mirror')
+  want = ndimage.correlate1d(want, w, axis=1, mode='mirror')
+  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, size),
+                             want, rtol=0, atol=1e-6)
+
+
+def test_blur_preserves_constant_image():
+  x = jnp.full((9, 12, 3), 0.37, jnp.float32)
+  for sigma in (0.1, 1.0, 2.0):
+    np.testing.assert_allclose(augment.gaussian_blur(x, sigma, 5), x,
+                               rtol=0, atol=1e-6)
+
+
+def test_blur_rejects_bad_kernel():
+  x = jnp.zeros((8, 8, 3))
+  with pytest.raises(ValueError, match='odd'):
+    augment.gaussian_blur(x, 1.0, 4)
+  with pytest.raises(ValueError, match='too large'):
+    augment.gaussian_blur(x, 1.0, 17)
+
+
+# ---------------------------------------------------------------------------
+# Full pipeline.
+
+
+def test_all_off_is_identity():
+  x = _images(16, 8, 8, seed=14)
+  np.testing.assert_array_equal(_augment(jax.random.key(0), x, **ALL_OFF), x)
+
+
+def test_flip_frequency():
+  x = _images(2000, 8, 8, seed=15)
+  out = _augment(jax.random.key(15), x, **{**ALL_OFF, 'flip_prob': 0.5})
+  flipped = np.all(out == x[:, :, ::-1], axis=(1, 2, 3))
+  kept = np.all(out == x, axis=(1, 2, 3))
+  assert np.all(flipped ^ kept)
+  _assert_frequency(flipped, 0.5, 'flip')
+
+
+def test_jitter_frequency():
+  x = _images(2000, 8, 8, seed=16)
+  out = _augment(jax.random.key(16), x, **{**ALL_OFF, 'jitter_prob': 0.8})
+  _assert_frequency(_changed(out, x), 0.8, 'jitter')
+
+
+def test_grayscale_frequency():
+  x = _images(2000, 8, 8, seed=17)
+  out = _augment(jax.random.key(17), x, **{**ALL_OFF, 'grayscale_prob': 0.2})
+  gray = np.all(out == out[..., :1], axis=(1, 2, 3))
+  np.testing.assert_array_equal(gray, _changed(out, x))
+  _assert_frequency(gray, 0.2, 'grayscale')
+  np.testing.assert_allclose(out[gray][..., 0], _np_luma(x[gray]), atol=1e-6)
+
+
+def test_blur_frequency():
+  # sigma >= 1 so that every blurred image differs visibly from its input
+  # (at sigma 0.1 the neighbour weights underflow to ~1e-22).
+  x = _images(1000, 16, 16, seed=18)
+  out = _augment(jax.random.key(18), x, **{
+      **ALL_OFF, 'blur_prob': 0.5, 'blur_sigma': (1.0, 2.0),
+      'blur_kernel_fraction': 0.2})
+  _assert_frequency(_changed(out, x), 0.5, 'blur')
+
+
+def test_determinism_shape_range():
+  x = _images(8, 32, 32, seed=19)
+  x[0] = 0.0
+  x[1] = 1.0
+  a = _augment(jax.random.key(7), x)
+  b = _augment(jax.random.key(7), x)
+  c = _augment(jax.random.key(8), x)
+  assert a.shape == x.shape and a.dtype == np.float32
+  np.testing.assert_array_equal(a, b)
+  # Rows 0 and 1 are constant images, which many draws leave unchanged.
+  assert np.all(np.abs(a - c)[2:].reshape(6, -1).max(axis=1) > 1e-3)
+  assert a.min() >= 0.0 and a.max() <= 1.0
+  # One independent key per example: identical inputs get different views.
+  same = np.repeat(x[2:3], 4, axis=0)
+  views = _augment(jax.random.key(9), same)
+  for i, j in itertools.combinations(range(4), 2):
+    assert np.abs(views[i] - views[j]).max() > 1e-3
+
+
+def test_vmap_matches_single_image_and_eager():
+  x = jnp.asarray(_images(3, 32, 32, seed=20))
+  key = jax.random.key(21)
+  batched = augment.simclr_augment(key, x)
+  keys = jax.random.split(key, 3)
+  single = jax.jit(augment.augment_image)
+  for i in range(3):
+    np.testing.assert_allclose(batched[i], single(keys[i], x[i]),
+                               rtol=0, atol=1e-5)
+  np.testing.assert_allclose(_augment(key, np.asarray(x)), batched,
+                             rtol=0, atol=1e-5)
+  # Raw uint32 keys work as well as typed keys.
+  raw = augment.simclr_augment(jax.random.PRNGKey(0), x)
+  assert raw.shape == x.shape
+
+
+def test_non_square_images():
+  x = _images(2, 20, 36, seed=22)
+  out = _augment(jax.random.key(22), x)
+  assert out.shape == x.shape and out.dtype == np.float32
+  assert out.min() >= 0.0 and out.max() <= 1.0
+  assert np.all(np.abs(out - x).reshape(2, -1).max(axis=1) > 1e-3)
+
+
+def test_input_validation():
+  x = jnp.zeros((2, 8, 8, 3))
+  with pytest.raises(ValueError, match=r'\[B, H, W, 3\]'):
+    augment.simclr_augment(jax.random.key(0), x[0])
+  with pytest.raises(ValueError, match=r'\[B, H, W, 3\]'):
+    augment.simclr_augment(jax.random.key(0), jnp.zeros((2, 8, 8, 1)))
+  with pytest.raises(ValueError, match='float'):
+    augment.simclr_augment(jax.random.key(0), jnp.zeros((2, 8, 8, 3),
+                                                        jnp.uint8))
+  with pytest.raises(ValueError, match=r'\[H, W, 3\]'):
+    augment.augment_image(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='float'):
+    augment.augment_image(jax.random.key(0), jnp.zeros((8, 8, 3), jnp.int32))
+  with pytest.raises(ValueError, match='flip_prob'):
+    augment.simclr_augment(jax.random.key(0), x, flip_prob=1.5)
+  with pytest.raises(ValueError, match='hue'):
+    augment.AugmentParams(hue=0.6)
+  with pytest.raises(ValueError, match='crop_scale'):
+    augment.AugmentParams(crop_scale=(0.0, 1.0))
+  with pytest.raises(TypeError):
+    augment.simclr_augment(jax.random.key(0), x, no_such_field=1.0)
