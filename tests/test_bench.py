@@ -1,0 +1,90 @@
+"""Smoke tests of `python -m otclr_jax.bench ot`: tiny sizes, no timings."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from otclr_jax import bench
+from otclr_jax import ot
+
+TINY = ['ot', '--batch_sizes', '2', '3', '--repeats', '1', '--image_size', '8',
+        '--grid_size', '4', '--num_iters', '3', '--min_time_s', '0']
+
+EXPECTED_ROWS = (
+    '(a) ott dense Geometry lse + dense splat',
+    '(b) POT loop + NumPy splat',
+    '(c) otclr_jax ot.ot_views',
+    '(d) measure (resize x, x_s)',
+    '(d) Sinkhorn (T iters)',
+    '(d) displacement splat',
+    '(d) reconstruct (upsample, clip)',
+    '(d) sum of stages',
+    'ott Grid kernel + factorised splat',
+    'ratio (a)/(c)',
+    'ratio (b)/(c)',
+    'ratio ott Grid/(c)',
+    '(c) ms per 64 images',
+)
+
+
+def _cells(out, label):
+  """The text after `label` on its (unique) table row."""
+  lines = [line.strip() for line in out.splitlines()
+           if line.strip().startswith(label)]
+  assert len(lines) == 1, (label, out)
+  return lines[0][len(label):]
+
+
+def test_ot_bench_prints_every_row(capsys):
+  assert bench.main(TINY) == 0
+  out = capsys.readouterr().out
+  header = [line for line in out.splitlines()
+            if 'B=2' in line and 'B=3' in line]
+  assert len(header) == 1, out
+  for label in EXPECTED_ROWS:
+    cells = re.findall(r'(\d+\.\d+)x?(?: \((\d+\.\d+)\))?',
+                       _cells(out, label))
+    assert len(cells) == 2, (label, cells)
+    assert all(float(median) > 0 for median, _ in cells)
+  for target in ('50x faster than (a)', '20x faster than (b)',
+                 '10 ms per 64 images'):
+    assert re.search(re.escape(target) + r': (MET|MISSED)', out), out
+  # The numerical check ran for both batch sizes and found like with like.
+  checks = re.findall(r'check B=\d+: .*', out)
+  assert len(checks) == 2
+  for line in checks:
+    diffs = dict(re.findall(r'\b(a|b|grid): ([\d.e+-]+)', line))
+    assert set(diffs) == {'a', 'b', 'grid'}, line
+    assert all(float(d) < 1e-5 for d in diffs.values()), line
+  assert 'MISMATCH' not in out
+
+
+def test_ot_bench_without_pot_skips_row_b(monkeypatch, capsys):
+  monkeypatch.setattr(bench, 'import_pot', lambda: None)
+  assert bench.main(TINY[:2] + ['1'] + TINY[4:]) == 0
+  out = capsys.readouterr().out
+  assert 'POT is not installed' in out
+  assert '(b) POT loop' not in out
+  assert '20x faster than (b): not measured' in out
+  assert re.search(r'\d+\.\d+', _cells(out, '(c) otclr_jax ot.ot_views'))
+
+
+def test_numpy_splat_tables_match_dense_displace():
+  m, alpha = 5, 0.3
+  rng = np.random.default_rng(0)
+  plan = rng.random((m * m, m * m))
+  index, weight = bench.numpy_splat_tables(m, alpha)
+  got = np.bincount(index.ravel(), (weight * plan).ravel(), minlength=m * m)
+  expected = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
+  np.testing.assert_allclose(got.reshape(m, m), expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weight.sum(0), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize('flag, value', [('--repeats', '0'),
+                                         ('--min_time_s', '-1'),
+                                         ('--grid_size', '9')])
+def test_ot_bench_rejects_bad_flags(flag, value):
+  with pytest.raises(ValueError, match=flag.lstrip('-')):
+    bench.main(TINY + [flag, value])
