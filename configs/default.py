@@ -54,5 +54,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()
   config.eval.datasets = ('cifar10',)
-  config.eval.at_end = False
+  config.eval.at_end = False  # evaluate right after pretraining.
+  config.eval.batch_size = 512  # images per feature-extraction batch.
+  config.eval.probe_steps = 500  # max L-BFGS iterations of the linear probe.
+  config.eval.num_view_images = 1000  # test images for the view metrics.
+  config.eval.views_dataset = ''  # '' = the first of eval.datasets.
   return config

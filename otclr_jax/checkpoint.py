@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+
+class _DropOrbaxInfo(logging.Filter):
+  """Drops Orbax's INFO chatter (dozens of lines per save), keeps warnings."""
+
+  def filter(self, record):
+    return (record.levelno >= logging.WARNING
+            or f'{os.sep}orbax{os.sep}' not in record.pathname)
+
+
+def quiet_logs() -> None:
+  """Silences Orbax below WARNING on absl's handler (call from entry points)."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
 class Checkpointer:
@@ -18,14 +33,25 @@ class Checkpointer:
   cleans up, so the latest complete checkpoint is always the one restored.
   """
 
-  def __init__(self, workdir: str, keep: int = 3):
+  def __init__(self, workdir: str, keep: int = 3, read_only: bool = False):
+    """Opens (or creates) `workdir/checkpoints`.
+
+    Args:
+      workdir: the run's directory.
+      keep: how many of the newest checkpoints to keep.
+      read_only: for readers such as evaluation: creates nothing and leaves
+        temporary directories alone, so a run still training there keeps its
+        in-flight save.
+    """
     if keep < 1:
       raise ValueError(f'keep_checkpoints must be >= 1, got {keep}.')
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self._read_only = read_only
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+            max_to_keep=None if read_only else keep, create=not read_only,
+            cleanup_tmp_directories=not read_only, read_only=read_only))
 
   def latest_step(self) -> int | None:
     """Step of the newest complete checkpoint, or None when there is none."""
@@ -36,6 +62,8 @@ class Checkpointer:
 
   def save(self, step: int, state: Any) -> None:
     """Saves `state` as checkpoint `step` (a no-op if that step exists)."""
+    if self._read_only:
+      raise RuntimeError(f'{self.directory} was opened read-only.')
     if step in self._manager.all_steps():
       return
     self._manager.save(step, args=ocp.args.StandardSave(state))

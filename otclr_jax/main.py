@@ -11,6 +11,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from otclr_jax import checkpoint
 from otclr_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -23,31 +24,23 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-class _QuietLibraries(logging.logging.Filter):
-  """Drops INFO chatter of Orbax (dozens of lines per save), keeps warnings."""
-
-  def filter(self, record):
-    return (record.levelno >= logging.logging.WARNING
-            or '/orbax/' not in record.pathname)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  checkpoint.quiet_logs()
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
   config = _CONFIG.value
-  if config.mode == 'train':
-    train.train_and_evaluate(config, _WORKDIR.value)
-  elif config.mode == 'eval':
-    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
-    evaluate.evaluate(config, _WORKDIR.value)
-  else:
+  if config.mode not in ('train', 'eval'):
     raise app.UsageError(f"config.mode must be 'train' or 'eval', got "
                          f'{config.mode!r}.')
+  if config.mode == 'train':
+    train.train_and_evaluate(config, _WORKDIR.value)
+  else:
+    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+    evaluate.evaluate(config, _WORKDIR.value)
 
 
 if __name__ == '__main__':

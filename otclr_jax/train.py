@@ -381,7 +381,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     mesh: device mesh with a 'data' axis; default all devices.
 
   Returns:
-    The final TrainState.
+    The final TrainState. When training completes and `config.eval.at_end` is
+    set, the run's checkpoint is then evaluated (otclr_jax.evaluate).
   """
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
@@ -464,4 +465,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     close = getattr(batches, 'close', None)
     if close is not None:
       close()
+  if step >= total and config.eval.at_end:
+    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+    evaluate.evaluate(config, workdir)
   return state
