@@ -1,0 +1,846 @@
+"""Evaluation of a pretrained run from its checkpoints (METHOD.md section 7).
+
+`python -m otclr_jax.evaluate --config=configs/X.py --workdir=DIR [--step=S]`
+(or `python -m otclr_jax.main ... --config.mode=eval`) restores a checkpoint of
+the run in DIR and, for every dataset in `config.eval.datasets`:
+
+1. Extracts frozen 512-d encoder features `h` (BatchNorm in inference mode, no
+   augmentation) of the train split and of the complete test split, with the
+   images resized to `config.image_size`, the pretraining resolution. Features
+   are cached in `DIR/eval/features/step<S>/<dataset key>_<split>.npz` (the
+   untrained encoder's in `DIR/eval/features/init/`) and reused by later calls.
+2. Linear probe: multinomial logistic regression on the standardised features
+   (mean and standard deviation of the rows it is fitted on), full-batch
+   L-BFGS (`optax.lbfgs`, zoom line search) for at most
+   `config.eval.probe_steps` iterations. The L2 strength is chosen from
+   `L2_GRID` by top-1 accuracy on a stratified 10% of the TRAIN split held out
+   with a fixed seed (ties: lower held-out cross-entropy); the probe is then
+   refitted on the whole train split.
+   The test split is read only for the final top-1 / top-5.
+3. Weighted kNN top-1 on l2-normalised features (InstDisc / solo-learn): the
+   `KNN_K` most cosine-similar train features vote with weight
+   `exp(sim / KNN_TEMPERATURE)`.
+4. The same probe and kNN on the untrained encoder (initialised from the run's
+   seed exactly as pretraining initialises it, BatchNorm statistics at their
+   initial values): the floor row `random_init`.
+5. K-means cluster metrics (`metrics.cluster_metrics`, K = number of classes)
+   of the l2-normalised test features, on at most `MAX_CLUSTER_POINTS` test
+   points drawn with a fixed seed.
+
+Then, on `config.eval.views_dataset` (default: the first eval dataset), view
+quality: for `config.eval.num_view_images` test images x (fixed seed) two
+SimCLR strong augmentations xs1, xs2 are drawn with a fixed key and turned into
+both generators' positive pairs, the SimCLR pair (xs1, xs2) and the OTCLR pair
+(ot_views(x, xs1), ot_views(x, xs2)) with the run's OT settings
+(`train.make_views`). Both pairs, and the clean anchors x, are embedded by the
+SAME restored encoder (l2-normalised h), so the two rows differ only in how the
+views were generated: this isolates view quality from representation quality.
+The key is a module constant, so runs of different methods see identical
+augmentations.
+
+Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
+of the contract in notes/CONTRACT.md, plus a `protocol` entry recording the
+settings above), `tables.md` and `tables.tex` (`otclr_jax.tables`); the probe
+table is printed to stdout.
+
+Config fields (`config.eval.<name>`, defaults in configs/default.py):
+batch_size (images per feature-extraction batch), probe_steps (maximum L-BFGS
+iterations), num_view_images, views_dataset ('' = first eval dataset).
+
+The checkpoint directory is opened read-only, so a run that is still training
+can be evaluated without disturbing its saves.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import time
+import uuid
+from typing import Any, Callable
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import optax
+import optax.tree_utils as otu
+
+from otclr_jax import checkpoint
+from otclr_jax import input_pipeline
+from otclr_jax import metrics
+from otclr_jax import tables
+from otclr_jax import train
+
+# L2 strengths lambda of the probe, loss = mean CE + lambda / 2 ||W||^2 on
+# standardised features (bias not penalised).
+L2_GRID = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+HOLDOUT_FRACTION = 0.1
+HOLDOUT_SEED = 0
+# Stop L-BFGS once the gradient norm is this small (an optimum for practical
+# purposes; without an L2 penalty on separable data it never is).
+PROBE_TOLERANCE = 1e-5
+KNN_K = 200
+KNN_TEMPERATURE = 0.07
+# Bound on the [rows, N_train] similarity slab of one kNN chunk.
+KNN_MAX_SLAB = 2**26
+MAX_CLUSTER_POINTS = 10_000
+CLUSTER_SEED = 0
+VIEWS_SEED = 0
+
+DEFAULT_PROBE_STEPS = 500
+
+_SPLITS = ('train', 'test')
+_LOG_EVERY_SECONDS = 30.0
+
+
+# ----------------------------------------------------------------------------
+# Small helpers.
+
+
+def check_dataset_name(name: Any) -> str:
+  """Returns `name` if `input_pipeline.load_split` knows it, else raises."""
+  if isinstance(name, str) and (
+      name == 'digits' or name in input_pipeline.TFDS_SPLITS or
+      (name.startswith(input_pipeline.FOLDER_PREFIX)
+       and len(name) > len(input_pipeline.FOLDER_PREFIX))):
+    return name
+  raise ValueError(
+      f'unknown evaluation dataset {name!r} in config.eval.datasets; expected '
+      f'one of {input_pipeline.known_datasets()}.')
+
+
+def dataset_key(name: str) -> str:
+  """A file-name-safe key for a dataset name.
+
+  Registered names are their own key; `folder:/a/b` becomes
+  `folder-b-<first 16 hex digits of sha256 of the absolute path>`, so two trees
+  with the same base name do not share a cache file.
+  """
+  name = check_dataset_name(name)
+  if not name.startswith(input_pipeline.FOLDER_PREFIX):
+    return name
+  root = os.path.abspath(os.path.expanduser(
+      name[len(input_pipeline.FOLDER_PREFIX):]))
+  base = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root)) or 'root'
+  return f'folder-{base}-{hashlib.sha256(root.encode()).hexdigest()[:16]}'
+
+
+def _finite_or_none(value: float) -> float | None:
+  # NaN / inf are not JSON; an undefined metric is written as null.
+  value = float(value)
+  return value if math.isfinite(value) else None
+
+
+def _json_safe(tree: Any) -> Any:
+  """Python scalars, non-finite floats as None (e.g. from a diverged run)."""
+  if isinstance(tree, dict):
+    return {k: _json_safe(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_json_safe(v) for v in tree]
+  if isinstance(tree, (bool, str)) or tree is None:
+    return tree
+  if isinstance(tree, (int, np.integer)):
+    return int(tree)
+  return _finite_or_none(tree)
+
+
+_CLUSTER_KEYS = ('silhouette', 'compactness', 'centroid_margin',
+                 'inter_intra_ratio')
+
+
+def _safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
+  """metrics.cluster_metrics, or None values where they are undefined.
+
+  A collapsed encoder (all embeddings nearly equal) gives a degenerate
+  K-means clustering; that is a result to report, not a reason to lose the
+  whole evaluation.
+  """
+  if len(z) <= num_classes:
+    logging.warning('Cluster metrics need more than K = %d points, got %d.',
+                    num_classes, len(z))
+    return dict.fromkeys(_CLUSTER_KEYS)
+  try:
+    result = metrics.cluster_metrics(z, num_classes, CLUSTER_SEED)
+  except ValueError as e:
+    logging.warning('Cluster metrics undefined: %s', e)
+    return dict.fromkeys(_CLUSTER_KEYS)
+  return {k: _finite_or_none(result[k]) for k in _CLUSTER_KEYS}
+
+
+def _hardware() -> str:
+  devices = jax.devices()
+  return (f'{len(devices)} x {devices[0].device_kind} '
+          f'({devices[0].platform}, {jax.process_count()} process(es))')
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+  # A crash mid-write must never leave a truncated cache or results file.
+  root, ext = os.path.splitext(path)
+  tmp = f'{root}.tmp-{uuid.uuid4().hex}{ext}'
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  """Pads [n, ...] to [rows, ...] by repeating the last row (a valid input)."""
+  if len(x) == rows:
+    return x
+  return np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)])
+
+
+# ----------------------------------------------------------------------------
+# Feature extraction.
+
+
+class Encoder:
+  """The frozen encoder: features of uint8 images, BatchNorm in inference mode.
+
+  Call it as `encoder(variables, images)` with the network variables
+  {'params', 'batch_stats'} and uint8 images [B, S, S, 3], B divisible by
+  `num_devices`; it returns float32 features [B, 512] as a host array. The
+  batch is split over the devices of `mesh` (default: all local devices).
+  """
+
+  def __init__(self, model, mesh=None):
+    mesh = train.make_mesh(jax.local_devices()) if mesh is None else mesh
+    self.num_devices = mesh.size
+    self._data = NamedSharding(mesh, P('data'))
+    self._replicated = NamedSharding(mesh, P())
+
+    @jax.jit
+    def apply(variables, images):
+      h, _ = model.apply(variables, images.astype(jnp.float32) / 255.0,
+                         train=False)
+      return h
+
+    self._apply = apply
+
+  def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
+    variables = jax.device_put(variables, self._replicated)
+    return np.asarray(jax.device_get(
+        self._apply(variables, jax.device_put(images, self._data))))
+
+
+def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
+                     batch_size: int, what: str = 'features') -> np.ndarray:
+  """Encoder features of every image, in order.
+
+  Every batch, the last one padded, has the same shape, so the encoder is
+  compiled once.
+
+  Args:
+    encoder: the frozen encoder.
+    variables: network variables.
+    images: uint8 [N, S, S, 3].
+    batch_size: images per call; rounded up to a multiple of the devices.
+    what: name used in the progress log.
+
+  Returns:
+    float32 [N, 512].
+  """
+  num = len(images)
+  if num == 0:
+    raise ValueError(f'{what}: no images.')
+  devices = encoder.num_devices
+  batch_size = -(-min(batch_size, num) // devices) * devices
+  parts = []
+  start = last_log = time.perf_counter()
+  done = 0
+  for batch in input_pipeline.eval_batches(images, batch_size):
+    parts.append(encoder(variables, _pad_rows(batch, batch_size))[:len(batch)])
+    done += len(batch)
+    now = time.perf_counter()
+    if now - last_log > _LOG_EVERY_SECONDS or done == num:
+      last_log = now
+      logging.info('%s: %d/%d images (%.0f img/s)', what, done, num,
+                   done / max(now - start, 1e-9))
+  return np.concatenate(parts).astype(np.float32)
+
+
+def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
+  return os.path.join(workdir, 'eval', 'features', tag,
+                      f'{dataset_key(name)}_{split}.npz')
+
+
+def _load_cached(path: str, name: str, image_size: int):
+  if not os.path.exists(path):
+    return None
+  with np.load(path, allow_pickle=False) as f:
+    if str(f['dataset']) != name or int(f['image_size']) != image_size:
+      logging.warning('Ignoring feature cache %s: made for %s at %d px.', path,
+                      f['dataset'], int(f['image_size']))
+      return None
+    return f['features'], f['labels'], int(f['num_classes'])
+
+
+def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
+                 labels: np.ndarray, num_classes: int) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  _atomic_write(path, lambda tmp: np.savez(
+      tmp, features=features, labels=labels, num_classes=num_classes,
+      image_size=image_size, dataset=name))
+
+
+def dataset_features(config: ml_collections.ConfigDict, workdir: str,
+                     name: str, encoder: Encoder, variables: dict[str, Any]):
+  """Features of the train and test splits of one dataset for each encoder.
+
+  Args:
+    config: the run's config (image_size, data_dir, eval.batch_size).
+    workdir: the run's directory (feature cache under eval/features/).
+    name: dataset name.
+    encoder: the frozen encoder.
+    variables: {cache tag: network variables}, e.g. {'step100': ...,
+      'init': ...}.
+
+  Returns:
+    `{tag: {split: (features float32 [N, 512], labels int32 [N])}}` and the
+    number of classes.
+  """
+  out = {tag: {} for tag in variables}
+  num_classes = None
+  for split in _SPLITS:
+    data = None
+    for tag, tag_variables in variables.items():
+      path = _cache_path(workdir, tag, name, split)
+      cached = _load_cached(path, name, config.image_size)
+      if cached is None:
+        if data is None:
+          data = input_pipeline.load_split(name, split, config.image_size,
+                                           config.data_dir or None)
+        feats = extract_features(encoder, tag_variables, data.images,
+                                 config.eval.batch_size,
+                                 what=f'{tag} features {name}/{split}')
+        cached = (feats, data.labels.astype(np.int32), data.num_classes)
+        _save_cached(path, name, config.image_size, *cached)
+      else:
+        logging.info('Using cached features %s', path)
+      out[tag][split] = cached[:2]
+      num_classes = cached[2]
+  return out, num_classes
+
+
+# ----------------------------------------------------------------------------
+# Linear probe.
+
+
+def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
+                       seed: int = HOLDOUT_SEED) -> np.ndarray:
+  """Marks a stratified random `fraction` of the examples as held out.
+
+  In each class of c examples, round(fraction * c) of them, at least 1 and at
+  most c - 1 (none for a single example), chosen by one
+  `np.random.default_rng(seed)` visiting the classes in increasing order.
+
+  Args:
+    labels: int [N].
+    fraction: share held out, in (0, 1).
+    seed: fixed seed; the same labels always give the same split.
+
+  Returns:
+    bool [N], True for held-out examples.
+  """
+  if not 0.0 < fraction < 1.0:
+    raise ValueError(f'fraction must lie in (0, 1), got {fraction}.')
+  labels = np.asarray(labels)
+  rng = np.random.default_rng(seed)
+  held = np.zeros(len(labels), bool)
+  for label in np.unique(labels):
+    members = np.flatnonzero(labels == label)
+    count = len(members)
+    n_held = 0 if count < 2 else min(max(round(fraction * count), 1),
+                                     count - 1)
+    held[rng.permutation(members)[:n_held]] = True
+  return held
+
+
+def _standardiser(x: np.ndarray):
+  mean = x.mean(axis=0, dtype=np.float64)
+  std = x.std(axis=0, dtype=np.float64)
+  # A constant feature (e.g. a dead ReLU channel) is centred, not scaled.
+  std = np.where(std > 0, std, 1.0)
+  return lambda y: ((y - mean) / std).astype(np.float32)
+
+
+def _matmul(a, b):
+  # Full float32 products: TF32 noise would perturb the line search and the
+  # kNN ranking differently on different accelerators.
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnames=('num_classes', 'max_steps'))
+def _fit_probe(x, y, weights, l2, *, num_classes, max_steps):
+  """Weighted softmax regression by L-BFGS; returns ({'w', 'b'}, steps)."""
+  params = {'w': jnp.zeros((x.shape[1], num_classes), jnp.float32),
+            'b': jnp.zeros((num_classes,), jnp.float32)}
+  total = jnp.sum(weights)
+
+  def loss(p):
+    logits = _matmul(x, p['w']) + p['b']
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(weights * ce) / total + 0.5 * l2 * jnp.sum(p['w']**2)
+
+  opt = optax.lbfgs()
+  value_and_grad = optax.value_and_grad_from_state(loss)
+
+  def step(carry):
+    p, state = carry
+    value, grad = value_and_grad(p, state=state)
+    updates, state = opt.update(grad, state, p, value=value, grad=grad,
+                                value_fn=loss)
+    return optax.apply_updates(p, updates), state
+
+  def keep_going(carry):
+    _, state = carry
+    count = otu.tree_get(state, 'count')
+    grad_norm = otu.tree_norm(otu.tree_get(state, 'grad'))
+    return (count == 0) | ((count < max_steps) & (grad_norm >= PROBE_TOLERANCE))
+
+  params, state = jax.lax.while_loop(keep_going, step,
+                                     (params, opt.init(params)))
+  return params, otu.tree_get(state, 'count')
+
+
+@jax.jit
+def _scores(params, x, y):
+  """Top-1 hits, top-5 hits and cross-entropy per example."""
+  logits = _matmul(x, params['w']) + params['b']
+  label_logit = jnp.take_along_axis(logits, y[:, None], axis=1)
+  # Rank = number of classes scoring strictly higher than the label; with
+  # fewer than 5 classes every rank is < 5, so top-5 is 100%.
+  rank = jnp.sum(logits > label_logit, axis=1)
+  top1 = jnp.argmax(logits, axis=1) == y
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  return top1, rank < 5, ce
+
+
+def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
+                 test_y: np.ndarray, num_classes: int, *,
+                 l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
+                 holdout_fraction: float = HOLDOUT_FRACTION,
+                 holdout_seed: int = HOLDOUT_SEED) -> dict[str, Any]:
+  """Linear probe with the L2 strength chosen on held-out training data.
+
+  For each lambda in `l2_grid`, a probe is fitted on 90% of the train split
+  (standardised with that part's statistics) and scored on the held-out,
+  stratified 10%; the best lambda (top-1, then lower cross-entropy, then the
+  first in the grid) is refitted on the whole train split, standardised with
+  the train statistics, and scored on the test split. `test_x` and `test_y`
+  are not touched before that last step.
+
+  Args:
+    train_x: float [N, D] features.
+    train_y: int [N] labels in [0, num_classes).
+    test_x: float [M, D].
+    test_y: int [M].
+    num_classes: C >= 2.
+    l2_grid: candidate lambdas >= 0.
+    max_steps: maximum L-BFGS iterations per fit.
+    holdout_fraction: share of each class held out for the selection.
+    holdout_seed: seed of the held-out split.
+
+  Returns:
+    {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
+    lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
+    'num_test'}.
+  """
+  train_x = np.asarray(train_x, np.float32)
+  test_x = np.asarray(test_x, np.float32)
+  train_y = np.asarray(train_y, np.int32)
+  test_y = np.asarray(test_y, np.int32)
+  if (train_x.ndim != 2 or test_x.ndim != 2
+      or train_x.shape[1] != test_x.shape[1]):
+    raise ValueError(f'features must be [N, D] and [M, D], got {train_x.shape} '
+                     f'and {test_x.shape}.')
+  if len(train_y) != len(train_x) or len(test_y) != len(test_x):
+    raise ValueError('each feature row needs one label.')
+  if num_classes < 2:
+    raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
+  for labels, split in ((train_y, 'train'), (test_y, 'test')):
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+      raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
+                       'unlabelled examples (-1) cannot be probed.')
+  if not l2_grid or min(l2_grid) < 0:
+    raise ValueError(f'l2_grid must be non-empty and >= 0, got {l2_grid}.')
+  fit = functools.partial(_fit_probe, num_classes=num_classes,
+                          max_steps=max_steps)
+
+  held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
+  scale = _standardiser(train_x[~held])
+  x = jnp.asarray(scale(train_x))
+  y = jnp.asarray(train_y)
+  weights = jnp.asarray(~held, jnp.float32)
+  candidates = []
+  for l2 in l2_grid:
+    params, steps = fit(x, y, weights, jnp.float32(l2))
+    top1, _, ce = jax.device_get(_scores(params, x, y))
+    val_top1, val_ce = float(np.mean(top1[held])), float(np.mean(ce[held]))
+    logging.info('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
+                 'L-BFGS steps)', l2, 100 * val_top1, val_ce, int(steps))
+    # A diverged fit (non-finite loss) ranks below every finite one.
+    candidates.append((-val_top1, val_ce if math.isfinite(val_ce) else math.inf,
+                       len(candidates), float(l2)))
+  neg_val_top1, _, _, best = min(candidates)
+
+  scale = _standardiser(train_x)
+  params, _ = fit(jnp.asarray(scale(train_x)), y,
+                  jnp.ones(len(train_y), jnp.float32), jnp.float32(best))
+  top1, top5, _ = jax.device_get(
+      _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
+  return {'top1': 100.0 * float(np.mean(top1)),
+          'top5': 100.0 * float(np.mean(top5)),
+          'weight_decay': best, 'val_top1': -100.0 * neg_val_top1,
+          'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
+
+
+# ----------------------------------------------------------------------------
+# kNN.
+
+
+def _l2_normalise(x):
+  x = np.asarray(x, np.float32)
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+@functools.partial(jax.jit, static_argnames=('k', 'num_classes'))
+def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
+                 num_classes):
+  def chunk(rows):
+    sim, idx = jax.lax.top_k(_matmul(rows, train_z.T), k)
+    weights = jnp.exp(sim / temperature)
+    votes = jax.vmap(lambda l, w: jnp.zeros(num_classes).at[l].add(w))(
+        train_y[idx], weights)
+    return jnp.argmax(votes, axis=1)
+  return jax.lax.map(chunk, test_chunks)
+
+
+def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
+             test_y: np.ndarray, num_classes: int, *, k: int = KNN_K,
+             temperature: float = KNN_TEMPERATURE) -> float:
+  """Weighted kNN accuracy (InstDisc, Wu et al. 2018; solo-learn's default).
+
+  Features are l2-normalised; each test row takes its k most cosine-similar
+  train rows (all of them when fewer than k), which vote for their labels
+  with weight exp(similarity / temperature); the prediction is the class with
+  the largest total (ties: smallest class index). Test rows are processed in
+  chunks so that only a [chunk, N_train] similarity slab exists at a time.
+
+  Args:
+    train_x: float [N, D].
+    train_y: int [N] in [0, num_classes).
+    test_x: float [M, D].
+    test_y: int [M].
+    num_classes: C.
+    k: neighbours.
+    temperature: > 0.
+
+  Returns:
+    Top-1 accuracy on the test rows, percent.
+  """
+  if k < 1 or temperature <= 0:
+    raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '
+                     f'{temperature}.')
+  train_z, test_z = _l2_normalise(train_x), _l2_normalise(test_x)
+  num_test = len(test_z)
+  if num_test == 0 or len(train_z) == 0:
+    raise ValueError('kNN needs at least one train and one test row.')
+  rows = int(max(1, min(256, KNN_MAX_SLAB // len(train_z), num_test)))
+  num_chunks = -(-num_test // rows)
+  chunks = _pad_rows(test_z, num_chunks * rows).reshape(num_chunks, rows, -1)
+  pred = _knn_predict(jnp.asarray(train_z), jnp.asarray(train_y, jnp.int32),
+                      jnp.asarray(chunks), jnp.float32(temperature),
+                      k=min(k, len(train_z)), num_classes=num_classes)
+  pred = np.asarray(pred).reshape(-1)[:num_test]
+  return 100.0 * float(np.mean(pred == np.asarray(test_y)))
+
+
+# ----------------------------------------------------------------------------
+# Clusters and views.
+
+
+def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
+                         max_points: int = MAX_CLUSTER_POINTS,
+                         seed: int = CLUSTER_SEED) -> dict[str, Any]:
+  """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
+
+  More than `max_points` rows are subsampled without replacement by
+  `np.random.default_rng(seed)` (silhouette needs all pairwise distances).
+
+  Returns:
+    The four metrics (None where undefined) and 'num_points'.
+  """
+  z = _l2_normalise(test_x)
+  if len(z) > max_points:
+    keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points,
+                                                      replace=False))
+    logging.info('Cluster metrics on %d of %d test points (seed %d).',
+                 max_points, len(z), seed)
+    z = z[keep]
+  out = _safe_cluster_metrics(z, num_classes)
+  out['num_points'] = int(len(z))
+  return out
+
+
+def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
+                 images: np.ndarray, num_classes: int, *, num_images: int,
+                 batch_size: int, seed: int = VIEWS_SEED) -> dict[str, Any]:
+  """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
+
+  `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
+  strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
+  (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
+  run's `config.ot` settings and alpha (learnt alpha if any). The encoder
+  of `state` embeds both pairs and the clean images (l2-normalised h).
+
+  Args:
+    config: the run's config.
+    model: the run's network.
+    state: the restored TrainState.
+    images: uint8 [N, S, S, 3] test images.
+    num_classes: K for the cluster metrics of the view embeddings.
+    num_images: n, at most N.
+    batch_size: images per device call.
+    seed: selection and augmentation seed.
+
+  Returns:
+    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
+    anchor_distance, pixel_l2 and the four cluster metrics of the 2n view
+    embeddings [z1; z2] (K-means with K = num_classes).
+  """
+  n = min(num_images, len(images))
+  chosen = np.sort(np.random.default_rng(seed).choice(len(images), n,
+                                                      replace=False))
+  images = images[chosen]
+  both = config.copy_and_resolve_references()
+  both.method = 'otclr'  # make_views then returns the OT and the strong pairs.
+  variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+
+  @jax.jit
+  def batch_views(params, variables, batch, key):
+    x = batch.astype(jnp.float32) / 255.0
+    o1, o2, s1, s2 = train.make_views(both, params, x, key)
+    h, _ = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
+                       train=False)
+    z = h / jnp.maximum(jnp.linalg.norm(h, axis=1, keepdims=True), 1e-12)
+    return jnp.split(z, 5), (o1, o2, s1, s2)
+
+  batch_size = min(batch_size, n)
+  key = jax.random.key(seed)
+  parts, pixel_sum = [], 0.0
+  for index, batch in enumerate(input_pipeline.eval_batches(images,
+                                                            batch_size)):
+    real = len(batch)
+    zs, (o1, o2, s1, s2) = batch_views(state.params, variables,
+                                       _pad_rows(batch, batch_size),
+                                       jax.random.fold_in(key, index))
+    parts.append([np.asarray(z)[:real] for z in zs])
+    pixel_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
+                                    metrics.pixel_l2(o2[:real], s2[:real]))
+  za, zs1, zs2, zo1, zo2 = (np.concatenate(p) for p in zip(*parts))
+
+  out = {}
+  for generator, z1, z2, pix in (('simclr', zs1, zs2, 0.0),
+                                 ('otclr', zo1, zo2, pixel_sum / n)):
+    row = {'view_distance': float(metrics.view_distance(z1, z2)),
+           'view_cosine': float(metrics.view_cosine(z1, z2)),
+           'anchor_distance': float(metrics.anchor_distance(z1, z2, za)),
+           # The SimCLR views are their strong endpoints: exactly 0.
+           'pixel_l2': pix}
+    row.update(_safe_cluster_metrics(np.concatenate([z1, z2]), num_classes))
+    out[generator] = row
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Entry point.
+
+
+def _restore(config: ml_collections.ConfigDict, workdir: str,
+             step: int | None):
+  """The run's restored state, its untrained initial state, and the step."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  how = ('pretrain first, e.g. `python -m otclr_jax.main '
+         '--config=configs/<config>.py --workdir=' + workdir + '`')
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'No checkpoints in {workdir} ({directory} does '
+                            f'not exist); {how}.')
+  ckpt = checkpoint.Checkpointer(workdir, read_only=True)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
+    if step is None:
+      step = ckpt.latest_step()
+    elif step not in steps:
+      raise ValueError(f'No checkpoint for step {step} in {directory}; '
+                       f'available steps: {sorted(steps)}.')
+    model = train.create_model(config)
+    # Only the optimiser state's structure matters for the restore; the
+    # schedule's values do not enter it.
+    tx = train.create_optimizer(
+        config, train.learning_rate_schedule(config, 1, 1))
+    init_key, _ = jax.random.split(jax.random.key(config.seed))
+    initial = jax.jit(functools.partial(train.init_state, config, model, tx))(
+        init_key)
+    state = ckpt.restore(initial, step)
+  finally:
+    ckpt.close()
+  return model, state, initial, int(step), os.path.join(directory, str(step))
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str,
+             step: int | None = None) -> dict[str, Any]:
+  """Evaluates a checkpoint of the run in `workdir` (see the module docstring).
+
+  Args:
+    config: the run's config; `config.eval.datasets` lists the probe datasets.
+    workdir: the run's directory, holding checkpoints/.
+    step: checkpoint step; None for the latest.
+
+  Returns:
+    The results dict, also written to `workdir/eval/results.json`.
+
+  Raises:
+    FileNotFoundError: `workdir` holds no checkpoint.
+    ValueError: an unknown dataset, a missing step, or a bad config.
+  """
+  train.validate_config(config)
+  datasets = tuple(config.eval.datasets)
+  if not datasets:
+    raise ValueError('config.eval.datasets is empty; name at least one '
+                     'dataset, e.g. --config.eval.datasets=cifar10,')
+  if len(set(datasets)) != len(datasets):
+    raise ValueError(f'config.eval.datasets repeats a name: {datasets}.')
+  for name in datasets:
+    check_dataset_name(name)
+  views_dataset = config.eval.views_dataset or datasets[0]
+  check_dataset_name(views_dataset)
+  batch_size = int(config.eval.batch_size)
+  probe_steps = int(config.eval.probe_steps)
+  num_view_images = int(config.eval.num_view_images)
+  if min(batch_size, probe_steps, num_view_images) < 1:
+    raise ValueError('config.eval.batch_size, probe_steps and num_view_images '
+                     'must be >= 1.')
+
+  start = time.perf_counter()
+  model, state, initial, step, ckpt_path = _restore(config, workdir, step)
+  logging.info('Evaluating %s (step %d) on %s', ckpt_path, step,
+               ', '.join(datasets))
+  trained_vars = {'params': state.params['net'],
+                  'batch_stats': state.batch_stats}
+  init_vars = {'params': initial.params['net'],
+               'batch_stats': initial.batch_stats}
+  variables = {f'step{step}': trained_vars, 'init': init_vars}
+  encoder = Encoder(model)
+
+  results: dict[str, Any] = {
+      'step': step, 'checkpoint': ckpt_path, 'method': config.method,
+      'seed': int(config.seed), 'batch_size': int(config.batch_size),
+      'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
+      'hardware': _hardware(), 'linear': {}, 'random_init': {},
+      'clusters': {}, 'views': {},
+  }
+  for name in datasets:
+    feats, num_classes = dataset_features(config, workdir, name, encoder,
+                                          variables)
+    for tag, section in ((f'step{step}', 'linear'), ('init', 'random_init')):
+      (tr_x, tr_y), (te_x, te_y) = feats[tag]['train'], feats[tag]['test']
+      t0 = time.perf_counter()
+      row = linear_probe(tr_x, tr_y, te_x, te_y, num_classes,
+                         max_steps=probe_steps)
+      row['knn_top1'] = knn_top1(tr_x, tr_y, te_x, te_y, num_classes)
+      results[section][name] = row
+      logging.info('%s %s: probe top-1 %.2f%% top-5 %.2f%% (lambda %g), kNN '
+                   'top-1 %.2f%% [%.1f s]', section, name, row['top1'],
+                   row['top5'], row['weight_decay'], row['knn_top1'],
+                   time.perf_counter() - t0)
+    results['clusters'][name] = feature_cluster_metrics(
+        feats[f'step{step}']['test'][0], num_classes)
+
+  test = input_pipeline.load_split(views_dataset, 'test', config.image_size,
+                                   config.data_dir or None)
+  num_view_images = min(num_view_images, len(test.images))
+  results['views'] = view_metrics(
+      config, model, state, test.images, test.num_classes,
+      num_images=num_view_images, batch_size=batch_size)
+  results['protocol'] = {
+      'probe': 'softmax regression on standardised features, full-batch '
+               'L-BFGS (optax.lbfgs)',
+      'probe_max_steps': probe_steps, 'l2_grid': list(L2_GRID),
+      'holdout_fraction': HOLDOUT_FRACTION, 'holdout_seed': HOLDOUT_SEED,
+      'knn_k': KNN_K, 'knn_temperature': KNN_TEMPERATURE,
+      'cluster_seed': CLUSTER_SEED, 'views_dataset': views_dataset,
+      'views_num_images': num_view_images, 'views_seed': VIEWS_SEED,
+      'alpha': float(train.current_alpha(config, state.params)),
+      'seconds': time.perf_counter() - start,
+  }
+  results = _json_safe(results)
+  write_results(results, workdir)
+  print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
+  logging.info('Evaluation of step %d done in %.1f s; results in %s', step,
+               time.perf_counter() - start, os.path.join(workdir, 'eval'))
+  return results
+
+
+def write_results(results: dict[str, Any], workdir: str) -> None:
+  """Writes results.json, results_step<S>.json, tables.md and tables.tex."""
+  out_dir = os.path.join(workdir, 'eval')
+  os.makedirs(out_dir, exist_ok=True)
+  text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
+  for name in ('results.json', f'results_step{results["step"]}.json'):
+    path = os.path.join(out_dir, name)
+    _atomic_write(path, lambda tmp: _write_text(tmp, text))
+  for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
+    report = tables.render_report([results], fmt=fmt)
+    _atomic_write(os.path.join(out_dir, f'tables.{ext}'),
+                  lambda tmp, r=report: _write_text(tmp, r))
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path, 'w') as f:
+    f.write(text)
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+
+
+def _main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  checkpoint.quiet_logs()
+  logging.info('JAX devices: %s', jax.devices())
+  evaluate(flags.FLAGS.config, flags.FLAGS.workdir, flags.FLAGS.step)
+
+
+def run() -> None:
+  """`python -m otclr_jax.evaluate --config=... --workdir=DIR [--step=S]`."""
+  # Defined here, not at import, so that main.py (which defines its own
+  # --config and --workdir) can import this module.
+  config_flags.DEFINE_config_file(
+      'config', None, "The run's training configuration file.",
+      lock_config=True)
+  flags.DEFINE_string('workdir', None, "The run's directory (holding "
+                      'checkpoints/).')
+  flags.DEFINE_integer('step', None, 'Checkpoint step to evaluate; default '
+                       'the latest.')
+  flags.mark_flags_as_required(['config', 'workdir'])
+  app.run(_main)
+
+
+if __name__ == '__main__':
+  run()

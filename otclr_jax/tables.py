@@ -1,0 +1,587 @@
+"""Markdown and LaTeX tables from evaluation results, in the paper's layouts.
+
+Pure Python (no JAX). Every function takes a list of results dicts as written
+by `otclr_jax.evaluate` (`<workdir>/eval/results.json`, one per run) and
+returns a string; `fmt` is 'markdown' or 'latex'.
+
+Runs sharing (pretrain_dataset, batch_size, method) are one row: each number is
+the mean over the runs (usually seeds) and, with n > 1 runs, the sample
+standard deviation (ddof = 1), shown as `46.90 ± 0.40 (n=3)`; a single run
+shows the value alone. `aggregate` exposes that grouping.
+
+Tables (the paper's files in parentheses):
+
+* `linear_table` (full_linear_eval): methods x datasets, Top-1 / Top-5
+  columns, plus a 'Random init' floor row per (pretraining dataset, batch
+  size); the floor pools runs with distinct seeds, since an untrained encoder
+  does not depend on the method.
+* `ablation_table` (half_linear_eval): rows pretraining dataset x batch size x
+  method, one 'Top-1 / Top-5' cell per dataset.
+* `augmentation_table` (augmentation_quality): per encoder, the SimCLR and the
+  OTCLR view generator, with the four cluster metrics of the view embeddings
+  and the four view metrics.
+* `cluster_table`: the cluster metrics of the test features per dataset.
+* `complexity_table` (complexity): stage x method, from benchmark rows.
+* `render_report`: all results tables with headings (what evaluate writes).
+
+The best value in each column is bold within each block of comparable rows
+(the methods of one setting; floor rows never), when the block has at least
+two rows; 'best' is the higher mean, or the lower for metrics marked with a
+down arrow. The LaTeX needs `booktabs`, `multirow` and `colortbl` (for
+`\\rowcolor{oursrow}` on OTCLR rows; define the colour `oursrow`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from typing import Any, Iterable, NamedTuple, Sequence
+
+METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
+DATASET_NAMES = {
+    'cifar10': 'CIFAR-10', 'cifar100': 'CIFAR-100', 'food101': 'Food-101',
+    'oxford_iiit_pet': 'Pets', 'stl10': 'STL-10', 'svhn_cropped': 'SVHN',
+    'digits': 'Digits', 'imagenet300': 'ImageNet-300',
+    'imagenet2012': 'ImageNet',
+}
+# The paper's column order; other datasets follow in order of appearance.
+DATASET_ORDER = ('cifar10', 'cifar100', 'food101', 'oxford_iiit_pet', 'stl10',
+                 'svhn_cropped')
+SECTIONS = ('linear', 'random_init', 'clusters', 'views')
+# (key, header, +1 if higher is better else -1).
+CLUSTER_METRICS = (('silhouette', 'Silhouette', 1),
+                   ('compactness', 'Compactness', -1),
+                   ('centroid_margin', 'Centroid Margin', 1),
+                   ('inter_intra_ratio', 'Inter/Intra', 1))
+VIEW_METRICS = (('view_distance', 'View Dist.', -1),
+                ('view_cosine', 'View Cos.', 1),
+                ('anchor_distance', 'Anchor Dist.', -1),
+                ('pixel_l2', 'Pixel L2', -1))
+LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
+FORMATS = ('markdown', 'latex')
+FLOOR_LABEL = 'Random init'
+
+_EMPTY = {'markdown': '–', 'latex': '--'}
+_PM = {'markdown': ' ± ', 'latex': r' $\pm$ '}
+_LATEX_SPECIAL = {'&': r'\&', '%': r'\%', '$': r'\$', '#': r'\#', '_': r'\_',
+                  '{': r'\{', '}': r'\}', '~': r'\textasciitilde{}',
+                  '^': r'\textasciicircum{}', '\\': r'\textbackslash{}'}
+
+
+# ----------------------------------------------------------------------------
+# Aggregation.
+
+
+def stat(values: Iterable[float]) -> dict[str, Any]:
+  """{'mean', 'std', 'n'} of numbers; std has ddof = 1 and is None for n = 1."""
+  values = [float(v) for v in values]
+  if not values:
+    raise ValueError('stat needs at least one value.')
+  std = statistics.stdev(values) if len(values) > 1 else None
+  return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Numbers at equal paths become stats; missing and null values skipped."""
+  keys = list(dict.fromkeys(k for t in trees for k in t))
+  out = {}
+  for key in keys:
+    values = [t[key] for t in trees if t.get(key) is not None]
+    if values and all(isinstance(v, dict) for v in values):
+      out[key] = _aggregate_tree(values)
+    elif values and all(_is_number(v) for v in values):
+      finite = [v for v in values if math.isfinite(v)]
+      if finite:
+        out[key] = stat(finite)
+  return out
+
+
+def _method_rank(method: str) -> tuple[int, str]:
+  order = list(METHOD_NAMES)
+  return (order.index(method) if method in order else len(order), method)
+
+
+def _run_key(result: dict[str, Any]) -> tuple[str, int, str]:
+  missing = [k for k in ('pretrain_dataset', 'batch_size', 'method')
+             if k not in result]
+  if missing:
+    raise ValueError(f'results dict lacks {missing}; expected the output of '
+                     'otclr_jax.evaluate.')
+  return (str(result['pretrain_dataset']), int(result['batch_size']),
+          str(result['method']))
+
+
+def _sort_key(key: tuple[str, int, str]):
+  # Batch sizes descending, as in the paper (512 before 256).
+  return (key[0], -key[1], _method_rank(key[2]))
+
+
+def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Groups runs by (pretrain_dataset, batch_size, method).
+
+  Args:
+    results: results dicts of `otclr_jax.evaluate`, one per run.
+
+  Returns:
+    One dict per group, sorted by pretraining dataset, batch size (descending)
+    and method (SimCLR, OTCLR, others): 'pretrain_dataset', 'batch_size',
+    'method', 'n' (runs), 'seeds', 'steps', and for each of 'linear',
+    'random_init', 'clusters', 'views' the results' nested dicts with every
+    number replaced by `stat` of its values over the runs (a run lacking a
+    value, or with null or non-finite, is left out of that value's n).
+  """
+  groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+  for result in results:
+    groups.setdefault(_run_key(result), []).append(result)
+  out = []
+  for key in sorted(groups, key=_sort_key):
+    runs = groups[key]
+    group = {'pretrain_dataset': key[0], 'batch_size': key[1],
+             'method': key[2], 'n': len(runs),
+             'seeds': [r.get('seed') for r in runs],
+             'steps': [r.get('step') for r in runs]}
+    for section in SECTIONS:
+      group[section] = _aggregate_tree([r.get(section) or {} for r in runs])
+    out.append(group)
+  return out
+
+
+def _floors(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int], Any]:
+  """random_init stats per (pretrain_dataset, batch_size), one run per seed."""
+  by_setting: dict[tuple[str, int], dict[Any, dict[str, Any]]] = {}
+  for result in results:
+    pretrain, batch, _ = _run_key(result)
+    by_setting.setdefault((pretrain, batch), {}).setdefault(
+        result.get('seed'), result.get('random_init') or {})
+  return {k: _aggregate_tree(list(v.values())) for k, v in by_setting.items()}
+
+
+# ----------------------------------------------------------------------------
+# Formatting.
+
+
+def dataset_name(name: str) -> str:
+  """Display name: 'cifar10' -> 'CIFAR-10', 'folder:/data/birds' -> 'birds'."""
+  if name.startswith('folder:'):
+    return os.path.basename(os.path.normpath(name[len('folder:'):])) or name
+  return DATASET_NAMES.get(name, name)
+
+
+def method_name(method: str) -> str:
+  return METHOD_NAMES.get(method, method)
+
+
+def _escape(text: str, fmt: str) -> str:
+  if fmt == 'latex':
+    return ''.join(_LATEX_SPECIAL.get(c, c) for c in text)
+  return text.replace('|', r'\|')
+
+
+def _bold(text: str, fmt: str) -> str:
+  return rf'\textbf{{{text}}}' if fmt == 'latex' else f'**{text}**'
+
+
+def _number(value: float, digits: int) -> str:
+  # digits == 0 marks counts such as throughput: thousands separators.
+  return f'{value:,.0f}' if digits == 0 else f'{value:.{digits}f}'
+
+
+def format_stat(value: dict[str, Any] | None, digits: int = 2,
+                fmt: str = 'markdown') -> str:
+  """'46.90' for one run, '46.90 ± 0.40 (n=3)' for several, a dash if None."""
+  _check_fmt(fmt)
+  text = _value_text(value, digits, fmt)
+  if value is not None and value['n'] > 1:
+    text += f' (n={value["n"]})'
+  return text
+
+
+def _value_text(value, digits, fmt) -> str:
+  if value is None:
+    return _EMPTY[fmt]
+  text = _number(value['mean'], digits)
+  if value['n'] > 1:
+    text += _PM[fmt] + _number(value['std'], digits)
+  return text
+
+
+def _check_fmt(fmt: str) -> None:
+  if fmt not in FORMATS:
+    raise ValueError(f'fmt must be one of {FORMATS}, got {fmt!r}.')
+
+
+# ----------------------------------------------------------------------------
+# A generic table: label columns, then data cells holding one or more stats
+# (a 'Top-1 / Top-5' cell holds two).
+
+
+class _Row(NamedTuple):
+  labels: tuple[str, ...]
+  cells: tuple[tuple[dict[str, Any] | None, ...], ...]
+  block: Any = None  # rows of one block compete for bold; None: never bold.
+  highlight: bool = False
+  section: Any = None  # a LaTeX \midrule separates sections.
+
+
+class _Spec(NamedTuple):
+  label_headers: tuple[str, ...]
+  columns: tuple[tuple[str, str], ...]  # (group header, sub-header)
+  directions: tuple[int, ...]
+  digits: tuple[int, ...]
+  merge_labels: int = 0  # leading label columns merged with \multirow.
+  raw_headers: bool = False  # column headers are already LaTeX.
+
+
+def _best_flags(rows: Sequence[_Row], spec: _Spec) -> list[list[list[bool]]]:
+  flags = [[[False] * len(cell) for cell in row.cells] for row in rows]
+  blocks: dict[Any, list[int]] = {}
+  for i, row in enumerate(rows):
+    if row.block is not None:
+      blocks.setdefault(row.block, []).append(i)
+  for members in blocks.values():
+    if len(members) < 2:
+      continue
+    for col, (direction, digits) in enumerate(zip(spec.directions,
+                                                  spec.digits)):
+      for pos in range(len(rows[members[0]].cells[col])):
+        # Compare as displayed, so equal printed values are both bold.
+        shown = {i: round(rows[i].cells[col][pos]['mean'], max(digits, 0))
+                 for i in members if rows[i].cells[col][pos] is not None}
+        if not shown:
+          continue
+        best = (max if direction > 0 else min)(shown.values())
+        for i, value in shown.items():
+          flags[i][col][pos] = value == best
+  return flags
+
+
+def _cell_text(cell, bold, digits, fmt) -> str:
+  if all(v is None for v in cell):
+    return _EMPTY[fmt]
+  parts = [_value_text(v, digits, fmt) for v in cell]
+  parts = [_bold(p, fmt) if b else p for p, b in zip(parts, bold)]
+  text = ' / '.join(parts)
+  counts = {v['n'] for v in cell if v is not None}
+  if len(counts) == 1 and max(counts) > 1:
+    text += f' (n={counts.pop()})'
+  elif len(counts) > 1:
+    # Different run counts in one cell: say each.
+    text = ' / '.join(
+        p + (f' (n={v["n"]})' if v is not None and v['n'] > 1 else '')
+        for p, v in zip(parts, cell))
+  return text
+
+
+def _render(spec: _Spec, rows: Sequence[_Row], fmt: str) -> str:
+  _check_fmt(fmt)
+  flags = _best_flags(rows, spec)
+  body = [[_cell_text(cell, flag, digits, fmt)
+           for cell, flag, digits in zip(row.cells, row_flags, spec.digits)]
+          for row, row_flags in zip(rows, flags)]
+  if fmt == 'markdown':
+    return _render_markdown(spec, rows, body)
+  return _render_latex(spec, rows, body)
+
+
+def _render_markdown(spec, rows, body) -> str:
+  header = list(spec.label_headers) + [
+      f'{g} {s}'.strip() for g, s in spec.columns]
+  align = [':--'] * len(spec.label_headers) + ['--:'] * len(spec.columns)
+  lines = ['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join(align) + ' |']
+  for row, cells in zip(rows, body):
+    labels = [_escape(l, 'markdown') for l in row.labels]
+    lines.append('| ' + ' | '.join(labels + cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def _latex_header(spec: _Spec) -> list[str]:
+  def bold(text: str, raw: bool = False) -> str:
+    return _bold(text if raw else _escape(text, 'latex'), 'latex')
+
+  groups: list[tuple[str, int]] = []
+  for group, _ in spec.columns:
+    if groups and groups[-1][0] == group:
+      groups[-1] = (group, groups[-1][1] + 1)
+    else:
+      groups.append((group, 1))
+  if not any(sub for _, sub in spec.columns):
+    return [' & '.join([bold(h) for h in spec.label_headers] +
+                       [bold(g, spec.raw_headers) for g, _ in groups])
+            + r' \\']
+  first = [rf'\multirow{{2}}{{*}}{{{bold(h)}}}' for h in spec.label_headers]
+  rules, col = [], len(spec.label_headers) + 1
+  for group, width in groups:
+    first.append(
+        rf'\multicolumn{{{width}}}{{c}}{{{bold(group, spec.raw_headers)}}}')
+    rules.append(rf'\cmidrule(lr){{{col}-{col + width - 1}}}')
+    col += width
+  second = '& ' * len(spec.label_headers) + ' & '.join(
+      bold(s) for _, s in spec.columns)
+  return [' & '.join(first) + r' \\', ' '.join(rules), second + r' \\']
+
+
+def _render_latex(spec, rows, body) -> str:
+  colspec = 'l' * len(spec.label_headers) + 'c' * len(spec.columns)
+  lines = [rf'\begin{{tabular}}{{{colspec}}}', r'\toprule',
+           *_latex_header(spec), r'\midrule']
+  labels = [[_escape(l, 'latex') for l in row.labels] for row in rows]
+  for col in range(spec.merge_labels):
+    i = 0
+    while i < len(rows):
+      j = i + 1
+      prefix = rows[i].labels[:col + 1]
+      while j < len(rows) and rows[j].labels[:col + 1] == prefix:
+        j += 1
+      if j - i > 1:
+        labels[i][col] = rf'\multirow{{{j - i}}}{{*}}{{{labels[i][col]}}}'
+      for k in range(i + 1, j):
+        labels[k][col] = ''
+      i = j
+  for i, (row, cells) in enumerate(zip(rows, body)):
+    if i and row.section != rows[i - 1].section:
+      lines.append(r'\midrule')
+    cells = labels[i] + cells
+    if row.highlight and spec.merge_labels:
+      # \rowcolor would paint over the \multirow text of the merged labels.
+      cells = cells[:spec.merge_labels] + [
+          r'\cellcolor{oursrow}' + c for c in cells[spec.merge_labels:]]
+    elif row.highlight:
+      lines.append(r'\rowcolor{oursrow}')
+    lines.append(' & '.join(cells) + r' \\')
+  lines += [r'\bottomrule', r'\end{tabular}']
+  return '\n'.join(lines) + '\n'
+
+
+# ----------------------------------------------------------------------------
+# The tables.
+
+
+def _datasets(groups, section: str) -> list[str]:
+  seen = list(dict.fromkeys(d for g in groups for d in g[section]))
+  return ([d for d in DATASET_ORDER if d in seen]
+          + [d for d in seen if d not in DATASET_ORDER])
+
+
+def _several_settings(groups) -> bool:
+  return len({(g['pretrain_dataset'], g['batch_size']) for g in groups}) > 1
+
+
+def _last_of_setting(groups, i: int) -> bool:
+  """Whether group i is the last of its (pretrain_dataset, batch_size)."""
+  return i + 1 == len(groups) or (
+      (groups[i + 1]['pretrain_dataset'], groups[i + 1]['batch_size'])
+      != (groups[i]['pretrain_dataset'], groups[i]['batch_size']))
+
+
+def _setting_suffix(pretrain: str, batch_size: int) -> str:
+  return f' ({dataset_name(pretrain)}, b={batch_size})'
+
+
+def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
+                 metrics: Sequence[str] = ('top1', 'top5'),
+                 datasets: Sequence[str] | None = None,
+                 include_random_init: bool = True) -> str:
+  """Linear evaluation, methods x datasets (the paper's full_linear_eval).
+
+  Args:
+    results: results dicts, one per run.
+    fmt: 'markdown' or 'latex'.
+    metrics: per-dataset columns, from 'top1', 'top5', 'knn_top1'.
+    datasets: column order; default the paper's order, then the others.
+    include_random_init: add the untrained-encoder floor row(s).
+
+  Returns:
+    The table. With several (pretraining dataset, batch size) settings among
+    the runs, row labels name the setting.
+  """
+  _check_fmt(fmt)
+  unknown = [m for m in metrics if m not in LINEAR_METRICS]
+  if unknown or not metrics:
+    raise ValueError(f'metrics must be a non-empty subset of '
+                     f'{tuple(LINEAR_METRICS)}, got {tuple(metrics)}.')
+  groups = aggregate(results)
+  datasets = list(datasets) if datasets else _datasets(groups, 'linear')
+  several = _several_settings(groups)
+  spec = _Spec(label_headers=('Method',),
+               columns=tuple((dataset_name(d), LINEAR_METRICS[m])
+                             for d in datasets for m in metrics),
+               directions=(1,) * len(datasets) * len(metrics),
+               digits=(2,) * len(datasets) * len(metrics))
+
+  def cells(section):
+    return tuple((section.get(d, {}).get(m),) for d in datasets
+                 for m in metrics)
+
+  floors = _floors(results) if include_random_init else {}
+  rows = []
+  for i, g in enumerate(groups):
+    setting = (g['pretrain_dataset'], g['batch_size'])
+    suffix = _setting_suffix(*setting) if several else ''
+    rows.append(_Row((method_name(g['method']) + suffix,), cells(g['linear']),
+                     block=setting, highlight=g['method'] == 'otclr',
+                     section=setting))
+    if _last_of_setting(groups, i) and floors.get(setting):
+      rows.append(_Row((FLOOR_LABEL + suffix,), cells(floors[setting]),
+                       section=(setting, 'floor')))
+  return _render(spec, rows, fmt)
+
+
+def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
+                   *, datasets: Sequence[str] | None = None,
+                   include_random_init: bool = True) -> str:
+  """Pretraining dataset x batch size x method rows (half_linear_eval).
+
+  Each dataset column holds 'Top-1 / Top-5'; bold marks the best method within
+  each (pretraining dataset, batch size) block. The floor row, if included,
+  ends each block.
+  """
+  _check_fmt(fmt)
+  groups = aggregate(results)
+  datasets = list(datasets) if datasets else _datasets(groups, 'linear')
+  spec = _Spec(label_headers=('Pretraining Dataset', 'Batch Size', 'Method'),
+               columns=tuple((dataset_name(d), 'Top-1 / Top-5')
+                             for d in datasets),
+               directions=(1,) * len(datasets), digits=(2,) * len(datasets),
+               merge_labels=2)
+  floors = _floors(results) if include_random_init else {}
+
+  def cells(section):
+    return tuple((section.get(d, {}).get('top1'),
+                  section.get(d, {}).get('top5')) for d in datasets)
+
+  rows = []
+  for i, g in enumerate(groups):
+    setting = (g['pretrain_dataset'], g['batch_size'])
+    labels = (dataset_name(setting[0]), str(setting[1]))
+    rows.append(_Row(labels + (method_name(g['method']),), cells(g['linear']),
+                     block=setting, highlight=g['method'] == 'otclr',
+                     section=setting[0]))
+    if _last_of_setting(groups, i) and floors.get(setting):
+      rows.append(_Row(labels + (FLOOR_LABEL,), cells(floors[setting]),
+                       section=setting[0]))
+  return _render(spec, rows, fmt)
+
+
+def augmentation_table(results: Sequence[dict[str, Any]],
+                       fmt: str = 'markdown') -> str:
+  """View quality of the two generators per encoder (augmentation_quality).
+
+  Rows: for each encoder (method group), the SimCLR and the OTCLR views; the
+  columns are the four cluster metrics of the view embeddings, then view
+  distance, view cosine, anchor distance and pixel L2. Bold compares the two
+  generators under the same encoder.
+  """
+  _check_fmt(fmt)
+  groups = aggregate(results)
+  several = _several_settings(groups)
+  keys = CLUSTER_METRICS + VIEW_METRICS
+  arrows = {1: ' ↑', -1: ' ↓'} if fmt == 'markdown' else {
+      1: r' $\uparrow$', -1: r' $\downarrow$'}
+  spec = _Spec(label_headers=('Encoder', 'Views'),
+               columns=tuple((h + arrows[d], '') for _, h, d in keys),
+               directions=tuple(d for _, _, d in keys),
+               digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
+  rows = []
+  for g in groups:
+    encoder = method_name(g['method'])
+    if several:
+      encoder += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
+    for generator in sorted(g['views'], key=_method_rank):
+      values = g['views'][generator]
+      rows.append(_Row((encoder, method_name(generator)),
+                       tuple((values.get(k),) for k, _, _ in keys),
+                       block=id(g), highlight=generator == 'otclr',
+                       section=id(g)))
+  return _render(spec, rows, fmt)
+
+
+def cluster_table(results: Sequence[dict[str, Any]],
+                  fmt: str = 'markdown') -> str:
+  """K-means cluster metrics of the test features, rows dataset x method."""
+  _check_fmt(fmt)
+  groups = aggregate(results)
+  several = _several_settings(groups)
+  spec = _Spec(label_headers=('Dataset', 'Method'),
+               columns=tuple((h, '') for _, h, _ in CLUSTER_METRICS),
+               directions=tuple(d for _, _, d in CLUSTER_METRICS),
+               digits=(4,) * len(CLUSTER_METRICS), merge_labels=1)
+  rows = []
+  for dataset in _datasets(groups, 'clusters'):
+    for g in groups:
+      if dataset not in g['clusters']:
+        continue
+      label = method_name(g['method'])
+      if several:
+        label += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
+      rows.append(_Row((dataset_name(dataset), label),
+                       tuple((g['clusters'][dataset].get(k),)
+                             for k, _, _ in CLUSTER_METRICS),
+                       block=(dataset, g['pretrain_dataset'],
+                              g['batch_size']),
+                       highlight=g['method'] == 'otclr', section=dataset))
+  return _render(spec, rows, fmt)
+
+
+COMPLEXITY_COLUMNS = (('params_m', 'Params (M)', 2), ('gflops', 'GFLOPs', 3),
+                      ('step_ms', 'Step (ms)', 2), ('throughput', 'Thrpt.', 0))
+
+
+def complexity_table(rows: Sequence[dict[str, Any]],
+                     fmt: str = 'markdown') -> str:
+  """Cost per stage and method (the paper's complexity table).
+
+  Args:
+    rows: dicts with 'stage' (e.g. 'Pretraining', 'Linear Eval.'), 'method',
+      and numbers 'params_m' (millions), 'gflops' (per image), 'step_ms'
+      (milliseconds per step), 'throughput' (images per second); a missing
+      number is shown as a dash. Repeated (stage, method) pairs are averaged
+      (mean ± std).
+    fmt: 'markdown' or 'latex'.
+
+  Returns:
+    The table, stages in order of appearance.
+  """
+  _check_fmt(fmt)
+  grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+  for row in rows:
+    if 'stage' not in row or 'method' not in row:
+      raise ValueError(f'complexity rows need stage and method, got {row}.')
+    grouped.setdefault((str(row['stage']), str(row['method'])), []).append(row)
+  spec = _Spec(label_headers=('Stage', 'Method'),
+               columns=tuple((h, '') for _, h, _ in COMPLEXITY_COLUMNS),
+               directions=(1,) * len(COMPLEXITY_COLUMNS),
+               digits=tuple(d for _, _, d in COMPLEXITY_COLUMNS),
+               merge_labels=1)
+  out = []
+  for (stage, method), members in grouped.items():
+    values = _aggregate_tree(members)
+    out.append(_Row((stage, method_name(method)),
+                    tuple((values.get(k),) for k, _, _ in COMPLEXITY_COLUMNS),
+                    highlight=method == 'otclr', section=stage))
+  return _render(spec, out, fmt)
+
+
+def render_report(results: Sequence[dict[str, Any]],
+                  fmt: str = 'markdown') -> str:
+  """All results tables, each under a heading (a comment in LaTeX)."""
+  _check_fmt(fmt)
+  parts = [
+      ('Linear probe and kNN (%, complete test splits)',
+       linear_table(results, fmt, metrics=('top1', 'top5', 'knn_top1'))),
+      ('Linear probe by pretraining dataset and batch size',
+       ablation_table(results, fmt)),
+      ('View quality (same encoder, two view generators)',
+       augmentation_table(results, fmt)),
+      ('Cluster metrics of the test features (K-means, K = classes)',
+       cluster_table(results, fmt)),
+  ]
+  if fmt == 'markdown':
+    return '\n'.join(f'### {title}\n\n{table}' for title, table in parts)
+  header = ('% Requires \\usepackage{booktabs,multirow,colortbl} and '
+            '\\definecolor{oursrow}{...}.\n')
+  return header + '\n'.join(f'% {title}\n{table}' for title, table in parts)

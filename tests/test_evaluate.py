@@ -1,0 +1,259 @@
+"""Tests of the evaluation: linear probe, kNN, and `evaluate` on a tiny run."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from otclr_jax import evaluate
+from otclr_jax import input_pipeline
+from otclr_jax import train
+from configs import default
+
+
+def tiny_config(data_dir, **overrides):
+  """As in tests/test_train.py: 8 px digits, batch 16, 4 steps."""
+  config = default.get_config()
+  config.dataset = 'digits'
+  config.data_dir = data_dir
+  config.image_size = 8
+  config.batch_size = 16
+  config.total_steps = 4
+  config.log_every_steps = 2
+  config.checkpoint_every_steps = 2
+  config.model.proj_hidden_dim = 32
+  config.model.proj_dim = 16
+  config.ot.grid_size = 4
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+def _blobs(num_classes, per_class, dim, seed, spread=0.3, noise_seed=None):
+  """Gaussian blobs: centres drawn from `seed`, noise from `noise_seed`."""
+  centres = 3.0 * np.random.default_rng(seed).normal(size=(num_classes, dim))
+  rng = np.random.default_rng(seed if noise_seed is None else noise_seed + 1000)
+  labels = np.repeat(np.arange(num_classes), per_class)
+  x = centres[labels] + spread * rng.normal(size=(len(labels), dim))
+  order = rng.permutation(len(labels))
+  return x[order].astype(np.float32), labels[order].astype(np.int32)
+
+
+# ----------------------------------------------------------------------------
+# Linear probe.
+
+
+def test_probe_separates_blobs():
+  train_x, train_y = _blobs(6, 40, 16, seed=0)
+  test_x, test_y = _blobs(6, 15, 16, seed=0, noise_seed=1)
+  result = evaluate.linear_probe(train_x, train_y, test_x, test_y, 6,
+                                 max_steps=50)
+  assert result['top1'] == pytest.approx(100.0)
+  assert result['top5'] == pytest.approx(100.0)
+  assert result['val_top1'] == pytest.approx(100.0)
+  assert result['weight_decay'] in evaluate.L2_GRID
+  assert (result['num_train'], result['num_test']) == (240, 90)
+
+
+def test_scores_top1_top5_match_numpy_count():
+  rng = np.random.default_rng(0)
+  for num_classes in (3, 9):
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    y = rng.integers(0, num_classes, size=64).astype(np.int32)
+    params = {'w': rng.normal(size=(5, num_classes)).astype(np.float32),
+              'b': rng.normal(size=num_classes).astype(np.float32)}
+    top1, top5, ce = (np.asarray(a) for a in evaluate._scores(
+        params, jnp.asarray(x), jnp.asarray(y)))
+    logits = x.astype(np.float64) @ params['w'] + params['b']
+    np.testing.assert_array_equal(top1, logits.argmax(1) == y)
+    # Label among the five largest logits (all of them with < 5 classes).
+    top5_ref = [y[i] in np.argsort(-logits[i])[:5] for i in range(64)]
+    np.testing.assert_array_equal(top5, top5_ref)
+    if num_classes < 5:
+      assert top5.all()
+    else:
+      assert 0 < top5.mean() < 1
+    log_z = np.log(np.exp(logits).sum(1))
+    np.testing.assert_allclose(ce, log_z - logits[np.arange(64), y],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_regularisation_choice_never_reads_test():
+  # Overlapping blobs with few examples per dimension: test accuracy depends
+  # on lambda, and a selection that peeked at the test labels would pick a
+  # different lambda once they are shuffled.
+  train_x, train_y = _blobs(4, 30, 64, seed=2, spread=10.0)
+  test_x, test_y = _blobs(4, 25, 64, seed=2, spread=10.0, noise_seed=3)
+  first = evaluate.linear_probe(train_x, train_y, test_x, test_y, 4,
+                                max_steps=40)
+  shuffled = evaluate.linear_probe(
+      train_x, train_y, test_x, np.random.default_rng(0).permutation(test_y),
+      4, max_steps=40)
+  garbage = evaluate.linear_probe(train_x, train_y,
+                                  np.full_like(test_x, 1e3), test_y, 4,
+                                  max_steps=40)
+  for other in (shuffled, garbage):
+    assert other['weight_decay'] == first['weight_decay']
+    assert other['val_top1'] == first['val_top1']
+
+
+def test_stratified_holdout():
+  labels = np.repeat([0, 1, 2, 3], [30, 11, 2, 1])
+  held = evaluate.stratified_holdout(labels, 0.1, seed=0)
+  np.testing.assert_array_equal(
+      [held[labels == c].sum() for c in range(4)], [3, 1, 1, 0])
+  np.testing.assert_array_equal(held, evaluate.stratified_holdout(labels))
+  assert not np.array_equal(held, evaluate.stratified_holdout(labels, seed=1))
+  with pytest.raises(ValueError, match='fraction'):
+    evaluate.stratified_holdout(labels, 1.0)
+
+
+def test_probe_rejects_bad_labels():
+  x, y = _blobs(3, 5, 4, seed=0)
+  with pytest.raises(ValueError, match='labels'):
+    evaluate.linear_probe(x, y, x, np.full_like(y, -1), 3)
+
+
+# ----------------------------------------------------------------------------
+# kNN.
+
+
+def _knn_reference(train_x, train_y, test_x, num_classes, k, temperature):
+  norm = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)
+  sim = norm(test_x.astype(np.float64)) @ norm(train_x.astype(np.float64)).T
+  k = min(k, len(train_x))
+  pred = []
+  for row in sim:
+    nearest = np.argsort(-row)[:k]
+    votes = np.zeros(num_classes)
+    np.add.at(votes, train_y[nearest], np.exp(row[nearest] / temperature))
+    pred.append(votes.argmax())
+  return np.asarray(pred)
+
+
+@pytest.mark.parametrize('k', [7, 200])
+def test_knn_matches_numpy(monkeypatch, k):
+  # A tiny slab bound forces several chunks and a padded last chunk.
+  monkeypatch.setattr(evaluate, 'KNN_MAX_SLAB', 60 * 8)
+  rng = np.random.default_rng(k)
+  train_x = rng.normal(size=(60, 8)).astype(np.float32)
+  train_y = rng.integers(0, 5, size=60).astype(np.int32)
+  test_x = rng.normal(size=(21, 8)).astype(np.float32)
+  test_y = rng.integers(0, 5, size=21).astype(np.int32)
+  ref = _knn_reference(train_x, train_y, test_x, 5, k, 0.07)
+  acc = evaluate.knn_top1(train_x, train_y, test_x, test_y, 5, k=k)
+  assert acc == pytest.approx(100.0 * np.mean(ref == test_y), abs=1e-9)
+  # Predicting the test points' own labels from themselves: a sanity anchor.
+  assert evaluate.knn_top1(test_x, test_y, test_x, test_y, 5, k=1) == 100.0
+
+
+# ----------------------------------------------------------------------------
+# End to end.
+
+
+def test_dataset_keys_are_file_names():
+  key = evaluate.dataset_key('folder:/data/my pets:v2/')
+  assert key.startswith('folder-my_pets_v2-') and '/' not in key
+  assert key != evaluate.dataset_key('folder:/other/my pets:v2')
+  assert evaluate.dataset_key('cifar10') == 'cifar10'
+  with pytest.raises(ValueError, match='unknown evaluation dataset'):
+    evaluate.dataset_key('mnist')
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('data'))
+
+
+def _small_digits(monkeypatch):
+  """Cuts digits to 20 train / 8 test images per class for speed."""
+  load = input_pipeline.load_split
+
+  def small(name, split, image_size, data_dir=None, **kwargs):
+    data = load(name, split, image_size, data_dir, **kwargs)
+    per_class = 20 if split == 'train' else 8
+    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
+                                   for c in range(data.num_classes)]))
+    return data._replace(images=data.images[keep], labels=data.labels[keep])
+
+  monkeypatch.setattr(input_pipeline, 'load_split', small)
+
+
+def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
+  workdir = str(tmp_path / 'run')
+  config = tiny_config(data_dir)
+  config.eval.datasets = ('digits',)
+  config.eval.num_view_images = 40
+  config.eval.probe_steps = 30
+  config.eval.batch_size = 64
+
+  with pytest.raises(FileNotFoundError, match='pretrain first'):
+    evaluate.evaluate(config, workdir)
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+
+  train.train_and_evaluate(config, workdir, stop_after_steps=2)
+  with pytest.raises(ValueError, match=r'available steps: \[2\]'):
+    evaluate.evaluate(config, workdir, step=3)
+  _small_digits(monkeypatch)
+  results = evaluate.evaluate(config, workdir)
+
+  with open(os.path.join(workdir, 'eval', 'results.json')) as f:
+    assert json.load(f) == results
+  assert os.path.exists(os.path.join(workdir, 'eval', 'results_step2.json'))
+  for name in ('tables.md', 'tables.tex'):
+    assert os.path.getsize(os.path.join(workdir, 'eval', name)) > 0
+  assert results['step'] == 2
+  assert results['checkpoint'].endswith(os.path.join('checkpoints', '2'))
+  assert (results['method'], results['seed'], results['batch_size'],
+          results['pretrain_dataset'], results['image_size']) == (
+              'otclr', 0, 16, 'digits', 8)
+  for section in ('linear', 'random_init'):
+    row = results[section]['digits']
+    assert set(row) >= {'top1', 'top5', 'knn_top1', 'weight_decay',
+                        'num_train', 'num_test'}
+    for key in ('top1', 'top5', 'knn_top1'):
+      assert 0.0 <= row[key] <= 100.0
+    assert row['top5'] >= row['top1']
+    assert (row['num_train'], row['num_test']) == (200, 80)
+  assert results['random_init']['digits'] != results['linear']['digits']
+  cluster_keys = {'silhouette', 'compactness', 'centroid_margin',
+                  'inter_intra_ratio'}
+  assert set(results['clusters']['digits']) >= cluster_keys
+  for generator in ('simclr', 'otclr'):
+    views = results['views'][generator]
+    assert set(views) == cluster_keys | {'view_distance', 'view_cosine',
+                                         'anchor_distance', 'pixel_l2'}
+    assert 0.0 <= views['view_distance'] <= 2.0
+    assert -1.0 <= views['view_cosine'] <= 1.0
+  assert results['views']['simclr']['pixel_l2'] == 0.0
+  assert results['views']['otclr']['pixel_l2'] > 0.0
+  printed = capsys.readouterr().out
+  assert '| Random init |' in printed and '| OTCLR |' in printed
+  features = os.path.join(workdir, 'eval', 'features')
+  assert sorted(os.listdir(os.path.join(features, 'step2'))) == [
+      'digits_test.npz', 'digits_train.npz']
+
+  def fail(*args, **kwargs):
+    raise AssertionError('features were recomputed instead of read')
+
+  monkeypatch.setattr(evaluate, 'extract_features', fail)
+  again = evaluate.evaluate(config, workdir)
+  for section in ('linear', 'random_init', 'clusters', 'views'):
+    assert again[section] == results[section]
+
+
+def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.eval.datasets = ('digits', 'mnist')
+  with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
+    evaluate.evaluate(config, str(tmp_path))
+  config.eval.datasets = ('digits',)
+  (tmp_path / 'checkpoints').mkdir()
+  with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
+    evaluate.evaluate(config, str(tmp_path))

@@ -1,0 +1,193 @@
+"""Tests of the Markdown / LaTeX result tables."""
+
+import numpy as np
+import pytest
+
+from otclr_jax import tables
+
+
+def _run(method, seed, top1, floor, batch_size=256, pretrain='cifar10'):
+  views = {'view_distance': 0.5, 'view_cosine': 0.8, 'anchor_distance': 0.6,
+           'pixel_l2': 0.0, 'silhouette': 0.1, 'compactness': 0.05,
+           'centroid_margin': 0.3, 'inter_intra_ratio': 1.0}
+  return {
+      'step': 100, 'checkpoint': f'/runs/{method}{seed}/checkpoints/100',
+      'method': method, 'seed': seed, 'batch_size': batch_size,
+      'pretrain_dataset': pretrain, 'image_size': 32, 'hardware': 'cpu',
+      # SVHN first: the table must still put CIFAR-10 first (paper order).
+      'linear': {'svhn_cropped': {'top1': top1 - 10.0, 'top5': 80.0},
+                 'cifar10': {'top1': top1, 'top5': 90.0, 'knn_top1': 30.0,
+                             'weight_decay': 1e-4, 'num_train': 50000,
+                             'num_test': 10000}},
+      'random_init': {'cifar10': {'top1': floor, 'top5': 50.0}},
+      'clusters': {'cifar10': {'silhouette': 0.02, 'compactness': 0.5,
+                               'centroid_margin': 0.1,
+                               'inter_intra_ratio': 1.1, 'num_points': 10000}},
+      'views': {'simclr': views,
+                'otclr': {**views, 'view_distance': 0.3, 'pixel_l2': 0.17}},
+  }
+
+
+# Listed out of order on purpose: OTCLR before SimCLR.
+RESULTS = [_run('otclr', 0, 46.5, floor=10.0), _run('simclr', 0, 40.0, 10.0),
+           _run('otclr', 1, 47.5, floor=12.0)]
+
+
+def test_aggregate_matches_numpy():
+  rng = np.random.default_rng(0)
+  values = rng.uniform(20, 60, size=3)
+  runs = [_run('otclr', s, float(v), floor=1.0) for s, v in enumerate(values)]
+  runs[2]['linear']['cifar10']['top5'] = None  # a missing value
+  (group,) = tables.aggregate(runs)
+  top1 = group['linear']['cifar10']['top1']
+  np.testing.assert_allclose(top1['mean'], np.mean(values), rtol=1e-12)
+  np.testing.assert_allclose(top1['std'], np.std(values, ddof=1), rtol=1e-12)
+  assert top1['n'] == 3
+  assert group['linear']['cifar10']['top5'] == {'mean': 90.0, 'std': 0.0,
+                                                'n': 2}
+  assert (group['n'], group['seeds'], group['steps']) == (3, [0, 1, 2],
+                                                          [100] * 3)
+  assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(0.17)
+
+
+def test_aggregate_groups_and_orders():
+  runs = RESULTS + [_run('simclr', 0, 30.0, 5.0, batch_size=512),
+                    _run('otclr', 0, 30.0, 5.0, pretrain='imagenet300')]
+  keys = [(g['pretrain_dataset'], g['batch_size'], g['method'], g['n'])
+          for g in tables.aggregate(runs)]
+  assert keys == [('cifar10', 512, 'simclr', 1), ('cifar10', 256, 'simclr', 1),
+                  ('cifar10', 256, 'otclr', 2),
+                  ('imagenet300', 256, 'otclr', 1)]
+  single = tables.aggregate(RESULTS[1:2])[0]['linear']['cifar10']['top1']
+  assert single == {'mean': 40.0, 'std': None, 'n': 1}
+  with pytest.raises(ValueError, match='lacks'):
+    tables.aggregate([{'method': 'otclr'}])
+
+
+def test_format_stat():
+  assert tables.format_stat({'mean': 46.9, 'std': 0.4, 'n': 3}, 1) == (
+      '46.9 ± 0.4 (n=3)')
+  assert tables.format_stat({'mean': 46.875, 'std': None, 'n': 1}) == '46.88'
+  assert tables.format_stat({'mean': 46.9, 'std': 0.4, 'n': 3}, 2,
+                            'latex') == r'46.90 $\pm$ 0.40 (n=3)'
+  assert tables.format_stat(None, fmt='latex') == '--'
+  with pytest.raises(ValueError, match='fmt'):
+    tables.format_stat(None, fmt='html')
+
+
+def test_linear_table_markdown():
+  expected = (
+      '| Method | CIFAR-10 Top-1 | CIFAR-10 Top-5 | SVHN Top-1 | SVHN Top-5 |\n'
+      '| :-- | --: | --: | --: | --: |\n'
+      '| SimCLR | 40.00 | **90.00** | 30.00 | **80.00** |\n'
+      '| OTCLR | **47.00 ± 0.71** (n=2) | **90.00 ± 0.00** (n=2) '
+      '| **37.00 ± 0.71** (n=2) | **80.00 ± 0.00** (n=2) |\n'
+      '| Random init | 11.00 ± 1.41 (n=2) | 50.00 ± 0.00 (n=2) | – | – |'
+      '\n')
+  assert tables.linear_table(RESULTS) == expected
+
+
+def test_linear_table_latex():
+  expected = '\n'.join([
+      r'\begin{tabular}{lcccc}',
+      r'\toprule',
+      r'\multirow{2}{*}{\textbf{Method}} & '
+      r'\multicolumn{2}{c}{\textbf{CIFAR-10}} & '
+      r'\multicolumn{2}{c}{\textbf{SVHN}} \\',
+      r'\cmidrule(lr){2-3} \cmidrule(lr){4-5}',
+      r'& \textbf{Top-1} & \textbf{kNN} & \textbf{Top-1} & \textbf{kNN} \\',
+      r'\midrule',
+      r'SimCLR & 40.00 & \textbf{30.00} & 30.00 & -- \\',
+      r'\rowcolor{oursrow}',
+      r'OTCLR & \textbf{47.00 $\pm$ 0.71} (n=2) & '
+      r'\textbf{30.00 $\pm$ 0.00} (n=2) & \textbf{37.00 $\pm$ 0.71} (n=2) & '
+      r'-- \\',
+      r'\midrule',
+      r'Random init & 11.00 $\pm$ 1.41 (n=2) & -- & -- & -- \\',
+      r'\bottomrule',
+      r'\end{tabular}', ''])
+  got = tables.linear_table(RESULTS, 'latex', metrics=('top1', 'knn_top1'))
+  assert got == expected
+
+
+def test_single_run_table_has_plain_values_and_no_bold():
+  text = tables.linear_table(RESULTS[:1], include_random_init=False)
+  assert text.splitlines()[2] == '| OTCLR | 46.50 | 90.00 | 36.50 | 80.00 |'
+  assert len(text.splitlines()) == 3
+
+
+def test_ablation_table_latex_multirow_and_cell_colour():
+  runs = RESULTS + [_run('simclr', 0, 30.0, 5.0, batch_size=512)]
+  lines = tables.ablation_table(runs, 'latex', datasets=['cifar10'],
+                                include_random_init=False).splitlines()
+  assert lines[2] == (r'\multirow{2}{*}{\textbf{Pretraining Dataset}} & '
+                      r'\multirow{2}{*}{\textbf{Batch Size}} & '
+                      r'\multirow{2}{*}{\textbf{Method}} & '
+                      r'\multicolumn{1}{c}{\textbf{CIFAR-10}} \\')
+  assert lines[4] == r'& & & \textbf{Top-1 / Top-5} \\'
+  assert lines[6:9] == [
+      r'\multirow{3}{*}{CIFAR-10} & 512 & SimCLR & 30.00 / 90.00 \\',
+      r' & \multirow{2}{*}{256} & SimCLR & 40.00 / \textbf{90.00} \\',
+      r' &  & \cellcolor{oursrow}OTCLR & \cellcolor{oursrow}\textbf{47.00 '
+      r'$\pm$ 0.71} / \textbf{90.00 $\pm$ 0.00} (n=2) \\']
+  markdown = tables.ablation_table(runs, datasets=['cifar10'])
+  floor = ('| CIFAR-10 | 256 | Random init | 11.00 ± 1.41 / 50.00 ± 0.00 '
+           '(n=2) |')
+  assert floor in markdown
+
+
+def test_augmentation_table():
+  text = tables.augmentation_table(RESULTS[1:2])
+  header, _, simclr, otclr = text.splitlines()
+  assert header.startswith(
+      '| Encoder | Views | Silhouette ↑ | Compactness ↓ ')
+  assert header.endswith('| Anchor Dist. ↓ | Pixel L2 ↓ |')
+  # Same encoder, two generators: lower view distance and pixel L2 win.
+  assert simclr == ('| SimCLR | SimCLR | **0.1000** | **0.0500** | **0.3000** '
+                    '| **1.0000** | 0.5000 | **0.8000** | **0.6000** '
+                    '| **0.0000** |')
+  assert otclr.split(' | ')[6:] == ['**0.3000**', '**0.8000**', '**0.6000**',
+                                    '0.1700 |']
+  latex = tables.augmentation_table(RESULTS[1:2], 'latex')
+  assert r'\textbf{View Dist. $\downarrow$}' in latex
+  assert r'\multirow{2}{*}{SimCLR} & SimCLR & ' in latex
+
+
+def test_cluster_table_and_report():
+  text = tables.cluster_table(RESULTS)
+  assert text.splitlines()[3] == (
+      '| CIFAR-10 | OTCLR | **0.0200 ± 0.0000** (n=2) | **0.5000 ± 0.0000** '
+      '(n=2) | **0.1000 ± 0.0000** (n=2) | **1.1000 ± 0.0000** (n=2) |')
+  report = tables.render_report(RESULTS)
+  assert report.count('### ') == 4
+  assert tables.render_report(RESULTS, 'latex').count(r'\begin{tabular}') == 4
+
+
+def test_complexity_table():
+  rows = [
+      {'stage': 'Pretraining', 'method': 'moco', 'params_m': 23.01,
+       'gflops': 0.154, 'step_ms': 21.5, 'throughput': 11908},
+      {'stage': 'Pretraining', 'method': 'otclr', 'params_m': 23.01,
+       'gflops': 0.154, 'step_ms': 30.87, 'throughput': 8292},
+      {'stage': 'Linear Eval.', 'method': 'otclr', 'params_m': 11.18,
+       'gflops': 0.074, 'step_ms': 6.0},
+  ]
+  lines = tables.complexity_table(rows, 'latex').splitlines()
+  assert lines[4:9] == [
+      r'\multirow{2}{*}{Pretraining} & moco & 23.01 & 0.154 & 21.50 & '
+      r'11,908 \\',
+      r' & \cellcolor{oursrow}OTCLR & \cellcolor{oursrow}23.01 & '
+      r'\cellcolor{oursrow}0.154 & \cellcolor{oursrow}30.87 & '
+      r'\cellcolor{oursrow}8,292 \\',
+      r'\midrule',
+      r'Linear Eval. & \cellcolor{oursrow}OTCLR & \cellcolor{oursrow}11.18 & '
+      r'\cellcolor{oursrow}0.074 & \cellcolor{oursrow}6.00 & '
+      r'\cellcolor{oursrow}-- \\',
+      r'\bottomrule']
+
+
+def test_names_are_escaped():
+  run = _run('simclr', 0, 40.0, 10.0)
+  run['linear'] = {'folder:/data/my_pets': {'top1': 1.0, 'top5': 2.0}}
+  assert r'\textbf{my\_pets}' in tables.linear_table([run], 'latex')
+  assert '| my_pets Top-1 |' in tables.linear_table([run])
