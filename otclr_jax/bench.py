@@ -9,6 +9,14 @@ Subcommands:
        with `ot_views` (max abs pixel difference): the rows compute the same
        thing.
 
+  train
+       The paper's complexity table for SimCLR and OTCLR on a config: parameters,
+       GFLOPs per image pair (XLA cost analysis of the compiled step and of the
+       forward pass), median step time and image pairs/s with the two steps
+       alternated in one process after a warm-up, the OTCLR/SimCLR ratio; the
+       same for the linear-evaluation forward; the OT views' share of the step;
+       and the host input pipeline's batches/s next to the step's.
+
 Each subcommand registers its own argparse sub-parser in `build_parser`; a new
 one adds an `_add_<name>_parser` function there.
 
@@ -27,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import math
 import os
 import statistics
@@ -418,12 +427,198 @@ def _add_ot_parser(subparsers) -> None:
   p.set_defaults(func=run_ot)
 
 
+# ----------------------------------------------------------------------------
+# train: the complexity table.
+
+TARGET_STEP_RATIO = 1.05
+TARGET_PIPELINE_OVER_STEP = 3.0
+TARGET_OT_SHARE = 0.02
+
+
+def load_config(path: str, overrides: Sequence[str] = ()):
+  """Loads `get_config()` from a config file and applies `a.b=value` overrides."""
+  spec = importlib.util.spec_from_file_location('bench_config', path)
+  if spec is None:
+    raise ValueError(f'Cannot load a config from {path!r}.')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for item in overrides:
+    key, _, value = item.partition('=')
+    node = config
+    *parents, leaf = key.split('.')
+    for parent in parents:
+      node = node[parent]
+    current = node[leaf]
+    node[leaf] = (type(current)(value) if not isinstance(current, bool)
+                  else value.lower() in ('1', 'true', 'yes'))
+  return config
+
+
+def _flops(compiled) -> float:
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0]
+  return float(analysis.get('flops', float('nan')))
+
+
+def _train_images(config, num: int, seed: int) -> np.ndarray:
+  """Training images for the pipeline timing: the config's dataset if it is
+  prepared here, else random uint8 (gathering cost does not depend on content)."""
+  from otclr_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  try:
+    return input_pipeline.load_split(config.dataset, 'train', config.image_size,
+                                     config.data_dir or None,
+                                     download=False).images, config.dataset
+  except Exception:  # pylint: disable=broad-except
+    rng = np.random.default_rng(seed)
+    shape = (num, config.image_size, config.image_size, 3)
+    return rng.integers(0, 256, shape, dtype=np.uint8), 'random uint8'
+
+
+def run_train(args: argparse.Namespace) -> int:
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from otclr_jax import input_pipeline, train  # pylint: disable=g-import-not-at-top
+
+  base = load_config(args.config, args.override)
+  if args.batch_size:
+    base.batch_size = args.batch_size
+  batch_size, size = base.batch_size, base.image_size
+  mesh = train.make_mesh()
+  replicated = NamedSharding(mesh, PartitionSpec())
+  images, source = _train_images(base, max(4 * batch_size, 1024), args.seed)
+  host_batch = images[:batch_size]
+  batch = train.global_batch(host_batch, mesh)
+  key = jax.device_put(jax.random.key(args.seed), replicated)
+
+  methods = ('simclr', 'otclr')
+  steps, states, flops, fwd_flops = {}, {}, {}, {}
+  params_m = eval_params_m = None
+  for method in methods:
+    config = base.copy_and_resolve_references()
+    config.method = method
+    model = train.create_model(config)
+    schedule = train.learning_rate_schedule(config, 100, 1000)
+    tx = train.create_optimizer(config, schedule)
+    state = jax.jit(functools.partial(train.init_state, config, model, tx),
+                    out_shardings=replicated)(jax.random.key(args.seed))
+    step = train.jit_train_step(config, model, tx, schedule, mesh)
+    compiled = step.lower(state, batch, key).compile()
+    flops[method] = _flops(compiled)
+    steps[method], states[method] = compiled, state
+    views = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
+    variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+    fwd_flops[method] = _flops(jax.jit(
+        lambda v, x: model.apply(v, x, train=False)).lower(variables, views)
+                               .compile())
+    params_m = train.count_params(state.params['net']) / 1e6
+    eval_params_m = train.count_params(state.params['net']['encoder']) / 1e6
+    print(f'compiled {method} step', flush=True)
+
+  times = {m: [] for m in methods}
+  for method in methods:  # warm-up
+    states[method], metrics = steps[method](states[method], batch, key)
+    jax.block_until_ready(metrics)
+  for _ in range(args.repeats):
+    for method in methods:  # alternated, so drifts in machine load hit both
+      start = time.perf_counter()
+      states[method], metrics = steps[method](states[method], batch, key)
+      jax.block_until_ready(metrics)
+      times[method].append(time.perf_counter() - start)
+  step_ms = {m: 1e3 * statistics.median(t) for m, t in times.items()}
+
+  # Linear evaluation: the frozen encoder's forward pass on clean images.
+  config = base.copy_and_resolve_references()
+  model = train.create_model(config)
+  state = states['otclr']
+  encoder_vars = {'params': state.params['net'],
+                  'batch_stats': state.batch_stats}
+  encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
+  clean = jnp.asarray(host_batch, jnp.float32) / 255.0
+  eval_compiled = encode.lower(encoder_vars, clean).compile()
+  eval_flops = _flops(eval_compiled)
+  eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
+                       repeats=2 * args.repeats)
+
+  # The OT views of a whole batch (both views), as the OTCLR step makes them.
+  otc = base.ot
+  views_fn = jax.jit(lambda x, s1, s2: (
+      ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon, otc.num_iters),
+      ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon, otc.num_iters)))
+  views_ms, _ = time_ms(views_fn, clean, clean[::-1], clean,
+                        repeats=2 * args.repeats, min_time_s=1.0)
+
+  # Host input pipeline: gather a batch and hand it to the devices.
+  batches = input_pipeline.train_batches(images, batch_size, args.seed)
+  next(batches)
+  n = 50
+  start = time.perf_counter()
+  for _ in range(n):
+    jax.block_until_ready(train.global_batch(next(batches), mesh))
+  pipeline_per_s = n / (time.perf_counter() - start)
+  getattr(batches, 'close', lambda: None)()
+
+  ratio = step_ms['otclr'] / step_ms['simclr']
+  pairs = {m: 1e3 * batch_size / step_ms[m] for m in methods}
+  rows = [
+      ('Pretraining', 'SimCLR', params_m, fwd_flops['simclr'], flops['simclr'],
+       step_ms['simclr'], pairs['simclr']),
+      ('Pretraining', 'OTCLR', params_m, fwd_flops['otclr'], flops['otclr'],
+       step_ms['otclr'], pairs['otclr']),
+  ]
+  device = jax.devices()[0]
+  print(f'\nconfig {args.config}, batch {batch_size}, {size}x{size}, dtype '
+        f'{base.dtype}, {len(jax.devices())} x {device.device_kind} '
+        f'({device.platform}); median of {args.repeats} alternated steps')
+  print('| Stage | Method | Params (M) | GFLOPs fwd / pair | GFLOPs step / pair '
+        '| Step (ms) | Thrpt. (pairs/s) |')
+  print('|---|---|---|---|---|---|---|')
+  for stage, method, p, fwd, full, ms, thr in rows:
+    print(f'| {stage} | {method} | {p:.2f} | {fwd / 2 / batch_size / 1e9:.3f} '
+          f'| {full / batch_size / 1e9:.3f} | {ms:.1f} | {thr:,.0f} |')
+  for method in ('SimCLR', 'OTCLR'):
+    # Same frozen encoder for both: the OT views exist only in pretraining.
+    print(f'| Linear eval. | {method} | {eval_params_m:.2f} | '
+          f'{eval_flops / batch_size / 1e9:.3f} / image | - | {eval_ms:.1f} '
+          f'| {1e3 * batch_size / eval_ms:,.0f} images/s |')
+  share = views_ms / step_ms['otclr']
+  pipe_ratio = pipeline_per_s / (1e3 / step_ms['otclr'])
+  print(f'\nOTCLR / SimCLR step time: {ratio:.3f} '
+        f'(target <= {TARGET_STEP_RATIO}: '
+        f'{"met" if ratio <= TARGET_STEP_RATIO else "MISSED"})')
+  print(f'OT views (2 x {batch_size} images): {views_ms:.1f} ms = '
+        f'{100 * share:.2f}% of the OTCLR step (target < '
+        f'{100 * TARGET_OT_SHARE:.0f}%: '
+        f'{"met" if share < TARGET_OT_SHARE else "MISSED"})')
+  print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
+        f'{1e3 / step_ms["otclr"]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
+        f'{TARGET_PIPELINE_OVER_STEP:.0f}x: '
+        f'{"met" if pipe_ratio >= TARGET_PIPELINE_OVER_STEP else "MISSED"})')
+  return 0
+
+
+def _add_train_parser(subparsers) -> None:
+  p = subparsers.add_parser(
+      'train', help="the paper's complexity table for SimCLR vs OTCLR",
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--config', required=True, help='configs/X.py')
+  p.add_argument('--batch_size', type=int, default=0,
+                 help='override config.batch_size (0 keeps it)')
+  p.add_argument('--override', nargs='*', default=[],
+                 help='config overrides a.b=value, e.g. dtype=bfloat16')
+  p.add_argument('--repeats', type=int, default=5,
+                 help='timed steps per method, alternated')
+  p.add_argument('--seed', type=int, default=0)
+  p.set_defaults(func=run_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='python -m otclr_jax.bench', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   subparsers = parser.add_subparsers(dest='command', required=True)
   _add_ot_parser(subparsers)
+  _add_train_parser(subparsers)
   return parser
 
 

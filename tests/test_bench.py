@@ -88,3 +88,28 @@ def test_numpy_splat_tables_match_dense_displace():
 def test_ot_bench_rejects_bad_flags(flag, value):
   with pytest.raises(ValueError, match=flag.lstrip('-')):
     bench.main(TINY + [flag, value])
+
+
+def test_train_bench_prints_complexity_table(tmp_path, capsys):
+  code = bench.main([
+      'train', '--config=configs/digits.py', '--repeats=1', '--override',
+      f'data_dir={tmp_path}', 'image_size=8', 'batch_size=16',
+      'ot.grid_size=4', 'model.proj_hidden_dim=32', 'model.proj_dim=16'])
+  assert code == 0
+  out = capsys.readouterr().out
+  for method in ('SimCLR', 'OTCLR'):
+    assert re.search(rf'\| Pretraining \| {method} \| 11\.\d\d \|', out)
+    assert re.search(rf'\| Linear eval\. \| {method} \| 11\.18 \|', out)
+  assert re.search(r'OTCLR / SimCLR step time: \d+\.\d{3}', out)
+  assert 'of the OTCLR step' in out
+  assert re.search(r'Input pipeline \(digits\): [\d,]+ batches/s', out)
+
+
+def test_load_config_applies_overrides():
+  config = bench.load_config('configs/cifar10.py',
+                             ['batch_size=512', 'ot.epsilon=0.1',
+                              'dtype=bfloat16', 'ot.learn_alpha=true'])
+  assert config.batch_size == 512
+  assert config.ot.epsilon == 0.1
+  assert config.dtype == 'bfloat16'
+  assert config.ot.learn_alpha is True
