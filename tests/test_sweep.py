@@ -1,0 +1,443 @@
+"""Tests of the sweep launcher: grid, commands, SLURM script, resuming, tables."""
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from launch import sweep as sweep_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_OVERRIDES = {
+    'image_size': 8,
+    'total_steps': 2,
+    'log_every_steps': 1,
+    'checkpoint_every_steps': 2,
+    'model.proj_hidden_dim': 32,
+    'model.proj_dim': 16,
+    'ot.grid_size': 4,
+}
+
+
+def write_sweep(path, grid, overrides=None, config='configs/digits.py'):
+  spec = {'config': config, 'grid': grid}
+  if overrides is not None:
+    spec['overrides'] = overrides
+  path.write_text(f'def get_sweep():\n  return {spec!r}\n')
+  return str(path)
+
+
+def tiny_grid(methods=('otclr',), seeds=(0,)):
+  return {'method': list(methods), 'batch_size': [16], 'seed': list(seeds),
+          'dataset': ['digits']}
+
+
+def flags_of(argv):
+  return dict(a[2:].split('=', 1) for a in argv if a.startswith('--'))
+
+
+# ----------------------------------------------------------------------------
+# Grid and commands.
+
+
+def test_paper_sweep_expands_to_named_runs_and_commands(tmp_path, capsys):
+  sweep = sweep_lib.load_sweep('cifar10_paper')
+  runs = sweep.runs(str(tmp_path))
+  expected = [f'cifar10_{m}_b{b}_s{s}' for s in (0, 1, 2) for b in (256, 512)
+              for m in ('simclr', 'otclr')]
+  assert [r.name for r in runs] == expected
+  assert [r.index for r in runs] == list(range(12))
+
+  code = sweep_lib.run_sweep(sweep, str(tmp_path), dry_run=True)
+  assert code == 0
+  lines = [l.strip() for l in capsys.readouterr().out.splitlines()]
+  commands = [shlex.split(l) for l in lines if 'otclr_jax.main' in l]
+  assert len(commands) == 2 * 12
+  for run, train, evaluate in zip(runs, commands[::2], commands[1::2]):
+    assert train[:3] == [sys.executable, '-m', 'otclr_jax.main']
+    flags = flags_of(train)
+    assert flags == {
+        'config': 'configs/cifar10.py',
+        'workdir': os.path.join(str(tmp_path), run.name),
+        'config.method': run.method, 'config.batch_size': str(run.batch_size),
+        'config.seed': str(run.seed), 'config.dataset': 'cifar10'}
+    assert flags_of(evaluate) == {**flags, 'config.mode': 'eval'}
+  # A dry run leaves no trace.
+  assert os.listdir(tmp_path) == []
+
+
+def test_overrides_reach_the_command_line_with_config_flag_syntax(tmp_path):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), {
+      **TINY_OVERRIDES, 'data_dir': '/d', 'ot.learn_alpha': True,
+      'eval.datasets': ('digits', 'cifar10')})
+  sweep = sweep_lib.load_sweep(path, {'ot.epsilon': 0.1})
+  (run,) = sweep.runs(str(tmp_path / 'out'))
+  assert run.name == 'digits_otclr_b16_s0'
+  flags = flags_of(sweep_lib.command(sweep, run, 'train'))
+  assert flags['config.ot.grid_size'] == '4'
+  assert flags['config.data_dir'] == '/d'
+  assert flags['config.ot.learn_alpha'] == 'true'
+  assert flags['config.eval.datasets'] == "('digits', 'cifar10')"
+  assert flags['config.ot.epsilon'] == '0.1'
+
+
+@pytest.mark.parametrize('grid, overrides, message', [
+    ({'method': ['otclr'], 'seed': [0], 'dataset': ['digits']}, None,
+     'exactly the axes'),
+    ({**tiny_grid(), 'seed': []}, None, 'non-empty list'),
+    (tiny_grid(), {'ot.no_such_field': 1}, 'Unknown config field'),
+    (tiny_grid(), {'total_steps': 'many'}, 'wrong type'),
+    (tiny_grid(), {'seed': 3}, 'grid axis'),
+    ({**tiny_grid(), 'seed': [0, 0]}, None, 'duplicate run names'),
+])
+def test_bad_sweep_files_are_rejected(tmp_path, grid, overrides, message):
+  path = write_sweep(tmp_path / 's.py', grid, overrides)
+  with pytest.raises(ValueError, match=message):
+    sweep_lib.load_sweep(path)
+
+
+def test_folder_datasets_get_a_single_path_component():
+  assert sweep_lib.run_name('folder:/data/my pets', 'simclr', 64, 1) == (
+      'folder-data-my-pets_simclr_b64_s1')
+
+
+# ----------------------------------------------------------------------------
+# SLURM.
+
+
+def test_slurm_script_has_one_task_per_run(tmp_path):
+  workdir = str(tmp_path / 'sweep')
+  code = sweep_lib.main(['cifar10_paper', f'--workdir={workdir}', '--slurm',
+                         '--partition=gpu', '--time=02:00:00',
+                         '--override=data_dir=/tfds'])
+  assert code == 0
+  script = open(os.path.join(workdir, 'sweep.sbatch')).read()
+  header = [l for l in script.splitlines() if l.startswith('#SBATCH')]
+  for line in ('#SBATCH --array=0-11', '#SBATCH --requeue',
+               '#SBATCH --partition=gpu', '#SBATCH --time=02:00:00',
+               '#SBATCH --gres=gpu:1'):
+    assert line in header
+  assert any(l.startswith('#SBATCH --signal=B:TERM@') for l in header)
+  assert 'trap requeue TERM' in script
+  assert 'scontrol requeue' in script
+  (task,) = [l for l in script.splitlines()
+             if 'launch.sweep' in l and not l.startswith('#')]
+  argv = shlex.split(task.rstrip(' &'))
+  assert argv[:4] == [sys.executable, '-m', 'launch.sweep',
+                      os.path.join(REPO, 'launch', 'sweeps', 'cifar10_paper.py')]
+  assert f'--workdir={workdir}' in argv
+  assert '--override=data_dir=/tfds' in argv
+  assert '--only_index=$SLURM_ARRAY_TASK_ID' in argv
+  subprocess.run(['bash', '-n', os.path.join(workdir, 'sweep.sbatch')],
+                 check=True)
+
+  listed = json.load(open(os.path.join(workdir, 'runs.json')))['runs']
+  runs = sweep_lib.load_sweep('cifar10_paper').runs(workdir)
+  assert [e['name'] for e in listed] == [r.name for r in runs]
+  assert [e['index'] for e in listed] == list(range(12))
+  assert '--config.data_dir=/tfds' in listed[5]['train']
+  assert listed[5]['eval'].endswith('--config.mode=eval')
+
+
+# A stand-in for train.py: reports progress like absl, and on SIGTERM saves
+# (here: writes a file) and exits 0.
+_CHILD = textwrap.dedent("""
+    import signal, sys, time
+    def stop(*_):
+      open(sys.argv[1], 'w').write('stopped')
+      sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print('I1121 05:55:39.739 1 train.py:323] step 1/2 [###] 50%', flush=True)
+    open(sys.argv[2], 'w').write('ready')
+    time.sleep(60)
+    sys.exit(3)
+""")
+
+
+def _when_ready(path, action):
+  def wait():
+    deadline = time.time() + 30
+    while not os.path.exists(path) and time.time() < deadline:
+      time.sleep(0.05)
+    action()
+  thread = threading.Thread(target=wait)
+  thread.start()
+  return thread
+
+
+def test_slurm_task_passes_sigterm_on_and_requeues_itself(tmp_path):
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'scontrol').write_text(
+      f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.txt\n')
+  (bin_dir / 'scontrol').chmod(0o755)
+  (tmp_path / 'child.py').write_text(_CHILD)
+  stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
+  script = sweep_lib.slurm_script('/s.py', str(tmp_path), ['a', 'b'],
+                                  job_name='t')
+  fake = shlex.join([sys.executable, str(tmp_path / 'child.py'), str(stopped),
+                     str(ready)])
+  script = '\n'.join(fake + ' &' if line.endswith(' &') else line
+                     for line in script.splitlines())
+  (tmp_path / 'job.sh').write_text(script)
+  env = {**os.environ, 'PATH': f'{bin_dir}:{os.environ["PATH"]}',
+         'SLURM_ARRAY_JOB_ID': '7', 'SLURM_ARRAY_TASK_ID': '1'}
+  job = subprocess.Popen(['bash', str(tmp_path / 'job.sh')], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  _when_ready(str(ready), lambda: job.send_signal(signal.SIGTERM)).join()
+  out = job.communicate(timeout=30)[0].decode()
+  assert job.returncode == 0, out
+  assert stopped.read_text() == 'stopped'
+  assert (tmp_path / 'scontrol.txt').read_text().split() == ['requeue', '7_1']
+
+
+def test_launcher_passes_a_stop_signal_on_and_shows_progress(tmp_path,
+                                                             capsys):
+  (tmp_path / 'child.py').write_text(_CHILD)
+  stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
+  launcher = sweep_lib.SubprocessLauncher(poll_seconds=0.05)
+  launcher.prefix = '[1/1] run: '
+  thread = _when_ready(str(ready),
+                       lambda: launcher._handle(signal.SIGTERM, None))
+  code = launcher([sys.executable, str(tmp_path / 'child.py'), str(stopped),
+                   str(ready)], str(tmp_path / 'run' / 'train.log'))
+  thread.join()
+  assert code == 0
+  assert stopped.read_text() == 'stopped'
+  assert launcher.stop_signal == signal.SIGTERM
+  assert 'step 1/2 [###] 50%' in open(tmp_path / 'run' / 'train.log').read()
+  assert '[1/1] run: step 1/2 [###] 50%' in capsys.readouterr().out
+
+
+def test_array_task_refuses_a_changed_sweep_file(tmp_path):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)), TINY_OVERRIDES)
+  workdir = str(tmp_path / 'out')
+  sweep_lib.write_slurm(sweep_lib.load_sweep(path), path, workdir,
+                        job_name='t')
+  write_sweep(tmp_path / 's.py', tiny_grid(seeds=(1, 2)), TINY_OVERRIDES)
+  with pytest.raises(ValueError, match='sweep file changed'):
+    sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir, only_index=0,
+                        launcher=FakeLauncher())
+
+
+# ----------------------------------------------------------------------------
+# Local runs with a fake launcher.
+
+
+class FakeLauncher:
+  """Pretends to train/evaluate: writes what train.py and evaluate.py would."""
+
+  def __init__(self, fail=(), stop_during=None, stop_at_step=None):
+    self.calls = []
+    self.fail = set(fail)
+    self.stop_during = stop_during
+    self.stop_at_step = stop_at_step
+    self.stop_signal = None
+
+  def __call__(self, argv, log_path):
+    flags = flags_of(argv)
+    workdir = flags['workdir']
+    name = os.path.basename(workdir)
+    mode = flags.get('config.mode', 'train')
+    self.calls.append((name, mode))
+    assert os.path.dirname(log_path) == workdir
+    if (name, mode) in self.fail:
+      return 1
+    total = int(flags['config.total_steps'])
+    if mode == 'train':
+      step = total
+      if self.stop_during == name:
+        self.stop_signal = signal.SIGTERM
+        step = self.stop_at_step
+      os.makedirs(os.path.join(workdir, 'checkpoints', str(step)),
+                  exist_ok=True)
+    else:
+      os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
+      with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
+        json.dump({'step': total}, f)
+    return 0
+
+
+def fake_results(workdir, step):
+  os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
+  with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
+    json.dump({'step': step}, f)
+
+
+@pytest.fixture
+def four_runs(tmp_path):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(('simclr', 'otclr'), (0, 1)),
+                     TINY_OVERRIDES)
+  sweep = sweep_lib.load_sweep(path)
+  workdir = str(tmp_path / 'out')
+  return sweep, workdir, [r.name for r in sweep.runs(workdir)]
+
+
+def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs):
+  sweep, workdir, names = four_runs
+  # Run 0 finished; run 1 evaluated at an intermediate step (not finished);
+  # run 2 trained but not evaluated; run 3 untouched.
+  fake_results(os.path.join(workdir, names[0]), 2)
+  fake_results(os.path.join(workdir, names[1]), 1)
+  os.makedirs(os.path.join(workdir, names[2], 'checkpoints', '2'))
+  launcher = FakeLauncher()
+  code = sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False)
+  assert code == 0
+  assert launcher.calls == [(names[1], 'train'), (names[1], 'eval'),
+                            (names[2], 'eval'),
+                            (names[3], 'train'), (names[3], 'eval')]
+  # Everything finished now: a second pass launches nothing.
+  again = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=again,
+                             aggregate=False) == 0
+  assert again.calls == []
+  assert len(json.load(open(os.path.join(workdir, 'runs.json')))['runs']) == 4
+
+
+def test_a_failed_run_is_reported_and_the_sweep_goes_on(four_runs, capsys):
+  sweep, workdir, names = four_runs
+  launcher = FakeLauncher(fail={(names[1], 'train')})
+  code = sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False)
+  assert code == 1
+  assert [n for n, mode in launcher.calls if mode == 'eval'] == [
+      names[0], names[2], names[3]]
+  assert f'FAILED {names[1]}' in capsys.readouterr().out
+
+  stopping = FakeLauncher(fail={(names[0], 'eval')})
+  code = sweep_lib.run_sweep(sweep, str(workdir) + '2', launcher=stopping,
+                             stop_on_error=True, aggregate=False)
+  assert code == 1
+  assert stopping.calls == [(names[0], 'train'), (names[0], 'eval')]
+
+
+def test_a_signal_during_training_stops_without_evaluating(four_runs):
+  sweep, workdir, names = four_runs
+  launcher = FakeLauncher(stop_during=names[1], stop_at_step=1)
+  code = sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False)
+  assert code == 128 + signal.SIGTERM
+  assert launcher.calls == [(names[0], 'train'), (names[0], 'eval'),
+                            (names[1], 'train')]
+
+
+def test_only_index_runs_one_run(four_runs):
+  sweep, workdir, names = four_runs
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             only_index=2) == 0
+  assert launcher.calls == [(names[2], 'train'), (names[2], 'eval')]
+  with pytest.raises(ValueError, match='only_index'):
+    sweep_lib.run_sweep(sweep, workdir, launcher=launcher, only_index=4)
+
+
+def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
+  config = sweep_lib.base_config(sweep_lib.load_sweep('cifar10_paper'))
+  config = sweep_lib.apply_overrides(config, [('num_epochs', 3)])
+  assert sweep_lib.final_step(config, str(tmp_path)) is None
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    for step in (50, 100):
+      f.write(json.dumps({'step': step, 'epoch': step / 195}) + '\n')
+  assert sweep_lib.final_step(config, str(tmp_path)) == 3 * 195
+  fake_results(str(tmp_path), 100)
+  assert not sweep_lib.is_finished(config, str(tmp_path))
+  fake_results(str(tmp_path), 585)
+  assert sweep_lib.is_finished(config, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------
+# Aggregation.
+
+
+def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
+  top1 = {('otclr', 256): [50.0, 52.0, 57.0], ('simclr', 256): [40.0, 44.0],
+          ('otclr', 512): [61.5]}
+  for (method, batch), values in top1.items():
+    for seed, value in enumerate(values):
+      name = sweep_lib.run_name('cifar10', method, batch, seed)
+      fake = {'step': 10, 'method': method, 'seed': seed, 'batch_size': batch,
+              'pretrain_dataset': 'cifar10',
+              'linear': {'cifar10': {'top1': value, 'top5': 90.0 + seed}},
+              'random_init': {'cifar10': {'top1': 20.0 + seed,
+                                          'top5': 50.0}}}
+      os.makedirs(tmp_path / name / 'eval')
+      (tmp_path / name / 'eval' / 'results.json').write_text(json.dumps(fake))
+  # Not a run: no eval/results.json.
+  os.makedirs(tmp_path / 'slurm')
+  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+
+  rows = json.load(open(tmp_path / 'summary.json'))
+  by_key = {(r['method'], r['batch_size']): r for r in rows}
+  assert set(by_key) == set(top1)
+  for key, values in top1.items():
+    got = by_key[key]['linear']['cifar10']['top1']
+    assert got['n'] == len(values)
+    np.testing.assert_allclose(got['mean'], np.mean(values), rtol=1e-12)
+    if len(values) > 1:
+      np.testing.assert_allclose(got['std'], np.std(values, ddof=1),
+                                 rtol=1e-12)
+  markdown = open(tmp_path / 'summary.md').read()
+  assert '53.00 ± 3.61' in markdown
+  assert '42.00 ± 2.83 (n=2)' in markdown
+  assert r'\pm' in open(tmp_path / 'summary.tex').read()
+  assert markdown in capsys.readouterr().out
+
+
+def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
+  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------
+# The real thing, twice: same seed, same numbers.
+
+
+def _without_timing(path):
+  records = [json.loads(l) for l in open(path)]
+  for record in records:
+    record.pop('images_per_sec')
+  return records
+
+
+def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
+  overrides = {**TINY_OVERRIDES, 'data_dir': str(tmp_path / 'data')}
+  # Optional evaluation knobs, smallest settings, where the config has them.
+  base = sweep_lib.base_config(sweep_lib.load_sweep(
+      write_sweep(tmp_path / 's.py', tiny_grid(), overrides)))
+  for key, value in (('probe_steps', 50), ('num_view_images', 16)):
+    if key in base.eval:
+      overrides[f'eval.{key}'] = value
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), overrides)
+  sweep = sweep_lib.load_sweep(path)
+  evaluation = importlib.util.find_spec('otclr_jax.evaluate') is not None
+  workdirs = [str(tmp_path / 'a'), str(tmp_path / 'b')]
+  for workdir in workdirs:
+    code = sweep_lib.run_sweep(sweep, workdir, aggregate=False,
+                               launcher=sweep_lib.SubprocessLauncher())
+    assert code == (0 if evaluation else 1), open(
+        os.path.join(workdir, 'digits_otclr_b16_s0', 'train.log')).read()[-3000:]
+  runs = [os.path.join(w, 'digits_otclr_b16_s0') for w in workdirs]
+  first, second = (_without_timing(os.path.join(r, 'metrics.jsonl'))
+                   for r in runs)
+  assert [r['step'] for r in first] == [1, 2]
+  assert all(np.isfinite(r['loss']) for r in first)
+  assert first == second
+  if evaluation:
+    a, b = (json.load(open(os.path.join(r, 'eval', 'results.json')))
+            for r in runs)
+    assert a['step'] == 2
+    for section in ('linear', 'random_init', 'clusters', 'views'):
+      assert a[section] == b[section], section
+    for probe in ('linear', 'random_init'):
+      assert 0.0 <= a[probe]['digits']['top1'] <= 100.0
