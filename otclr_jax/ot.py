@@ -107,12 +107,12 @@ def _check_grid(name: str, x: jax.Array) -> int:
   return x.shape[-1]
 
 
-def _check_images(x: jax.Array, x_strong: jax.Array) -> None:
+def _check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
   if x.ndim != 4:
     raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
-  if x_strong.shape != x.shape:
+  if y.shape != x.shape:
     raise ValueError(
-        f'x_strong must have the shape of x {x.shape}, got {x_strong.shape}.')
+        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
 
 
 # ----------------------------------------------------------------------------
@@ -399,6 +399,30 @@ def dense_displace(plan: jax.Array, alpha) -> jax.Array:
 # Images.
 
 
+def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters):
+  """Checks an image pair, puts its channels on the grid and runs Sinkhorn.
+
+  Returns:
+    `(measure_x, measure_y, kx, epsilon, u, v)`: the `image_to_measure`
+    triples of both images, the axis kernel, the checked epsilon and the
+    scalings `[B, C, m, m]` of the plans from `x` to `y`.
+  """
+  _check_finite('x', x)
+  _check_finite(y_name, y)
+  x = jnp.asarray(x, jnp.float32)
+  y = jnp.asarray(y, jnp.float32)
+  _check_images(x, y, y_name)
+  m = _check_static_int('grid_size', grid_size, 2)
+  num_iters = _check_static_int('num_iters', num_iters, 1)
+  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
+                                low_inclusive=False)
+  measure_x = image_to_measure(x, m)
+  measure_y = image_to_measure(y, m)
+  kx = _axis_kernel(m, epsilon)
+  u, v = _sinkhorn_scalings(measure_x[0], measure_y[0], kx, num_iters)
+  return measure_x, measure_y, kx, epsilon, u, v
+
+
 def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
              num_iters: int = 20) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}(x, x_strong)` (METHOD.md s. 2-5).
@@ -420,20 +444,9 @@ def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.
   """
-  _check_finite('x', x)
-  _check_finite('x_strong', x_strong)
-  x = jnp.asarray(x, jnp.float32)
-  x_strong = jnp.asarray(x_strong, jnp.float32)
-  _check_images(x, x_strong)
-  m = _check_static_int('grid_size', grid_size, 2)
-  num_iters = _check_static_int('num_iters', num_iters, 1)
   alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
-                                low_inclusive=False)
-  p_src, mass_src, off_src = image_to_measure(x, m)
-  p_str, mass_str, off_str = image_to_measure(x_strong, m)
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(p_src, p_str, kx, num_iters)
+  (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
+      _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters))
   p_bar = _displace_from_scalings(u, v, kx, alpha)
   mass = (1.0 - alpha) * mass_src + alpha * mass_str
   offset = (1.0 - alpha) * off_src + alpha * off_str
@@ -454,17 +467,6 @@ def image_sinkhorn_cost(x, y, grid_size: int = 16, epsilon=0.05,
   Returns:
     `[B]` costs `mean_c S_eps(x_c, y_c)` (METHOD.md section 6 [decision]).
   """
-  _check_finite('x', x)
-  _check_finite('y', y)
-  x = jnp.asarray(x, jnp.float32)
-  y = jnp.asarray(y, jnp.float32)
-  _check_images(x, y)
-  m = _check_static_int('grid_size', grid_size, 2)
-  num_iters = _check_static_int('num_iters', num_iters, 1)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
-                                low_inclusive=False)
-  p, _, _ = image_to_measure(x, m)
-  q, _, _ = image_to_measure(y, m)
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(p, q, kx, num_iters)
+  _, _, kx, epsilon, u, v = _solve_images(x, y, 'y', grid_size, epsilon,
+                                          num_iters)
   return jnp.mean(_cost_from_scalings(u, v, kx, epsilon), axis=-1)
