@@ -59,4 +59,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.probe_steps = 500  # max L-BFGS iterations of the linear probe.
   config.eval.num_view_images = 1000  # test images for the view metrics.
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
+  config.eval.figures = True  # t-SNE and training curves after evaluating.
   return config

@@ -41,11 +41,16 @@ augmentations.
 Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
 of the contract in notes/CONTRACT.md, plus a `protocol` entry recording the
 settings above), `tables.md` and `tables.tex` (`otclr_jax.tables`); the probe
-table is printed to stdout.
+table is printed to stdout. Also, for the figures (`otclr_jax.figures`):
+`probe_step<S>_<dataset key>.npz`, the final probe of each dataset (`Probe`,
+read back with `load_probe`), `config.json`, the run's config, and
+`figures/` (t-SNE of the views and the training curves, drawn by
+`figures.report_single`; a failure there is logged, never raised).
 
 Config fields (`config.eval.<name>`, defaults in configs/default.py):
 batch_size (images per feature-extraction batch), probe_steps (maximum L-BFGS
-iterations), num_view_images, views_dataset ('' = first eval dataset).
+iterations), num_view_images, views_dataset ('' = first eval dataset),
+figures (draw the t-SNE and training-curve figures).
 
 The checkpoint directory is opened read-only, so a run that is still training
 can be evaluated without disturbing its saves.
@@ -61,7 +66,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from absl import app
 from absl import flags
@@ -287,6 +292,27 @@ def _load_cached(path: str, name: str, image_size: int):
     return f['features'], f['labels'], int(f['num_classes'])
 
 
+def load_features(workdir: str, step: int, name: str, split: str,
+                  image_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Cached encoder features of checkpoint `step`, as `evaluate` stored them.
+
+  Returns:
+    (features float32 [N, 512], labels int32 [N]).
+
+  Raises:
+    FileNotFoundError: no cache for this step, dataset, split and image size;
+      the message says how to make it.
+  """
+  path = _cache_path(workdir, f'step{int(step)}', name, split)
+  cached = _load_cached(path, name, image_size)
+  if cached is None:
+    raise FileNotFoundError(
+        f'No cached {name}/{split} features of step {step} at {image_size} px '
+        f'({path}); run the evaluation first: `python -m otclr_jax.evaluate '
+        f'--config=configs/<config>.py --workdir={workdir}`.')
+  return cached[0], cached[1]
+
+
 def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
                  labels: np.ndarray, num_classes: int) -> None:
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -368,11 +394,16 @@ def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
   return held
 
 
-def _standardiser(x: np.ndarray):
+def _moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Float64 column mean and standard deviation [D] of x [N, D]."""
   mean = x.mean(axis=0, dtype=np.float64)
   std = x.std(axis=0, dtype=np.float64)
   # A constant feature (e.g. a dead ReLU channel) is centred, not scaled.
-  std = np.where(std > 0, std, 1.0)
+  return mean, np.where(std > 0, std, 1.0)
+
+
+def _standardiser(x: np.ndarray):
+  mean, std = _moments(x)
   return lambda y: ((y - mean) / std).astype(np.float32)
 
 
@@ -416,9 +447,14 @@ def _fit_probe(x, y, weights, l2, *, num_classes, max_steps):
 
 
 @jax.jit
+def _logits(params, x):
+  return _matmul(x, params['w']) + params['b']
+
+
+@jax.jit
 def _scores(params, x, y):
   """Top-1 hits, top-5 hits and cross-entropy per example."""
-  logits = _matmul(x, params['w']) + params['b']
+  logits = _logits(params, x)
   label_logit = jnp.take_along_axis(logits, y[:, None], axis=1)
   # Rank = number of classes scoring strictly higher than the label; with
   # fewer than 5 classes every rank is < 5, so top-5 is 100%.
@@ -428,11 +464,75 @@ def _scores(params, x, y):
   return top1, rank < 5, ce
 
 
+class Probe(NamedTuple):
+  """A fitted linear probe: `logits = ((h - mean) / std) @ w + b`.
+
+  Attributes:
+    w: float32 [D, C].
+    b: float32 [C].
+    mean: float64 [D], the train features' mean.
+    std: float64 [D], their standard deviation (1 for constant features).
+    weight_decay: the L2 strength it was fitted with.
+  """
+  w: np.ndarray
+  b: np.ndarray
+  mean: np.ndarray
+  std: np.ndarray
+  weight_decay: float
+
+  def logits(self, features: np.ndarray) -> np.ndarray:
+    """Class scores float32 [N, C] of encoder features [N, D].
+
+    The same float32 computation as the probe's evaluation, so predictions
+    reproduce the reported accuracies exactly.
+    """
+    features = np.asarray(features, np.float32)
+    if features.ndim != 2 or features.shape[1] != len(self.mean):
+      raise ValueError(f'features must be [N, {len(self.mean)}], got '
+                       f'{features.shape}.')
+    x = ((features - self.mean) / self.std).astype(np.float32)
+    return np.asarray(_logits({'w': jnp.asarray(self.w),
+                               'b': jnp.asarray(self.b)}, jnp.asarray(x)))
+
+
+def probe_path(workdir: str, step: int, name: str) -> str:
+  """`<workdir>/eval/probe_step<step>_<dataset key>.npz`."""
+  return os.path.join(workdir, 'eval',
+                      f'probe_step{int(step)}_{dataset_key(name)}.npz')
+
+
+def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
+               top1: float) -> None:
+  """Writes a probe, with the dataset, step and test top-1 it belongs to."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  _atomic_write(path, lambda tmp: np.savez(
+      tmp, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
+      weight_decay=probe.weight_decay, dataset=dataset, step=int(step),
+      top1=float(top1)))
+
+
+def load_probe(path: str) -> Probe:
+  """Reads a probe written by `save_probe` (i.e. by `evaluate`).
+
+  Raises:
+    FileNotFoundError: no probe at `path`; the message says how to make it.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f'No linear probe {path}; run the evaluation first: `python -m '
+        'otclr_jax.evaluate --config=configs/<config>.py --workdir=<run dir>` '
+        '(it saves the probe of every dataset it evaluates).')
+  with np.load(path, allow_pickle=False) as f:
+    return Probe(w=f['w'], b=f['b'], mean=f['mean'], std=f['std'],
+                 weight_decay=float(f['weight_decay']))
+
+
 def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                  test_y: np.ndarray, num_classes: int, *,
                  l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
                  holdout_fraction: float = HOLDOUT_FRACTION,
-                 holdout_seed: int = HOLDOUT_SEED) -> dict[str, Any]:
+                 holdout_seed: int = HOLDOUT_SEED,
+                 return_probe: bool = False):
   """Linear probe with the L2 strength chosen on held-out training data.
 
   For each lambda in `l2_grid`, a probe is fitted on 90% of the train split
@@ -452,11 +552,12 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     max_steps: maximum L-BFGS iterations per fit.
     holdout_fraction: share of each class held out for the selection.
     holdout_seed: seed of the held-out split.
+    return_probe: also return the final probe.
 
   Returns:
     {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
     lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
-    'num_test'}.
+    'num_test'}; with `return_probe`, the pair (that dict, `Probe`).
   """
   train_x = np.asarray(train_x, np.float32)
   test_x = np.asarray(test_x, np.float32)
@@ -496,15 +597,21 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                        len(candidates), float(l2)))
   neg_val_top1, _, _, best = min(candidates)
 
-  scale = _standardiser(train_x)
+  mean, std = _moments(train_x)
+  scale = lambda v: ((v - mean) / std).astype(np.float32)
   params, _ = fit(jnp.asarray(scale(train_x)), y,
                   jnp.ones(len(train_y), jnp.float32), jnp.float32(best))
   top1, top5, _ = jax.device_get(
       _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
-  return {'top1': 100.0 * float(np.mean(top1)),
-          'top5': 100.0 * float(np.mean(top5)),
-          'weight_decay': best, 'val_top1': -100.0 * neg_val_top1,
-          'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
+  row = {'top1': 100.0 * float(np.mean(top1)),
+         'top5': 100.0 * float(np.mean(top5)),
+         'weight_decay': best, 'val_top1': -100.0 * neg_val_top1,
+         'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
+  if not return_probe:
+    return row
+  w, b = jax.device_get((params['w'], params['b']))
+  return row, Probe(w=np.asarray(w), b=np.asarray(b), mean=mean, std=std,
+                    weight_decay=float(best))
 
 
 # ----------------------------------------------------------------------------
@@ -595,10 +702,27 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
   return out
 
 
-def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
-                 images: np.ndarray, num_classes: int, *, num_images: int,
-                 batch_size: int, seed: int = VIEWS_SEED) -> dict[str, Any]:
-  """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
+class ViewEmbeddings(NamedTuple):
+  """Encoder embeddings of test images and of both generators' views.
+
+  Attributes:
+    indices: int [n], the rows of the test split that were used (sorted).
+    anchors: float32 [n, 512], l2-normalised h of the clean images.
+    simclr: (z1, z2), each [n, 512], of the SimCLR pair (xs1, xs2).
+    otclr: (z1, z2), each [n, 512], of the OTCLR pair.
+    pixel_l2: mean pixel L2 between each OT view and its strong endpoint.
+  """
+  indices: np.ndarray
+  anchors: np.ndarray
+  simclr: tuple[np.ndarray, np.ndarray]
+  otclr: tuple[np.ndarray, np.ndarray]
+  pixel_l2: float
+
+
+def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
+                    images: np.ndarray, *, num_images: int, batch_size: int,
+                    seed: int = VIEWS_SEED) -> ViewEmbeddings:
+  """Both generators' positive pairs of test images, embedded by one encoder.
 
   `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
   strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
@@ -611,15 +735,12 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
     model: the run's network.
     state: the restored TrainState.
     images: uint8 [N, S, S, 3] test images.
-    num_classes: K for the cluster metrics of the view embeddings.
     num_images: n, at most N.
     batch_size: images per device call.
     seed: selection and augmentation seed.
 
   Returns:
-    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
-    anchor_distance, pixel_l2 and the four cluster metrics of the 2n view
-    embeddings [z1; z2] (K-means with K = num_classes).
+    The embeddings.
   """
   n = min(num_images, len(images))
   chosen = np.sort(np.random.default_rng(seed).choice(len(images), n,
@@ -651,22 +772,68 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
     pixel_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
                                     metrics.pixel_l2(o2[:real], s2[:real]))
   za, zs1, zs2, zo1, zo2 = (np.concatenate(p) for p in zip(*parts))
+  return ViewEmbeddings(indices=chosen, anchors=za, simclr=(zs1, zs2),
+                        otclr=(zo1, zo2), pixel_l2=pixel_sum / n)
 
+
+def summarise_views(views: ViewEmbeddings,
+                    num_classes: int) -> dict[str, Any]:
+  """The view-quality metrics of `view_embeddings` (see `view_metrics`)."""
   out = {}
-  for generator, z1, z2, pix in (('simclr', zs1, zs2, 0.0),
-                                 ('otclr', zo1, zo2, pixel_sum / n)):
+  # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
+  for generator, (z1, z2), pix in (('simclr', views.simclr, 0.0),
+                                   ('otclr', views.otclr, views.pixel_l2)):
     row = {'view_distance': float(metrics.view_distance(z1, z2)),
            'view_cosine': float(metrics.view_cosine(z1, z2)),
-           'anchor_distance': float(metrics.anchor_distance(z1, z2, za)),
-           # The SimCLR views are their strong endpoints: exactly 0.
-           'pixel_l2': pix}
+           'anchor_distance': float(metrics.anchor_distance(z1, z2,
+                                                            views.anchors)),
+           'pixel_l2': float(pix)}
     row.update(_safe_cluster_metrics(np.concatenate([z1, z2]), num_classes))
     out[generator] = row
   return out
 
 
+def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
+                 images: np.ndarray, num_classes: int, *, num_images: int,
+                 batch_size: int, seed: int = VIEWS_SEED) -> dict[str, Any]:
+  """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
+
+  The views and embeddings are those of `view_embeddings` (same arguments).
+
+  Args:
+    config: the run's config.
+    model: the run's network.
+    state: the restored TrainState.
+    images: uint8 [N, S, S, 3] test images.
+    num_classes: K for the cluster metrics of the view embeddings.
+    num_images: n, at most N.
+    batch_size: images per device call.
+    seed: selection and augmentation seed.
+
+  Returns:
+    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
+    anchor_distance, pixel_l2 and the four cluster metrics of the 2n view
+    embeddings [z1; z2] (K-means with K = num_classes).
+  """
+  return summarise_views(
+      view_embeddings(config, model, state, images, num_images=num_images,
+                      batch_size=batch_size, seed=seed), num_classes)
+
+
 # ----------------------------------------------------------------------------
 # Entry point.
+
+
+def restore(config: ml_collections.ConfigDict, workdir: str,
+            step: int | None = None):
+  """The run's network, restored TrainState and step (default: latest).
+
+  Raises:
+    FileNotFoundError: `workdir` holds no checkpoint.
+    ValueError: no checkpoint for `step`.
+  """
+  model, state, _, step, _ = _restore(config, workdir, step)
+  return model, state, step
 
 
 def _restore(config: ml_collections.ConfigDict, workdir: str,
@@ -760,8 +927,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     for tag, section in ((f'step{step}', 'linear'), ('init', 'random_init')):
       (tr_x, tr_y), (te_x, te_y) = feats[tag]['train'], feats[tag]['test']
       t0 = time.perf_counter()
-      row = linear_probe(tr_x, tr_y, te_x, te_y, num_classes,
-                         max_steps=probe_steps)
+      row, probe = linear_probe(tr_x, tr_y, te_x, te_y, num_classes,
+                                max_steps=probe_steps, return_probe=True)
+      if section == 'linear':
+        save_probe(probe_path(workdir, step, name), probe, dataset=name,
+                   step=step, top1=row['top1'])
       row['knn_top1'] = knn_top1(tr_x, tr_y, te_x, te_y, num_classes)
       results[section][name] = row
       logging.info('%s %s: probe top-1 %.2f%% top-5 %.2f%% (lambda %g), kNN '
@@ -774,9 +944,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   test = input_pipeline.load_split(views_dataset, 'test', config.image_size,
                                    config.data_dir or None)
   num_view_images = min(num_view_images, len(test.images))
-  results['views'] = view_metrics(
-      config, model, state, test.images, test.num_classes,
-      num_images=num_view_images, batch_size=batch_size)
+  views = view_embeddings(config, model, state, test.images,
+                          num_images=num_view_images, batch_size=batch_size)
+  results['views'] = summarise_views(views, test.num_classes)
   results['protocol'] = {
       'probe': 'softmax regression on standardised features, full-batch '
                'L-BFGS (optax.lbfgs)',
@@ -790,10 +960,32 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   }
   results = _json_safe(results)
   write_results(results, workdir)
+  # The figure commands rebuild the encoder and find the data from this.
+  _atomic_write(os.path.join(workdir, 'eval', 'config.json'),
+                lambda tmp: _write_text(tmp, config.to_json(indent=2) + '\n'))
   print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s', step,
                time.perf_counter() - start, os.path.join(workdir, 'eval'))
+  if config.eval.figures:
+    _draw_figures(config, workdir, results, views, test)
   return results
+
+
+def _draw_figures(config: ml_collections.ConfigDict, workdir: str,
+                  results: dict[str, Any], views: ViewEmbeddings,
+                  test: input_pipeline.Split) -> None:
+  """t-SNE of the views and training curves into `workdir/eval/figures/`."""
+  try:
+    from otclr_jax import figures  # pylint: disable=g-import-not-at-top
+    paths = figures.report_single(config, workdir, results=results,
+                                  views=views, test=test)
+    logging.info('Figures: %s', ', '.join(paths))
+  # A figure is a by-product: whatever goes wrong drawing it (a plotting
+  # backend, a degenerate embedding) must not lose the results written above.
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('Drawing the figures failed; the evaluation results are '
+                      'complete. Redraw with `python -m otclr_jax.figures '
+                      'report --workdir=%s`.', workdir)
 
 
 def write_results(results: dict[str, Any], workdir: str) -> None:

@@ -1,11 +1,28 @@
-"""Tests of otclr_jax.figures: the interpolation figure on tiny images."""
+"""Tests of otclr_jax.figures: interpolation on tiny images; t-SNE, top-5,
+curves and report on tiny evaluated digits runs."""
+
+import json
+import os
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 from PIL import Image
+from sklearn import metrics
 
+from otclr_jax import evaluate
 from otclr_jax import figures
+from otclr_jax import input_pipeline
+from otclr_jax import train
+from tests.tiny import tiny_config
+
+
+def _figure_config(data_dir, **overrides):
+  """The shared tiny run: 2 steps logged every step, a small evaluation."""
+  return tiny_config(data_dir, total_steps=2, log_every_steps=1, **{
+      'eval.num_view_images': 30, 'eval.probe_steps': 10,
+      'eval.batch_size': 64}, **overrides)
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -86,3 +103,266 @@ def test_load_default_image_and_strong_view():
   np.testing.assert_array_equal(a, figures.strong_view(x, seed=3))
   assert a.shape == x.shape
   assert np.abs(a - figures.strong_view(x, seed=4)).max() > 0.05
+
+
+# ----------------------------------------------------------------------------
+# Figures of evaluated runs: tiny digits runs, trained 2 steps and evaluated.
+
+
+def _small_digits(monkeypatch):
+  """Cuts digits to 12 train / 6 test images per class for speed."""
+  load = input_pipeline.load_split
+
+  def small(name, split, image_size, data_dir=None, **kwargs):
+    data = load(name, split, image_size, data_dir, **kwargs)
+    per_class = 12 if split == 'train' else 6
+    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
+                                   for c in range(data.num_classes)]))
+    return data._replace(images=data.images[keep], labels=data.labels[keep])
+
+  monkeypatch.setattr(input_pipeline, 'load_split', small)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}.
+
+  The OTCLR run's evaluation draws its figures (the default), the SimCLR
+  run's does not (`config.eval.figures = False`).
+  """
+  root = tmp_path_factory.mktemp('runs')
+  data_dir = str(root / 'data')
+  out = {}
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _small_digits(monkeypatch)
+    for method in ('otclr', 'simclr'):
+      config = _figure_config(data_dir, method=method)
+      if method == 'simclr':
+        config.eval.figures = False
+      workdir = str(root / f'digits_{method}')
+      train.train_and_evaluate(config, workdir)
+      evaluate.evaluate(config, workdir)
+      out[method] = workdir
+    yield out
+
+
+def _assert_png_and_pdf(png):
+  png = pathlib.Path(png)
+  with Image.open(png) as image:
+    assert image.format == 'PNG'
+    assert min(image.size) > 200
+  assert png.with_suffix('.pdf').read_bytes()[:5] == b'%PDF-'
+
+
+def test_evaluate_draws_tsne_and_curves(runs):
+  figs = pathlib.Path(runs['otclr']) / 'eval' / 'figures'
+  for name in ('tsne.png', 'curves.png'):
+    _assert_png_and_pdf(figs / name)
+  assert not (pathlib.Path(runs['simclr']) / 'eval' / 'figures').exists()
+  config = json.loads((pathlib.Path(runs['simclr']) / 'eval' /
+                       'config.json').read_text())
+  assert config['method'] == 'simclr' and config['ot']['grid_size'] == 4
+
+
+def test_figure_failure_does_not_fail_evaluation(runs, monkeypatch, caplog):
+  def broken(*args, **kwargs):
+    raise RuntimeError('no figures today')
+
+  monkeypatch.setattr(figures, 'report_single', broken)
+  _small_digits(monkeypatch)
+  config = _figure_config(str(pathlib.Path(runs['otclr']).parent / 'data'))
+  results = evaluate.evaluate(config, runs['otclr'])
+  assert results['step'] == 2
+  assert 'Drawing the figures failed' in caplog.text
+
+
+@pytest.mark.parametrize('method', ['otclr', 'simclr'])
+def test_probe_file_reproduces_reported_top1(runs, method):
+  workdir = runs[method]
+  results = json.loads((pathlib.Path(workdir) / 'eval' /
+                        'results.json').read_text())
+  path = evaluate.probe_path(workdir, 2, 'digits')
+  assert path == os.path.join(workdir, 'eval', 'probe_step2_digits.npz')
+  probe = evaluate.load_probe(path)
+  assert probe.w.shape == (512, 10) and probe.b.shape == (10,)
+  assert probe.weight_decay == results['linear']['digits']['weight_decay']
+  features, labels = evaluate.load_features(workdir, 2, 'digits', 'test', 8)
+  assert len(labels) == 60
+  top1 = 100.0 * np.mean(probe.logits(features).argmax(axis=1) == labels)
+  assert top1 == pytest.approx(results['linear']['digits']['top1'],
+                               rel=0, abs=1e-9)
+  # The same probe written out in NumPy, float64.
+  logits = ((features - probe.mean) / probe.std) @ probe.w + probe.b
+  np.testing.assert_allclose(probe.logits(features), logits, rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_missing_probe_says_to_evaluate(tmp_path):
+  with pytest.raises(FileNotFoundError, match='run the evaluation first'):
+    evaluate.load_probe(str(tmp_path / 'probe_step1_digits.npz'))
+  with pytest.raises(FileNotFoundError, match='run the evaluation first'):
+    figures.main(['top5', '--workdirs', str(tmp_path), '--out',
+                  str(tmp_path / 'top5.png')])
+
+
+def test_tsne_command(runs, tmp_path, monkeypatch):
+  _small_digits(monkeypatch)
+  out = tmp_path / 'tsne.png'
+  assert figures.main(['tsne', '--workdir', runs['simclr'], '--n', '12',
+                       '--perplexity', '5', '--out', str(out)]) == 0
+  _assert_png_and_pdf(out)
+
+
+def test_tsne_points_and_classwise_silhouette():
+  rng = np.random.default_rng(0)
+  n, labels = 12, np.repeat(np.arange(3), 4)
+  unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+  centres = 5.0 * rng.normal(size=(3, 16))
+  anchors = unit(centres[labels] + rng.normal(size=(n, 16)))
+  pair = lambda s: tuple(unit(centres[labels] + s * rng.normal(size=(n, 16)))
+                         for _ in range(2))
+  views = evaluate.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
+                                  0.1)
+  points = figures.tsne_points(views, perplexity=5)
+  assert points['anchor'].shape == (n, 2)
+  assert points['simclr'].shape == points['otclr'].shape == (2 * n, 2)
+  np.testing.assert_array_equal(
+      points['otclr'], figures.tsne_points(views, perplexity=5)['otclr'])
+  with pytest.raises(ValueError, match='perplexity'):
+    figures.tsne_points(views, perplexity=5 * n)
+  sil = figures.classwise_silhouette(views, labels, 4)
+  z = np.concatenate(views.otclr)
+  reference = metrics.silhouette_samples(z, np.tile(labels, 2))
+  np.testing.assert_allclose(sil['otclr'][:3],
+                             [reference[np.tile(labels, 2) == c].mean()
+                              for c in range(3)], rtol=1e-6)
+  assert np.isnan(sil['otclr'][3])
+  # Tighter views around the class centres separate the classes better.
+  assert np.all(sil['otclr'][:3] > sil['simclr'][:3])
+
+
+def test_top5_command(runs, tmp_path, monkeypatch):
+  _small_digits(monkeypatch)
+  out = tmp_path / 'top5.png'
+  assert figures.main(['top5', '--workdirs', runs['simclr'], runs['otclr'],
+                       '--index', '3', '--out', str(out)]) == 0
+  _assert_png_and_pdf(out)
+  preds = [figures.probe_predictions(w, 'digits', json.loads(
+      (pathlib.Path(w) / 'eval' / 'results.json').read_text()), 8)
+           for w in (runs['simclr'], runs['otclr'])]
+  for p in preds:
+    np.testing.assert_allclose(p.probs.sum(axis=1), 1.0, rtol=1e-9)
+  with pytest.raises(ValueError, match='--index'):
+    figures.main(['top5', '--workdirs', runs['otclr'], '--index', '60',
+                  '--out', str(out)])
+
+
+def test_pick_index_finds_first_disagreement():
+  def preds(top):
+    probs = np.full((len(top), 4), 0.1)
+    probs[np.arange(len(top)), top] = 0.7
+    return figures.Predictions('run', probs, np.zeros(len(top), int), 8)
+
+  assert figures.pick_index([preds([0, 1, 2, 3]), preds([0, 1, 3, 2])]) == 2
+  assert figures.pick_index([preds([0, 1]), preds([0, 1])]) == 0
+
+
+def _write_metrics(workdir, records):
+  workdir.mkdir(parents=True)
+  with open(workdir / 'metrics.jsonl', 'w') as f:
+    for record in records:
+      f.write(json.dumps(record) + '\n')
+
+
+def test_curves_command(tmp_path):
+  base = dict(epoch=0.0, grad_norm=1.0, images_per_sec=100.0)
+  _write_metrics(tmp_path / 'sim', [
+      dict(base, step=s, loss=5.0 - s / 10, nce=5.0 - s / 10, top1=0.1,
+           lr=0.1) for s in (5, 10, 15)])
+  # A resumed run logs step 10 twice: the later record counts.
+  _write_metrics(tmp_path / 'ot', [
+      dict(base, step=s, loss=l, nce=l, top1=0.2, lr=0.1, sinkhorn=-1.0,
+           alpha=0.5) for s, l in ((5, 4.0), (10, 9.0), (10, 3.5), (15, 3.0))])
+  m = figures.read_metrics(str(tmp_path / 'ot'))
+  np.testing.assert_array_equal(m['step'], [5, 10, 15])
+  np.testing.assert_array_equal(m['loss'], [4.0, 3.5, 3.0])
+  fig = figures.plot_curves({'sim': figures.read_metrics(
+      str(tmp_path / 'sim')), 'ot': m})
+  titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+  # Sinkhorn is logged by one run; a constant alpha is not a curve.
+  assert any('Sinkhorn' in t for t in titles)
+  assert not any('alpha' in t for t in titles)
+  out = tmp_path / 'figs' / 'curves.png'
+  assert figures.main(['curves', '--workdirs', str(tmp_path / 'sim'),
+                       str(tmp_path / 'ot'), '--out', str(out)]) == 0
+  _assert_png_and_pdf(out)
+  assert figures.main(['curves', '--workdirs', str(tmp_path / 'sim')]) == 0
+  _assert_png_and_pdf(tmp_path / 'sim' / 'eval' / 'figures' / 'curves.png')
+  with pytest.raises(FileNotFoundError, match='metrics.jsonl'):
+    figures.main(['curves', '--workdirs', str(tmp_path / 'none')])
+
+
+def test_report_draws_every_figure(runs, monkeypatch, capsys):
+  _small_digits(monkeypatch)
+  figs = pathlib.Path(runs['simclr']) / 'eval' / 'figures'
+  assert figures.main(['report', '--workdir', runs['simclr'], '--compare',
+                       runs['otclr'], '--n', '12', '--perplexity', '5']) == 0
+  for name in ('tsne.png', 'curves.png', 'top5.png'):
+    _assert_png_and_pdf(figs / name)
+  assert 'skipped' not in capsys.readouterr().out
+
+
+def test_load_run_config_from_file_and_overrides(tmp_path):
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'configs',
+                      'default.py')
+  config = figures.load_run_config(
+      str(tmp_path), path, ['method=simclr', 'ot.epsilon=0.1',
+                            "eval.datasets=('digits',)",
+                            'dataset=folder:/data/x'])
+  assert (config.method, config.ot.epsilon, tuple(config.eval.datasets),
+          config.dataset) == ('simclr', 0.1, ('digits',), 'folder:/data/x')
+  (tmp_path / 'eval').mkdir()
+  (tmp_path / 'eval' / 'config.json').write_text(config.to_json())
+  again = figures.load_run_config(str(tmp_path), None, ['ot.grid_size=8'])
+  assert (again.method, again.ot.grid_size) == ('simclr', 8)
+  with pytest.raises(FileNotFoundError, match='run the evaluation first'):
+    figures.load_run_config(str(tmp_path / 'other'))
+  with pytest.raises(ValueError, match='key=value'):
+    figures.load_run_config(str(tmp_path), None, ['method'])
+
+
+def test_density_level_matches_gaussian_hdr():
+  # Standard 2-d normal: the 50% highest-density region is the disc of
+  # radius^2 = 2 ln 2, where the density is exp(-ln 2) / (2 pi) = 1 / (4 pi).
+  xy = np.random.default_rng(0).normal(size=(20000, 2))
+  pdf = np.exp(-0.5 * np.sum(xy**2, axis=1)) / (2 * np.pi)
+  assert figures.density_level(pdf, 0.5) == pytest.approx(1 / (4 * np.pi),
+                                                          rel=0.02)
+  assert np.mean(pdf >= figures.density_level(pdf, 0.8)) == pytest.approx(
+      0.8, abs=1e-3)
+  with pytest.raises(ValueError, match='mass'):
+    figures.density_level(pdf, 1.0)
+
+
+@pytest.mark.parametrize('num_classes', [2, 5])
+def test_plot_tsne_panels(num_classes):
+  rng = np.random.default_rng(0)
+  labels = np.repeat(np.arange(num_classes), 6)
+  n = len(labels)
+  points = {'anchor': rng.normal(size=(n, 2)),
+            'simclr': rng.normal(size=(2 * n, 2)),
+            'otclr': rng.normal(size=(2 * n, 2))}
+  rows = {g: {k: 0.5 for k, _, _ in figures.tables.VIEW_METRICS +
+              figures.tables.CLUSTER_METRICS} for g in ('simclr', 'otclr')}
+  sil = {'simclr': np.zeros(num_classes), 'otclr': np.full(num_classes, 0.1)}
+  names = [f'kind{c}' for c in range(num_classes)]
+  fig = figures.plot_tsne(points, labels, names, view_rows=rows,
+                          silhouettes=sil, max_classes=4)
+  titles = [ax.get_title() for ax in fig.axes]
+  shown = min(num_classes, 4)
+  assert [t for t in titles if t.startswith('kind')] == [
+      f'kind{c} (6 images)' for c in range(shown)]
+  assert any('silhouette' in t for t in titles)
+  assert any('P = OTCLR' in t for t in titles)
+  with pytest.raises(ValueError, match='labels'):
+    figures.plot_tsne(points, labels[:-1], names)
