@@ -10,29 +10,7 @@ import pytest
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
 from otclr_jax import train
-from configs import default
-
-
-def tiny_config(data_dir, **overrides):
-  """As in tests/test_train.py: 8 px digits, batch 16, 4 steps."""
-  config = default.get_config()
-  config.dataset = 'digits'
-  config.data_dir = data_dir
-  config.image_size = 8
-  config.batch_size = 16
-  config.total_steps = 4
-  config.log_every_steps = 2
-  config.checkpoint_every_steps = 2
-  config.model.proj_hidden_dim = 32
-  config.model.proj_dim = 16
-  config.ot.grid_size = 4
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
+from tests.tiny import tiny_config
 
 
 def _blobs(num_classes, per_class, dim, seed, spread=0.3, noise_seed=None):

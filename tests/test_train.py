@@ -14,11 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from configs import default
 from otclr_jax import checkpoint
 from otclr_jax import input_pipeline
 from otclr_jax import losses
 from otclr_jax import train
+from tests.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,27 +26,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='module')
 def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp('data'))
-
-
-def tiny_config(data_dir, **overrides):
-  config = default.get_config()
-  config.dataset = 'digits'
-  config.data_dir = data_dir
-  config.image_size = 8
-  config.batch_size = 16
-  config.total_steps = 4
-  config.log_every_steps = 2
-  config.checkpoint_every_steps = 2
-  config.model.proj_hidden_dim = 32
-  config.model.proj_dim = 16
-  config.ot.grid_size = 4
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
 
 
 def _params(state):
@@ -178,7 +157,7 @@ def test_bad_config_is_rejected(data_dir, bad, match):
 def test_four_devices_match_one(tmp_path, data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np
-      from tests.test_train import tiny_config
+      from tests.tiny import tiny_config
       from otclr_jax import input_pipeline, train
       assert jax.device_count() == 4
       config = tiny_config({data_dir!r})
