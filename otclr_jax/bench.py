@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import math
 import os
 import statistics
@@ -52,6 +51,7 @@ from ott.geometry import grid
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
 
+from otclr_jax import config_files
 from otclr_jax import ot
 
 # Max abs pixel difference (images in [0, 1]) tolerated between an
@@ -437,22 +437,7 @@ TARGET_OT_SHARE = 0.02
 
 def load_config(path: str, overrides: Sequence[str] = ()):
   """Loads `get_config()` from a config file and applies `a.b=value` overrides."""
-  spec = importlib.util.spec_from_file_location('bench_config', path)
-  if spec is None:
-    raise ValueError(f'Cannot load a config from {path!r}.')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  for item in overrides:
-    key, _, value = item.partition('=')
-    node = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      node = node[parent]
-    current = node[leaf]
-    node[leaf] = (type(current)(value) if not isinstance(current, bool)
-                  else value.lower() in ('1', 'true', 'yes'))
-  return config
+  return config_files.apply_overrides(config_files.load(path), overrides)
 
 
 def _flops(compiled) -> float:

@@ -50,8 +50,6 @@ each source cell spreads its mass over a wide patch of the target. Smaller
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import json
 import os
 import pathlib
@@ -74,6 +72,7 @@ from sklearn import metrics as sk_metrics
 import threadpoolctl
 
 from otclr_jax import augment
+from otclr_jax import config_files
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
 from otclr_jax import ot
@@ -279,17 +278,6 @@ def figures_dir(workdir: str) -> pathlib.Path:
   return pathlib.Path(workdir) / 'eval' / 'figures'
 
 
-def _parse_override(text: str) -> tuple[str, Any]:
-  key, sep, value = text.partition('=')
-  if not sep or not key:
-    raise ValueError(f'--set takes key=value (e.g. ot.epsilon=0.1), got '
-                     f'{text!r}.')
-  try:
-    return key, ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return key, value  # A bare word, e.g. method=simclr.
-
-
 def load_run_config(workdir: str, config_path: str | None = None,
                     overrides: Sequence[str] = ()
                     ) -> ml_collections.ConfigDict:
@@ -315,24 +303,8 @@ def load_run_config(workdir: str, config_path: str | None = None,
           f'otclr_jax.evaluate --config=configs/<config>.py --workdir='
           f'{workdir}` writes it), or pass the run\'s --config and --set '
           'overrides.')
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f'No config file {config_path}.')
-  if config_path.endswith('.py'):
-    spec = importlib.util.spec_from_file_location('_run_config', config_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-  else:
-    with open(config_path) as f:
-      config = ml_collections.ConfigDict(json.load(f))
-  for text in overrides:
-    key, value = _parse_override(text)
-    node = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
+  return config_files.apply_overrides(config_files.load(config_path),
+                                      overrides)
 
 
 def load_results(workdir: str) -> dict[str, Any] | None:
