@@ -10,6 +10,7 @@ import pytest
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
 from otclr_jax import train
+from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
 
@@ -151,16 +152,7 @@ def data_dir(tmp_path_factory):
 
 def _small_digits(monkeypatch):
   """Cuts digits to 20 train / 8 test images per class for speed."""
-  load = input_pipeline.load_split
-
-  def small(name, split, image_size, data_dir=None, **kwargs):
-    data = load(name, split, image_size, data_dir, **kwargs)
-    per_class = 20 if split == 'train' else 8
-    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
-                                   for c in range(data.num_classes)]))
-    return data._replace(images=data.images[keep], labels=data.labels[keep])
-
-  monkeypatch.setattr(input_pipeline, 'load_split', small)
+  shrink_digits(monkeypatch, 20, 8)
 
 
 def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):

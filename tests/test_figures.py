@@ -15,6 +15,7 @@ from otclr_jax import evaluate
 from otclr_jax import figures
 from otclr_jax import input_pipeline
 from otclr_jax import train
+from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
 
@@ -111,16 +112,7 @@ def test_load_default_image_and_strong_view():
 
 def _small_digits(monkeypatch):
   """Cuts digits to 12 train / 6 test images per class for speed."""
-  load = input_pipeline.load_split
-
-  def small(name, split, image_size, data_dir=None, **kwargs):
-    data = load(name, split, image_size, data_dir, **kwargs)
-    per_class = 12 if split == 'train' else 6
-    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
-                                   for c in range(data.num_classes)]))
-    return data._replace(images=data.images[keep], labels=data.labels[keep])
-
-  monkeypatch.setattr(input_pipeline, 'load_split', small)
+  shrink_digits(monkeypatch, 12, 6)
 
 
 @pytest.fixture(scope='module')

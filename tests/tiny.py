@@ -1,6 +1,10 @@
 """A tiny but complete run config shared by the end-to-end tests."""
 
+import numpy as np
+
 from configs import default
+from otclr_jax import config_files
+from otclr_jax import input_pipeline
 
 
 def tiny_config(data_dir, **overrides):
@@ -26,9 +30,19 @@ def tiny_config(data_dir, **overrides):
   config.ot.grid_size = 4
   config.eval.datasets = ('digits',)
   for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
+    config_files.set_field(config, key, value)
   return config
+
+
+def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):
+  """Makes `input_pipeline.load_split` return the first images of each class."""
+  load = input_pipeline.load_split
+
+  def small(name, split, image_size, data_dir=None, **kwargs):
+    data = load(name, split, image_size, data_dir, **kwargs)
+    per_class = train_per_class if split == 'train' else test_per_class
+    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
+                                   for c in range(data.num_classes)]))
+    return data._replace(images=data.images[keep], labels=data.labels[keep])
+
+  monkeypatch.setattr(input_pipeline, 'load_split', small)
