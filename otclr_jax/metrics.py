@@ -75,23 +75,11 @@ def _check_num_clusters(num_clusters: Any) -> None:
         f'num_clusters must be an int >= 2, got {num_clusters!r}.')
 
 
-def _check_embeddings(z: Any, name: str = 'z') -> None:
-  if jnp.ndim(z) != 2:
-    raise ValueError(
-        f'{name} must have shape [n, d], got shape {jnp.shape(z)}.')
-  if not jnp.issubdtype(jnp.result_type(z), jnp.floating):
-    raise ValueError(
-        f'{name} must be a floating array, got dtype {jnp.result_type(z)}.')
-  if jnp.shape(z)[0] < 1:
-    raise ValueError(f'{name} must contain at least one row, got shape '
-                     f'{jnp.shape(z)}.')
-
-
 def _check_clustering_inputs(z: Any, assign: Any, num_clusters: Any,
                              block_size: Any = None) -> None:
   """Validates the arguments shared by the clustering metrics."""
   _check_num_clusters(num_clusters)
-  _check_embeddings(z)
+  _check_paired({'z': z}, 2, '[n, d]')
   if jnp.ndim(assign) != 1:
     raise ValueError(
         f'assign must have shape [n], got shape {jnp.shape(assign)}.')
@@ -517,7 +505,7 @@ def cluster_metrics(z: np.ndarray, num_clusters: int,
     ValueError: on bad shapes, num_clusters < 2 or num_clusters >= n.
   """
   _check_num_clusters(num_clusters)
-  _check_embeddings(z)
+  _check_paired({'z': z}, 2, '[n, d]')
   z = np.asarray(z, dtype=np.float32)
   if num_clusters >= z.shape[0]:
     raise ValueError(
