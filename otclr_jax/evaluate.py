@@ -65,8 +65,7 @@ import math
 import os
 import re
 import time
-import uuid
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from absl import app
 from absl import flags
@@ -81,6 +80,7 @@ import optax
 import optax.tree_utils as otu
 
 from otclr_jax import checkpoint
+from otclr_jax import fileio
 from otclr_jax import input_pipeline
 from otclr_jax import metrics
 from otclr_jax import tables
@@ -186,18 +186,6 @@ def _hardware() -> str:
   devices = jax.devices()
   return (f'{len(devices)} x {devices[0].device_kind} '
           f'({devices[0].platform}, {jax.process_count()} process(es))')
-
-
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-  # A crash mid-write must never leave a truncated cache or results file.
-  root, ext = os.path.splitext(path)
-  tmp = f'{root}.tmp-{uuid.uuid4().hex}{ext}'
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
@@ -315,9 +303,8 @@ def load_features(workdir: str, step: int, name: str, split: str,
 
 def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
                  labels: np.ndarray, num_classes: int) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  _atomic_write(path, lambda tmp: np.savez(
-      tmp, features=features, labels=labels, num_classes=num_classes,
+  fileio.atomic_write(path, lambda f: np.savez(
+      f, features=features, labels=labels, num_classes=num_classes,
       image_size=image_size, dataset=name))
 
 
@@ -504,9 +491,8 @@ def probe_path(workdir: str, step: int, name: str) -> str:
 def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
                top1: float) -> None:
   """Writes a probe, with the dataset, step and test top-1 it belongs to."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  _atomic_write(path, lambda tmp: np.savez(
-      tmp, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
+  fileio.atomic_write(path, lambda f: np.savez(
+      f, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
       weight_decay=probe.weight_decay, dataset=dataset, step=int(step),
       top1=float(top1)))
 
@@ -961,8 +947,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   results = _json_safe(results)
   write_results(results, workdir)
   # The figure commands rebuild the encoder and find the data from this.
-  _atomic_write(os.path.join(workdir, 'eval', 'config.json'),
-                lambda tmp: _write_text(tmp, config.to_json(indent=2) + '\n'))
+  fileio.write_text(os.path.join(workdir, 'eval', 'config.json'),
+                    config.to_json(indent=2) + '\n')
   print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s', step,
                time.perf_counter() - start, os.path.join(workdir, 'eval'))
@@ -995,16 +981,10 @@ def write_results(results: dict[str, Any], workdir: str) -> None:
   text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
   for name in ('results.json', f'results_step{results["step"]}.json'):
     path = os.path.join(out_dir, name)
-    _atomic_write(path, lambda tmp: _write_text(tmp, text))
+    fileio.write_text(path, text)
   for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
     report = tables.render_report([results], fmt=fmt)
-    _atomic_write(os.path.join(out_dir, f'tables.{ext}'),
-                  lambda tmp, r=report: _write_text(tmp, r))
-
-
-def _write_text(path: str, text: str) -> None:
-  with open(path, 'w') as f:
-    f.write(text)
+    fileio.write_text(os.path.join(out_dir, f'tables.{ext}'), report)
 
 
 # ----------------------------------------------------------------------------

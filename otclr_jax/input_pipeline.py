@@ -84,12 +84,13 @@ import queue
 import re
 import threading
 import time
-import uuid
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
 from PIL import Image
+
+from otclr_jax import fileio
 
 # tfds split read for each of our split names.
 TFDS_SPLITS = {
@@ -204,8 +205,8 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   Returns:
     N // B.
   """
-  num_examples = _check_positive_int(num_examples, 'num_examples')
-  batch_size = _check_positive_int(batch_size, 'batch_size')
+  num_examples = _check_int(num_examples, 'num_examples', 1)
+  batch_size = _check_int(batch_size, 'batch_size', 1)
   if batch_size > num_examples:
     raise ValueError(
         f'batch_size={batch_size} is larger than the dataset '
@@ -257,9 +258,9 @@ def train_batches(images: np.ndarray,
   """
   images = _check_images(images)
   spe = steps_per_epoch(len(images), batch_size)
-  seed = _check_non_negative_int(seed, 'seed')
-  start_step = _check_non_negative_int(start_step, 'start_step')
-  prefetch = _check_non_negative_int(prefetch, 'prefetch')
+  seed = _check_int(seed, 'seed', 0)
+  start_step = _check_int(start_step, 'start_step', 0)
+  prefetch = _check_int(prefetch, 'prefetch', 0)
   batches = _train_batch_generator(images, batch_size, seed, start_step, spe)
   if prefetch:
     return _Prefetcher(batches, prefetch)
@@ -282,7 +283,7 @@ def eval_batches(images: np.ndarray,
     nonzero.
   """
   images = _check_images(images)
-  batch_size = _check_positive_int(batch_size, 'batch_size')
+  batch_size = _check_int(batch_size, 'batch_size', 1)
   return (images[i:i + batch_size] for i in range(0, len(images), batch_size))
 
 
@@ -316,7 +317,7 @@ def select_per_class(labels: Sequence[int] | np.ndarray,
     raise ValueError(
         f'labels {labels.shape} and keys ({len(keys)}) must be 1-D of equal '
         'length.')
-  per_class = _check_positive_int(per_class, 'per_class')
+  per_class = _check_int(per_class, 'per_class', 1)
   if len(set(keys)) != len(keys):
     raise ValueError('keys must be unique for the selection to be well '
                      'defined.')
@@ -369,19 +370,11 @@ def square_resize(image: np.ndarray, image_size: int) -> np.ndarray:
 # Validation and cache.
 
 
-def _check_positive_int(value: Any, what: str) -> int:
+def _check_int(value: Any, what: str, minimum: int) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f'{what} must be an integer, got {value!r}.')
-  if value < 1:
-    raise ValueError(f'{what} must be >= 1, got {value}.')
-  return int(value)
-
-
-def _check_non_negative_int(value: Any, what: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f'{what} must be an integer, got {value!r}.')
-  if value < 0:
-    raise ValueError(f'{what} must be >= 0, got {value}.')
+  if value < minimum:
+    raise ValueError(f'{what} must be >= {minimum}, got {value}.')
   return int(value)
 
 
@@ -472,26 +465,10 @@ def _read_cache(path: str, image_size: int) -> Split:
 
 
 def _write_cache(path: str, split: Split) -> None:
-  """Writes the split to `path` atomically (temporary file, then rename)."""
-  directory = os.path.dirname(path)
-  os.makedirs(directory, exist_ok=True)
-  # A unique name in the same directory (so the rename is atomic), opened
-  # with 'x' rather than mkstemp so that the file mode follows the umask.
-  tmp_path = f'{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp'
-  try:
-    with open(tmp_path, 'xb') as f:
-      np.savez(f,
-               images=split.images,
-               labels=split.labels,
-               num_classes=np.int64(split.num_classes),
-               class_names=np.asarray(split.class_names, dtype=np.str_))
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-  except BaseException:
-    if os.path.exists(tmp_path):
-      os.remove(tmp_path)
-    raise
+  fileio.atomic_write(path, lambda f: np.savez(
+      f, images=split.images, labels=split.labels,
+      num_classes=np.int64(split.num_classes),
+      class_names=np.asarray(split.class_names, dtype=np.str_)))
 
 
 def _check_fits(num_examples: int | None, image_size: int, what: str) -> None:

@@ -1,0 +1,38 @@
+"""Crash-safe file writes shared by the data cache and the evaluation outputs."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import BinaryIO, Callable
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+  """Writes `path` so that a crash never leaves a truncated file behind.
+
+  `write` fills a temporary file in the same directory (so the final rename is
+  atomic), which is flushed to disk and then renamed over `path`. The file is
+  opened with 'x' rather than mkstemp so that its mode follows the umask.
+
+  Args:
+    path: the destination; its directory is created if needed.
+    write: called with the open binary file, e.g.
+      `lambda f: np.savez(f, x=x)` or `lambda f: f.write(text.encode())`.
+  """
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp_path = f'{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp'
+  try:
+    with open(tmp_path, 'xb') as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp_path, path)
+  except BaseException:
+    if os.path.exists(tmp_path):
+      os.remove(tmp_path)
+    raise
+
+
+def write_text(path: str, text: str) -> None:
+  """`atomic_write` of UTF-8 text."""
+  atomic_write(path, lambda f: f.write(text.encode('utf-8')))
