@@ -27,7 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.stem = 'imagenet'  # 7x7/2 conv + max-pool, as in the paper.
-  config.model.proj_hidden_dim = 2048
+  # 512-512-128: the paper's 23.01M MoCo pretraining parameters are two
+  # copies of (ResNet-18 11,176,512 + this head 328,832) = 23,010,688; the head
+  # is 512*512 (no bias) + 2*512 (BatchNorm) + 512*128 + 128 = 328,832.
+  config.model.proj_hidden_dim = 512
   config.model.proj_dim = 128
 
   config.loss = ml_collections.ConfigDict()

@@ -166,7 +166,7 @@ class ProjectionHead(nn.Module):
     out_dim: dimension of the projection z.
     dtype: computation dtype; parameters stay float32.
   """
-  hidden_dim: int = 2048
+  hidden_dim: int = 512
   out_dim: int = 128
   dtype: Any = jnp.float32
 
@@ -204,7 +204,7 @@ class SimCLRNet(nn.Module):
     zero_init_residual: see ``ResNet18``.
   """
   stem: str = 'imagenet'
-  proj_hidden_dim: int = 2048
+  proj_hidden_dim: int = 512
   proj_dim: int = 128
   dtype: Any = jnp.float32
   zero_init_residual: bool = False

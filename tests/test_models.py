@@ -94,6 +94,16 @@ def test_projection_head_parameter_count():
   assert _count(head) == 512 * 2048 + 2 * 2048 + 2048 * 128 + 128
 
 
+def test_default_head_reproduces_the_papers_parameter_counts():
+  """The paper's 23.01M MoCo pretraining parameters = 2 x (backbone + head)."""
+  variables = _abstract_variables(models.SimCLRNet(), (2, 32, 32, 3))
+  head = _count(variables['params']['head'])
+  backbone = _count(variables['params']['encoder'])
+  assert head == 328_832
+  assert backbone == 11_176_512
+  assert round(2 * (backbone + head) / 1e6, 2) == 23.01
+
+
 def test_params_are_float32_even_for_bfloat16():
   variables = _abstract_variables(models.SimCLRNet(dtype=jnp.bfloat16),
                                   (2, 32, 32, 3))
