@@ -33,6 +33,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.proj_hidden_dim = 512
   config.model.proj_dim = 128
 
+  # SimCLR's strong augmentation (fields of otclr_jax.augment.AugmentParams);
+  # its defaults are torchvision's SimCLR recipe at SimCLR's CIFAR strength.
+  config.augment = ml_collections.ConfigDict()
+  config.augment.crop_scale = (0.08, 1.0)
+  config.augment.flip_prob = 0.5
+  config.augment.jitter_prob = 0.8
+  config.augment.brightness = 0.4
+  config.augment.contrast = 0.4
+  config.augment.saturation = 0.4
+  config.augment.hue = 0.1
+  config.augment.grayscale_prob = 0.2
+  config.augment.blur_prob = 0.5
+
   config.loss = ml_collections.ConfigDict()
   config.loss.temperature = 0.5
 

@@ -81,6 +81,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= config.ot.alpha <= 1.0:
     raise ValueError(f'config.ot.alpha must lie in [0, 1], got '
                      f'{config.ot.alpha}.')
+  augment_params(config)
   if config.ot.grid_size > config.image_size:
     raise ValueError(f'config.ot.grid_size ({config.ot.grid_size}) must not '
                      f'exceed config.image_size ({config.image_size}).')
@@ -167,6 +168,18 @@ def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
   return jnp.asarray(config.ot.alpha, jnp.float32)
 
 
+def augment_params(config: ml_collections.ConfigDict) -> augment.AugmentParams:
+  """The strong augmentation's settings from `config.augment` (checked)."""
+  fields = dict(config.augment) if 'augment' in config else {}
+  for name in ('crop_scale',):
+    if name in fields:
+      fields[name] = tuple(float(v) for v in fields[name])
+  try:
+    return augment.AugmentParams(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'config.augment: {e}') from e
+
+
 def make_views(config: ml_collections.ConfigDict, params, images: jax.Array,
                key: jax.Array):
   """Both positive views of a batch, as the training step sees them.
@@ -183,8 +196,9 @@ def make_views(config: ml_collections.ConfigDict, params, images: jax.Array,
     for SimCLR).
   """
   k1, k2 = jax.random.split(key)
-  xs1 = augment.simclr_augment(k1, images)
-  xs2 = augment.simclr_augment(k2, images)
+  params_aug = augment_params(config)
+  xs1 = augment.simclr_augment(k1, images, params_aug)
+  xs2 = augment.simclr_augment(k2, images, params_aug)
   if config.method == 'simclr':
     return xs1, xs2, xs1, xs2
   views = functools.partial(
