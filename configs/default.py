@@ -60,7 +60,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.at_end = False  # evaluate right after pretraining.
   config.eval.batch_size = 512  # images per feature-extraction batch.
   config.eval.probe_steps = 500  # max L-BFGS iterations of the linear probe.
-  config.eval.num_view_images = 1000  # test images for the view metrics.
+  config.eval.num_view_images = 500  # test images for the view metrics (paper).
+  # Embedding of the cluster / view metrics and t-SNE: 'z' (the paper's
+  # l2-normalised projection output) or 'h' (backbone features).
+  config.eval.embedding = 'z'
+  # Also probe with BatchNorm statistics re-estimated on clean train images.
+  config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
   config.eval.figures = True  # t-SNE and training curves after evaluating.
   return config
