@@ -1,4 +1,4 @@
-"""The paper's pretraining hyperparameters (METHOD.md sections 1, 6 and 8).
+"""The paper's hyperparameters (docs/method.md sections 1, 6, 8 and 9).
 
 Every other config imports this one and overrides a few fields. Any field can
 be overridden on the command line, e.g. `--config.ot.epsilon=0.1`.
@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ot.alpha = 0.5
   config.ot.beta = 0.0
   # Train alpha = sigmoid(logit), initialised at ot.alpha; only then does the
-  # Sinkhorn regulariser reach any parameter (METHOD.md section 6).
+  # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
 
   config.eval = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""Evaluation of a pretrained run from its checkpoints (docs/method.md section 7).
+"""Evaluation of a pretrained run's checkpoints (docs/method.md section 7).
 
 `python -m otclr_jax.evaluate --config=configs/X.py --workdir=DIR [--step=S]`
 (or `python -m otclr_jax.main ... --config.mode=eval`) restores a checkpoint of

@@ -3,7 +3,7 @@
 Every figure is written as a PNG and a PDF beside it (matplotlib, Agg).
 
 Subcommands:
-  interpolation   The paper's figure 4: linear pixel interpolation
+  interpolation   The paper's figure 5: linear pixel interpolation
                   `(1 - a) x + a x_s` against the OT displacement view
                   `ot.ot_views(x, x_s, alpha=a)` for a few `a`, between an image
                   and a strong augmentation of it.
@@ -17,7 +17,7 @@ Subcommands:
                   with the view metrics (P = OTCLR vs S = SimCLR, from
                   eval/results.json when it describes these views) and one
                   with the class-wise change of silhouette.
-  top5            The paper's figure 5: a test image and, for each run, the
+  top5            The paper's figure 4: a test image and, for each run, the
                   5 most probable classes of its linear probe (saved by the
                   evaluation), the true class highlighted.
   curves          Training curves (metrics.jsonl) of one or more runs.
@@ -250,7 +250,7 @@ def run_interpolation(args: argparse.Namespace) -> int:
 
 def _add_interpolation_parser(subparsers) -> None:
   p = subparsers.add_parser(
-      'interpolation', help='linear vs OT displacement interpolation (fig. 4)')
+      'interpolation', help='linear vs OT displacement interpolation (fig. 5)')
   p.add_argument('--image', default=None,
                  help="image file; default scikit-learn's flower.jpg")
   p.add_argument('--out', required=True, help='output .png (a .pdf is '
@@ -730,7 +730,7 @@ def _add_tsne_parser(subparsers) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Top-5 predictions of two models on one image (the paper's figure 5).
+# Top-5 predictions of two models on one image (the paper's figure 4).
 
 
 class Predictions(NamedTuple):
@@ -895,7 +895,7 @@ def run_top5(args: argparse.Namespace) -> int:
 def _add_top5_parser(subparsers) -> None:
   p = subparsers.add_parser(
       'top5', help='top-5 probe predictions of runs on one test image '
-      '(fig. 5)')
+      '(fig. 4)')
   p.add_argument('--workdirs', nargs='+', required=True,
                  help='evaluated runs, one bar panel each (e.g. the SimCLR '
                  'run, then the OTCLR run)')
