@@ -79,6 +79,7 @@ from typing import Any, NamedTuple
 from absl import app
 from absl import flags
 from absl import logging
+import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
@@ -749,9 +750,10 @@ def recompute_batch_stats(model, variables: dict[str, Any],
   """BatchNorm statistics re-estimated on clean images (precise BN).
 
   Every batch goes through the network in training mode (each BatchNorm
-  normalises with that batch's statistics, as in pretraining); the batch
-  means and biased variances of every BatchNorm layer are pooled over the
-  batches with weights equal to the batch sizes:
+  normalises with that batch's statistics, as in pretraining) while the
+  input of every BatchNorm layer is intercepted and reduced to its per-channel
+  mean mu_b and biased variance var_b. These are pooled over the batches with
+  weights equal to the batch sizes n_b:
   mean = sum_b n_b mu_b / N and var = sum_b n_b (var_b + mu_b^2) / N - mean^2.
   For the first BatchNorm (whose input does not depend on other BatchNorm
   layers), and for every layer when one batch holds all images, this is
@@ -759,62 +761,72 @@ def recompute_batch_stats(model, variables: dict[str, Any],
   parameters are not changed. Batches are not padded (padding would weight
   repeated images), so the last, shorter batch compiles once more.
 
-  Flax only exposes the running averages, new = m * old + (1 - m) * batch;
-  running from old = 0 and old = 1 on the first batch gives m, and from
-  old = 0 each batch statistic is new / (1 - m).
-
   Args:
     model: the run's network.
-    variables: {'params', 'batch_stats'}; only the structure of batch_stats
-      is used.
+    variables: {'params', 'batch_stats'}; the stored batch_stats only give
+      the structure (and are used by nothing in training mode).
     images: uint8 [N, S, S, 3] clean images (no augmentation).
     batch_size: images per call.
 
   Returns:
-    A batch_stats tree like `variables['batch_stats']`, float32.
+    A batch_stats tree with the structure of `variables['batch_stats']`,
+    leaves float32 [C].
+
+  Raises:
+    ValueError: no images, or a BatchNorm layer that the forward pass did
+      not reach (its statistics could not be re-estimated).
   """
   if len(images) == 0:
     raise ValueError('recompute_batch_stats: no images.')
-  params = variables['params']
-  zeros = jax.tree.map(jnp.zeros_like, variables['batch_stats'])
-  ones = jax.tree.map(jnp.ones_like, variables['batch_stats'])
 
   @jax.jit
-  def running(stats, batch):
-    _, updated = model.apply({'params': params, 'batch_stats': stats},
-                             batch.astype(jnp.float32) / 255.0, train=True,
-                             mutable=['batch_stats'])
-    return updated['batch_stats']
+  def moments(variables, batch):
+    found = {}
 
-  first = jnp.asarray(images[:batch_size])
-  # 1 - m per statistic: new(old=0) - new(old=1) + 1.
-  keep = jax.tree.map(lambda a, b: 1.0 - (b - a), running(zeros, first),
-                      running(ones, first))
-  sum1 = sum2 = None
+    def record(next_fun, args, kwargs, context):
+      if (isinstance(context.module, nn.BatchNorm)
+          and context.method_name == '__call__'):
+        x = jnp.asarray(args[0], jnp.float32)
+        axes = tuple(range(x.ndim - 1))  # every axis but the channels
+        mean = jnp.mean(x, axes)
+        found['/'.join(context.module.path)] = (
+            mean, jnp.mean(jnp.square(x - mean), axes))
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+      model.apply(variables, batch.astype(jnp.float32) / 255.0, train=True,
+                  mutable=['batch_stats'])
+    return found
+
+  sums: dict[str, list[np.ndarray]] = {}
   for batch in input_pipeline.eval_batches(images, batch_size):
-    stats = jax.device_get(jax.tree.map(
-        jnp.divide, running(zeros, jnp.asarray(batch)), keep))
-    # Host float64 sums: var = E[x^2] - mean^2 cancels badly in float32.
     n = float(len(batch))
-    s1 = jax.tree.map(lambda x: n * np.asarray(x, np.float64), stats)
-    s2 = jax.tree.map(lambda x: n * np.asarray(x, np.float64)**2, stats)
-    sum1 = s1 if sum1 is None else jax.tree.map(np.add, sum1, s1)
-    sum2 = s2 if sum2 is None else jax.tree.map(np.add, sum2, s2)
-  return _pool_moments(sum1, sum2, float(len(images)))
+    for path, (mean, var) in jax.device_get(
+        moments(variables, jnp.asarray(batch))).items():
+      # Host float64: var = E[x^2] - mean^2 cancels badly in float32.
+      mean = np.asarray(mean, np.float64)
+      first = n * mean
+      second = n * (np.asarray(var, np.float64) + mean**2)
+      if path in sums:
+        sums[path][0] += first
+        sums[path][1] += second
+      else:
+        sums[path] = [first, second]
 
+  total = float(len(images))
 
-def _pool_moments(sum1: Any, sum2: Any, total: float) -> Any:
-  """{'mean', 'var'} of every BatchNorm from size-weighted batch moments."""
-  if hasattr(sum1, 'keys'):
-    if set(sum1.keys()) == {'mean', 'var'}:
-      mean = np.asarray(sum1['mean'], np.float64) / total
-      second = (np.asarray(sum1['var'], np.float64)
-                + np.asarray(sum2['mean'], np.float64)) / total
-      return {'mean': mean.astype(np.float32),
-              'var': np.maximum(second - mean**2, 0.0).astype(np.float32)}
-    return {k: _pool_moments(sum1[k], sum2[k], total) for k in sum1.keys()}
-  raise ValueError(f'unexpected batch_stats leaf {type(sum1)}; expected '
-                   "BatchNorm collections {'mean', 'var'}.")
+  def rebuild(tree, prefix):
+    if set(tree.keys()) == {'mean', 'var'}:
+      path = '/'.join(prefix)
+      if path not in sums:
+        raise ValueError(f'BatchNorm {path} was not reached by the forward '
+                         'pass; its statistics cannot be re-estimated.')
+      mean = sums[path][0] / total
+      var = np.maximum(sums[path][1] / total - mean**2, 0.0)
+      return {'mean': mean.astype(np.float32), 'var': var.astype(np.float32)}
+    return {k: rebuild(tree[k], prefix + (k,)) for k in tree.keys()}
+
+  return rebuild(variables['batch_stats'], ())
 
 
 class ViewEmbeddings(NamedTuple):

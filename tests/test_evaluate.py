@@ -3,12 +3,15 @@
 import json
 import os
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
+from otclr_jax import models
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -255,8 +258,6 @@ def _tiny_net(seed=0, num_images=50):
   The BatchNorm statistics are perturbed away from (0, 1) so that a result
   that ignored the recomputation (or kept the stored values) would show.
   """
-  from otclr_jax import models  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
   model = models.SimCLRNet(stem='cifar', proj_hidden_dim=8, proj_dim=4)
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
@@ -274,7 +275,6 @@ def _bn_inputs(model, variables, images):
   Recorded by intercepting every BatchNorm call, independently of
   `evaluate.recompute_batch_stats`.
   """
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   seen = {}
 
   def record(next_fun, args, kwargs, context):
@@ -310,6 +310,17 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
                                atol=1e-5, err_msg=str(path))
     np.testing.assert_allclose(got['var'], flat.var(0), rtol=1e-4, atol=1e-5,
                                err_msg=str(path))
+  # Flax's own update from zero running statistics, momentum 0.9 (models.py):
+  # new = 0.1 * batch statistic, for one batch holding every image.
+  _, updated = model.apply(
+      {'params': variables['params'],
+       'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])},
+      jnp.asarray(images, jnp.float32) / 255.0, train=True,
+      mutable=['batch_stats'])
+  jax.tree.map(
+      lambda ours, flax_new: np.testing.assert_allclose(
+          ours, np.asarray(flax_new) / 0.1, rtol=1e-3, atol=1e-4),
+      stats, updated['batch_stats'])
   # Uneven batches (16, 16, 16, 2): the first BatchNorm's input does not
   # depend on other BatchNorm layers, so pooling must still be exact there.
   pooled = evaluate.recompute_batch_stats(model, variables, images,
