@@ -1,4 +1,4 @@
-"""The paper's pretraining hyperparameters (METHOD.md sections 1, 6 and 8).
+"""The paper's hyperparameters (docs/method.md sections 1, 6, 8 and 9).
 
 Every other config imports this one and overrides a few fields. Any field can
 be overridden on the command line, e.g. `--config.ot.epsilon=0.1`.
@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ot.alpha = 0.5
   config.ot.beta = 0.0
   # Train alpha = sigmoid(logit), initialised at ot.alpha; only then does the
-  # Sinkhorn regulariser reach any parameter (METHOD.md section 6).
+  # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
 
   config.eval = ml_collections.ConfigDict()
@@ -73,7 +73,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.at_end = False  # evaluate right after pretraining.
   config.eval.batch_size = 512  # images per feature-extraction batch.
   config.eval.probe_steps = 500  # max L-BFGS iterations of the linear probe.
-  config.eval.num_view_images = 1000  # test images for the view metrics.
+  config.eval.num_view_images = 500  # test images for the view metrics (paper).
+  # Embedding of the cluster / view metrics and t-SNE: 'z' (the paper's
+  # l2-normalised projection output) or 'h' (backbone features).
+  config.eval.embedding = 'z'
+  # Also probe with BatchNorm statistics re-estimated on clean train images.
+  config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
   config.eval.figures = True  # t-SNE and training curves after evaluating.
   return config

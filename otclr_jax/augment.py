@@ -1,7 +1,7 @@
 """SimCLR strong augmentations on the accelerator.
 
-The pipeline follows SimCLR's torchvision recipe (METHOD.md section 1), applied in
-this order to each example independently:
+The pipeline follows SimCLR's torchvision recipe (docs/method.md section 1),
+applied in this order to each example independently:
 
 1. random resized crop: scale 0.08-1 of the area, aspect ratio 3/4-4/3 sampled
    log-uniformly, bilinear resampling back to the input size;
@@ -68,7 +68,7 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 
 @dataclasses.dataclass(frozen=True)
 class AugmentParams:
-  """Probabilities and strengths of the SimCLR augmentation (METHOD.md defaults).
+  """SimCLR augmentation probabilities, strengths (docs/method.md section 1).
 
   Attributes:
     crop_scale: (min, max) fraction of the image area covered by the crop box.

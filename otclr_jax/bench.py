@@ -1,7 +1,7 @@
 """Benchmarks: `python -m otclr_jax.bench <subcommand> [flags]`.
 
 Subcommands:
-  ot   Milliseconds per batch of the whole OT view generator (METHOD.md
+  ot   Milliseconds per batch of the whole OT view generator (docs/method.md
        sections 2-5: resize to the grid, Sinkhorn, displacement splat,
        reconstruction) for our `ot.ot_views` against ott-jax's dense solver and
        POT, plus ott-jax's separable `Grid` solver and a per-stage breakdown of
@@ -72,7 +72,7 @@ TARGET_MS_PER_64_IMAGES = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class OTSettings:
-  """Static settings of the view generator (METHOD.md defaults)."""
+  """Static settings of the view generator (docs/method.md section 8)."""
   grid_size: int = 16
   epsilon: float = 0.05
   num_iters: int = 20
@@ -104,7 +104,7 @@ def _views_with(per_problem: Callable, x, x_strong, s: OTSettings):
 
 def _exact_iterations(num_iters: int, **kwargs) -> sinkhorn.Sinkhorn:
   # min = max = inner = T runs exactly T iterations, with unrolled gradients
-  # (METHOD.md section 3 explains why inner must equal T).
+  # (docs/method.md section 3 explains why inner must equal T).
   return sinkhorn.Sinkhorn(
       min_iterations=num_iters, max_iterations=num_iters,
       inner_iterations=num_iters, implicit_diff=None, **kwargs)
@@ -162,7 +162,7 @@ def import_pot():
 def numpy_splat_tables(grid_size: int, alpha: float):
   """Flat target vertex and bilinear weight of every packet, `[4, N, N]` each.
 
-  The floor/fraction form of METHOD.md section 4, in float64.
+  The floor/fraction form of docs/method.md section 4, in float64.
   """
   r = ot.grid_points(grid_size)
   g = ((1.0 - alpha) * r[:, None, :] + alpha * r[None, :, :]) * (grid_size - 1)

@@ -1,4 +1,4 @@
-"""Evaluation of a pretrained run from its checkpoints (METHOD.md section 7).
+"""Evaluation of a pretrained run's checkpoints (docs/method.md section 7).
 
 `python -m otclr_jax.evaluate --config=configs/X.py --workdir=DIR [--step=S]`
 (or `python -m otclr_jax.main ... --config.mode=eval`) restores a checkpoint of
@@ -24,8 +24,15 @@ the run in DIR and, for every dataset in `config.eval.datasets`:
    seed exactly as pretraining initialises it, BatchNorm statistics at their
    initial values): the floor row `random_init`.
 5. K-means cluster metrics (`metrics.cluster_metrics`, K = number of classes)
-   of the l2-normalised test features, on at most `MAX_CLUSTER_POINTS` test
-   points drawn with a fixed seed.
+   of the l2-normalised test embeddings, on at most `MAX_CLUSTER_POINTS` test
+   points drawn with a fixed seed. The embedding is `config.eval.embedding`:
+   'z' (default, the paper's: projection-head output of the cached h, see
+   `project`) or 'h' (backbone features); recorded in `protocol.embedding`.
+6. With `config.eval.recompute_bn`, the BatchNorm statistics are re-estimated
+   on at most `MAX_BN_IMAGES` clean (un-augmented) train images of the
+   pretraining dataset (`recompute_batch_stats`) and the probe and kNN are
+   repeated with them: the row `linear_clean_bn`, beside `linear` (the
+   statistics stored in the checkpoint, learnt on augmented views).
 
 Then, on `config.eval.views_dataset` (default: the first eval dataset), view
 quality: for `config.eval.num_view_images` test images x (fixed seed) two
@@ -33,13 +40,14 @@ SimCLR strong augmentations xs1, xs2 are drawn with a fixed key and turned into
 both generators' positive pairs, the SimCLR pair (xs1, xs2) and the OTCLR pair
 (ot_views(x, xs1), ot_views(x, xs2)) with the run's OT settings
 (`train.make_views`). Both pairs, and the clean anchors x, are embedded by the
-SAME restored encoder (l2-normalised h), so the two rows differ only in how the
+SAME restored network (l2-normalised z or h, as for the clusters), so the
+two rows differ only in how the
 views were generated: this isolates view quality from representation quality.
 The key is a module constant, so runs of different methods see identical
 augmentations.
 
 Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
-of the contract in notes/CONTRACT.md, plus a `protocol` entry recording the
+of docs/method.md section 11, with a `protocol` entry recording the
 settings above), `tables.md` and `tables.tex` (`otclr_jax.tables`); the probe
 table is printed to stdout. Also, for the figures (`otclr_jax.figures`):
 `probe_step<S>_<dataset key>.npz`, the final probe of each dataset (`Probe`,
@@ -49,7 +57,8 @@ read back with `load_probe`), `config.json`, the run's config, and
 
 Config fields (`config.eval.<name>`, defaults in configs/default.py):
 batch_size (images per feature-extraction batch), probe_steps (maximum L-BFGS
-iterations), num_view_images, views_dataset ('' = first eval dataset),
+iterations), num_view_images (500, the paper's), views_dataset ('' = first
+eval dataset), embedding ('z' or 'h'), recompute_bn (add the clean-BN row),
 figures (draw the t-SNE and training-curve figures).
 
 The checkpoint directory is opened read-only, so a run that is still training
@@ -70,6 +79,7 @@ from typing import Any, NamedTuple
 from absl import app
 from absl import flags
 from absl import logging
+import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
@@ -83,6 +93,7 @@ from otclr_jax import checkpoint
 from otclr_jax import fileio
 from otclr_jax import input_pipeline
 from otclr_jax import metrics
+from otclr_jax import models
 from otclr_jax import tables
 from otclr_jax import train
 
@@ -101,6 +112,14 @@ KNN_MAX_SLAB = 2**26
 MAX_CLUSTER_POINTS = 10_000
 CLUSTER_SEED = 0
 VIEWS_SEED = 0
+# Which embedding the cluster metrics, view metrics and t-SNE use
+# (`config.eval.embedding`): the paper's z, or the backbone's h.
+EMBEDDINGS = {'z': 'z, l2-normalised projection-head output',
+              'h': 'h, l2-normalised backbone features'}
+# `config.eval.recompute_bn`: at most this many clean train images (a fixed
+# seed picks them) estimate the BatchNorm statistics.
+MAX_BN_IMAGES = 50_000
+BN_SEED = 0
 
 DEFAULT_PROBE_STEPS = 500
 
@@ -670,8 +689,10 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
                          seed: int = CLUSTER_SEED) -> dict[str, Any]:
   """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
 
-  More than `max_points` rows are subsampled without replacement by
-  `np.random.default_rng(seed)` (silhouette needs all pairwise distances).
+  `test_x` is whichever embedding `config.eval.embedding` names (h, or z from
+  `project`); rows are l2-normalised here. More than `max_points` rows are
+  subsampled without replacement by `np.random.default_rng(seed)`
+  (silhouette needs all pairwise distances).
 
   Returns:
     The four metrics (None where undefined) and 'num_points'.
@@ -688,21 +709,147 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
   return out
 
 
+def embedding_of(config: ml_collections.ConfigDict) -> str:
+  """`config.eval.embedding` ('z' when a saved config predates the field)."""
+  embedding = config.eval.get('embedding', 'z')
+  if embedding not in EMBEDDINGS:
+    raise ValueError(f'config.eval.embedding must be one of '
+                     f'{tuple(EMBEDDINGS)}, got {embedding!r}.')
+  return embedding
+
+
+def project(model, variables: dict[str, Any], features: np.ndarray,
+            batch_size: int = 4096) -> np.ndarray:
+  """Projection-head outputs z (not normalised) of backbone features h.
+
+  Applies the run's head alone (BatchNorm in inference mode) to cached h, so
+  z needs no second pass over the images: g(f(x)) = g(h).
+
+  Args:
+    model: the run's `models.SimCLRNet`.
+    variables: its {'params', 'batch_stats'}.
+    features: float32 [N, 512] backbone features h.
+    batch_size: rows per call.
+
+  Returns:
+    float32 [N, proj_dim].
+  """
+  head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
+                               out_dim=model.proj_dim, dtype=model.dtype)
+  head_vars = {'params': variables['params']['head'],
+               'batch_stats': variables['batch_stats']['head']}
+  apply = jax.jit(lambda v, h: head.apply(v, h, train=False))
+  return np.concatenate([
+      np.asarray(apply(head_vars, jnp.asarray(features[i:i + batch_size])))
+      for i in range(0, len(features), batch_size)]).astype(np.float32)
+
+
+def recompute_batch_stats(model, variables: dict[str, Any],
+                          images: np.ndarray,
+                          batch_size: int) -> dict[str, Any]:
+  """BatchNorm statistics re-estimated on clean images (precise BN).
+
+  Every batch goes through the network in training mode (each BatchNorm
+  normalises with that batch's statistics, as in pretraining) while the
+  input of every BatchNorm layer is intercepted and reduced to its per-channel
+  mean mu_b and biased variance var_b. These are pooled over the batches with
+  weights equal to the batch sizes n_b:
+  mean = sum_b n_b mu_b / N and var = sum_b n_b (var_b + mu_b^2) / N - mean^2.
+  For the first BatchNorm (whose input does not depend on other BatchNorm
+  layers), and for every layer when one batch holds all images, this is
+  exactly the mean and variance of that layer's input over all images. The
+  parameters are not changed. Batches are not padded (padding would weight
+  repeated images), so the last, shorter batch compiles once more.
+
+  Args:
+    model: the run's network.
+    variables: {'params', 'batch_stats'}; the stored batch_stats only give
+      the structure (and are used by nothing in training mode).
+    images: uint8 [N, S, S, 3] clean images (no augmentation).
+    batch_size: images per call.
+
+  Returns:
+    A batch_stats tree with the structure of `variables['batch_stats']`,
+    leaves float32 [C].
+
+  Raises:
+    ValueError: no images, or a BatchNorm layer that the forward pass did
+      not reach (its statistics could not be re-estimated).
+  """
+  if len(images) == 0:
+    raise ValueError('recompute_batch_stats: no images.')
+
+  @jax.jit
+  def moments(variables, batch):
+    found = {}
+
+    def record(next_fun, args, kwargs, context):
+      if (isinstance(context.module, nn.BatchNorm)
+          and context.method_name == '__call__'):
+        x = jnp.asarray(args[0], jnp.float32)
+        axes = tuple(range(x.ndim - 1))  # every axis but the channels
+        mean = jnp.mean(x, axes)
+        found['/'.join(context.module.path)] = (
+            mean, jnp.mean(jnp.square(x - mean), axes))
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+      model.apply(variables, batch.astype(jnp.float32) / 255.0, train=True,
+                  mutable=['batch_stats'])
+    return found
+
+  sums: dict[str, list[np.ndarray]] = {}
+  for batch in input_pipeline.eval_batches(images, batch_size):
+    n = float(len(batch))
+    for path, (mean, var) in jax.device_get(
+        moments(variables, jnp.asarray(batch))).items():
+      # Host float64: var = E[x^2] - mean^2 cancels badly in float32.
+      mean = np.asarray(mean, np.float64)
+      first = n * mean
+      second = n * (np.asarray(var, np.float64) + mean**2)
+      if path in sums:
+        sums[path][0] += first
+        sums[path][1] += second
+      else:
+        sums[path] = [first, second]
+
+  total = float(len(images))
+
+  def rebuild(tree, prefix):
+    if set(tree.keys()) == {'mean', 'var'}:
+      path = '/'.join(prefix)
+      if path not in sums:
+        raise ValueError(f'BatchNorm {path} was not reached by the forward '
+                         'pass; its statistics cannot be re-estimated.')
+      mean = sums[path][0] / total
+      var = np.maximum(sums[path][1] / total - mean**2, 0.0)
+      return {'mean': mean.astype(np.float32), 'var': var.astype(np.float32)}
+    return {k: rebuild(tree[k], prefix + (k,)) for k in tree.keys()}
+
+  return rebuild(variables['batch_stats'], ())
+
+
 class ViewEmbeddings(NamedTuple):
   """Encoder embeddings of test images and of both generators' views.
 
   Attributes:
     indices: int [n], the rows of the test split that were used (sorted).
-    anchors: float32 [n, 512], l2-normalised h of the clean images.
-    simclr: (z1, z2), each [n, 512], of the SimCLR pair (xs1, xs2).
-    otclr: (z1, z2), each [n, 512], of the OTCLR pair.
-    pixel_l2: mean pixel L2 between each OT view and its strong endpoint.
+    anchors: float32 [n, D], the l2-normalised embedding of the clean images
+      (D = proj_dim for z, 512 for h).
+    simclr: (z1, z2), each [n, D], of the SimCLR pair (xs1, xs2).
+    otclr: (z1, z2), each [n, D], of the OTCLR pair.
+    pixel_l2: the paper's pixel L2 of the OT views: mean over the 2n views of
+      the plain L2 norm of (OT view - its strong endpoint), flattened.
+    pixel_rms: the same differences as per-image RMS (`metrics.pixel_rms`).
+    embedding: 'z' or 'h', which embedding the arrays hold (`EMBEDDINGS`).
   """
   indices: np.ndarray
   anchors: np.ndarray
   simclr: tuple[np.ndarray, np.ndarray]
   otclr: tuple[np.ndarray, np.ndarray]
   pixel_l2: float
+  pixel_rms: float = math.nan
+  embedding: str = 'z'
 
 
 def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
@@ -713,8 +860,9 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
   `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
   strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
   (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
-  run's `config.ot` settings and alpha (learnt alpha if any). The encoder
-  of `state` embeds both pairs and the clean images (l2-normalised h).
+  run's `config.ot` settings and alpha (learnt alpha if any). The network
+  of `state` embeds both pairs and the clean images: l2-normalised z (the
+  paper's choice) or h, as `config.eval.embedding` says.
 
   Args:
     config: the run's config.
@@ -735,19 +883,21 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
   both = config.copy_and_resolve_references()
   both.method = 'otclr'  # make_views then returns the OT and the strong pairs.
   variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+  embedding = embedding_of(config)
 
   @jax.jit
   def batch_views(params, variables, batch, key):
     x = batch.astype(jnp.float32) / 255.0
     o1, o2, s1, s2 = train.make_views(both, params, x, key)
-    h, _ = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
+    h, z = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
                        train=False)
-    z = h / jnp.maximum(jnp.linalg.norm(h, axis=1, keepdims=True), 1e-12)
-    return jnp.split(z, 5), (o1, o2, s1, s2)
+    e = z if embedding == 'z' else h
+    e = e / jnp.maximum(jnp.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+    return jnp.split(e, 5), (o1, o2, s1, s2)
 
   batch_size = min(batch_size, n)
   key = jax.random.key(seed)
-  parts, pixel_sum = [], 0.0
+  parts, l2_sum, rms_sum = [], 0.0, 0.0
   for index, batch in enumerate(input_pipeline.eval_batches(images,
                                                             batch_size)):
     real = len(batch)
@@ -755,11 +905,15 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
                                        _pad_rows(batch, batch_size),
                                        jax.random.fold_in(key, index))
     parts.append([np.asarray(z)[:real] for z in zs])
-    pixel_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
-                                    metrics.pixel_l2(o2[:real], s2[:real]))
+    # The paper's (1 / 2n) sum_i sum_k: both views of every image.
+    l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
+                                 metrics.pixel_l2(o2[:real], s2[:real]))
+    rms_sum += real * 0.5 * float(metrics.pixel_rms(o1[:real], s1[:real]) +
+                                  metrics.pixel_rms(o2[:real], s2[:real]))
   za, zs1, zs2, zo1, zo2 = (np.concatenate(p) for p in zip(*parts))
   return ViewEmbeddings(indices=chosen, anchors=za, simclr=(zs1, zs2),
-                        otclr=(zo1, zo2), pixel_l2=pixel_sum / n)
+                        otclr=(zo1, zo2), pixel_l2=l2_sum / n,
+                        pixel_rms=rms_sum / n, embedding=embedding)
 
 
 def summarise_views(views: ViewEmbeddings,
@@ -767,13 +921,14 @@ def summarise_views(views: ViewEmbeddings,
   """The view-quality metrics of `view_embeddings` (see `view_metrics`)."""
   out = {}
   # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
-  for generator, (z1, z2), pix in (('simclr', views.simclr, 0.0),
-                                   ('otclr', views.otclr, views.pixel_l2)):
+  for generator, (z1, z2), pix, rms in (
+      ('simclr', views.simclr, 0.0, 0.0),
+      ('otclr', views.otclr, views.pixel_l2, views.pixel_rms)):
     row = {'view_distance': float(metrics.view_distance(z1, z2)),
            'view_cosine': float(metrics.view_cosine(z1, z2)),
            'anchor_distance': float(metrics.anchor_distance(z1, z2,
                                                             views.anchors)),
-           'pixel_l2': float(pix)}
+           'pixel_l2': float(pix), 'pixel_rms': float(rms)}
     row.update(_safe_cluster_metrics(np.concatenate([z1, z2]), num_classes))
     out[generator] = row
   return out
@@ -798,8 +953,9 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
 
   Returns:
     {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
-    anchor_distance, pixel_l2 and the four cluster metrics of the 2n view
-    embeddings [z1; z2] (K-means with K = num_classes).
+    anchor_distance, pixel_l2, pixel_rms and the four cluster metrics of the
+    2n view embeddings [z1; z2] (K-means with K = num_classes), all in the
+    embedding `config.eval.embedding` names.
   """
   return summarise_views(
       view_embeddings(config, model, state, images, num_images=num_images,
@@ -888,6 +1044,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   if min(batch_size, probe_steps, num_view_images) < 1:
     raise ValueError('config.eval.batch_size, probe_steps and num_view_images '
                      'must be >= 1.')
+  embedding = embedding_of(config)
+  recompute_bn = bool(config.eval.get('recompute_bn', False))
 
   start = time.perf_counter()
   model, state, initial, step, ckpt_path = _restore(config, workdir, step)
@@ -898,6 +1056,23 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   init_vars = {'params': initial.params['net'],
                'batch_stats': initial.batch_stats}
   variables = {f'step{step}': trained_vars, 'init': init_vars}
+  sections = [(f'step{step}', 'linear'), ('init', 'random_init')]
+  bn_images = 0
+  if recompute_bn:
+    clean = input_pipeline.load_split(config.dataset, 'train',
+                                      config.image_size,
+                                      config.data_dir or None).images
+    if len(clean) > MAX_BN_IMAGES:
+      clean = clean[np.sort(np.random.default_rng(BN_SEED).choice(
+          len(clean), MAX_BN_IMAGES, replace=False))]
+    bn_images = len(clean)
+    logging.info('Recomputing BatchNorm statistics on %d clean %s train '
+                 'images.', bn_images, config.dataset)
+    variables[f'step{step}_cleanbn'] = {
+        'params': trained_vars['params'],
+        'batch_stats': recompute_batch_stats(model, trained_vars, clean,
+                                             batch_size)}
+    sections.append((f'step{step}_cleanbn', 'linear_clean_bn'))
   encoder = Encoder(model)
 
   results: dict[str, Any] = {
@@ -907,10 +1082,12 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
       'hardware': _hardware(), 'linear': {}, 'random_init': {},
       'clusters': {}, 'views': {},
   }
+  if recompute_bn:
+    results['linear_clean_bn'] = {}
   for name in datasets:
     feats, num_classes = dataset_features(config, workdir, name, encoder,
                                           variables)
-    for tag, section in ((f'step{step}', 'linear'), ('init', 'random_init')):
+    for tag, section in sections:
       (tr_x, tr_y), (te_x, te_y) = feats[tag]['train'], feats[tag]['test']
       t0 = time.perf_counter()
       row, probe = linear_probe(tr_x, tr_y, te_x, te_y, num_classes,
@@ -924,8 +1101,10 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
                    'top-1 %.2f%% [%.1f s]', section, name, row['top1'],
                    row['top5'], row['weight_decay'], row['knn_top1'],
                    time.perf_counter() - t0)
+    test_h = feats[f'step{step}']['test'][0]
     results['clusters'][name] = feature_cluster_metrics(
-        feats[f'step{step}']['test'][0], num_classes)
+        project(model, trained_vars, test_h) if embedding == 'z' else test_h,
+        num_classes)
 
   test = input_pipeline.load_split(views_dataset, 'test', config.image_size,
                                    config.data_dir or None)
@@ -941,6 +1120,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
       'knn_k': KNN_K, 'knn_temperature': KNN_TEMPERATURE,
       'cluster_seed': CLUSTER_SEED, 'views_dataset': views_dataset,
       'views_num_images': num_view_images, 'views_seed': VIEWS_SEED,
+      'embedding': embedding, 'embedding_desc': EMBEDDINGS[embedding],
+      'recompute_bn': recompute_bn, 'bn_images': bn_images,
       'alpha': float(train.current_alpha(config, state.params)),
       'seconds': time.perf_counter() - start,
   }

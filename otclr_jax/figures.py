@@ -3,20 +3,21 @@
 Every figure is written as a PNG and a PDF beside it (matplotlib, Agg).
 
 Subcommands:
-  interpolation   The paper's figure 4: linear pixel interpolation
+  interpolation   The paper's figure 5: linear pixel interpolation
                   `(1 - a) x + a x_s` against the OT displacement view
                   `ot.ot_views(x, x_s, alpha=a)` for a few `a`, between an image
                   and a strong augmentation of it.
   tsne            The paper's class-wise t-SNE: SimCLR views (blue circles),
                   OTCLR views (green diamonds) and clean anchors (orange stars)
                   of n test images, all embedded by ONE run's restored encoder
-                  (l2-normalised 512-d h), made exactly as the evaluation's
+                  (l2-normalised z by default, or h: config.eval.embedding,
+                  named in the title), made exactly as the evaluation's
                   view metrics make them (`evaluate.view_embeddings`); one
                   panel per class with each set's coverage shaded, a panel
                   with the view metrics (P = OTCLR vs S = SimCLR, from
                   eval/results.json when it describes these views) and one
                   with the class-wise change of silhouette.
-  top5            The paper's figure 5: a test image and, for each run, the
+  top5            The paper's figure 4: a test image and, for each run, the
                   5 most probable classes of its linear probe (saved by the
                   evaluation), the true class highlighted.
   curves          Training curves (metrics.jsonl) of one or more runs.
@@ -249,7 +250,7 @@ def run_interpolation(args: argparse.Namespace) -> int:
 
 def _add_interpolation_parser(subparsers) -> None:
   p = subparsers.add_parser(
-      'interpolation', help='linear vs OT displacement interpolation (fig. 4)')
+      'interpolation', help='linear vs OT displacement interpolation (fig. 5)')
   p.add_argument('--image', default=None,
                  help="image file; default scikit-learn's flower.jpg")
   p.add_argument('--out', required=True, help='output .png (a .pdf is '
@@ -378,8 +379,8 @@ def classwise_silhouette(views: evaluate.ViewEmbeddings, labels: np.ndarray,
                          num_classes: int) -> dict[str, np.ndarray]:
   """Mean silhouette of each class's view embeddings, per generator.
 
-  Silhouette of the 2n view embeddings (512-d, Euclidean on the l2-normalised
-  features) with the TRUE labels as clusters, averaged over the views of each
+  Silhouette of the 2n view embeddings (z or h as `views.embedding` says,
+  Euclidean on the l2-normalised rows) with the TRUE labels as clusters, averaged over the views of each
   class; NaN for a class without views.
 
   Returns:
@@ -571,7 +572,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
     ax.axvline(0.0, color='black', lw=0.6)
     ax.tick_params(axis='x', labelsize=7)
     ax.set_title('class-wise $\\Delta$ silhouette (P $-$ S)', fontsize=8)
-    ax.set_xlabel('view silhouette, true classes, 512-d', fontsize=7)
+    ax.set_xlabel('view silhouette, true classes', fontsize=7)
   handles = [lines.Line2D([], [], ls='', marker=s['marker'], color=s['color'],
                           mec='black' if k == 'anchor' else s['color'],
                           mew=0.3, ms=9 if k == 'anchor' else 5,
@@ -631,9 +632,11 @@ def _views_dataset(config: ml_collections.ConfigDict) -> str:
 
 
 def _tsne_title(config, step: int, dataset: str, n: int) -> str:
+  embedding = evaluate.embedding_of(config)
   return (f'Views of {n} {tables.dataset_name(dataset)} test images, '
-          f'embedded by the {tables.method_name(config.method)} encoder '
-          f'(step {step}); joint t-SNE of anchors and both view pairs')
+          f'embedded by the {tables.method_name(config.method)} network '
+          f'(step {step}; {evaluate.EMBEDDINGS[embedding]}); joint t-SNE of '
+          f'anchors and both view pairs')
 
 
 def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
@@ -673,6 +676,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
   if (results and results.get('views') and results.get('step') == step
       and protocol.get('views_dataset') == dataset
       and protocol.get('views_num_images') == len(views.indices)
+      and protocol.get('embedding', 'h') == views.embedding
       and protocol.get('views_seed', evaluate.VIEWS_SEED)
       == evaluate.VIEWS_SEED):
     rows, note = results['views'], 'metrics: eval/results.json'
@@ -726,7 +730,7 @@ def _add_tsne_parser(subparsers) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Top-5 predictions of two models on one image (the paper's figure 5).
+# Top-5 predictions of two models on one image (the paper's figure 4).
 
 
 class Predictions(NamedTuple):
@@ -891,7 +895,7 @@ def run_top5(args: argparse.Namespace) -> int:
 def _add_top5_parser(subparsers) -> None:
   p = subparsers.add_parser(
       'top5', help='top-5 probe predictions of runs on one test image '
-      '(fig. 5)')
+      '(fig. 4)')
   p.add_argument('--workdirs', nargs='+', required=True,
                  help='evaluated runs, one bar panel each (e.g. the SimCLR '
                  'run, then the OTCLR run)')

@@ -1,6 +1,6 @@
 """Pretraining losses: NT-Xent, the Sinkhorn regulariser and their combination.
 
-METHOD.md section 6:
+docs/method.md section 6:
 
 * ``L_NCE``: NT-Xent over the 2B l2-normalised projections of the two views.
 * ``L_Sinkhorn = 1/2 [S(x_hat_1, x) + S(x_hat_2, x) + S(x_hat_1, x_s1)
@@ -98,7 +98,7 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
                          xh1: jnp.ndarray, xh2: jnp.ndarray, *,
                          grid_size: int, epsilon: float,
                          num_iters: int) -> jnp.ndarray:
-  """``L_Sinkhorn`` of METHOD.md section 6, averaged over the batch.
+  """``L_Sinkhorn`` of docs/method.md section 6, averaged over the batch.
 
   ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]`` with the
   generated view as the first (source) measure, as written; finite-iteration

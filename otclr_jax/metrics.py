@@ -1,4 +1,4 @@
-"""Clustering and view metrics on embeddings (METHOD.md section 7).
+"""Clustering and view metrics on embeddings (docs/method.md section 7).
 
 Clustering metrics take l2-normalised embeddings `z` [n, d] and integer cluster
 ids `assign` [n] in [0, num_clusters). All distances are Euclidean. Clusters
@@ -17,11 +17,14 @@ mu_c the mean of its members (the centroid):
   * centroid margin: mean over c in C of min_{c' in C, c' != c} of
     ||mu_c - mu_c'||, the Euclidean distance between cluster means (the
     centroids are not re-normalised to the sphere).
-  * inter/intra ratio: the mean of ||mu_c - mu_c'|| over unordered pairs of
-    distinct c, c' in C, divided by the mean of ||z_i - z_j|| over all pairs
-    i != j that share a cluster, pooled over clusters: every within-cluster pair
-    counts once, so large clusters weigh more than in a mean of per-cluster
-    means.
+  * inter/intra ratio: D_inter / D_intra. D_inter is the mean of
+    ||mu_c - mu_c'|| over unordered pairs of distinct c, c' in C. D_intra is
+    the paper's mean of per-cluster means: each cluster c with n_c >= 2
+    contributes the mean of ||z_i - z_j|| over its n_c (n_c - 1) / 2 pairs,
+    and these per-cluster means are averaged with equal weight (a cluster's
+    size does not change its weight). A singleton cluster has no pairs, so
+    its mean is undefined and it is left out of D_intra (it still counts in
+    D_inter).
 
 All four need at least two non-empty clusters and at least one cluster with
 two or more members (sklearn's `2 <= #clusters <= n - 1`). The public functions
@@ -230,9 +233,14 @@ def _inter_intra_ratio_from(assign, counts, centroids, dist_sums):
   inter = jnp.sum(jnp.where(pairs, _centroid_distances(centroids), 0.0)
                   ) / jnp.sum(pairs)
   own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
-  # Ordered pairs i != j in the same cluster: sum_c n_c (n_c - 1). Each
-  # unordered pair appears twice in both numerator and denominator.
-  intra = jnp.sum(own_sum) / jnp.sum(counts * (counts - 1.0))
+  # Per cluster, the sum over ordered pairs i != j (each unordered pair twice)
+  # divided by their number n_c (n_c - 1): that cluster's mean pair distance.
+  cluster_sum = jax.ops.segment_sum(own_sum, assign, counts.shape[0])
+  has_pairs = counts >= 2
+  cluster_mean = cluster_sum / jnp.where(has_pairs, counts * (counts - 1.0),
+                                         1.0)
+  intra = jnp.sum(jnp.where(has_pairs, cluster_mean, 0.0)) / jnp.sum(
+      has_pairs)
   return inter / intra
 
 
@@ -297,10 +305,20 @@ def _view_cosine(z1, z2):
   return jnp.mean(jnp.sum(z1 * z2, axis=-1) / (n1 * n2))
 
 
+def _pixel_diff(views, strong):
+  return (views.astype(jnp.float32) - strong.astype(jnp.float32)).reshape(
+      views.shape[0], -1)
+
+
 @jax.jit
 def _pixel_l2(views, strong):
-  diff = (views.astype(jnp.float32) - strong.astype(jnp.float32)).reshape(
-      views.shape[0], -1)
+  diff = _pixel_diff(views, strong)
+  return jnp.mean(jnp.sqrt(jnp.sum(diff * diff, axis=-1)))
+
+
+@jax.jit
+def _pixel_rms(views, strong):
+  diff = _pixel_diff(views, strong)
   return jnp.mean(jnp.sqrt(jnp.mean(diff * diff, axis=-1)))
 
 
@@ -390,9 +408,9 @@ def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
   """Mean inter-centroid distance over mean within-cluster pairwise distance.
 
   Numerator: mean of ||mu_c - mu_c'|| over unordered pairs of distinct
-  non-empty clusters. Denominator: mean of ||z_i - z_j|| over all pairs
-  i != j in the same cluster, pooled over clusters (each pair counts once,
-  whatever its cluster's size).
+  non-empty clusters. Denominator (the paper's D_intra): the mean over
+  clusters with at least two members of that cluster's mean pairwise
+  distance, each cluster weighted equally whatever its size.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -466,23 +484,40 @@ def anchor_distance(z1: jax.Array, z2: jax.Array,
 
 
 def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
-  """Mean per-image RMS pixel difference between a view and its strong endpoint.
+  """Mean plain L2 norm of the flattened difference, view minus strong view.
 
-  Per image, the L2 norm of the flattened difference divided by
-  sqrt(H * W * C), i.e. the root-mean-square difference, so the value is in
-  the units of the pixels (in [0, 1] for images in [0, 1]) and does not grow
-  with resolution. The paper's 0.17-0.34 on 32 x 32 x 3 images fits this
-  scale; the plain L2 norm is this value times sqrt(H * W * C).
+  The paper's Pixel L2 (docs/method.md section 7): per image, flatten
+  view - strong endpoint into H * W * C numbers and take the Euclidean norm;
+  average over images. It grows with resolution (a uniform offset d gives
+  d * sqrt(H * W * C)); `pixel_rms` is the resolution-free variant.
 
   Args:
     views: [n, H, W, C] views (e.g. OT-interpolated), values in [0, 1].
     strong: [n, H, W, C] the strong augmentations they were made from.
 
   Returns:
-    [] float32, mean over images.
+    [] float32, mean over images of ||views_i - strong_i||_2.
   """
   _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
   return _pixel_l2(views, strong)
+
+
+def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
+  """Mean per-image root-mean-square pixel difference (not the paper's).
+
+  `pixel_l2` divided by sqrt(H * W * C) image by image, so the value is in
+  pixel units (in [0, 1] for images in [0, 1]) and does not grow with
+  resolution; reported as an extra column under its own name.
+
+  Args:
+    views: [n, H, W, C] views, values in [0, 1].
+    strong: [n, H, W, C] the strong augmentations they were made from.
+
+  Returns:
+    [] float32, mean over images of the RMS difference.
+  """
+  _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
+  return _pixel_rms(views, strong)
 
 
 def cluster_metrics(z: np.ndarray, num_clusters: int,

@@ -2,7 +2,7 @@
 
 Pure JAX: no Flax or TensorFlow import, so other projects can take this module
 alone. Every public function is jittable, vmappable and differentiable in the
-images and in `alpha`. METHOD.md sections 2-6 give the formulas.
+images and in `alpha`. docs/method.md sections 2-6 give the formulas.
 
 Conventions:
   * A grid histogram is an `[m, m]` array of non-negative masses summing to 1.
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# [decision] METHOD.md section 2: added after the min-shift so every cell is
-# strictly positive; Sinkhorn then never divides by zero.
+# [decision] docs/method.md sections 2 and 9: added after the min-shift so
+# every cell is strictly positive; Sinkhorn then never divides by zero.
 DELTA = 1e-3
 
 
@@ -169,7 +169,7 @@ def _apply_kernel(kx: jax.Array, w: jax.Array) -> jax.Array:
 def image_to_measure(x: jax.Array, grid_size: int = 16):
   """Turns each channel of images into a probability histogram on a grid.
 
-  METHOD.md section 2: antialiased bilinear resize to `m x m`, shift by the
+  docs/method.md section 2: antialiased bilinear resize to `m x m`, shift by the
   minimum, add `DELTA`, normalise.
 
   Args:
@@ -255,7 +255,7 @@ def _prepare(a, b, epsilon, num_iters):
 
 
 def sinkhorn_plan(a, b, epsilon=0.05, num_iters: int = 20) -> jax.Array:
-  """Dense entropic transport plan (METHOD.md section 3), for reference and tests.
+  """Dense entropic plan (docs/method.md section 3), for reference and tests.
 
   Args:
     a: source histogram `[m, m]` (sums to 1).
@@ -291,7 +291,7 @@ def _cost_from_scalings(u, v, kx, epsilon):
 
 
 def sinkhorn_cost(a, b, epsilon=0.05, num_iters: int = 20) -> jax.Array:
-  """Entropic Sinkhorn cost `S_eps(a, b)` of METHOD.md section 6.
+  """Entropic Sinkhorn cost `S_eps(a, b)` of docs/method.md section 6.
 
   `S = <P, C> + eps * sum P (log P - 1)` at the plan of `sinkhorn_plan`,
   evaluated in `O(m^3)` from the scalings.
@@ -319,7 +319,7 @@ def _splat_axis(grid_size: int, alpha) -> jax.Array:
   """Per-axis bilinear weights `w[l, i, j]` of position `(1 - alpha) i + alpha j`.
 
   Positions are in grid units; the hat function `max(0, 1 - |l - g|)` equals
-  the floor/fraction bilinear weights of METHOD.md section 4 for `g` in
+  the floor/fraction bilinear weights of docs/method.md section 4 for `g` in
   `[0, m - 1]` (including the last vertex) and is differentiable in `alpha`.
   """
   idx = jnp.arange(grid_size, dtype=jnp.float32)
@@ -342,7 +342,7 @@ def _displace_from_scalings(u, v, kx, alpha):
 
 
 def displace(a, b, alpha, epsilon=0.05, num_iters: int = 20) -> jax.Array:
-  """Displacement-interpolated, bilinearly splatted histogram (METHOD.md s. 4).
+  """Displaced, bilinearly splatted histogram (docs/method.md section 4).
 
   Mass `P_ij` moving `r_i -> r_j` is deposited at `(1 - alpha) r_i + alpha r_j`.
   The fast path never builds the `[m^2, m^2]` plan.
@@ -368,8 +368,8 @@ def displace(a, b, alpha, epsilon=0.05, num_iters: int = 20) -> jax.Array:
 def dense_displace(plan: jax.Array, alpha) -> jax.Array:
   """Reference splat from a materialised plan: scatter every packet.
 
-  Uses the floor/fraction form of METHOD.md section 4 with `jnp.ndarray.at`,
-  independent of the factorised fast path.
+  Uses the floor/fraction form of docs/method.md section 4 with
+  `jnp.ndarray.at`, independent of the factorised fast path.
 
   Args:
     plan: `[m * m, m * m]` transport plan.
@@ -425,7 +425,7 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters):
 
 def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
              num_iters: int = 20) -> jax.Array:
-  """The OTCLR view generator `D_{alpha, eps}(x, x_strong)` (METHOD.md s. 2-5).
+  """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
   Per channel: measure on an `m x m` grid, Sinkhorn plan from `x` to
   `x_strong`, displacement splat at `alpha`; then [decision] mass and offset
@@ -465,7 +465,7 @@ def image_sinkhorn_cost(x, y, grid_size: int = 16, epsilon=0.05,
     num_iters: exact number of Sinkhorn iterations.
 
   Returns:
-    `[B]` costs `mean_c S_eps(x_c, y_c)` (METHOD.md section 6 [decision]).
+    `[B]` costs `mean_c S_eps(x_c, y_c)` (docs/method.md section 6 [decision]).
   """
   _, _, kx, epsilon, u, v = _solve_images(x, y, 'y', grid_size, epsilon,
                                           num_iters)

@@ -14,12 +14,13 @@ Tables (the paper's files in parentheses):
 * `linear_table` (full_linear_eval): methods x datasets, Top-1 / Top-5
   columns, plus a 'Random init' floor row per (pretraining dataset, batch
   size); the floor pools runs with distinct seeds, since an untrained encoder
-  does not depend on the method.
+  does not depend on the method. Runs evaluated with recomputed BatchNorm
+  statistics get two rows, labelled 'BN: stored' and 'BN: clean train'.
 * `ablation_table` (half_linear_eval): rows pretraining dataset x batch size x
   method, one 'Top-1 / Top-5' cell per dataset.
 * `augmentation_table` (augmentation_quality): per encoder, the SimCLR and the
   OTCLR view generator, with the four cluster metrics of the view embeddings
-  and the four view metrics.
+  and the view metrics (pixel L2 as the paper defines it, then pixel RMS).
 * `cluster_table`: the cluster metrics of the test features per dataset.
 * `complexity_table` (complexity): stage x method, from benchmark rows.
 * `render_report`: all results tables with headings (what evaluate writes).
@@ -48,7 +49,7 @@ DATASET_NAMES = {
 # The paper's column order; other datasets follow in order of appearance.
 DATASET_ORDER = ('cifar10', 'cifar100', 'food101', 'oxford_iiit_pet', 'stl10',
                  'svhn_cropped')
-SECTIONS = ('linear', 'random_init', 'clusters', 'views')
+SECTIONS = ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn')
 # (key, header, +1 if higher is better else -1).
 CLUSTER_METRICS = (('silhouette', 'Silhouette', 1),
                    ('compactness', 'Compactness', -1),
@@ -57,10 +58,20 @@ CLUSTER_METRICS = (('silhouette', 'Silhouette', 1),
 VIEW_METRICS = (('view_distance', 'View Dist.', -1),
                 ('view_cosine', 'View Cos.', 1),
                 ('anchor_distance', 'Anchor Dist.', -1),
-                ('pixel_l2', 'Pixel L2', -1))
+                ('pixel_l2', 'Pixel L2', -1),
+                ('pixel_rms', 'Pixel RMS', -1))
 LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
 FORMATS = ('markdown', 'latex')
 FLOOR_LABEL = 'Random init'
+# Row labels when a run also has `linear_clean_bn` (evaluate's
+# `config.eval.recompute_bn`): the checkpoint's BatchNorm statistics, learnt
+# on augmented views, versus statistics re-estimated on clean train images.
+BN_STORED_LABEL = ' (BN: stored)'
+BN_CLEAN_LABEL = ' (BN: clean train)'
+# `protocol.embedding` of evaluate; results written before the field existed
+# used the backbone features h.
+EMBEDDING_NAMES = {'z': 'z, l2-normalised projection output',
+                   'h': 'h, l2-normalised backbone features'}
 
 _EMPTY = {'markdown': '–', 'latex': '--'}
 _PM = {'markdown': ' ± ', 'latex': r' $\pm$ '}
@@ -130,8 +141,9 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   Returns:
     One dict per group, sorted by pretraining dataset, batch size (descending)
     and method (SimCLR, OTCLR, others): 'pretrain_dataset', 'batch_size',
-    'method', 'n' (runs), 'seeds', 'steps', and for each of 'linear',
-    'random_init', 'clusters', 'views' the results' nested dicts with every
+    'method', 'n' (runs), 'seeds', 'steps', and for each of `SECTIONS`
+    ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn'; empty
+    when the runs lack it) the results' nested dicts with every
     number replaced by `stat` of its values over the runs (a run lacking a
     value, or with null or non-finite, is left out of that value's n).
   """
@@ -422,9 +434,15 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   for i, g in enumerate(groups):
     setting = (g['pretrain_dataset'], g['batch_size'])
     suffix = _setting_suffix(*setting) if several else ''
-    rows.append(_Row((method_name(g['method']) + suffix,), cells(g['linear']),
-                     block=setting, highlight=g['method'] == 'otclr',
-                     section=setting))
+    clean = g.get('linear_clean_bn')
+    name = method_name(g['method'])
+    rows.append(_Row((name + (BN_STORED_LABEL if clean else '') + suffix,),
+                     cells(g['linear']), block=setting,
+                     highlight=g['method'] == 'otclr', section=setting))
+    if clean:
+      rows.append(_Row((name + BN_CLEAN_LABEL + suffix,), cells(clean),
+                       block=setting, highlight=g['method'] == 'otclr',
+                       section=setting))
     if _last_of_setting(groups, i) and floors.get(setting):
       rows.append(_Row((FLOOR_LABEL + suffix,), cells(floors[setting]),
                        section=(setting, 'floor')))
@@ -473,8 +491,8 @@ def augmentation_table(results: Sequence[dict[str, Any]],
 
   Rows: for each encoder (method group), the SimCLR and the OTCLR views; the
   columns are the four cluster metrics of the view embeddings, then view
-  distance, view cosine, anchor distance and pixel L2. Bold compares the two
-  generators under the same encoder.
+  distance, view cosine, anchor distance, pixel L2 and pixel RMS. Bold
+  compares the two generators under the same encoder.
   """
   _check_fmt(fmt)
   groups = aggregate(results)
@@ -566,19 +584,31 @@ def complexity_table(rows: Sequence[dict[str, Any]],
   return _render(spec, out, fmt)
 
 
+def embedding_label(results: Sequence[dict[str, Any]]) -> str:
+  """Which embedding the runs' cluster and view metrics used, in words."""
+  used = sorted({(r.get('protocol') or {}).get('embedding', 'h')
+                 for r in results})
+  return '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in used)
+
+
 def render_report(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
-  """All results tables, each under a heading (a comment in LaTeX)."""
+  """All results tables, each under a heading (a comment in LaTeX).
+
+  The view-quality and cluster headings name the embedding they were
+  computed on (`embedding_label`).
+  """
   _check_fmt(fmt)
+  embedding = embedding_label(results)
   parts = [
       ('Linear probe and kNN (%, complete test splits)',
        linear_table(results, fmt, metrics=('top1', 'top5', 'knn_top1'))),
       ('Linear probe by pretraining dataset and batch size',
        ablation_table(results, fmt)),
-      ('View quality (same encoder, two view generators)',
-       augmentation_table(results, fmt)),
-      ('Cluster metrics of the test features (K-means, K = classes)',
-       cluster_table(results, fmt)),
+      (f'View quality (same encoder, two view generators; embedding '
+       f'{embedding})', augmentation_table(results, fmt)),
+      (f'Cluster metrics of the test embeddings (K-means, K = classes; '
+       f'embedding {embedding})', cluster_table(results, fmt)),
   ]
   if fmt == 'markdown':
     return '\n'.join(f'### {title}\n\n{table}' for title, table in parts)

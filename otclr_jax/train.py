@@ -2,7 +2,7 @@
 
 The step takes uint8 images, draws two SimCLR strong views on the device, and
 for `method='otclr'` turns them into OT displacement views before NT-Xent
-(METHOD.md sections 1 and 4-6). Everything needed to resume lives in
+(docs/method.md sections 1 and 4-6). Everything needed to resume lives in
 `TrainState`; data order and augmentation keys are functions of
 `(config.seed, step)`, so a resumed run repeats an uninterrupted one exactly.
 """
@@ -157,7 +157,7 @@ def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:
   """Whether `beta * L_Sinkhorn` is part of the loss (then every step needs it).
 
   With beta = 0 it is only a logged diagnostic. (With beta != 0 but a fixed
-  alpha it enters the loss value yet has no gradient, METHOD.md section 6.)
+  alpha it enters the loss value yet has no gradient, docs/method.md section 6.)
   """
   return config.ot.beta != 0
 

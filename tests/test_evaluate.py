@@ -3,12 +3,15 @@
 import json
 import os
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
+from otclr_jax import models
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -162,6 +165,7 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   config.eval.num_view_images = 40
   config.eval.probe_steps = 30
   config.eval.batch_size = 64
+  config.eval.recompute_bn = True
 
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     evaluate.evaluate(config, workdir)
@@ -183,7 +187,7 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   assert (results['method'], results['seed'], results['batch_size'],
           results['pretrain_dataset'], results['image_size']) == (
               'otclr', 0, 16, 'digits', 8)
-  for section in ('linear', 'random_init'):
+  for section in ('linear', 'random_init', 'linear_clean_bn'):
     row = results[section]['digits']
     assert set(row) >= {'top1', 'top5', 'knn_top1', 'weight_decay',
                         'num_train', 'num_test'}
@@ -192,29 +196,44 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
     assert row['top5'] >= row['top1']
     assert (row['num_train'], row['num_test']) == (200, 80)
   assert results['random_init']['digits'] != results['linear']['digits']
+  protocol = results['protocol']
+  assert (protocol['embedding'], protocol['recompute_bn'],
+          protocol['bn_images']) == ('z', True, 200)
   cluster_keys = {'silhouette', 'compactness', 'centroid_margin',
                   'inter_intra_ratio'}
   assert set(results['clusters']['digits']) >= cluster_keys
   for generator in ('simclr', 'otclr'):
     views = results['views'][generator]
     assert set(views) == cluster_keys | {'view_distance', 'view_cosine',
-                                         'anchor_distance', 'pixel_l2'}
+                                         'anchor_distance', 'pixel_l2',
+                                         'pixel_rms'}
     assert 0.0 <= views['view_distance'] <= 2.0
     assert -1.0 <= views['view_cosine'] <= 1.0
   assert results['views']['simclr']['pixel_l2'] == 0.0
   assert results['views']['otclr']['pixel_l2'] > 0.0
+  # Plain norm vs RMS of the same 8 x 8 x 3 differences: at least RMS, at
+  # most sqrt(192) times it (equal per image).
+  otclr = results['views']['otclr']
+  assert otclr['pixel_rms'] <= otclr['pixel_l2'] <= (
+      np.sqrt(192) * otclr['pixel_rms'] * (1 + 1e-5))
   printed = capsys.readouterr().out
-  assert '| Random init |' in printed and '| OTCLR |' in printed
+  assert '| Random init |' in printed
+  assert '| OTCLR (BN: stored) |' in printed
+  assert '| OTCLR (BN: clean train) |' in printed
+  with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
+    assert 'embedding z, l2-normalised projection output' in f.read()
   features = os.path.join(workdir, 'eval', 'features')
-  assert sorted(os.listdir(os.path.join(features, 'step2'))) == [
-      'digits_test.npz', 'digits_train.npz']
+  for tag in ('step2', 'step2_cleanbn'):
+    assert sorted(os.listdir(os.path.join(features, tag))) == [
+        'digits_test.npz', 'digits_train.npz']
 
   def fail(*args, **kwargs):
     raise AssertionError('features were recomputed instead of read')
 
   monkeypatch.setattr(evaluate, 'extract_features', fail)
   again = evaluate.evaluate(config, workdir)
-  for section in ('linear', 'random_init', 'clusters', 'views'):
+  for section in ('linear', 'random_init', 'clusters', 'views',
+                  'linear_clean_bn'):
     assert again[section] == results[section]
 
 
@@ -227,3 +246,105 @@ def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
   (tmp_path / 'checkpoints').mkdir()
   with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
     evaluate.evaluate(config, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------
+# Embeddings and BatchNorm statistics.
+
+
+def _tiny_net(seed=0, num_images=50):
+  """A cifar-stem SimCLRNet with a small head, its variables and 8 px images.
+
+  The BatchNorm statistics are perturbed away from (0, 1) so that a result
+  that ignored the recomputation (or kept the stored values) would show.
+  """
+  model = models.SimCLRNet(stem='cifar', proj_hidden_dim=8, proj_dim=4)
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
+  variables = model.init(jax.random.key(seed), jnp.zeros((2, 8, 8, 3)),
+                         train=False)
+  variables = {'params': variables['params'],
+               'batch_stats': jax.tree.map(
+                   lambda x: x + 0.5, variables['batch_stats'])}
+  return model, variables, images
+
+
+def _bn_inputs(model, variables, images):
+  """{BatchNorm path: float64 input [N, ..., C]} of one training-mode pass.
+
+  Recorded by intercepting every BatchNorm call, independently of
+  `evaluate.recompute_batch_stats`.
+  """
+  seen = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, nn.BatchNorm) and context.method_name == (
+        '__call__'):
+      seen[context.module.path] = np.asarray(args[0], np.float64)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
+                train=True, mutable=['batch_stats'])
+  return seen
+
+
+def _stats_at(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
+  model, variables, images = _tiny_net()
+  inputs = _bn_inputs(model, variables, images)
+  # ResNet-18: stem 1 + 8 blocks x 2 + 3 shortcuts = 20; the head 1.
+  assert len(inputs) == 21
+  # One batch holding every image: every layer's statistics are exact.
+  stats = evaluate.recompute_batch_stats(model, variables, images,
+                                         batch_size=len(images))
+  for path, x in inputs.items():
+    flat = x.reshape(-1, x.shape[-1])
+    got = _stats_at(stats, path)
+    np.testing.assert_allclose(got['mean'], flat.mean(0), rtol=1e-4,
+                               atol=1e-5, err_msg=str(path))
+    np.testing.assert_allclose(got['var'], flat.var(0), rtol=1e-4, atol=1e-5,
+                               err_msg=str(path))
+  # Flax's own update from zero running statistics, momentum 0.9 (models.py):
+  # new = 0.1 * batch statistic, for one batch holding every image.
+  _, updated = model.apply(
+      {'params': variables['params'],
+       'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])},
+      jnp.asarray(images, jnp.float32) / 255.0, train=True,
+      mutable=['batch_stats'])
+  jax.tree.map(
+      lambda ours, flax_new: np.testing.assert_allclose(
+          ours, np.asarray(flax_new) / 0.1, rtol=1e-3, atol=1e-4),
+      stats, updated['batch_stats'])
+  # Uneven batches (16, 16, 16, 2): the first BatchNorm's input does not
+  # depend on other BatchNorm layers, so pooling must still be exact there.
+  pooled = evaluate.recompute_batch_stats(model, variables, images,
+                                          batch_size=16)
+  first = ('encoder', 'stem_bn')
+  flat = inputs[first].reshape(-1, inputs[first].shape[-1])
+  np.testing.assert_allclose(_stats_at(pooled, first)['mean'], flat.mean(0),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(_stats_at(pooled, first)['var'], flat.var(0),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_project_equals_the_networks_z():
+  model, variables, images = _tiny_net(seed=1, num_images=12)
+  h, z = model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
+                     train=False)
+  np.testing.assert_allclose(
+      evaluate.project(model, variables, np.asarray(h), batch_size=5),
+      np.asarray(z), rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_config_is_checked():
+  config = tiny_config('/nonexistent')
+  assert evaluate.embedding_of(config) == 'z'  # the paper's default
+  config.eval.embedding = 'x'
+  with pytest.raises(ValueError, match='config.eval.embedding'):
+    evaluate.embedding_of(config)

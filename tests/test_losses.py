@@ -25,7 +25,7 @@ _regulariser = jax.jit(losses.sinkhorn_regulariser, static_argnames=_STATIC_OT)
 
 
 def _nt_xent_reference(z1, z2, temperature):
-  """Loop-by-anchor NumPy float64 transcription of METHOD.md section 6."""
+  """Loop-by-anchor NumPy float64 transcription of docs/method.md section 6."""
   z = np.concatenate([z1, z2]).astype(np.float64)
   z /= np.linalg.norm(z, axis=1, keepdims=True)
   n = z.shape[0]
@@ -224,7 +224,7 @@ def _numpy_variables(module, shape, seed=0):
 
 
 def test_fixed_alpha_regulariser_does_not_change_parameter_gradients():
-  """METHOD.md section 6 note: with a fixed alpha, beta has no effect."""
+  """docs/method.md section 6 note: with a fixed alpha, beta has no effect."""
   model = models.SimCLRNet(stem='cifar', proj_hidden_dim=16, proj_dim=8)
   x, xs1, xs2 = _images(1, batch=4)
   # The views are data: generated outside the differentiated function.

@@ -64,17 +64,24 @@ def _np_centroid_margin(z, assign):
 
 
 def _np_inter_intra(z, assign):
+  """The paper's equation: D_inter / D_intra, D_intra = (1/K) sum_k mean_k.
+
+  mean_k is cluster k's mean of ||z_i - z_j|| over pairs i < j; clusters
+  without a pair (singletons) are left out of the 1/K average.
+  """
   z = z.astype(np.float64)
   _, mu = _np_centroids(z, assign)
   k = len(mu)
   inter = [np.linalg.norm(mu[i] - mu[j])
            for i in range(k) for j in range(i + 1, k)]
-  intra = []
-  for i in range(len(z)):
-    for j in range(i + 1, len(z)):
-      if assign[i] == assign[j]:
-        intra.append(np.linalg.norm(z[i] - z[j]))
-  return np.mean(inter) / np.mean(intra)
+  per_cluster = []
+  for c in np.unique(assign):
+    members = z[assign == c]
+    pairs = [np.linalg.norm(members[i] - members[j])
+             for i in range(len(members)) for j in range(i + 1, len(members))]
+    if pairs:
+      per_cluster.append(np.mean(pairs))
+  return np.mean(inter) / np.mean(per_cluster)
 
 
 # Silhouette.
@@ -139,16 +146,34 @@ def test_cluster_metrics_match_numpy(make):
       _np_inter_intra(z, assign), rtol=RTOL)
 
 
-def test_inter_intra_pools_pairs_over_clusters():
-  # Cluster 0: 3 collinear points (pair distances 1, 1, 2), cluster 1: a
-  # pair at distance 4. Pooled: (1 + 1 + 2 + 4) / 4 = 2, whereas the mean
-  # of per-cluster means would be (4/3 + 4) / 2.
+def test_inter_intra_is_mean_of_per_cluster_means():
+  # Cluster 0: 3 collinear points (pair distances 1, 1, 2; mean 4/3),
+  # cluster 1: a pair at distance 4. The paper's D_intra is (4/3 + 4) / 2 =
+  # 8/3; pooling all four pairs would give (1 + 1 + 2 + 4) / 4 = 2.
   z = np.array([[0, 0], [1, 0], [2, 0], [10, 0], [10, 4]], np.float32)
   assign = np.array([0, 0, 0, 1, 1], np.int32)
   inter = np.linalg.norm(np.array([1.0, 0.0]) - np.array([10.0, 2.0]))
   np.testing.assert_allclose(
-      metrics.inter_intra_ratio(z, assign, num_clusters=2), inter / 2.0,
-      rtol=1e-5)
+      metrics.inter_intra_ratio(z, assign, num_clusters=2),
+      inter / (8.0 / 3.0), rtol=1e-5)
+
+
+def test_inter_intra_unequal_clusters_match_paper_equation():
+  # Very unequal sizes (40 vs 3 points, different spreads) separate the
+  # paper's mean of per-cluster means from a pooled mean by far more than
+  # the tolerance; a singleton is left out of D_intra only.
+  rng = np.random.default_rng(3)
+  z = np.concatenate([0.1 * rng.normal(size=(40, 6)),
+                      3.0 + 2.0 * rng.normal(size=(3, 6)),
+                      [np.full(6, -5.0)]]).astype(np.float32)
+  assign = np.array([0] * 40 + [1] * 3 + [2], np.int32)
+  got = metrics.inter_intra_ratio(z, assign, num_clusters=3)
+  np.testing.assert_allclose(got, _np_inter_intra(z, assign), rtol=1e-4)
+  # The path `cluster_metrics` takes (one shared distance pass, chunked).
+  values = metrics._all_cluster_metrics(z, assign, num_clusters=3,
+                                        block_size=7)
+  np.testing.assert_allclose(values['inter_intra_ratio'],
+                             _np_inter_intra(z, assign), rtol=1e-4)
 
 
 def test_identical_point_clusters_closed_form():
@@ -278,19 +303,50 @@ def test_view_metrics_closed_forms():
   np.testing.assert_allclose(metrics.view_cosine(z, zero), 0.0, atol=1e-7)
 
 
-def test_pixel_l2_is_per_image_rms():
+def test_pixel_l2_is_plain_norm_of_flattened_difference():
+  # The paper: (1 / 2n) sum_i sum_k ||x_hat_k^(i) - x_s,k^(i)||_2 on the
+  # flattened images; one call covers one k, so this is the mean over i.
   rng = np.random.default_rng(5)
   views = rng.uniform(size=(4, 8, 8, 3)).astype(np.float32)
   strong = rng.uniform(size=(4, 8, 8, 3)).astype(np.float32)
   diff = (views.astype(np.float64) - strong).reshape(4, -1)
-  expected = np.mean(np.linalg.norm(diff, axis=1) / np.sqrt(8 * 8 * 3))
+  expected = np.mean(np.sqrt(np.sum(diff**2, axis=1)))
   np.testing.assert_allclose(metrics.pixel_l2(views, strong), expected,
                              rtol=1e-5)
   np.testing.assert_allclose(metrics.pixel_l2(views, views), 0.0, atol=1e-7)
-  # A uniform offset of 0.25 has RMS 0.25 whatever the resolution.
+  # A uniform offset of 0.25 on 32 x 32 x 3: 0.25 * sqrt(3072) = 13.86.
   big = np.full((2, 32, 32, 3), 0.5, np.float32)
-  np.testing.assert_allclose(metrics.pixel_l2(big, big - 0.25), 0.25,
+  np.testing.assert_allclose(metrics.pixel_l2(big, big - 0.25),
+                             0.25 * np.sqrt(32 * 32 * 3), rtol=1e-6)
+
+
+def test_pixel_rms_is_per_image_rms():
+  rng = np.random.default_rng(5)
+  views = rng.uniform(size=(4, 8, 8, 3)).astype(np.float32)
+  strong = rng.uniform(size=(4, 8, 8, 3)).astype(np.float32)
+  diff = (views.astype(np.float64) - strong).reshape(4, -1)
+  expected = np.mean(np.sqrt(np.mean(diff**2, axis=1)))
+  np.testing.assert_allclose(metrics.pixel_rms(views, strong), expected,
+                             rtol=1e-5)
+  big = np.full((2, 32, 32, 3), 0.5, np.float32)
+  np.testing.assert_allclose(metrics.pixel_rms(big, big - 0.25), 0.25,
                              rtol=1e-6)
+
+
+def test_view_metrics_match_paper_equations():
+  # ViewDist = mean_i ||z1_i - z2_i||, ViewCos = mean_i z1_i . z2_i on
+  # l2-normalised rows, AnchorDist = (1 / 2n) sum_i sum_k ||z_k,i - z(x_i)||.
+  rng = np.random.default_rng(11)
+  z1, z2, za = (_unit(rng.normal(size=(30, 16))) for _ in range(3))
+  np.testing.assert_allclose(metrics.view_distance(
+      z1.astype(np.float32), z2.astype(np.float32)),
+      np.mean(np.linalg.norm(z1 - z2, axis=1)), rtol=1e-5)
+  np.testing.assert_allclose(metrics.view_cosine(
+      z1.astype(np.float32), z2.astype(np.float32)),
+      np.mean(np.sum(z1 * z2, axis=1)), rtol=1e-5, atol=1e-6)
+  anchor = sum(np.linalg.norm(zk - za, axis=1).sum() for zk in (z1, z2)) / 60
+  np.testing.assert_allclose(metrics.anchor_distance(
+      *(a.astype(np.float32) for a in (z1, z2, za))), anchor, rtol=1e-5)
 
 
 def test_view_metrics_jit():

@@ -141,13 +141,13 @@ def test_augmentation_table():
   header, _, simclr, otclr = text.splitlines()
   assert header.startswith(
       '| Encoder | Views | Silhouette ↑ | Compactness ↓ ')
-  assert header.endswith('| Anchor Dist. ↓ | Pixel L2 ↓ |')
+  assert header.endswith('| Anchor Dist. ↓ | Pixel L2 ↓ | Pixel RMS ↓ |')
   # Same encoder, two generators: lower view distance and pixel L2 win.
   assert simclr == ('| SimCLR | SimCLR | **0.1000** | **0.0500** | **0.3000** '
                     '| **1.0000** | 0.5000 | **0.8000** | **0.6000** '
-                    '| **0.0000** |')
+                    '| **0.0000** | – |')
   assert otclr.split(' | ')[6:] == ['**0.3000**', '**0.8000**', '**0.6000**',
-                                    '0.1700 |']
+                                    '0.1700', '– |']
   latex = tables.augmentation_table(RESULTS[1:2], 'latex')
   assert r'\textbf{View Dist. $\downarrow$}' in latex
   assert r'\multirow{2}{*}{SimCLR} & SimCLR & ' in latex
@@ -160,6 +160,11 @@ def test_cluster_table_and_report():
       '(n=2) | **0.1000 ± 0.0000** (n=2) | **1.1000 ± 0.0000** (n=2) |')
   report = tables.render_report(RESULTS)
   assert report.count('### ') == 4
+  # Results without protocol.embedding predate it: they used h.
+  assert report.count('embedding h, l2-normalised backbone features') == 2
+  with_z = [{**r, 'protocol': {'embedding': 'z'}} for r in RESULTS]
+  assert tables.render_report(with_z).count(
+      'embedding z, l2-normalised projection output') == 2
   assert tables.render_report(RESULTS, 'latex').count(r'\begin{tabular}') == 4
 
 
@@ -191,3 +196,17 @@ def test_names_are_escaped():
   run['linear'] = {'folder:/data/my_pets': {'top1': 1.0, 'top5': 2.0}}
   assert r'\textbf{my\_pets}' in tables.linear_table([run], 'latex')
   assert '| my_pets Top-1 |' in tables.linear_table([run])
+
+
+def test_linear_table_labels_stored_and_clean_batchnorm_rows():
+  run = _run('otclr', 0, 46.5, floor=10.0)
+  run['linear_clean_bn'] = {'cifar10': {'top1': 48.0, 'top5': 91.0}}
+  lines = tables.linear_table([run, _run('simclr', 0, 40.0, 10.0)],
+                              datasets=['cifar10']).splitlines()
+  assert lines[2:] == [
+      '| SimCLR | 40.00 | 90.00 |',
+      '| OTCLR (BN: stored) | 46.50 | 90.00 |',
+      '| OTCLR (BN: clean train) | **48.00** | **91.00** |',
+      '| Random init | 10.00 | 50.00 |']
+  # Without the measurement the labels stay plain.
+  assert '(BN:' not in tables.linear_table(RESULTS)
