@@ -310,7 +310,10 @@ def final_step(config, workdir: str) -> int | None:
   with open(path) as f:
     lines = [line for line in f if line.strip()]
   for line in reversed(lines):
-    record = json.loads(line)
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # A torn last line (crash, full disk): use an earlier one.
     if record.get('epoch'):
       per_epoch = round(record['step'] / record['epoch'])
       return int(config.num_epochs * per_epoch)

@@ -392,6 +392,7 @@ def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     for step in (50, 100):
       f.write(json.dumps({'step': step, 'epoch': step / 195}) + '\n')
+    f.write('{"step": 150, "ep')  # torn by a crash
   assert sweep_lib.final_step(config, str(tmp_path)) == 3 * 195
   with open(tmp_path / 'status.json', 'w') as f:
     json.dump({'state': 'finished', 'step': 585, 'total_steps': 585}, f)
