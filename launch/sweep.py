@@ -420,7 +420,7 @@ def is_finished(config, workdir: str) -> bool:
   for the final step and was made with this config's evaluation settings.
   """
   return (is_trained(config, workdir)
-          and read_results(workdir) is not None
+          and os.path.exists(os.path.join(workdir, RESULTS))
           and stale_results_reason(config, workdir) is None)
 
 
@@ -429,7 +429,10 @@ def is_trained(config, workdir: str) -> bool:
   total = final_step(config, workdir)
   if total is None:
     return False
-  status = rundir.read_status(workdir)
+  try:
+    status = rundir.read_status(workdir)
+  except ValueError:
+    return False  # A damaged status.json: training rewrites it.
   if status is not None:
     return status.get('state') == 'finished' and status.get('step') == total
   latest = latest_checkpoint_step(workdir)

@@ -665,3 +665,17 @@ def test_children_die_with_a_killed_sweep(tmp_path):
   if alive:
     os.kill(child, signal.SIGKILL)
   assert not alive, 'the child outlived the SIGKILLed sweep'
+
+
+def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
+  sweep, workdir, names = four_runs
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=FakeLauncher(),
+                             aggregate=False) == 0
+  broken = os.path.join(workdir, names[0], 'eval', 'results.json')
+  with open(broken, 'w') as f:
+    f.write('{"step": 2, "lin')
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 0
+  assert launcher.calls == [(names[0], 'eval')]
+  assert broken in capsys.readouterr().out
