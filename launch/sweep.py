@@ -26,12 +26,30 @@ each named `<dataset>_<method>_b<batch>_s<seed>` with workdir `DIR/<name>`.
     ... --dry_run            Prints the commands without running them.
 
 SWEEP may also be a bare name from launch/sweeps/, e.g. `digits_smoke`.
+
+Trust rules. A run's identity is its resolved config: training stores it in
+`DIR/<name>/config.json` and evaluation in `DIR/<name>/eval/config.json`. A
+rerun whose settings differ from a stored run in anything that changes the
+result (`rundir.result_changing_diff`) is refused before anything runs or
+`runs.json` is rewritten, naming the run and the settings; use another
+--workdir or delete that run. Results evaluated with other `eval.*` settings
+(or for another step) are re-evaluated. A run counts as finished only when its
+`status.json` says "finished" at its final step and its results are for that
+step. A child that exits 75 (`rundir.EXIT_STOPPED`, preempted) leaves its run
+unfinished and stops the sweep with 75: rerun to resume. The summary averages
+finished runs only and lists every other run (unfinished, diverged, no
+status.json, unreadable results.json) under "Not averaged"; --aggregate_only
+exits 1 if a results.json is unreadable and 2 if DIR does not exist. Children
+get SIGTERM when the sweep process dies, even by SIGKILL (Linux
+`PR_SET_PDEATHSIG`; elsewhere they share the sweep's process group, so kill
+the group).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import ctypes
 import dataclasses
 import glob
 import itertools
@@ -45,6 +63,8 @@ import sys
 import time
 import types
 from typing import Any, Callable, Mapping, Sequence
+
+from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS_DIR = os.path.join(REPO, 'launch', 'sweeps')
@@ -290,7 +310,10 @@ def final_step(config, workdir: str) -> int | None:
   with open(path) as f:
     lines = [line for line in f if line.strip()]
   for line in reversed(lines):
-    record = json.loads(line)
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # A torn last line (crash, full disk): use an earlier one.
     if record.get('epoch'):
       per_epoch = round(record['step'] / record['epoch'])
       return int(config.num_epochs * per_epoch)
@@ -298,25 +321,122 @@ def final_step(config, workdir: str) -> int | None:
 
 
 def read_results(workdir: str) -> dict | None:
+  """DIR/<run>/eval/results.json, or None if absent.
+
+  Raises:
+    ValueError: the file is not valid JSON (the message names it).
+  """
   path = os.path.join(workdir, RESULTS)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path} is not valid JSON ({e}).') from e
+
+
+def _describe(stored: dict, new: dict, names: Sequence[str]) -> str:
+  flat = lambda d: dict(_flatten(json.loads(json.dumps(d))))
+  stored, new = flat(stored), flat(new)
+  show = lambda d, n: repr(d[n]) if n in d else '(absent)'
+  return ', '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
+
+
+def _flatten(tree: dict, prefix: str = ''):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flatten(value, f'{prefix}{key}.')
+    else:
+      yield f'{prefix}{key}', value
+
+
+def identity_conflict(config, workdir: str) -> str | None:
+  """Why the run in `workdir` is not the run `config` describes, or None.
+
+  Compares the config that training stored (`rundir.CONFIG_FILE`) with this
+  invocation's on every result-changing setting. A run directory that holds
+  checkpoints or results but no stored config cannot be identified and is a
+  conflict too: its numbers could come from any settings.
+  """
+  try:
+    stored = rundir.read_config(workdir)
+  except ValueError as e:
+    return str(e)
+  if stored is None:
+    if (latest_checkpoint_step(workdir) is not None
+        or os.path.exists(os.path.join(workdir, RESULTS))):
+      return (f'it holds checkpoints or results but no '
+              f'{rundir.CONFIG_FILE} recording the settings that produced '
+              'them')
+    return None
+  new = config.to_dict()
+  names = rundir.result_changing_diff(stored, new)
+  return (f'it was run with other settings: {_describe(stored, new, names)}'
+          if names else None)
+
+
+def _eval_config_conflict(config, workdir: str) -> str | None:
+  """Why results.json does not belong to `config`'s evaluation, or None."""
+  path = os.path.join(workdir, 'eval', 'config.json')
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+  except FileNotFoundError:
+    return f'no {path} records how it was evaluated'
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    return f'{path} is not valid JSON ({e})'
+  new = config.to_dict()
+  names = rundir.result_changing_diff(stored, new)
+  # Evaluation settings change the reported numbers (not the training).
+  flat_stored, flat_new = dict(_flatten(stored)), dict(_flatten(
+      json.loads(json.dumps(new))))
+  names += sorted(n for n in set(flat_stored) | set(flat_new)
+                  if n.startswith('eval.') and n != 'eval.figures'
+                  and flat_stored.get(n) != flat_new.get(n))
+  return (f'it was evaluated with other settings: '
+          f'{_describe(stored, new, names)}' if names else None)
+
+
+def stale_results_reason(config, workdir: str) -> str | None:
+  """Why existing results.json may not be reported for `config`, or None."""
+  try:
+    results = read_results(workdir)
+  except ValueError as e:
+    return str(e)
+  if results is None:
+    return None
+  total = final_step(config, workdir)
+  if total is None or results.get('step') != total:
+    return f'its results are for step {results.get("step")}, not {total}'
+  return _eval_config_conflict(config, workdir)
 
 
 def is_finished(config, workdir: str) -> bool:
-  """Whether eval/results.json exists for the run's final training step."""
-  results = read_results(workdir)
-  total = final_step(config, workdir)
-  return (results is not None and total is not None
-          and results.get('step') == total)
+  """Whether the run trained to its end and its results belong to `config`.
+
+  Finished means: `status.json` says "finished" (or, for the step count
+  alone, the newest checkpoint is the final step), and eval/results.json is
+  for the final step and was made with this config's evaluation settings.
+  """
+  return (is_trained(config, workdir)
+          and os.path.exists(os.path.join(workdir, RESULTS))
+          and stale_results_reason(config, workdir) is None)
 
 
 def is_trained(config, workdir: str) -> bool:
+  """Whether training reached the run's final step (status.json says so)."""
   total = final_step(config, workdir)
+  if total is None:
+    return False
+  try:
+    status = rundir.read_status(workdir)
+  except ValueError:
+    return False  # A damaged status.json: training rewrites it.
+  if status is not None:
+    return status.get('state') == 'finished' and status.get('step') == total
   latest = latest_checkpoint_step(workdir)
-  return total is not None and latest is not None and latest >= total
+  return latest is not None and latest >= total
 
 
 # ----------------------------------------------------------------------------
@@ -356,7 +476,8 @@ class SubprocessLauncher:
       log.flush()
       self._proc = subprocess.Popen(list(argv), cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent(os.getpid()))
       shown = None
       while True:
         try:
@@ -387,6 +508,36 @@ class SubprocessLauncher:
       print(text, flush=True)
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+  """A `preexec_fn` making the child get SIGTERM when the sweep dies.
+
+  A sweep killed by SIGKILL cannot pass a signal on, and its trainer would
+  run on as an orphan (and a rerun would start a second one). On Linux the
+  kernel sends the child SIGTERM when its parent dies (`PR_SET_PDEATHSIG`),
+  so training checkpoints and exits. Elsewhere None: the child stays in the
+  sweep's process group, so killing the group (as SLURM and a shell's
+  job control do) ends both.
+  """
+  if not sys.platform.startswith('linux'):
+    return None
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+  except (OSError, AttributeError):
+    return None
+
+  def set_death_signal():
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    # The parent may have died between fork and prctl.
+    if os.getppid() != parent_pid:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  return set_death_signal
+
+
 def _last_progress_line(log_path: str) -> str | None:
   with open(log_path, 'rb') as f:
     f.seek(max(os.path.getsize(log_path) - 8192, 0))
@@ -402,7 +553,9 @@ def _last_progress_line(log_path: str) -> str | None:
 class Outcome:
   """What became of one run in this invocation."""
   run: Run
-  status: str  # 'finished', 'done', 'failed', 'interrupted' or 'dry_run'.
+  # 'finished', 'done', 'failed', 'interrupted' (the sweep got a signal),
+  # 'stopped' (the child exited rundir.EXIT_STOPPED) or 'dry_run'.
+  status: str
   detail: str = ''
 
 
@@ -435,16 +588,27 @@ def run_one(sweep: Sweep, run: Run, config, launcher: Launcher, *,
   if hasattr(launcher, 'prefix'):
     launcher.prefix = f'{head}: '
   if is_trained(config, run.workdir):
-    print(f'{head}: trained, evaluating', flush=True)
+    stale = stale_results_reason(config, run.workdir)
+    print(f'{head}: trained, evaluating'
+          + (f' again ({RESULTS}: {stale})' if stale else ''), flush=True)
   else:
     resumed = latest_checkpoint_step(run.workdir)
     print(f'{head}: training'
           + (f' (resuming from step {resumed})' if resumed else '')
           + f', log {os.path.join(run.workdir, "train.log")}', flush=True)
     code = launcher(train_cmd, os.path.join(run.workdir, 'train.log'))
+    if code == rundir.EXIT_STOPPED:
+      # Preempted (or stop_after_steps): a good checkpoint, not a finished
+      # run; the sweep stops so that a requeue resumes it.
+      return _report(head, Outcome(
+          run, 'stopped', f'training stopped at step '
+          f'{latest_checkpoint_step(run.workdir)} (exit {code}); rerun to '
+          'resume'))
     if code != 0:
-      return _report(head, Outcome(run, 'failed', f'training exited {code}, '
-                                   f'see {run.workdir}/train.log'))
+      why = ' (diverged: non-finite loss or state)' if (
+          code == rundir.EXIT_DIVERGED) else ''
+      return _report(head, Outcome(run, 'failed', f'training exited {code}'
+                                   f'{why}, see {run.workdir}/train.log'))
     if stop() is not None:
       return _report(head, Outcome(
           run, 'interrupted', f'stopped at step '
@@ -468,8 +632,9 @@ def run_one(sweep: Sweep, run: Run, config, launcher: Launcher, *,
     return _report(head, Outcome(run, 'interrupted', 'during evaluation'))
   if not is_finished(config, run.workdir):
     return _report(head, Outcome(
-        run, 'failed', f'evaluation wrote no {RESULTS} for step '
-        f'{final_step(config, run.workdir)}'))
+        run, 'failed', f'evaluation wrote no usable {RESULTS} for step '
+        f'{final_step(config, run.workdir)} '
+        f'({stale_results_reason(config, run.workdir) or "none written"})'))
   return _report(head, Outcome(run, 'done', _elapsed(start)))
 
 
@@ -502,7 +667,12 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     aggregate: write DIR/summary.* at the end (not for a single array task).
 
   Returns:
-    0 if every run finished; 1 if any failed; 128 + signal if interrupted.
+    0 if every run finished; 1 if any failed; 128 + signal if interrupted;
+    `rundir.EXIT_STOPPED` if a run stopped early (preempted).
+
+  Raises:
+    RunConflictError: a run directory holds a run with other result-changing
+      settings (nothing is run or written then).
   """
   runs = sweep.runs(workdir)
   if only_index is not None:
@@ -513,8 +683,10 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     selected = [runs[only_index]]
   else:
     selected = runs
-    if not dry_run:
-      write_run_list(sweep, runs, workdir)
+  base = base_config(sweep)
+  check_identities(base, selected)
+  if only_index is None and not dry_run:
+    write_run_list(sweep, runs, workdir)
   if launcher is None and not dry_run:
     launcher = SubprocessLauncher()
     launcher.install_signal_handlers()
@@ -522,7 +694,6 @@ def run_sweep(sweep: Sweep, workdir: str, *,
   def stop():
     return getattr(launcher, 'stop_signal', None)
 
-  base = base_config(sweep)
   outcomes = []
   for run in selected:
     if stop() is None:
@@ -535,6 +706,11 @@ def run_sweep(sweep: Sweep, workdir: str, *,
       print(f'Sweep {sweep.name} stopped by a signal; rerun the same command '
             'to resume.', flush=True)
       return 128 + (stop() or signal.SIGTERM)
+    if outcome.status == 'stopped':
+      print(f'Sweep {sweep.name} stopped: {outcome.run.name} was stopped '
+            f'before its final step (exit {rundir.EXIT_STOPPED}); rerun the '
+            'same command to resume.', flush=True)
+      return rundir.EXIT_STOPPED
     if outcome.status == 'failed' and stop_on_error:
       break
   failed = [o for o in outcomes if o.status == 'failed']
@@ -549,6 +725,33 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     if aggregate and only_index is None:
       aggregate_dir(workdir)
   return 1 if failed or len(outcomes) < len(selected) else 0
+
+
+class RunConflictError(ValueError):
+  """A run directory holds a run made with other result-changing settings."""
+
+
+def check_identities(base, runs: Sequence[Run]) -> None:
+  """Refuses runs whose directories hold a run with other settings.
+
+  Args:
+    base: the sweep's base ConfigDict.
+    runs: the runs about to be run.
+
+  Raises:
+    RunConflictError: naming every conflicting run directory and setting.
+  """
+  conflicts = []
+  for run in runs:
+    why = identity_conflict(apply_overrides(base, run.overrides), run.workdir)
+    if why:
+      conflicts.append(f'  {run.workdir}: {why}')
+  if conflicts:
+    raise RunConflictError(
+        'These run directories hold runs made with other settings than this '
+        'sweep asks for, so their results cannot be reported as its results:'
+        '\n' + '\n'.join(conflicts) + '\nUse another --workdir, or delete '
+        'those run directories to recompute them.')
 
 
 def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
@@ -678,13 +881,70 @@ def write_slurm(sweep: Sweep, sweep_path: str, workdir: str,
 # Aggregation.
 
 
-def collect_results(workdir: str) -> list[dict]:
-  """Every DIR/*/eval/results.json, in run-name order."""
-  results = []
+@dataclasses.dataclass
+class Collected:
+  """The results under a sweep directory, sorted into trusted and not.
+
+  Attributes:
+    results: results dicts of finished runs (averaged in the summary).
+    excluded: (run directory, reason) of every other run with a results.json:
+      unfinished, diverged, stopped, without status.json, or unreadable.
+    unreadable: how many of `excluded` had a results.json that failed to read.
+  """
+  results: list[dict]
+  excluded: list[tuple[str, str]]
+  unreadable: int = 0
+
+
+def _why_not_averaged(run_dir: str, results: dict) -> str | None:
+  """Why a run's results must not enter a mean, or None if it finished."""
+  try:
+    status = rundir.read_status(run_dir)
+  except ValueError as e:
+    return str(e)
+  if status is None:
+    return (f'no {rundir.STATUS_FILE}: cannot tell whether training finished')
+  state, step = status.get('state'), status.get('step')
+  total = status.get('total_steps')
+  if state != 'finished' or step != total:
+    return f'training {state} at step {step} of {total}'
+  if results.get('step') != total:
+    return f'results are for step {results.get("step")}, not the final {total}'
+  return None
+
+
+def collect_results(workdir: str) -> Collected:
+  """Every DIR/*/eval/results.json, in run-name order, sorted by trust."""
+  collected = Collected([], [])
   for path in sorted(glob.glob(os.path.join(workdir, '*', RESULTS))):
-    with open(path) as f:
-      results.append(json.load(f))
-  return results
+    run_dir = os.path.dirname(os.path.dirname(path))
+    try:
+      results = read_results(run_dir)
+      if not isinstance(results, dict):
+        raise ValueError(f'{path} holds {type(results).__name__}, not a '
+                         'results object.')
+    except (OSError, ValueError) as e:
+      collected.excluded.append((run_dir, f'unreadable: {e}'))
+      collected.unreadable += 1
+      continue
+    why = _why_not_averaged(run_dir, results)
+    if why is None:
+      collected.results.append(results)
+    else:
+      collected.excluded.append((run_dir, why))
+  return collected
+
+
+def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
+  if not excluded:
+    return ''
+  if fmt == 'markdown':
+    lines = ['', '## Not averaged', '',
+             *(f'- `{os.path.basename(d)}`: {why}' for d, why in excluded)]
+  else:
+    lines = ['', '% Not averaged:',
+             *(f'%   {os.path.basename(d)}: {why}' for d, why in excluded)]
+  return '\n'.join(lines) + '\n'
 
 
 def aggregate_dir(workdir: str) -> str | None:
@@ -693,10 +953,15 @@ def aggregate_dir(workdir: str) -> str | None:
   Grouping by (pretrain_dataset, batch_size, method) into mean ± std and the
   rendering are otclr_jax.tables' (`aggregate` -> summary.json,
   `render_report` -> summary.md / summary.tex); without that module only the
-  raw results go to summary.json.
+  raw results go to summary.json. Only finished runs are averaged; every
+  other run with a results.json (see `collect_results`) is listed under
+  "Not averaged" in summary.md / summary.tex and on the console.
   """
-  results = collect_results(workdir)
-  if not results:
+  collected = collect_results(workdir)
+  results, excluded = collected.results, collected.excluded
+  for run_dir, why in excluded:
+    print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
+  if not results and not excluded:
     print(f'No {RESULTS} under {workdir}/*/ yet; nothing to tabulate.')
     return None
   try:
@@ -709,15 +974,18 @@ def aggregate_dir(workdir: str) -> str | None:
     print(f'otclr_jax.tables is not available: wrote the {len(results)} raw '
           f'results to {workdir}/summary.json only.')
     return None
-  markdown = tables.render_report(results, 'markdown')
+  markdown = (tables.render_report(results, 'markdown') if results else
+              'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
+  latex = (tables.render_report(results, 'latex') if results else
+           '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
   with open(os.path.join(workdir, 'summary.md'), 'w') as f:
     f.write(markdown)
   with open(os.path.join(workdir, 'summary.tex'), 'w') as f:
-    f.write(tables.render_report(results, 'latex'))
+    f.write(latex)
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(tables.aggregate(results), f, indent=1)
-  print(f'{len(results)} runs tabulated in {workdir}/summary.{{md,tex,json}}:'
-        f'\n\n{markdown}')
+    json.dump(tables.aggregate(results) if results else [], f, indent=1)
+  print(f'{len(results)} finished runs tabulated ({len(excluded)} not '
+        f'averaged) in {workdir}/summary.{{md,tex,json}}:\n\n{markdown}')
   return markdown
 
 
@@ -769,7 +1037,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.aggregate_only:
+    if not os.path.isdir(args.workdir):
+      print(f'--aggregate_only: sweep directory {args.workdir} does not '
+            'exist (a typo?); nothing was tabulated.', file=sys.stderr)
+      return 2
     aggregate_dir(args.workdir)
+    unreadable = collect_results(args.workdir).unreadable
+    if unreadable:
+      print(f'{unreadable} results.json file(s) under {args.workdir} could not '
+            'be read (named above); the summary leaves them out.',
+            file=sys.stderr)
+      return 1
     return 0
   extra = dict(parse_override(o) for o in args.override)
   sweep = load_sweep(args.sweep, extra)
@@ -785,8 +1063,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f'Submit with:  sbatch {path}\nWhen all tasks are done:  python -m '
           f'launch.sweep --workdir={args.workdir} --aggregate_only')
     return 0
-  return run_sweep(sweep, args.workdir, only_index=args.only_index,
-                   dry_run=args.dry_run, stop_on_error=args.stop_on_error)
+  try:
+    return run_sweep(sweep, args.workdir, only_index=args.only_index,
+                     dry_run=args.dry_run, stop_on_error=args.stop_on_error)
+  except RunConflictError as e:
+    print(f'Sweep {sweep.name} refused: {e}', file=sys.stderr)
+    return 2
 
 
 if __name__ == '__main__':

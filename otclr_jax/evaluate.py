@@ -8,7 +8,13 @@ the run in DIR and, for every dataset in `config.eval.datasets`:
    augmentation) of the train split and of the complete test split, with the
    images resized to `config.image_size`, the pretraining resolution. Features
    are cached in `DIR/eval/features/step<S>/<dataset key>_<split>.npz` (the
-   untrained encoder's in `DIR/eval/features/init/`) and reused by later calls.
+   untrained encoder's in `DIR/eval/features/init/`) and reused by later calls
+   only if they were made by the same weights (`variables_fingerprint`, a
+   sha256 of params and batch_stats), model settings, dataset and image size;
+   otherwise (or if the file is unreadable) they are recomputed, with one
+   logged line saying why. A checkpoint with non-finite variables, or
+   non-finite features, is refused (`NonFiniteError`) before anything is
+   written.
 2. Linear probe: multinomial logistic regression on the standardised features
    (mean and standard deviation of the rows it is fitted on), full-batch
    L-BFGS (`optax.lbfgs`, zoom line search) for at most
@@ -288,15 +294,110 @@ def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
                       f'{dataset_key(name)}_{split}.npz')
 
 
-def _load_cached(path: str, name: str, image_size: int):
+def variables_fingerprint(variables: Any) -> str:
+  """sha256 (hex) of network variables: every leaf's path, dtype, shape, bytes.
+
+  Binds a feature cache to the exact weights that produced it, so retraining
+  a workdir to the same step (another seed or method) cannot reuse it.
+  """
+  digest = hashlib.sha256()
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
+  for path, leaf in leaves:
+    leaf = np.ascontiguousarray(np.asarray(leaf))
+    digest.update(f'{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape};'
+                  .encode())
+    digest.update(leaf.tobytes())
+  return digest.hexdigest()
+
+
+def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
+  """The settings a feature cache depends on besides the weights (JSON).
+
+  Not `data_dir`: where the same dataset is stored does not change it.
+  """
+  return json.dumps({'dataset': name, 'image_size': int(config.image_size),
+                     'model': config.model.to_dict()}, sort_keys=True)
+
+
+def _load_cached(path: str, name: str, image_size: int,
+                 weights: str | None = None, settings: str | None = None):
+  """A feature cache file's (features, labels, num_classes), or None.
+
+  None (with one logged line saying why) when the file is absent, unreadable
+  (a torn or corrupted write), or was made for another dataset, image size,
+  set of weights (`weights`, see `variables_fingerprint`) or model settings;
+  the caller then recomputes it. None for `weights`/`settings` skips that
+  check (readers that only want what `evaluate` last wrote).
+  """
   if not os.path.exists(path):
     return None
-  with np.load(path, allow_pickle=False) as f:
-    if str(f['dataset']) != name or int(f['image_size']) != image_size:
-      logging.warning('Ignoring feature cache %s: made for %s at %d px.', path,
-                      f['dataset'], int(f['image_size']))
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      stored = {k: f[k] for k in f.files}
+    features, labels = stored['features'], stored['labels']
+    num_classes = int(stored['num_classes'])
+    made_for = (str(stored['dataset']), int(stored['image_size']))
+  # A torn or corrupted .npz raises zipfile.BadZipFile, OSError, EOFError,
+  # KeyError or ValueError depending on where it is damaged; the cache is
+  # derived data, so any failure to read it means: rebuild it.
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('Feature cache %s is unreadable (%s: %s); recomputing it.',
+                    path, type(e).__name__, e)
+    return None
+  if made_for != (name, image_size):
+    logging.warning('Recomputing feature cache %s: made for %s at %d px, not '
+                    '%s at %d px.', path, *made_for, name, image_size)
+    return None
+  for field, wanted, what in (('weights', weights, 'other weights'),
+                              ('settings', settings, 'other model settings')):
+    if wanted is None:
+      continue
+    have = str(stored[field]) if field in stored else None
+    if have != wanted:
+      logging.warning(
+          'Recomputing feature cache %s: it was made by %s (%s %s, now %s).',
+          path, what, field, 'unrecorded' if have is None else have[:80],
+          wanted[:80])
       return None
-    return f['features'], f['labels'], int(f['num_classes'])
+  if features.ndim != 2 or len(features) != len(labels):
+    logging.warning('Feature cache %s holds features %s and labels %s; '
+                    'recomputing it.', path, features.shape, labels.shape)
+    return None
+  return features, labels, num_classes
+
+
+class NonFiniteError(ValueError):
+  """A checkpoint or its features hold NaN or inf: no result can be trusted."""
+
+
+def check_finite_variables(variables: Any, workdir: str, step: int) -> None:
+  """Raises NonFiniteError naming the non-finite leaves of a checkpoint."""
+  bad = []
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
+  for path, leaf in leaves:
+    leaf = np.asarray(leaf)
+    if np.issubdtype(leaf.dtype, np.inexact) and not np.isfinite(leaf).all():
+      bad.append(jax.tree_util.keystr(path))
+  if bad:
+    raise NonFiniteError(
+        f'{workdir}: checkpoint step {step} holds non-finite values in '
+        f'{len(bad)} variable(s) ({", ".join(bad[:5])}'
+        f'{", ..." if len(bad) > 5 else ""}); the run diverged before this '
+        'checkpoint. Evaluate an earlier step (--step) or retrain with a '
+        'smaller learning rate; nothing was written.')
+
+
+def check_finite_features(features: np.ndarray, workdir: str, tag: str,
+                          name: str, split: str) -> None:
+  """Raises NonFiniteError if features of `tag` on name/split are not finite."""
+  bad = int(np.size(features) - np.isfinite(features).sum())
+  if bad:
+    raise NonFiniteError(
+        f'{workdir}: the {tag} encoder gives {bad} non-finite feature values '
+        f'on {name}/{split} (of {np.size(features)}); probe and kNN numbers '
+        'would be meaningless, so nothing was written. The checkpoint is '
+        'numerically broken (e.g. a diverged run): evaluate an earlier step '
+        'or retrain with a smaller learning rate.')
 
 
 def load_features(workdir: str, step: int, name: str, split: str,
@@ -321,10 +422,12 @@ def load_features(workdir: str, step: int, name: str, split: str,
 
 
 def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
-                 labels: np.ndarray, num_classes: int) -> None:
+                 labels: np.ndarray, num_classes: int, *, weights: str,
+                 settings: str) -> None:
   fileio.atomic_write(path, lambda f: np.savez(
       f, features=features, labels=labels, num_classes=num_classes,
-      image_size=image_size, dataset=name))
+      image_size=image_size, dataset=name, weights=weights,
+      settings=settings))
 
 
 def dataset_features(config: ml_collections.ConfigDict, workdir: str,
@@ -345,11 +448,14 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
   """
   out = {tag: {} for tag in variables}
   num_classes = None
+  settings = _cache_settings(config, name)
+  weights = {tag: variables_fingerprint(v) for tag, v in variables.items()}
   for split in _SPLITS:
     data = None
     for tag, tag_variables in variables.items():
       path = _cache_path(workdir, tag, name, split)
-      cached = _load_cached(path, name, config.image_size)
+      cached = _load_cached(path, name, config.image_size, weights[tag],
+                            settings)
       if cached is None:
         if data is None:
           data = input_pipeline.load_split(name, split, config.image_size,
@@ -357,9 +463,12 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
         feats = extract_features(encoder, tag_variables, data.images,
                                  config.eval.batch_size,
                                  what=f'{tag} features {name}/{split}')
+        check_finite_features(feats, workdir, tag, name, split)
         cached = (feats, data.labels.astype(np.int32), data.num_classes)
-        _save_cached(path, name, config.image_size, *cached)
+        _save_cached(path, name, config.image_size, *cached,
+                     weights=weights[tag], settings=settings)
       else:
+        check_finite_features(cached[0], workdir, tag, name, split)
         logging.info('Using cached features %s', path)
       out[tag][split] = cached[:2]
       num_classes = cached[2]
@@ -508,12 +617,16 @@ def probe_path(workdir: str, step: int, name: str) -> str:
 
 
 def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
-               top1: float) -> None:
-  """Writes a probe, with the dataset, step and test top-1 it belongs to."""
+               top1: float, weights: str = '') -> None:
+  """Writes a probe, with the dataset, step and test top-1 it belongs to.
+
+  `weights` is the encoder's `variables_fingerprint`, recording which
+  checkpoint the probe was fitted on.
+  """
   fileio.atomic_write(path, lambda f: np.savez(
       f, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
       weight_decay=probe.weight_decay, dataset=dataset, step=int(step),
-      top1=float(top1)))
+      top1=float(top1), weights=weights))
 
 
 def load_probe(path: str) -> Probe:
@@ -1053,6 +1166,10 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
                ', '.join(datasets))
   trained_vars = {'params': state.params['net'],
                   'batch_stats': state.batch_stats}
+  # A diverged run can leave NaN/inf weights or BatchNorm statistics; their
+  # features give chance-level numbers that look like results.
+  check_finite_variables(trained_vars, workdir, step)
+  trained_weights = variables_fingerprint(trained_vars)
   init_vars = {'params': initial.params['net'],
                'batch_stats': initial.batch_stats}
   variables = {f'step{step}': trained_vars, 'init': init_vars}
@@ -1094,7 +1211,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
                                 max_steps=probe_steps, return_probe=True)
       if section == 'linear':
         save_probe(probe_path(workdir, step, name), probe, dataset=name,
-                   step=step, top1=row['top1'])
+                   step=step, top1=row['top1'], weights=trained_weights)
       row['knn_top1'] = knn_top1(tr_x, tr_y, te_x, te_y, num_classes)
       results[section][name] = row
       logging.info('%s %s: probe top-1 %.2f%% top-5 %.2f%% (lambda %g), kNN '

@@ -44,13 +44,18 @@ dropped; a non-square image is centre-cropped to its shorter side, then
 resized to `image_size` x `image_size` with Pillow's antialiased bicubic
 filter (the filter support widens with the downscaling factor, so
 downscaling averages rather than aliases). An image already of the target
-size is copied unchanged.
+size is copied unchanged. A 16-bit PNG keeps the high byte of each value on
+both folder backends (`pillow_rgb`). An empty, truncated or non-image file in
+a `folder:` tree stops preparation with a ValueError naming it (both
+backends; nothing is skipped silently and no cache is written).
 
 Cache: `<data_dir>/otclr_cache/<key>_<split>_<S>px_v1.npz` (uncompressed);
 folder datasets use the key `folder-<basename>-<sha256 of the absolute path,
 16 hex digits>`, so a changed tree needs its cache file deleted. Files are
 written to a temporary name in the same directory and renamed, so a crashed or
-concurrent preparation never leaves a half-written cache behind.
+concurrent preparation never leaves a half-written cache behind. A cache file
+that cannot be read (damaged on disk) is prepared again and overwritten, with
+a warning naming it.
 
 Memory: there is no streaming mode. A split whose uint8 array would exceed
 `MAX_IN_MEMORY_BYTES` (8 GiB, e.g. imagenet2012 train at 64 px) is refused
@@ -184,7 +189,15 @@ def load_split(name: str,
   if os.path.exists(cache_path):
     logging.info('Loading %s/%s at %d px from cache %s', name, split,
                  image_size, cache_path)
-    return _read_cache(cache_path, image_size)
+    try:
+      return _read_cache(cache_path, image_size)
+    # A torn or corrupted .npz raises zipfile.BadZipFile, OSError, EOFError,
+    # KeyError or ValueError depending on where it is damaged; the cache is
+    # derived data, so it is prepared again and overwritten.
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('Data cache %s is unreadable (%s: %s); preparing %s/%s '
+                      'again and rewriting it.', cache_path, type(e).__name__,
+                      e, name, split)
   logging.info('Preparing %s/%s at %d px (cache %s)', name, split, image_size,
                cache_path)
   start = time.perf_counter()
@@ -448,6 +461,7 @@ def _cache_path(name: str, split: str, image_size: int, data_dir: str) -> str:
 
 
 def _read_cache(path: str, image_size: int) -> Split:
+  """Reads a cache file; any damage raises (ValueError names the file)."""
   with np.load(path, allow_pickle=False) as data:
     images = data['images']
     labels = data['labels']
@@ -459,7 +473,7 @@ def _read_cache(path: str, image_size: int) -> Split:
     raise ValueError(
         f'cache file {path} holds images {images.shape} {images.dtype} and '
         f'labels {labels.shape}; expected [N, {image_size}, {image_size}, 3] '
-        'uint8. Delete the file to prepare the split again.')
+        'uint8.')
   return Split(images, labels.astype(np.int32, copy=False), num_classes,
                class_names)
 
@@ -630,8 +644,13 @@ def _prepare_folder(root: str,
   if backend == 'pillow':
 
     def decode(path):
-      with Image.open(path) as image:
-        return square_resize(np.asarray(image.convert('RGB')), image_size)
+      try:
+        return square_resize(pillow_rgb(path), image_size)
+      except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(
+            f'{what}: cannot decode {path} ({type(e).__name__}: {e}). Remove '
+            'or replace the file; an empty or truncated download is the '
+            'usual cause.') from e
 
     images = _map_images(decode, (p for p, _ in files), len(files),
                          image_size, what)
@@ -642,6 +661,29 @@ def _prepare_folder(root: str,
     raise ValueError(f"backend must be 'auto', 'pillow' or 'tfds', got "
                      f'{backend!r}.')
   return Split(images, labels, len(class_names), class_names)
+
+
+def pillow_rgb(path: str) -> np.ndarray:
+  """Decodes an image file to uint8 RGB [H, W, 3] exactly as TF does.
+
+  Pillow's `convert('RGB')` clips a 16-bit grayscale PNG (mode 'I;16' or
+  'I') to 255, turning it almost white; TF keeps the high byte
+  (`value >> 8`), as Pillow itself does for 16-bit RGB. Every other mode
+  (1, L, LA, P with or without transparency, RGB, RGBA, CMYK JPEG) already
+  decodes identically: alpha is dropped, never composited.
+
+  Raises:
+    OSError, ValueError: the file is empty, truncated or not an image.
+  """
+  with Image.open(path) as image:
+    image.load()
+    if image.mode == 'I' or image.mode.startswith('I;16'):
+      gray = np.asarray(image).astype(np.int64)
+      if gray.min(initial=0) < 0 or gray.max(initial=0) > 0xFFFF:
+        raise ValueError(f'{path}: mode {image.mode} values outside the '
+                         '16-bit range.')
+      return np.repeat((gray >> 8).astype(np.uint8)[..., None], 3, axis=-1)
+    return np.asarray(image.convert('RGB'))
 
 
 def _prepare_folder_tfds(root: str, split: str, image_size: int,
@@ -661,6 +703,9 @@ def _prepare_folder_tfds(root: str, split: str, image_size: int,
   ds = ds.map(
       lambda ex: {**ex, 'image': _tf_decode_image(tf, ex['image'])},
       num_parallel_calls=tf.data.AUTOTUNE)
+  # TF's decode error names no file: drop the examples that fail, and name
+  # the files that never came out once the stream ends.
+  ds = ds.apply(tf.data.experimental.ignore_errors())
   stream = _with_positions(tfds.as_numpy(ds), position, files, order, what)
   images = _map_images(lambda ex: square_resize(ex['image'], image_size),
                        stream, len(files), image_size, what)
@@ -698,6 +743,13 @@ def _with_positions(stream: Iterable[dict[str, Any]], position: dict[str, int],
           'which the directory listing does not have.')
     order.append(index)
     yield example
+  missing = sorted(set(range(len(files))) - set(order))
+  if missing:
+    names = [files[i][0] for i in missing]
+    raise ValueError(
+        f'{what}: {len(names)} file(s) cannot be decoded as images (empty, '
+        f'truncated or not an image): {", ".join(names[:20])}'
+        f'{", ..." if len(names) > 20 else ""}. Remove or replace them.')
 
 
 def _import_tensorflow(what: str):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from otclr_jax import checkpoint
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
 from otclr_jax import models
@@ -348,3 +350,135 @@ def test_embedding_config_is_checked():
   config.eval.embedding = 'x'
   with pytest.raises(ValueError, match='config.eval.embedding'):
     evaluate.embedding_of(config)
+
+
+# ----------------------------------------------------------------------------
+# Results that cannot be silently wrong.
+
+
+def _eval_config(data_dir, **overrides):
+  config = tiny_config(data_dir, **overrides)
+  config.eval.num_view_images = 16
+  config.eval.probe_steps = 10
+  config.eval.batch_size = 64
+  return config
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory, data_dir):
+  """A tiny run trained to step 2 (seed 0, otclr); tests copy it."""
+  workdir = str(tmp_path_factory.mktemp('trained') / 'run')
+  train.train_and_evaluate(_eval_config(data_dir), workdir,
+                           stop_after_steps=2)
+  return workdir
+
+
+def _copy_run(trained_run, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(trained_run, workdir)
+  return workdir
+
+
+def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
+                                                      data_dir, monkeypatch):
+  # Run A is evaluated; its training is then thrown away (as after deleting a
+  # diverged run's checkpoints) and run B, another seed and method, is trained
+  # into the same workdir to the same step. B's numbers must be B's.
+  workdir = _copy_run(trained_run, tmp_path)
+  _small_digits(monkeypatch)
+  config_a = _eval_config(data_dir)
+  first = evaluate.evaluate(config_a, workdir)
+  features_a = evaluate.load_features(workdir, 2, 'digits', 'test', 8)[0]
+  for entry in os.listdir(workdir):
+    if entry != 'eval':
+      path = os.path.join(workdir, entry)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  config_b = _eval_config(data_dir, seed=1, method='simclr')
+  train.train_and_evaluate(config_b, workdir, stop_after_steps=2)
+  warnings = []
+  monkeypatch.setattr(evaluate.logging, 'warning',
+                      lambda msg, *args: warnings.append(msg % args))
+  second = evaluate.evaluate(config_b, workdir)
+  features_b = evaluate.load_features(workdir, 2, 'digits', 'test', 8)[0]
+  assert second['step'] == first['step'] == 2
+  assert (second['method'], second['seed']) == ('simclr', 1)
+  assert not np.array_equal(features_a, features_b)
+  for section in ('linear', 'random_init'):
+    assert second[section] != first[section], section
+  # One line per recomputed file, saying why.
+  stale = [w for w in warnings if 'Recomputing feature cache' in w]
+  assert len(stale) == 4, warnings  # {step2, init} x {train, test}
+  assert all('other weights' in w for w in stale)
+
+
+def test_changed_settings_or_damaged_feature_cache_is_recomputed(
+    trained_run, tmp_path, data_dir, monkeypatch):
+  workdir = _copy_run(trained_run, tmp_path)
+  _small_digits(monkeypatch)
+  config = _eval_config(data_dir)
+  first = evaluate.evaluate(config, workdir)
+  features = os.path.join(workdir, 'eval', 'features')
+  # Same weights, other recorded model settings: must not be trusted.
+  changed = os.path.join(features, 'step2', 'digits_test.npz')
+  with np.load(changed) as f:
+    stored = {k: f[k] for k in f.files}
+  stored['settings'] = stored['settings'].item().replace('"model"', '"x"')
+  np.savez(changed, **stored)
+  # A torn write.
+  torn = os.path.join(features, 'init', 'digits_train.npz')
+  with open(torn, 'r+b') as f:
+    f.truncate(os.path.getsize(torn) // 2)
+  calls, warnings = [], []
+  extract = evaluate.extract_features
+  monkeypatch.setattr(
+      evaluate, 'extract_features',
+      lambda *a, **k: calls.append(k['what']) or extract(*a, **k))
+  monkeypatch.setattr(evaluate.logging, 'warning',
+                      lambda msg, *args: warnings.append(msg % args))
+  again = evaluate.evaluate(config, workdir)
+  assert sorted(calls) == ['init features digits/train',
+                           'step2 features digits/test']
+  assert any(changed in w and 'other model settings' in w for w in warnings)
+  assert any(torn in w and 'unreadable' in w for w in warnings), warnings
+  for section in ('linear', 'random_init'):
+    assert again[section] == first[section]
+  with np.load(torn) as f:
+    assert f['features'].shape == (200, 512)
+
+
+def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
+                                          monkeypatch):
+  workdir = _copy_run(trained_run, tmp_path)
+  _small_digits(monkeypatch)
+  restore = checkpoint.Checkpointer.restore
+
+  def poisoned(self, target, step=None):
+    state = restore(self, target, step)
+    stats = jax.tree_util.tree_map(lambda v: v.at[...].set(jnp.nan),
+                                   state.batch_stats)
+    return state.replace(batch_stats=stats)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, 'restore', poisoned)
+  with pytest.raises(evaluate.NonFiniteError,
+                     match=f'{workdir}: checkpoint step 2 .*non-finite'):
+    evaluate.evaluate(_eval_config(data_dir), workdir)
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
+
+
+def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
+                                         monkeypatch):
+  workdir = _copy_run(trained_run, tmp_path)
+  _small_digits(monkeypatch)
+  extract = evaluate.extract_features
+
+  def nan_features(*args, **kwargs):
+    feats = extract(*args, **kwargs)
+    if kwargs['what'].startswith('step'):
+      feats[3, 7] = np.nan
+    return feats
+
+  monkeypatch.setattr(evaluate, 'extract_features', nan_features)
+  with pytest.raises(evaluate.NonFiniteError,
+                     match=f'{workdir}: the step2 encoder .* on digits/train'):
+    evaluate.evaluate(_eval_config(data_dir), workdir)
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))

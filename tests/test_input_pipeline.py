@@ -4,10 +4,13 @@ import hashlib
 import io
 import itertools
 import os
+import re
+import struct
 import subprocess
 import sys
 import textwrap
 from unittest import mock
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -173,6 +176,32 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
   with pytest.raises(OSError, match='disk full'):
     ip.load_split('digits', 'test', 8, tmp_path)
   assert os.listdir(tmp_path / 'otclr_cache') == []
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape'])
+def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, monkeypatch,
+                                                 damage):
+  first = ip.load_split('digits', 'test', 8, tmp_path)
+  path = str(tmp_path / 'otclr_cache' / 'digits_test_8px_v1.npz')
+  if damage == 'truncate':
+    with open(path, 'r+b') as f:
+      f.truncate(os.path.getsize(path) // 3)
+  elif damage == 'garbage':
+    with open(path, 'wb') as f:
+      f.write(b'\x00' * 100)
+  else:
+    np.savez(path, images=first.images[:, :4], labels=first.labels,
+             num_classes=10, class_names=np.asarray(first.class_names))
+  warnings = []
+  monkeypatch.setattr(ip.logging, 'warning',
+                      lambda msg, *args: warnings.append(msg % args))
+  again = ip.load_split('digits', 'test', 8, tmp_path)
+  np.testing.assert_array_equal(again.images, first.images)
+  np.testing.assert_array_equal(again.labels, first.labels)
+  assert len(warnings) == 1 and path in warnings[0], warnings
+  # Rewritten: the next load reads it without a warning.
+  ip.load_split('digits', 'test', 8, tmp_path)
+  assert len(warnings) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -501,3 +530,75 @@ def test_digits_folder_and_cache_without_tensorflow(tmp_path):
     np.testing.assert_array_equal(child['digits'],
                                   ip.load_split('digits', 'train', 8,
                                                 tmp_path / 'd').images)
+
+
+# ---------------------------------------------------------------------------
+# Damaged files and every image format, on both folder backends.
+
+
+def _png16(path, array):
+  """Writes uint16 [H, W, C] (C = 1, 2, 3, 4) as a 16-bit PNG (no encoder
+  needed: Pillow cannot write 16-bit colour)."""
+  height, width, channels = array.shape
+  color_type = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
+  raw = b''.join(b'\x00' + row.astype('>u2').tobytes() for row in array)
+
+  def chunk(kind, data):
+    return (struct.pack('>I', len(data)) + kind + data +
+            struct.pack('>I', zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+  with open(path, 'wb') as f:
+    f.write(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack(
+        '>IIBBBBB', width, height, 16, color_type, 0, 0, 0)) +
+            chunk(b'IDAT', zlib.compress(raw)) + chunk(b'IEND', b''))
+
+
+def test_both_backends_decode_every_format_identically(tmp_path):
+  rng = np.random.default_rng(0)
+  root = tmp_path / 'tree'
+  cls = root / 'train' / 'a'
+  cls.mkdir(parents=True)
+  rgb = rng.integers(0, 256, (S, S, 3), dtype=np.uint8)
+  gray16 = rng.integers(0, 65536, (S, S), dtype=np.uint16)
+  Image.fromarray(gray16).save(cls / '01_gray16_pillow.png')
+  _png16(cls / '02_gray16.png', gray16[..., None])
+  _png16(cls / '03_gray_alpha16.png',
+         rng.integers(0, 65536, (S, S, 2), dtype=np.uint16))
+  _png16(cls / '04_rgb16.png', rng.integers(0, 65536, (S, S, 3),
+                                            dtype=np.uint16))
+  _png16(cls / '05_rgba16.png', rng.integers(0, 65536, (S, S, 4),
+                                             dtype=np.uint16))
+  image = Image.fromarray(rgb)
+  image.convert('1').save(cls / '06_bilevel.png')
+  image.convert('LA').save(cls / '07_gray_alpha.png')
+  image.convert('P').save(cls / '08_palette.png')
+  image.convert('P').save(cls / '09_palette_transparent.png', transparency=0)
+  Image.fromarray(np.dstack([rgb, rgb[..., 0]])).save(cls / '10_rgba.png')
+  image.convert('CMYK').save(cls / '11_cmyk.jpg', quality=95)
+  image.convert('L').save(cls / '12_gray.jpg', quality=90)
+  pil = ip._prepare_folder(str(root), 'train', S, backend='pillow')
+  tfds_path = ip._prepare_folder(str(root), 'train', S, backend='tfds')
+  for index, name in enumerate(sorted(os.listdir(cls))):
+    np.testing.assert_array_equal(pil.images[index], tfds_path.images[index],
+                                  err_msg=name)
+  # 16-bit gray keeps its high byte (Pillow's convert('RGB') clips to 255).
+  expected = np.repeat((gray16 >> 8).astype(np.uint8)[..., None], 3, axis=-1)
+  np.testing.assert_array_equal(pil.images[0], expected)
+  np.testing.assert_array_equal(pil.images[1], expected)
+
+
+@pytest.mark.parametrize('backend', ['pillow', 'tfds'])
+@pytest.mark.parametrize('content', ['truncated', 'empty', 'text'])
+def test_undecodable_folder_file_is_named(tmp_path, backend, content):
+  root = str(tmp_path / 'tree')
+  _make_tree(root)
+  bad = os.path.join(root, 'train', 'dog', 'w.jpg')
+  with open(os.path.join(root, 'train', 'dog', 'y.jpg'), 'rb') as f:
+    jpeg = f.read()
+  with open(bad, 'wb') as f:
+    f.write({'truncated': jpeg[:len(jpeg) // 2], 'empty': b'',
+             'text': b'<html>404 Not Found</html>'}[content])
+  with pytest.raises(ValueError, match=re.escape(bad)):
+    ip._prepare_folder(root, 'train', S, backend=backend)
+  # The other split is unaffected.
+  assert len(ip._prepare_folder(root, 'test', S, backend=backend).labels) == 2

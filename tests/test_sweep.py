@@ -234,14 +234,46 @@ def test_array_task_refuses_a_changed_sweep_file(tmp_path):
 # Local runs with a fake launcher.
 
 
+def resolved_config(argv):
+  """The ConfigDict a `python -m otclr_jax.main` argv would run."""
+  flags = flags_of(argv)
+  config = sweep_lib.base_config(sweep_lib.Sweep('fake', flags['config'], {},
+                                                 {}))
+  return sweep_lib.apply_overrides(config, [
+      sweep_lib.parse_override(f'{k[len("config."):]}={v}')
+      for k, v in flags.items() if k.startswith('config.')])
+
+
+def write_run_files(workdir, config, *, state='finished', step=None,
+                    evaluated=True, results_step=None):
+  """What training (config.json, status.json, a checkpoint) and evaluation
+  (eval/results.json, eval/config.json) leave in a run directory."""
+  total = config.total_steps
+  step = total if step is None else step
+  os.makedirs(os.path.join(workdir, 'checkpoints', str(step)), exist_ok=True)
+  train_config = config.to_dict()
+  train_config['mode'] = 'train'
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(train_config, f)
+  with open(os.path.join(workdir, 'status.json'), 'w') as f:
+    json.dump({'state': state, 'step': step, 'total_steps': total,
+               'updated': '2026-11-21T00:00:00+00:00'}, f)
+  if evaluated:
+    fake_results(workdir, step if results_step is None else results_step)
+    with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
+      json.dump({**train_config, 'mode': 'eval'}, f)
+
+
 class FakeLauncher:
   """Pretends to train/evaluate: writes what train.py and evaluate.py would."""
 
-  def __init__(self, fail=(), stop_during=None, stop_at_step=None):
+  def __init__(self, fail=(), stop_during=None, stop_at_step=None,
+               exit_stopped=()):
     self.calls = []
     self.fail = set(fail)
     self.stop_during = stop_during
     self.stop_at_step = stop_at_step
+    self.exit_stopped = set(exit_stopped)  # runs whose training exits 75
     self.stop_signal = None
 
   def __call__(self, argv, log_path):
@@ -253,18 +285,22 @@ class FakeLauncher:
     assert os.path.dirname(log_path) == workdir
     if (name, mode) in self.fail:
       return 1
-    total = int(flags['config.total_steps'])
+    config = resolved_config(argv)
+    total = config.total_steps
     if mode == 'train':
-      step = total
-      if self.stop_during == name:
-        self.stop_signal = signal.SIGTERM
-        step = self.stop_at_step
-      os.makedirs(os.path.join(workdir, 'checkpoints', str(step)),
-                  exist_ok=True)
+      if self.stop_during == name or name in self.exit_stopped:
+        if self.stop_during == name:
+          self.stop_signal = signal.SIGTERM
+        step = self.stop_at_step or 1
+        write_run_files(workdir, config, state='stopped', step=step,
+                        evaluated=False)
+        return 75 if name in self.exit_stopped else 0
+      write_run_files(workdir, config, evaluated=False)
     else:
-      os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
-      with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
-        json.dump({'step': total}, f)
+      status = json.load(open(os.path.join(workdir, 'status.json')))
+      fake_results(workdir, status['step'])
+      with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
+        json.dump(config.to_dict(), f)
     return 0
 
 
@@ -283,13 +319,20 @@ def four_runs(tmp_path):
   return sweep, workdir, [r.name for r in sweep.runs(workdir)]
 
 
+def _config_of(sweep, run):
+  return sweep_lib.apply_overrides(sweep_lib.base_config(sweep), run.overrides)
+
+
 def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs):
   sweep, workdir, names = four_runs
+  runs = sweep.runs(workdir)
   # Run 0 finished; run 1 evaluated at an intermediate step (not finished);
   # run 2 trained but not evaluated; run 3 untouched.
-  fake_results(os.path.join(workdir, names[0]), 2)
-  fake_results(os.path.join(workdir, names[1]), 1)
-  os.makedirs(os.path.join(workdir, names[2], 'checkpoints', '2'))
+  write_run_files(runs[0].workdir, _config_of(sweep, runs[0]))
+  write_run_files(runs[1].workdir, _config_of(sweep, runs[1]),
+                  state='stopped', step=1)
+  write_run_files(runs[2].workdir, _config_of(sweep, runs[2]),
+                  evaluated=False)
   launcher = FakeLauncher()
   code = sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False)
@@ -349,8 +392,14 @@ def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     for step in (50, 100):
       f.write(json.dumps({'step': step, 'epoch': step / 195}) + '\n')
+    f.write('{"step": 150, "ep')  # torn by a crash
   assert sweep_lib.final_step(config, str(tmp_path)) == 3 * 195
+  with open(tmp_path / 'status.json', 'w') as f:
+    json.dump({'state': 'finished', 'step': 585, 'total_steps': 585}, f)
+  with open(tmp_path / 'eval_config.json', 'w') as f:
+    json.dump(config.to_dict(), f)
   fake_results(str(tmp_path), 100)
+  os.replace(tmp_path / 'eval_config.json', tmp_path / 'eval' / 'config.json')
   assert not sweep_lib.is_finished(config, str(tmp_path))
   fake_results(str(tmp_path), 585)
   assert sweep_lib.is_finished(config, str(tmp_path))
@@ -373,6 +422,8 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
                                           'top5': 50.0}}}
       os.makedirs(tmp_path / name / 'eval')
       (tmp_path / name / 'eval' / 'results.json').write_text(json.dumps(fake))
+      (tmp_path / name / 'status.json').write_text(json.dumps(
+          {'state': 'finished', 'step': 10, 'total_steps': 10}))
   # Not a run: no eval/results.json.
   os.makedirs(tmp_path / 'slurm')
   assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
@@ -441,3 +492,190 @@ def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
       assert a[section] == b[section], section
     for probe in ('linear', 'random_init'):
       assert 0.0 <= a[probe]['digits']['top1'] <= 100.0
+
+
+# ----------------------------------------------------------------------------
+# Results that cannot be silently wrong.
+
+
+def test_rerun_with_other_settings_is_refused_and_runs_json_kept(tmp_path,
+                                                                 capsys):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), {**TINY_OVERRIDES,
+                                                      'ot.epsilon': 0.5})
+  workdir = str(tmp_path / 'out')
+  assert sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
+                             launcher=FakeLauncher(), aggregate=False) == 0
+  runs_json = open(os.path.join(workdir, 'runs.json')).read()
+  launcher = FakeLauncher()
+  changed = sweep_lib.load_sweep(path, {'ot.epsilon': 0.1})
+  with pytest.raises(sweep_lib.RunConflictError,
+                     match=r'digits_otclr_b16_s0: .*ot\.epsilon: 0\.5 -> 0\.1'):
+    sweep_lib.run_sweep(changed, workdir, launcher=launcher, aggregate=False)
+  assert launcher.calls == []
+  assert open(os.path.join(workdir, 'runs.json')).read() == runs_json
+  capsys.readouterr()
+  assert sweep_lib.main([path, f'--workdir={workdir}',
+                         '--override=ot.epsilon=0.1']) == 2
+  err = capsys.readouterr().err
+  assert 'refused' in err and 'ot.epsilon' in err
+  # Settings that do not change the result are no conflict.
+  again = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep_lib.load_sweep(path, {'log_every_steps': 2}),
+                             workdir, launcher=again, aggregate=False) == 0
+  assert again.calls == []
+
+
+def test_results_without_a_stored_config_are_refused(four_runs):
+  sweep, workdir, names = four_runs
+  fake_results(os.path.join(workdir, names[2]), 2)
+  with pytest.raises(sweep_lib.RunConflictError,
+                     match=f'{names[2]}: .*no config.json'):
+    sweep_lib.run_sweep(sweep, workdir, launcher=FakeLauncher(),
+                        aggregate=False)
+
+
+def test_other_evaluation_settings_are_evaluated_again(tmp_path, capsys):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)),
+                     TINY_OVERRIDES)
+  workdir = str(tmp_path / 'out')
+  sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
+                      launcher=FakeLauncher(), aggregate=False)
+  launcher = FakeLauncher()
+  capsys.readouterr()
+  assert sweep_lib.run_sweep(
+      sweep_lib.load_sweep(path, {'eval.probe_steps': 7}), workdir,
+      launcher=launcher, aggregate=False) == 0
+  names = ['digits_otclr_b16_s0', 'digits_otclr_b16_s1']
+  assert launcher.calls == [(n, 'eval') for n in names]
+  assert 'eval.probe_steps: 500 -> 7' in capsys.readouterr().out
+
+
+def test_a_preempted_child_leaves_its_run_unfinished(four_runs, capsys):
+  sweep, workdir, names = four_runs
+  launcher = FakeLauncher(exit_stopped={names[1]})
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 75
+  assert launcher.calls == [(names[0], 'train'), (names[0], 'eval'),
+                            (names[1], 'train')]
+  out = capsys.readouterr().out
+  assert f'{names[1]}: stopped' in out and 'rerun' in out
+  resumed = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=resumed,
+                             aggregate=False) == 0
+  assert resumed.calls[:2] == [(names[1], 'train'), (names[1], 'eval')]
+
+
+def _results_run(root, name, top1, status):
+  os.makedirs(root / name / 'eval')
+  (root / name / 'eval' / 'results.json').write_text(json.dumps({
+      'step': status['step'], 'method': 'otclr', 'seed': 0, 'batch_size': 16,
+      'pretrain_dataset': 'digits',
+      'linear': {'digits': {'top1': top1, 'top5': 99.0}}}))
+  (root / name / 'status.json').write_text(json.dumps(status))
+
+
+def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
+  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s1', 10.0,
+               {'state': 'diverged', 'step': 6, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
+               {'state': 'stopped', 'step': 50, 'total_steps': 100})
+  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  (row,) = json.load(open(tmp_path / 'summary.json'))
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+  markdown = open(tmp_path / 'summary.md').read()
+  assert '## Not averaged' in markdown
+  assert 'digits_otclr_b16_s1`: training diverged at step 6 of 100' in markdown
+  assert 'digits_otclr_b16_s2`: training stopped at step 50 of 100' in markdown
+  assert '47.35' not in markdown and '±' not in markdown.split('## Not')[0]
+  assert 'Not averaged' in open(tmp_path / 'summary.tex').read()
+
+
+def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
+  missing = str(tmp_path / 'typo')
+  assert sweep_lib.main([f'--workdir={missing}', '--aggregate_only']) == 2
+  assert f'{missing} does not exist' in capsys.readouterr().err
+  assert not os.path.exists(missing)
+
+
+def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
+  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s1', 80.0,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  broken = tmp_path / 'digits_otclr_b16_s1' / 'eval' / 'results.json'
+  broken.write_text(broken.read_text()[:40])
+  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 1
+  err = capsys.readouterr().err
+  assert str(broken) in err
+  (row,) = json.load(open(tmp_path / 'summary.json'))
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert str(broken) in open(tmp_path / 'summary.md').read()
+
+
+_SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    open(sys.argv[1], 'w').write(str(os.getpid()))
+    time.sleep(120)
+""")
+
+_SWEEP_PROCESS = textwrap.dedent("""
+    import sys
+    from launch import sweep
+    sweep.SubprocessLauncher(poll_seconds=0.1)(
+        [sys.executable, sys.argv[1], sys.argv[2]], sys.argv[3])
+""")
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie (exited, not yet reaped by init) counts as dead.
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().split(') ')[-1][0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'),
+                    reason='PR_SET_PDEATHSIG is Linux-only')
+def test_children_die_with_a_killed_sweep(tmp_path):
+  (tmp_path / 'sleeper.py').write_text(_SLEEPER)
+  pid_file = tmp_path / 'child.pid'
+  parent = subprocess.Popen(
+      [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'), str(pid_file),
+       str(tmp_path / 'run' / 'train.log')], cwd=REPO)
+  deadline = time.time() + 60
+  while not (pid_file.exists() and pid_file.read_text()):
+    assert time.time() < deadline and parent.poll() is None
+    time.sleep(0.05)
+  child = int(pid_file.read_text())
+  assert _alive(child)
+  parent.send_signal(signal.SIGKILL)
+  parent.wait()
+  deadline = time.time() + 10
+  while _alive(child) and time.time() < deadline:
+    time.sleep(0.05)
+  alive = _alive(child)
+  if alive:
+    os.kill(child, signal.SIGKILL)
+  assert not alive, 'the child outlived the SIGKILLed sweep'
+
+
+def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
+  sweep, workdir, names = four_runs
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=FakeLauncher(),
+                             aggregate=False) == 0
+  broken = os.path.join(workdir, names[0], 'eval', 'results.json')
+  with open(broken, 'w') as f:
+    f.write('{"step": 2, "lin')
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 0
+  assert launcher.calls == [(names[0], 'eval')]
+  assert broken in capsys.readouterr().out

@@ -1,0 +1,228 @@
+"""The rules of a run directory (workdir): exit statuses, stored files, the lock.
+
+A training run owns its workdir: it takes `lock(workdir)` for its whole life,
+stores its config in `config.json` on first start (a resume must match it, see
+`result_changing_diff`) and keeps `status.json` current, so that schedulers,
+the sweep and people can tell a finished run from a stopped, diverged or
+failed one without parsing logs.
+
+Exit statuses of `python -m otclr_jax.main` (sysexits.h values where one fits):
+
+  0   finished: training reached `total_steps` (and evaluated, if asked).
+  2   usage/config error: a bad flag or config field, or a resume whose
+      result-changing settings differ from the stored config.json.
+  65  `EXIT_DIVERGED` (EX_DATAERR): stopped on a non-finite loss, gradient or
+      state; no non-finite checkpoint was written.
+  73  `EXIT_LOCKED` (EX_CANTCREAT): another process holds the workdir lock.
+  75  `EXIT_STOPPED` (EX_TEMPFAIL): stopped before `total_steps` (SIGTERM/SIGINT
+      preemption or `stop_after_steps`); the checkpoint is good and rerunning
+      the same command resumes.
+  1   anything else (status.json says "failed").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import threading
+from typing import Any, Iterator
+
+from otclr_jax import fileio
+
+EXIT_STOPPED = 75
+EXIT_DIVERGED = 65
+EXIT_LOCKED = 73
+
+CONFIG_FILE = 'config.json'
+STATUS_FILE = 'status.json'
+LOCK_FILE = '.lock'
+# Evaluation writes eval/ under its own lock, so a run can be evaluated from
+# its read-only checkpoints while it trains, but never by two writers at once.
+EVAL_LOCK_FILE = '.eval.lock'
+
+STATES = ('running', 'finished', 'stopped', 'diverged', 'failed')
+
+# Settings that never change a run's result: where data comes from, how often
+# it logs or checkpoints, what it evaluates afterwards. `total_steps` and
+# `num_epochs` are left to the caller (see `result_changing_diff`).
+IGNORED_FIELDS = ('mode', 'data_dir', 'log_every_steps',
+                  'checkpoint_every_steps', 'keep_checkpoints')
+IGNORED_PREFIXES = ('eval.',)
+LENGTH_FIELDS = ('total_steps', 'num_epochs')
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another process holds the workdir's lock."""
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      value = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path} is corrupt ({e}); delete it or restore it from '
+                     'a backup.') from e
+  if not isinstance(value, dict):
+    raise ValueError(f'{path} is corrupt: expected a JSON object, got '
+                     f'{type(value).__name__}.')
+  return value
+
+
+def read_status(workdir: str) -> dict[str, Any] | None:
+  """`workdir/status.json`, or None if absent.
+
+  Raises:
+    ValueError: the file is not a JSON object (the message names it).
+  """
+  return _read_json(os.path.join(workdir, STATUS_FILE))
+
+
+def write_status(workdir: str, state: str, step: int,
+                 total_steps: int) -> None:
+  """Atomically writes `workdir/status.json`."""
+  if state not in STATES:
+    raise ValueError(f'status state must be one of {STATES}, got {state!r}.')
+  status = {'state': state, 'step': int(step), 'total_steps': int(total_steps),
+            'updated': datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec='seconds')}
+  fileio.write_text(os.path.join(workdir, STATUS_FILE),
+                    json.dumps(status, indent=1) + '\n')
+
+
+def read_config(workdir: str) -> dict[str, Any] | None:
+  """The stored run config `workdir/config.json` (a plain dict), or None.
+
+  Raises:
+    ValueError: the file is not a JSON object (the message names it).
+  """
+  return _read_json(os.path.join(workdir, CONFIG_FILE))
+
+
+def write_config(workdir: str, config: dict[str, Any]) -> None:
+  """Atomically writes `config` (e.g. `ConfigDict.to_dict()`) as config.json."""
+  fileio.write_text(os.path.join(workdir, CONFIG_FILE),
+                    json.dumps(config, indent=1, sort_keys=True) + '\n')
+
+
+def _flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, dict):
+      flat.update(_flatten(value, name + '.'))
+    else:
+      flat[name] = value
+  return flat
+
+
+def _ignored(name: str) -> bool:
+  return (name in IGNORED_FIELDS or name in LENGTH_FIELDS
+          or name.startswith(IGNORED_PREFIXES))
+
+
+def result_changing_diff(stored: dict[str, Any],
+                         new: dict[str, Any]) -> list[str]:
+  """Dotted names of the settings that differ and change a run's result.
+
+  Ignored: `mode`, `data_dir`, `log_every_steps`, `checkpoint_every_steps`,
+  `keep_checkpoints`, everything under `eval.`, and the run length
+  (`total_steps`, `num_epochs`), which the caller rules on: training allows a
+  resolved total that is at least the stored one (see otclr_jax/train.py).
+  A key present in one dict only is a difference. Values are compared after a
+  JSON round trip, so a tuple equals the list it was stored as.
+
+  Args:
+    stored: the stored config (`read_config`).
+    new: the config of this invocation (`ConfigDict.to_dict()`).
+
+  Returns:
+    The differing names, sorted.
+  """
+  stored = _flatten(json.loads(json.dumps(stored)))
+  new = _flatten(json.loads(json.dumps(new)))
+  missing = object()
+  return sorted(
+      name for name in set(stored) | set(new)
+      if not _ignored(name)
+      and stored.get(name, missing) != new.get(name, missing))
+
+
+def describe_diff(stored: dict[str, Any], new: dict[str, Any],
+                  names: list[str]) -> str:
+  """`'method: 'otclr' -> 'simclr'; seed: 0 -> 1'` for the names given."""
+  stored = _flatten(json.loads(json.dumps(stored)))
+  new = _flatten(json.loads(json.dumps(new)))
+  show = lambda d, n: repr(d[n]) if n in d else '(absent)'
+  return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
+
+
+# Paths this process holds a lock on, so that nested users (training, then its
+# end-of-run evaluation) do not lock themselves out: flock conflicts between
+# two open files even within one process.
+_held: dict[str, int] = {}
+_held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
+  """Holds an exclusive, non-blocking `fcntl.flock` on `workdir/name`.
+
+  Creates `workdir` if needed. The lock is released when the block exits, and
+  by the OS when the process dies (even by SIGKILL), so a stale lock file
+  never blocks a rerun. Re-entrant within one process.
+
+  Args:
+    workdir: the run directory.
+    name: the lock file, `LOCK_FILE` (training) or `EVAL_LOCK_FILE`.
+
+  Raises:
+    WorkdirLockedError: another process holds the lock; the message names the
+      workdir and the holder's pid when it is readable.
+  """
+  path = os.path.realpath(os.path.join(workdir, name))
+  with _held_guard:
+    if path in _held:
+      _held[path] += 1
+      reentered = True
+    else:
+      reentered = False
+  if reentered:
+    try:
+      yield
+    finally:
+      with _held_guard:
+        _held[path] -= 1
+    return
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise
+      holder = os.read(fd, 64).decode('ascii', 'replace').strip()
+      who = f'process {holder}' if holder.isdigit() else 'another process'
+      raise WorkdirLockedError(
+          f'{os.path.abspath(workdir)} is in use by {who} (lock {path}). '
+          'One workdir holds one run: wait for it to end, stop it, or use '
+          'another --workdir.') from None
+    # Written only once the lock is ours, so a waiting reader sees the holder.
+    os.ftruncate(fd, 0)
+    os.write(fd, f'{os.getpid()}\n'.encode())
+    with _held_guard:
+      _held[path] = 1
+    try:
+      yield
+    finally:
+      with _held_guard:
+        del _held[path]
+      os.ftruncate(fd, 0)
+  finally:
+    os.close(fd)  # closing the last descriptor releases the flock

@@ -1,0 +1,72 @@
+"""Tests of otclr_jax.rundir: stored files, config diffs and the workdir lock."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from otclr_jax import rundir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_status_and_config_round_trip(tmp_path):
+  assert rundir.read_status(str(tmp_path)) is None
+  assert rundir.read_config(str(tmp_path)) is None
+  rundir.write_status(str(tmp_path), 'stopped', 3, 10)
+  status = rundir.read_status(str(tmp_path))
+  assert (status['state'], status['step'], status['total_steps']) == (
+      'stopped', 3, 10)
+  rundir.write_config(str(tmp_path), {'seed': 0, 'eval': {'d': ('a',)}})
+  assert rundir.read_config(str(tmp_path)) == {'seed': 0, 'eval': {'d': ['a']}}
+
+
+@pytest.mark.parametrize('name, reader', [
+    (rundir.STATUS_FILE, rundir.read_status),
+    (rundir.CONFIG_FILE, rundir.read_config)])
+def test_corrupt_file_names_itself(tmp_path, name, reader):
+  (tmp_path / name).write_text('{"state": "runn')
+  with pytest.raises(ValueError, match=name):
+    reader(str(tmp_path))
+
+
+def test_result_changing_diff():
+  stored = {'seed': 0, 'method': 'otclr', 'mode': 'train', 'data_dir': '/a',
+            'log_every_steps': 5, 'total_steps': 4, 'num_epochs': 1,
+            'ot': {'epsilon': 0.05, 'grid_size': 4},
+            'eval': {'datasets': ['digits'], 'batch_size': 8}}
+  new = {'seed': 1, 'method': 'otclr', 'mode': 'eval', 'data_dir': '/b',
+         'log_every_steps': 7, 'total_steps': 8, 'num_epochs': 3,
+         'ot': {'epsilon': 0.1, 'grid_size': 4, 'extra': 1},
+         'eval': {'datasets': ('cifar10',), 'batch_size': 9}}
+  names = rundir.result_changing_diff(stored, new)
+  assert names == ['ot.epsilon', 'ot.extra', 'seed']
+  text = rundir.describe_diff(stored, new, names)
+  assert "ot.epsilon: 0.05 -> 0.1" in text and 'ot.extra: (absent) -> 1' in text
+  assert rundir.result_changing_diff(stored, stored) == []
+
+
+def test_lock_refuses_a_second_process_and_is_released(tmp_path):
+  workdir = str(tmp_path / 'run')
+  script = textwrap.dedent(f"""
+      from otclr_jax import rundir
+      try:
+        with rundir.lock({workdir!r}):
+          pass
+      except rundir.WorkdirLockedError as e:
+        print('LOCKED', e)
+      else:
+        print('FREE')
+      """)
+  other = lambda: subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                                 capture_output=True, text=True, timeout=60)
+  with rundir.lock(workdir):
+    with rundir.lock(workdir):  # re-entrant in one process
+      pass
+    result = other()
+    assert 'LOCKED' in result.stdout, result.stderr
+    assert f'process {os.getpid()}' in result.stdout
+    assert workdir in result.stdout
+  assert 'FREE' in other().stdout
