@@ -5,9 +5,9 @@ Subcommands:
        sections 2-5: resize to the grid, Sinkhorn, displacement splat,
        reconstruction) for our `ot.ot_views` (default core) against ott-jax's
        dense solver and POT, plus `ot_views` with its other Sinkhorn core and
-       a per-stage breakdown of `ot_views`. Before timing, every implementation's views are compared
-       with `ot_views` (max abs pixel difference): the rows compute the same
-       thing.
+       a per-stage breakdown of `ot_views`. Before timing, every
+       implementation's views are compared with `ot_views` (max abs pixel
+       difference): the rows compute the same thing.
 
   train
        The paper's complexity table for SimCLR and OTCLR on a config: parameters,

@@ -36,7 +36,7 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 def _encoder_tree(variables: Mapping[str, Any]) -> dict[str, Any]:
-  """`{'params', 'batch_stats'}` of the encoder, from the full model's or its own."""
+  """The encoder's `{'params', 'batch_stats'}`, from the model's or its own."""
   out = {}
   for collection in ('params', 'batch_stats'):
     if collection not in variables:
@@ -102,7 +102,7 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def load_encoder_config(path: str) -> dict[str, Any]:
-  """The model settings stored with an exported encoder (stem, image_size...)."""
+  """The model settings stored with an exported encoder (stem, image_size)."""
   return json.loads(_read(path)['config'])
 
 

@@ -362,7 +362,7 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
 
 def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
                         num_iters: int):
-  """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]` grids."""
+  """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]`."""
 
   def body(_, uv):
     u, _ = uv
@@ -453,7 +453,7 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
 
 def sinkhorn_plan(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
                   num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
-  """Dense entropic transport plan (METHOD.md section 3), for reference and tests.
+  """Dense entropic transport plan (METHOD.md section 3), for reference, tests.
 
   Args:
     a: source histogram `[m, m]` (non-negative, sums to 1).
