@@ -175,14 +175,15 @@ def _check_image_values(name: str, x) -> jax.Array:
   Returns:
     `x` as float32.
   """
-  dtype = np.asarray(x).dtype if _is_concrete(x) else x.dtype
+  concrete = np.asarray(x) if _is_concrete(x) else None
+  dtype = x.dtype if concrete is None else concrete.dtype
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
         f'{name} has dtype {dtype}; OT views take float images in [0, 1]. '
         f'Convert explicitly, e.g. {name}.astype(jnp.float32) / 255 for uint8.')
   low, high = -IMAGE_RANGE_ATOL, 1.0 + IMAGE_RANGE_ATOL
-  if _is_concrete(x):
-    concrete = np.asarray(x, np.float32)
+  if concrete is not None:
+    concrete = concrete.astype(np.float32, copy=False)
     if concrete.size and (concrete.min() < low or concrete.max() > high):
       raise ValueError(
           f'{name} has pixels in [{concrete.min():.4g}, {concrete.max():.4g}]; '
