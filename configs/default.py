@@ -62,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ot.grid_size = 16
   config.ot.epsilon = 0.05
   config.ot.num_iters = 20
+  config.ot.core = 'separable'  # Sinkhorn: fused 'separable' loop or 'ott'.
   config.ot.alpha = 0.5
   config.ot.beta = 0.0
   # Train alpha = sigmoid(logit), initialised at ot.alpha; only then does the

@@ -3,19 +3,25 @@
 Subcommands:
   ot   Milliseconds per batch of the whole OT view generator (docs/method.md
        sections 2-5: resize to the grid, Sinkhorn, displacement splat,
-       reconstruction) for our `ot.ot_views` against ott-jax's dense solver and
-       POT, plus ott-jax's separable `Grid` solver and a per-stage breakdown of
-       `ot_views`. Before timing, every implementation's views are compared
-       with `ot_views` (max abs pixel difference): the rows compute the same
-       thing.
+       reconstruction) for our `ot.ot_views` (default core) against ott-jax's
+       dense solver and POT, plus `ot_views` with its other Sinkhorn core and
+       a per-stage breakdown of `ot_views`. Before timing, every
+       implementation's views are compared with `ot_views` (max abs pixel
+       difference): the rows compute the same thing.
 
   train
        The paper's complexity table for SimCLR and OTCLR on a config: parameters,
        GFLOPs per image pair (XLA cost analysis of the compiled step and of the
-       forward pass), median step time and image pairs/s with the two steps
+       forward pass), median step time and image pairs/s with the steps
        alternated in one process after a warm-up, the OTCLR/SimCLR ratio; the
-       same for the linear-evaluation forward; the OT views' share of the step;
-       and the host input pipeline's batches/s next to the step's.
+       OTCLR step and the OT views once per Sinkhorn core (`ot.core`: 'ott'
+       and 'separable'), with their ratio; the same for the linear-evaluation
+       forward; the OT views' share of the step; and the host input
+       pipeline's batches/s next to the step's.
+
+Config overrides use `main`'s spelling and parser (`config_files`):
+`--config.ot.epsilon=0.1` or `--override ot.epsilon=0.1`; a typo fails with a
+suggestion.
 
 Each subcommand registers its own argparse sub-parser in `build_parser`; a new
 one adds an `_add_<name>_parser` function there.
@@ -24,9 +30,9 @@ POT is a test-only dependency. It is imported lazily with its TensorFlow,
 PyTorch, CuPy and JAX backends disabled (otherwise its import probes, and
 loads, every installed array library); without POT the POT row is skipped.
 
-The ott `Grid` row and the per-stage breakdown call the private helpers of
-`otclr_jax.ot` that `ot_views` itself runs (kernel, Sinkhorn loop, factorised
-splat), so the stages time exactly the code of row (c).
+The per-stage breakdown calls the public pieces of `otclr_jax.ot` that
+`ot_views` itself runs (`sinkhorn_scalings`, `displace_from_scalings`), so the
+stages time exactly the code of row (c).
 """
 
 from __future__ import annotations
@@ -47,7 +53,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ott.geometry import geometry
-from ott.geometry import grid
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
 
@@ -123,28 +128,11 @@ def make_ott_dense(s: OTSettings) -> Callable:
   return jax.jit(functools.partial(_views_with, per_problem, s=s))
 
 
-def make_ott_grid(s: OTSettings) -> Callable:
-  """ott-jax separable `Grid`, kernel mode, then our factorised splat."""
-  # Grid ignores scale_cost: these axes give max cost 1 on the unit square.
-  axis = jnp.linspace(0.0, 1.0, s.grid_size) / math.sqrt(2.0)
-  solver = _exact_iterations(s.num_iters, lse_mode=False)
-  kx = ot._axis_kernel(s.grid_size, s.epsilon)
-
-  def per_problem(a, b):
-    geom = grid.Grid(x=[axis, axis], epsilon=s.epsilon)
-    out = solver(linear_problem.LinearProblem(geom, a.ravel(), b.ravel()))
-    u = jnp.exp(out.f / s.epsilon).reshape(a.shape)
-    v = jnp.exp(out.g / s.epsilon).reshape(b.shape)
-    return ot._displace_from_scalings(u, v, kx, s.alpha)
-
-  return jax.jit(functools.partial(_views_with, per_problem, s=s))
-
-
-def make_ot_views(s: OTSettings) -> Callable:
-  """(c) our jitted `ot.ot_views`."""
+def make_ot_views(s: OTSettings, core: str = ot.DEFAULT_CORE) -> Callable:
+  """(c) our jitted `ot.ot_views` with a Sinkhorn core."""
   return jax.jit(functools.partial(
       ot.ot_views, alpha=s.alpha, grid_size=s.grid_size, epsilon=s.epsilon,
-      num_iters=s.num_iters))
+      num_iters=s.num_iters, core=core))
 
 
 def import_pot():
@@ -219,11 +207,11 @@ def make_stages(s: OTSettings):
     `reconstruct(p_bar, mass, offset, H, W) -> views`; chained, they compute
     `ot_views`.
   """
-  kx = ot._axis_kernel(s.grid_size, s.epsilon)
   measure = jax.jit(functools.partial(_measures, s=s))
   scalings = jax.jit(
-      lambda a, b: ot._sinkhorn_scalings(a, b, kx, s.num_iters))
-  splat = jax.jit(lambda u, v: ot._displace_from_scalings(u, v, kx, s.alpha))
+      lambda a, b: ot.sinkhorn_scalings(a, b, s.epsilon, s.num_iters))
+  splat = jax.jit(
+      lambda u, v: ot.displace_from_scalings(u, v, s.alpha, s.epsilon))
   reconstruct = jax.jit(_reconstruct, static_argnums=(3, 4))
   return measure, scalings, splat, reconstruct
 
@@ -311,6 +299,11 @@ def _time_stages(stages, x, x_strong, repeats: int, min_time_s: float):
           for fn, fn_args in calls]
 
 
+def _other_core() -> str:
+  """The Sinkhorn core that is not `ot.DEFAULT_CORE`."""
+  return next(c for c in ot.CORES if c != ot.DEFAULT_CORE)
+
+
 def _ratio_row(label: str, num: Row, den: Row) -> Row:
   return Row(label, {b: num.values[b] / den.values[b] for b in den.values},
              unit='x')
@@ -335,13 +328,14 @@ def run_ot(args: argparse.Namespace) -> int:
   if pot is not None:
     impls['b'] = ('(b) POT loop + NumPy splat', make_pot(s, pot))
   impls['c'] = ('(c) otclr_jax ot.ot_views', make_ot_views(s))
-  impls['grid'] = ('ott Grid kernel + factorised splat', make_ott_grid(s))
+  other = _other_core()
+  impls['core'] = (f'ot.ot_views core={other}', make_ot_views(s, other))
   stages = make_stages(s)
 
   print(f'devices: {jax.devices()}')
   print(f'OT view generator: {args.image_size}x{args.image_size}x3 images, '
         f'm={s.grid_size}, T={s.num_iters}, eps={s.epsilon:g}, '
-        f'alpha={s.alpha:g}. ms per batch: median (min) over at least '
+        f'alpha={s.alpha:g}, (c) core={ot.DEFAULT_CORE}. ms per batch: median (min) over at least '
         f'{args.repeats} calls and {args.min_time_s:g} s per row, after one '
         'warm-up call, block_until_ready.')
   if pot is None:
@@ -374,10 +368,10 @@ def run_ot(args: argparse.Namespace) -> int:
     stage_sum.minima[batch_size] = sum(t[1] for t in timings)
 
   table = [rows[k] for k in ('a', 'b', 'c') if k in rows]
-  table += stage_rows + [stage_sum, rows['grid']]
+  table += stage_rows + [stage_sum, rows['core']]
   table += [_ratio_row(f'ratio ({k})/(c)', rows[k], rows['c'])
             for k in ('a', 'b') if k in rows]
-  table.append(_ratio_row('ratio ott Grid/(c)', rows['grid'], rows['c']))
+  table.append(_ratio_row(f'ratio core={other}/(c)', rows['core'], rows['c']))
   c = rows['c']
   table.append(Row('(c) ms per 64 images',
                    {b: c.values[b] * 64 / b for b in args.batch_sizes},
@@ -436,7 +430,7 @@ TARGET_OT_SHARE = 0.02
 
 
 def load_config(path: str, overrides: Sequence[str] = ()):
-  """Loads `get_config()` from a config file and applies `a.b=value` overrides."""
+  """A config file with overrides (`--config.a.b=v` or `a.b=v`), as `main`."""
   return config_files.apply_overrides(config_files.load(path), overrides)
 
 
@@ -476,12 +470,17 @@ def run_train(args: argparse.Namespace) -> int:
   batch = train.global_batch(host_batch, mesh)
   key = jax.device_put(jax.random.key(args.seed), replicated)
 
-  methods = ('simclr', 'otclr')
+  # SimCLR, then OTCLR once per Sinkhorn core (the default core first).
+  cores = (ot.DEFAULT_CORE, _other_core())
+  variants = {'simclr': ('simclr', ot.DEFAULT_CORE)}
+  variants.update({f'otclr/{c}': ('otclr', c) for c in cores})
+  otclr = f'otclr/{ot.DEFAULT_CORE}'
   steps, states, flops, fwd_flops = {}, {}, {}, {}
   params_m = eval_params_m = None
-  for method in methods:
+  for name, (method, core) in variants.items():
     config = base.copy_and_resolve_references()
     config.method = method
+    config.ot.core = core
     model = train.create_model(config)
     schedule = train.learning_rate_schedule(config, 100, 1000)
     tx = train.create_optimizer(config, schedule)
@@ -489,37 +488,37 @@ def run_train(args: argparse.Namespace) -> int:
                     out_shardings=replicated)(jax.random.key(args.seed))
     step = train.jit_train_step(config, model, tx, schedule, mesh)
     compiled = step.lower(state, batch, key).compile()
-    flops[method] = _flops(compiled)
-    steps[method], states[method] = compiled, state
+    flops[name] = _flops(compiled)
+    steps[name], states[name] = compiled, state
     # Both views of the batch: the forward FLOPs of B image pairs. XLA counts
     # only multiply-adds on real pixels, not on a convolution's zero padding,
     # which at 32 x 32 (1 x 1 maps in the last stage) is much of the naive
     # count that papers quote.
     views = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
     variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
-    fwd_flops[method] = _flops(jax.jit(
+    fwd_flops[name] = _flops(jax.jit(
         lambda v, x: model.apply(v, x, train=False)).lower(variables, views)
-                               .compile())
+                             .compile())
     params_m = train.count_params(state.params['net']) / 1e6
     eval_params_m = train.count_params(state.params['net']['encoder']) / 1e6
-    print(f'compiled {method} step', flush=True)
+    print(f'compiled {name} step', flush=True)
 
-  times = {m: [] for m in methods}
-  for method in methods:  # warm-up
-    states[method], metrics = steps[method](states[method], batch, key)
+  times = {name: [] for name in variants}
+  for name in variants:  # warm-up
+    states[name], metrics = steps[name](states[name], batch, key)
     jax.block_until_ready(metrics)
   for _ in range(args.repeats):
-    for method in methods:  # alternated, so drifts in machine load hit both
+    for name in variants:  # alternated, so drifts in machine load hit all
       start = time.perf_counter()
-      states[method], metrics = steps[method](states[method], batch, key)
+      states[name], metrics = steps[name](states[name], batch, key)
       jax.block_until_ready(metrics)
-      times[method].append(time.perf_counter() - start)
-  step_ms = {m: 1e3 * statistics.median(t) for m, t in times.items()}
+      times[name].append(time.perf_counter() - start)
+  step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
   # Linear evaluation: the frozen encoder's forward pass on clean images.
   config = base.copy_and_resolve_references()
   model = train.create_model(config)
-  state = states['otclr']
+  state = states[otclr]
   encoder_vars = {'params': state.params['net'],
                   'batch_stats': state.batch_stats}
   encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
@@ -531,11 +530,16 @@ def run_train(args: argparse.Namespace) -> int:
 
   # The OT views of a whole batch (both views), as the OTCLR step makes them.
   otc = base.ot
-  views_fn = jax.jit(lambda x, s1, s2: (
-      ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon, otc.num_iters),
-      ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon, otc.num_iters)))
-  views_ms, _ = time_ms(views_fn, clean, clean[::-1], clean,
-                        repeats=2 * args.repeats, min_time_s=1.0)
+  views_ms = {}
+  for core in cores:
+    views_fn = jax.jit(functools.partial(
+        lambda x, s1, s2, core: (
+            ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon,
+                        otc.num_iters, core),
+            ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon,
+                        otc.num_iters, core)), core=core))
+    views_ms[core], _ = time_ms(views_fn, clean, clean[::-1], clean,
+                                repeats=2 * args.repeats, min_time_s=1.0)
 
   # Host input pipeline: gather a batch and hand it to the devices.
   batches = input_pipeline.train_batches(images, batch_size, args.seed)
@@ -547,40 +551,43 @@ def run_train(args: argparse.Namespace) -> int:
   pipeline_per_s = n / (time.perf_counter() - start)
   getattr(batches, 'close', lambda: None)()
 
-  ratio = step_ms['otclr'] / step_ms['simclr']
-  pairs = {m: 1e3 * batch_size / step_ms[m] for m in methods}
-  rows = [
-      ('Pretraining', 'SimCLR', params_m, fwd_flops['simclr'], flops['simclr'],
-       step_ms['simclr'], pairs['simclr']),
-      ('Pretraining', 'OTCLR', params_m, fwd_flops['otclr'], flops['otclr'],
-       step_ms['otclr'], pairs['otclr']),
-  ]
+  ratio = step_ms[otclr] / step_ms['simclr']
+  rows = [('Pretraining', 'SimCLR', 'simclr')]
+  rows += [('Pretraining', f'OTCLR core={c}', f'otclr/{c}') for c in cores]
   device = jax.devices()[0]
   print(f'\nconfig {args.config}, batch {batch_size}, {size}x{size}, dtype '
         f'{base.dtype}, {len(jax.devices())} x {device.device_kind} '
-        f'({device.platform}); median of {args.repeats} alternated steps')
+        f'({device.platform}); median of {args.repeats} alternated steps; '
+        f'default core {ot.DEFAULT_CORE}')
   print('| Stage | Method | Params (M) | GFLOPs fwd / pair | GFLOPs step / pair '
         '| Step (ms) | Thrpt. (pairs/s) |')
   print('|---|---|---|---|---|---|---|')
-  for stage, method, p, fwd, full, ms, thr in rows:
-    print(f'| {stage} | {method} | {p:.2f} | {fwd / batch_size / 1e9:.3f} '
-          f'| {full / batch_size / 1e9:.3f} | {ms:.1f} | {thr:,.0f} |')
+  for stage, label, name in rows:
+    ms = step_ms[name]
+    print(f'| {stage} | {label} | {params_m:.2f} | '
+          f'{fwd_flops[name] / batch_size / 1e9:.3f} '
+          f'| {flops[name] / batch_size / 1e9:.3f} | {ms:.1f} '
+          f'| {1e3 * batch_size / ms:,.0f} |')
   for method in ('SimCLR', 'OTCLR'):
     # Same frozen encoder for both: the OT views exist only in pretraining.
     print(f'| Linear eval. | {method} | {eval_params_m:.2f} | '
           f'{eval_flops / batch_size / 1e9:.3f} / image | - | {eval_ms:.1f} '
           f'| {1e3 * batch_size / eval_ms:,.0f} images/s |')
-  share = views_ms / step_ms['otclr']
-  pipe_ratio = pipeline_per_s / (1e3 / step_ms['otclr'])
-  print(f'\nOTCLR / SimCLR step time: {ratio:.3f} '
+  pipe_ratio = pipeline_per_s / (1e3 / step_ms[otclr])
+  print(f'\nOTCLR (core={ot.DEFAULT_CORE}) / SimCLR step time: {ratio:.3f} '
         f'(target <= {TARGET_STEP_RATIO}: '
         f'{"met" if ratio <= TARGET_STEP_RATIO else "MISSED"})')
-  print(f'OT views (2 x {batch_size} images): {views_ms:.1f} ms = '
-        f'{100 * share:.2f}% of the OTCLR step (target < '
-        f'{100 * TARGET_OT_SHARE:.0f}%: '
-        f'{"met" if share < TARGET_OT_SHARE else "MISSED"})')
+  other = cores[1]
+  print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
+        f'{step_ms[f"otclr/{other}"] / step_ms[otclr]:.3f}')
+  for core in cores:
+    share = views_ms[core] / step_ms[f'otclr/{core}']
+    print(f'OT views core={core} (2 x {batch_size} images): '
+          f'{views_ms[core]:.1f} ms = {100 * share:.2f}% of the OTCLR step '
+          f'(target < {100 * TARGET_OT_SHARE:.0f}%: '
+          f'{"met" if share < TARGET_OT_SHARE else "MISSED"})')
   print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
-        f'{1e3 / step_ms["otclr"]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
+        f'{1e3 / step_ms[otclr]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
         f'{TARGET_PIPELINE_OVER_STEP:.0f}x: '
         f'{"met" if pipe_ratio >= TARGET_PIPELINE_OVER_STEP else "MISSED"})')
   return 0
@@ -594,7 +601,9 @@ def _add_train_parser(subparsers) -> None:
   p.add_argument('--batch_size', type=int, default=0,
                  help='override config.batch_size (0 keeps it)')
   p.add_argument('--override', nargs='*', default=[],
-                 help='config overrides a.b=value, e.g. dtype=bfloat16')
+                 help='config overrides as on the training command line: '
+                 'a.b=value or --config.a.b=value, e.g. dtype=bfloat16 (the '
+                 'flags --config.a.b=value also work directly)')
   p.add_argument('--repeats', type=int, default=5,
                  help='timed steps per method, alternated')
   p.add_argument('--seed', type=int, default=0)
@@ -612,7 +621,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  argv, overrides = config_files.split_config_flags(argv)
   args = build_parser().parse_args(argv)
+  if overrides:
+    if not hasattr(args, 'override'):
+      raise ValueError(f'{args.command} takes no config overrides, got '
+                       f'{overrides}.')
+    args.override = list(args.override) + overrides
   return args.func(args)
 
 

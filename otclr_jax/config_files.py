@@ -1,19 +1,38 @@
-"""Config files outside absl flags: for tools (bench, figures) and tests.
+"""Config files and overrides outside absl flags: for tools (bench, figures,
+the sweep) and tests.
 
-`python -m otclr_jax.main` reads configs through `config_flags`; tools that
-take several runs or their own flags load the same `get_config()` files here
-and apply the same dotted `key=value` overrides.
+`python -m otclr_jax.main` reads configs through `config_flags` on a locked
+config; tools load the same `get_config()` files here and apply overrides with
+the same parser (`ml_collections.config_flags`, locked), so every tool accepts
+the same spelling, `--config.ot.epsilon=0.1` (or the short `ot.epsilon=0.1`),
+and refuses what `main` refuses: an unknown field fails with a suggestion
+(`ot.epsilonn` -> "Did you mean "epsilon""), a value of the wrong type fails
+(`batch_size=1.5`), and booleans take `true`/`false`.
 """
 
 from __future__ import annotations
 
-import ast
+import difflib
 import importlib.util
 import json
 import os
 from typing import Any, Sequence
 
+from absl import flags
 import ml_collections
+from ml_collections import config_flags
+
+# The flag name `main` defines; overrides are `--config.<dotted field>=<value>`.
+FLAG = 'config'
+
+
+def _tuples(value: Any) -> Any:
+  """JSON lists back to the tuples the Python configs use (`eval.datasets`)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
 
 
 def load(path: str) -> ml_collections.ConfigDict:
@@ -22,39 +41,124 @@ def load(path: str) -> ml_collections.ConfigDict:
     raise FileNotFoundError(f'No config file {path}.')
   if not path.endswith('.py'):
     with open(path) as f:
-      return ml_collections.ConfigDict(json.load(f))
+      try:
+        return ml_collections.ConfigDict(_tuples(json.load(f)))
+      except json.JSONDecodeError as e:
+        raise ValueError(f'Config file {path} is not valid JSON: {e}') from e
   spec = importlib.util.spec_from_file_location('_otclr_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-  """`'ot.epsilon=0.1'` -> `('ot.epsilon', 0.1)`; bare words stay strings."""
+def flag_value(value: Any) -> str:
+  """A Python value as `config_flags` parses it back (`True` -> `'true'`)."""
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, (tuple, list)):
+    return repr(tuple(value))
+  return str(value)
+
+
+def override_flag(override: str | tuple[str, Any]) -> str:
+  """One override as the flag `main` takes: `--config.<key>=<value>`.
+
+  Args:
+    override: `'--config.ot.epsilon=0.1'`, the short `'ot.epsilon=0.1'`, or a
+      `(key, python_value)` pair such as `('ot.epsilon', 0.1)`.
+
+  Returns:
+    `'--config.ot.epsilon=0.1'`.
+
+  Raises:
+    ValueError: not of the form key=value.
+  """
+  if isinstance(override, tuple):
+    key, value = override
+    return f'--{FLAG}.{key}={flag_value(value)}'
+  text = override
+  for prefix in (f'--{FLAG}.', f'-{FLAG}.'):
+    if text.startswith(prefix):
+      text = text[len(prefix):]
+      break
   key, sep, value = text.partition('=')
-  if not sep or not key:
-    raise ValueError(f'An override is key=value (e.g. ot.epsilon=0.1), got '
-                     f'{text!r}.')
+  if not sep or not key or key.startswith('-'):
+    raise ValueError(
+        f'A config override is --{FLAG}.key=value or key=value (e.g. '
+        f'--{FLAG}.ot.epsilon=0.1), got {override!r}.')
+  return f'--{FLAG}.{key}={value}'
+
+
+def apply_overrides(
+    config: ml_collections.ConfigDict,
+    overrides: Sequence[str | tuple[str, Any]],
+) -> ml_collections.ConfigDict:
+  """Applies overrides with `main`'s parser to a locked copy of `config`.
+
+  Args:
+    config: the base config (left unchanged).
+    overrides: strings `--config.a.b=v` or `a.b=v` (values parsed by the
+      field's type, as on `main`'s command line), or `(key, value)` pairs.
+
+  Returns:
+    A new, locked ConfigDict.
+
+  Raises:
+    ValueError: an unknown field (the message suggests close names), a value
+      that does not parse as the field's type, or a malformed override.
+  """
+  argv = ['otclr_jax'] + [override_flag(o) for o in overrides]
+  flag_values = flags.FlagValues()
   try:
-    return key, ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return key, value
+    # sys_argv: config_flags reads the override names from the argv it is
+    # given here rather than from the real command line.
+    config_flags.DEFINE_config_dict(
+        FLAG, config.copy_and_resolve_references(), flag_values=flag_values,
+        lock_config=True, sys_argv=argv)
+    flag_values(argv)
+  except (AttributeError, KeyError, flags.Error) as e:
+    detail = str(e.args[0]) if e.args else str(e)
+    raise ValueError(
+        f'Bad config override in {argv[1:]}: {detail} (fields are those of '
+        'the config file; see configs/default.py).') from e
+  return flag_values[FLAG].value
 
 
 def set_field(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
-  """Sets a dotted field, e.g. `set_field(config, 'ot.beta', 1.0)`."""
+  """Sets an existing dotted field in place, e.g. `set_field(c, 'ot.beta', 1.)`.
+
+  For Python callers (tests) that hold typed values. Like the command line, an
+  unknown key fails with close matches rather than adding a field, and
+  ConfigDict refuses a value of another type.
+
+  Raises:
+    ValueError: `key` names no existing field.
+  """
   node = config
   *parents, leaf = key.split('.')
-  for parent in parents:
-    node = node[parent]
-  if isinstance(node.get(leaf), bool) and isinstance(value, str):
-    # Shell habits: --override ot.learn_alpha=true.
-    value = value.lower() in ('1', 'true', 'yes')
+  for depth, name in enumerate(parents + [leaf]):
+    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+      siblings = list(node.keys()) if isinstance(
+          node, ml_collections.ConfigDict) else []
+      close = difflib.get_close_matches(name, siblings, n=3)
+      hint = f' Did you mean {", ".join(close)}?' if close else ''
+      raise ValueError(f'Unknown config field {key!r}: no '
+                       f'{".".join(parents[:depth] + [name])!r}.{hint}')
+    if depth < len(parents):
+      node = node[name]
   node[leaf] = value
 
 
-def apply_overrides(config: ml_collections.ConfigDict,
-                    overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  for text in overrides:
-    set_field(config, *parse_override(text))
-  return config
+def split_config_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Separates `--config.a.b=v` overrides from a tool's other arguments.
+
+  Lets a tool whose own `--config` names a file (bench, figures) take the
+  overrides in `main`'s spelling next to its argparse flags.
+
+  Returns:
+    `(other_args, overrides)`, each in the original order.
+  """
+  rest, overrides = [], []
+  for arg in argv:
+    (overrides if arg.startswith(f'--{FLAG}.') else rest).append(arg)
+  return rest, overrides

@@ -28,7 +28,9 @@ Subcommands:
 
 Commands that restore an encoder read the run's config from
 `<workdir>/eval/config.json` (written by the evaluation) unless `--config`
-(and `--set key=value` overrides) are given.
+is given; overrides use `main`'s spelling and parser (`config_files`),
+`--config.ot.epsilon=0.1` or `--set ot.epsilon=0.1`, and a typo fails with a
+suggestion.
 
 Each subcommand registers its own argparse sub-parser in `build_parser`; a new
 figure adds an `_add_<name>_parser` function there.
@@ -289,9 +291,9 @@ def load_run_config(workdir: str, config_path: str | None = None,
     config_path: a config file (`configs/X.py` with `get_config()`, or a JSON
       dump); None reads `<workdir>/eval/config.json`, which
       `otclr_jax.evaluate` writes.
-    overrides: `key=value` strings applied on top, as `--config.key=value` on
-      the training command line (values parsed as Python literals, else
-      strings).
+    overrides: `key=value` or `--config.key=value` strings applied on top
+      with the training command line's parser (`config_files.apply_overrides`:
+      values parsed by the field's type, unknown fields refused).
 
   Raises:
     FileNotFoundError: no config file.
@@ -705,7 +707,8 @@ def _add_run_config_args(p) -> None:
                  '<workdir>/eval/config.json, written by the evaluation')
   p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                  help='config override as on the training command line, e.g. '
-                 '--set method=simclr --set ot.epsilon=0.1 (repeatable)')
+                 '--set method=simclr --set ot.epsilon=0.1 (repeatable); '
+                 '--config.ot.epsilon=0.1 works too')
 
 
 def _add_tsne_parser(subparsers) -> None:
@@ -1134,7 +1137,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  # `--config.a.b=v` overrides, as `main` takes them, join `--set`.
+  argv, overrides = config_files.split_config_flags(argv)
   args = build_parser().parse_args(argv)
+  if overrides:
+    if not hasattr(args, 'set'):
+      raise ValueError(f'figures {args.command} reads no run config; '
+                       f'overrides {overrides} do not apply.')
+    args.set = list(args.set) + overrides
   return args.func(args)
 
 

@@ -15,22 +15,34 @@ Conventions:
     `ot.sinkhorn(a, b, C, reg=epsilon, numItermax=num_iters, stopThr=0)` in POT,
     not only at convergence.
 
-Why a hand-written separable loop rather than ott-jax's solver: the kernel
-`K = exp(-C / eps)` factorises as `kron(Kx, Kx)` because the cost is a sum of
-per-axis costs, so `K v` is `Kx V Kx` for `V` the `[m, m]` reshape of `v`. This is
-what ott-jax's `ott.geometry.grid.Grid` does too; the tests check that our
-iterates equal ott-jax's `Sinkhorn` on a `Grid` for every `num_iters`. At
-`m = 16`, however, the ott solver's per-iteration bookkeeping (convergence state,
-error evaluation, generic `tensordot` + transpose per axis) makes it 2-3x slower
-than two batched matmuls per half-iteration, and this loop runs on every training
-step (`python -m otclr_jax.bench ot` prints both).
+Two Sinkhorn cores, chosen by the `core` argument of the public functions
+(config `ot.core`); both run exactly `num_iters` kernel-mode iterations on the
+same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module uses:
+  * `'ott'`: ott-jax's `Sinkhorn` solver on that `Grid` (kernel mode,
+    `min_iterations = max_iterations = inner_iterations = T`, gradients
+    unrolled through every iteration, never lse mode, which is 25-35x slower
+    here). Its `Grid` applies `K = kron(Kx, Kx)` one axis at a time.
+  * `'separable'`: the same iterations as a fused loop of two batched matmuls
+    per half-iteration, `K v = Kx V Kx` for `V` the `[m, m]` reshape of `v`,
+    without the solver's per-iteration bookkeeping (convergence state, error
+    evaluation, generic `tensordot` + transpose per axis).
+The tests check that both equal POT and each other, in values and gradients.
+`python -m otclr_jax.bench train` prints the training step with each core; the
+README gives the measured step times and why `DEFAULT_CORE` is the default.
+
+Inputs: images are floats in `[0, 1]` (an integer dtype is refused: convert
+with `x.astype(jnp.float32) / 255` first; a float image outside `[0, 1]`, such
+as 0-255 or `[-1, 1]` data, is refused rather than clipped). Histograms are
+non-negative with a positive total.
 
 Values inside `jit`: shapes and static arguments are checked at trace time.
 Values cannot raise under `jit` (`checkify.check` needs a `checkify` transform
 around the caller), so they are checked eagerly when the arguments are concrete
 and otherwise propagate as NaN: a NaN or infinite pixel makes that image's
-channel NaN, and an `alpha` outside `[0, 1]` or a non-positive `epsilon` makes
-the whole output NaN. Wrap the caller in `jax.experimental.checkify` with
+channel NaN, a pixel outside `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) makes that
+image NaN, a histogram with a negative mass makes its result NaN, and an
+`alpha` outside `[0, 1]` or a non-positive `epsilon` makes the whole output
+NaN. Wrap the caller in `jax.experimental.checkify` with
 `errors=checkify.float_checks` or set `jax_debug_nans` to locate the culprit.
 """
 
@@ -41,11 +53,24 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
+from ott.geometry import grid as ott_grid
+from ott.problems.linear import linear_problem
+from ott.solvers.linear import sinkhorn as ott_sinkhorn
 
 # [decision] docs/method.md sections 2 and 9: added after the min-shift so
 # every cell is strictly positive; Sinkhorn then never divides by zero.
 DELTA = 1e-3
+
+# The Sinkhorn cores (module docstring); see the README for the default's
+# measured step time.
+CORES = ('separable', 'ott')
+DEFAULT_CORE = 'separable'
+
+# Images are in [0, 1]; this much float rounding beyond either end is allowed
+# (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
+IMAGE_RANGE_ATOL = 1e-4
 
 
 # ----------------------------------------------------------------------------
@@ -107,6 +132,77 @@ def _check_grid(name: str, x: jax.Array) -> int:
   return x.shape[-1]
 
 
+def _check_histogram(name: str, h) -> jax.Array:
+  """Refuses negative masses and all-zero grids; NaN-poisons traced ones.
+
+  Args:
+    name: argument name for the message.
+    h: histograms `[..., m, m]` (already checked finite).
+
+  Returns:
+    `h` as float32; under `jit`, a grid with a negative mass becomes NaN (an
+    all-zero grid gives NaN by itself: `0 / 0` in the first iteration).
+  """
+  if _is_concrete(h):
+    concrete = np.asarray(h, np.float64)
+    if (concrete < 0).any():
+      raise ValueError(
+          f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
+          'must be non-negative (shift it by its minimum, as image_to_measure '
+          'does).')
+    if concrete.ndim >= 2 and (concrete.sum(axis=(-2, -1)) <= 0).any():
+      raise ValueError(
+          f'{name} has a grid with total mass 0; a histogram needs a positive '
+          'total (normalise it to sum to 1).')
+    return jnp.asarray(h, jnp.float32)
+  h = jnp.asarray(h, jnp.float32)
+  ok = jnp.all(h >= 0, axis=(-2, -1), keepdims=True)
+  return jnp.where(ok, h, jnp.nan)
+
+
+def _check_image_values(name: str, x) -> jax.Array:
+  """Refuses integer dtypes and float pixels outside `[0, 1]`.
+
+  Integer images are refused, not converted: 0-255 data divided by the wrong
+  constant would look like a valid image. A concrete float image outside
+  `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) raises; a traced one makes that image
+  NaN instead of being clipped.
+
+  Args:
+    name: argument name for the message.
+    x: images `[B, H, W, C]`.
+
+  Returns:
+    `x` as float32.
+  """
+  concrete = np.asarray(x) if _is_concrete(x) else None
+  dtype = x.dtype if concrete is None else concrete.dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f'{name} has dtype {dtype}; OT views take float images in [0, 1]. '
+        f'Convert explicitly, e.g. {name}.astype(jnp.float32) / 255 for uint8.')
+  low, high = -IMAGE_RANGE_ATOL, 1.0 + IMAGE_RANGE_ATOL
+  if concrete is not None:
+    concrete = concrete.astype(np.float32, copy=False)
+    if concrete.size and (concrete.min() < low or concrete.max() > high):
+      raise ValueError(
+          f'{name} has pixels in [{concrete.min():.4g}, {concrete.max():.4g}]; '
+          'OT views take float images in [0, 1] (divide 0-255 data by 255, map '
+          '[-1, 1] data with (x + 1) / 2).')
+    return jnp.asarray(concrete)
+  x = jnp.asarray(x, jnp.float32)
+  ok = jnp.logical_and(jnp.min(x, axis=(-3, -2, -1), keepdims=True) >= low,
+                       jnp.max(x, axis=(-3, -2, -1), keepdims=True) <= high)
+  return jnp.where(ok, x, jnp.nan)
+
+
+def _check_core(core: str) -> str:
+  if core not in CORES:
+    raise ValueError(f'core must be one of {CORES} (ot.core in the config), '
+                     f'got {core!r}.')
+  return core
+
+
 def _check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
   if x.ndim != 4:
     raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
@@ -153,12 +249,50 @@ def grid_cost(grid_size: int) -> np.ndarray:
   return sq / sq.max()
 
 
-def _axis_kernel(grid_size: int, epsilon) -> jax.Array:
-  return jnp.exp(-jnp.asarray(axis_cost(grid_size), jnp.float32) / epsilon)
+def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
+  """ott-jax's separable `Grid` of this module's cost (max 1 on `[0, 1]^2`).
+
+  `Grid` ignores `scale_cost`, so its axes are `linspace(0, 1, m) / sqrt(2)`:
+  each axis contributes `((i - j) / (m - 1))^2 / 2`, i.e. `axis_cost`. Built at
+  trace time; only `epsilon` may be traced.
+
+  Args:
+    grid_size: `m`.
+    epsilon: entropic regularisation, > 0.
+
+  Returns:
+    A 2-D `Grid` on `m x m` points.
+  """
+  m = _check_static_int('grid_size', grid_size, 2)
+  axis = jnp.linspace(0.0, 1.0, m, dtype=jnp.float32) / math.sqrt(2.0)
+  return ott_grid.Grid(x=[axis, axis], epsilon=epsilon)
 
 
-def _apply_kernel(kx: jax.Array, w: jax.Array) -> jax.Array:
-  """`K w` for `K = kron(kx, kx)` and `w` reshaped `[..., m, m]` (kx symmetric)."""
+def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
+  """Per-axis Gibbs kernel `Kx = exp(-axis_cost / epsilon)` of `grid_geometry`.
+
+  The full kernel is `K = kron(Kx, Kx)` (the cost is a sum of per-axis costs).
+
+  Args:
+    grid_size: `m`.
+    epsilon: entropic regularisation, > 0.
+
+  Returns:
+    `[m, m]` symmetric float32 kernel.
+  """
+  return grid_geometry(grid_size, epsilon).geometries[0].kernel_matrix
+
+
+def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
+  """`K w` for `K = kron(kx, kx)` and `w` reshaped `[..., m, m]` (kx symmetric).
+
+  Args:
+    kx: `[m, m]` symmetric per-axis kernel.
+    w: `[..., m, m]`.
+
+  Returns:
+    `[..., m, m]` = `kx @ w @ kx`.
+  """
   return jnp.matmul(jnp.matmul(kx, w), kx)
 
 
@@ -166,7 +300,8 @@ def _apply_kernel(kx: jax.Array, w: jax.Array) -> jax.Array:
 # Image <-> measure.
 
 
-def image_to_measure(x: jax.Array, grid_size: int = 16):
+def image_to_measure(x: ArrayLike, grid_size: int = 16
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Turns each channel of images into a probability histogram on a grid.
 
   docs/method.md section 2: antialiased bilinear resize to `m x m`, shift by the
@@ -182,13 +317,13 @@ def image_to_measure(x: jax.Array, grid_size: int = 16):
     channel.
   """
   m = _check_static_int('grid_size', grid_size, 2)
+  x = jnp.asarray(x, jnp.float32)
   if x.ndim < 3:
     raise ValueError(f'x must be images [..., H, W, C], got shape {x.shape}.')
   if m > min(x.shape[-3], x.shape[-2]):
     raise ValueError(
         f'grid_size {m} is larger than the image ({x.shape[-3]} x '
         f'{x.shape[-2]}); OT views downsample, pick grid_size <= image side.')
-  x = jnp.asarray(x, jnp.float32)
   small = jax.image.resize(
       x, x.shape[:-3] + (m, m, x.shape[-1]), method='linear', antialias=True)
   small = jnp.moveaxis(small, -1, -3)
@@ -198,7 +333,7 @@ def image_to_measure(x: jax.Array, grid_size: int = 16):
   return shifted / mass[..., None, None], mass, offset
 
 
-def measure_to_image(p: jax.Array, mass: jax.Array, offset: jax.Array,
+def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
                      height: int, width: int) -> jax.Array:
   """Inverse of `image_to_measure`, then bilinear upsampling and clipping.
 
@@ -212,6 +347,8 @@ def measure_to_image(p: jax.Array, mass: jax.Array, offset: jax.Array,
   Returns:
     Images `[..., H, W, C]` clipped to `[0, 1]`.
   """
+  mass = jnp.asarray(mass, jnp.float32)
+  offset = jnp.asarray(offset, jnp.float32)
   small = p * mass[..., None, None] + offset[..., None, None] - DELTA
   small = jnp.moveaxis(small, -3, -1)
   big = jax.image.resize(
@@ -224,14 +361,14 @@ def measure_to_image(p: jax.Array, mass: jax.Array, offset: jax.Array,
 # Sinkhorn.
 
 
-def _sinkhorn_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
-                       num_iters: int):
-  """Exactly `num_iters` POT-ordered Sinkhorn iterations on `[..., m, m]` grids."""
+def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
+                        num_iters: int):
+  """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]`."""
 
   def body(_, uv):
     u, _ = uv
-    v = b / _apply_kernel(kx, u)
-    return a / _apply_kernel(kx, v), v
+    v = b / apply_kernel(kx, u)
+    return a / apply_kernel(kx, v), v
 
   ones = jnp.ones(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
   # fori_loop with static bounds lowers to a scan, so reverse-mode gradients
@@ -239,11 +376,48 @@ def _sinkhorn_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
   return jax.lax.fori_loop(0, num_iters, body, (ones, ones))
 
 
-def _prepare(a, b, epsilon, num_iters):
+def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
+                  num_iters: int):
+  """ott-jax's `Sinkhorn` on `geom`, exactly `num_iters` kernel-mode iterations.
+
+  `min = max = inner = T` runs one block of exactly T iterations; `inner = T`
+  also keeps the unrolled backward pass exact (docs/method.md section 3: with
+  `inner < T` ott-jax 0.6 returns gradients 7-20% off), and `threshold = -1`
+  can never stop early. `implicit_diff=None` unrolls: T iterations do not reach
+  the convergence that implicit differentiation assumes.
+  """
+  solver = ott_sinkhorn.Sinkhorn(
+      lse_mode=False, threshold=-1.0, min_iterations=num_iters,
+      max_iterations=num_iters, inner_iterations=num_iters,
+      implicit_diff=None)
+  shape = jnp.broadcast_shapes(a.shape, b.shape)
+  m = shape[-1]
+
+  def one(a1, b1):
+    out = solver(linear_problem.LinearProblem(geom, a1.ravel(), b1.ravel()))
+    return (geom.scaling_from_potential(out.f).reshape(m, m),
+            geom.scaling_from_potential(out.g).reshape(m, m))
+
+  flat_a = jnp.broadcast_to(a, shape).reshape(-1, m, m)
+  flat_b = jnp.broadcast_to(b, shape).reshape(-1, m, m)
+  u, v = jax.vmap(one)(flat_a, flat_b)
+  return u.reshape(shape), v.reshape(shape)
+
+
+def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
+  """The chosen core's scalings and the per-axis kernel of the same `Grid`."""
+  geom = grid_geometry(m, epsilon)
+  kx = geom.geometries[0].kernel_matrix
+  if core == 'ott':
+    return _ott_scalings(a, b, geom, num_iters), kx
+  return _separable_scalings(a, b, kx, num_iters), kx
+
+
+def _prepare(a, b, epsilon, num_iters, core):
   _check_finite('a', a)
   _check_finite('b', b)
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
+  a = _check_histogram('a', a)
+  b = _check_histogram('b', b)
   m = _check_grid('a', a)
   if b.shape[-2:] != a.shape[-2:]:
     raise ValueError(
@@ -251,46 +425,87 @@ def _prepare(a, b, epsilon, num_iters):
   num_iters = _check_static_int('num_iters', num_iters, 1)
   epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  return a, b, m, epsilon, num_iters
+  return a, b, m, epsilon, num_iters, _check_core(core)
 
 
-def sinkhorn_plan(a, b, epsilon=0.05, num_iters: int = 20) -> jax.Array:
-  """Dense entropic plan (docs/method.md section 3), for reference and tests.
+def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
+                      num_iters: int = 20, core: str = DEFAULT_CORE
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Sinkhorn scalings `(u, v)` of the plan `P = diag(u) K diag(v)`.
+
+  Exactly `num_iters` iterations from `u = v = 1`, each `v = b / K^T u` then
+  `u = a / K v` (docs/method.md section 3), on `K = kron(Kx, Kx)` with
+  `Kx = axis_kernel(m, epsilon)`. Feed them to `displace_from_scalings` or
+  `cost_from_scalings` to avoid the `[m^2, m^2]` plan.
 
   Args:
-    a: source histogram `[m, m]` (sums to 1).
-    b: target histogram `[m, m]` (sums to 1).
+    a: source histograms `[..., m, m]`, non-negative, positive total.
+    b: target histograms `[..., m, m]` (broadcast against `a`).
+    epsilon: entropic regularisation on the max-1 cost, > 0.
+    num_iters: exact number of Sinkhorn iterations `T`, >= 1.
+    core: `'separable'` (fused loop) or `'ott'` (ott-jax's solver).
+
+  Returns:
+    `(u, v)`, each `[..., m, m]` (the broadcast shape of `a` and `b`).
+  """
+  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
+  return _scalings(a, b, m, epsilon, num_iters, core)[0]
+
+
+def sinkhorn_plan(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
+                  num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
+  """Dense entropic transport plan (docs/method.md section 3), for tests.
+
+  Args:
+    a: source histogram `[m, m]` (non-negative, sums to 1).
+    b: target histogram `[m, m]` (non-negative, sums to 1).
     epsilon: entropic regularisation on the max-1 cost.
     num_iters: exact number of Sinkhorn iterations `T`.
+    core: `'separable'` or `'ott'` (module docstring).
 
   Returns:
     Plan `[m * m, m * m]`, `P = diag(u) K diag(v)`, rows indexing `a` row-major.
     Its row sums equal `a`; its column sums approach `b` as `T` grows.
+
+  Raises:
+    ValueError: for a concrete histogram with a negative mass or total 0.
   """
-  a, b, m, epsilon, num_iters = _prepare(a, b, epsilon, num_iters)
+  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
   if a.ndim != 2 or b.ndim != 2:
     raise ValueError(
         f'sinkhorn_plan takes single [m, m] grids (vmap for batches), got '
         f'{a.shape} and {b.shape}.')
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(a, b, kx, num_iters)
+  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
   return u.reshape(-1, 1) * jnp.kron(kx, kx) * v.reshape(1, -1)
 
 
-def _cost_from_scalings(u, v, kx, epsilon):
-  """`<P, C> + eps sum P (log P - 1)` without building `P`.
+def cost_from_scalings(u: ArrayLike, v: ArrayLike,
+                       epsilon: ArrayLike = 0.05) -> jax.Array:
+  """`<P, C> + eps sum P (log P - 1)` of `P = diag(u) K diag(v)`, plan-free.
 
   With `log P_ij = log u_i - C_ij / eps + log v_j` the cost collapses to
-  `eps (<P 1, log u> + <P^T 1, log v> - sum P)`.
+  `eps (<P 1, log u> + <P^T 1, log v> - sum P)`, `O(m^3)`.
+
+  Args:
+    u: scalings `[..., m, m]` from `sinkhorn_scalings`.
+    v: scalings `[..., m, m]`.
+    epsilon: the epsilon they were computed with.
+
+  Returns:
+    `[...]` costs.
   """
-  row = u * _apply_kernel(kx, v)
-  col = v * _apply_kernel(kx, u)
+  u = jnp.asarray(u, jnp.float32)
+  v = jnp.asarray(v, jnp.float32)
+  kx = axis_kernel(_check_grid('u', u), epsilon)
+  row = u * apply_kernel(kx, v)
+  col = v * apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
   return epsilon * (jnp.sum(row * jnp.log(u), axis=(-2, -1))
                     + jnp.sum(col * jnp.log(v), axis=(-2, -1)) - total)
 
 
-def sinkhorn_cost(a, b, epsilon=0.05, num_iters: int = 20) -> jax.Array:
+def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
+                  num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
   """Entropic Sinkhorn cost `S_eps(a, b)` of docs/method.md section 6.
 
   `S = <P, C> + eps * sum P (log P - 1)` at the plan of `sinkhorn_plan`,
@@ -301,47 +516,73 @@ def sinkhorn_cost(a, b, epsilon=0.05, num_iters: int = 20) -> jax.Array:
     b: target histogram `[..., m, m]`.
     epsilon: entropic regularisation.
     num_iters: exact number of Sinkhorn iterations.
+    core: `'separable'` or `'ott'`.
 
   Returns:
     `[...]` costs (a scalar for single grids).
   """
-  a, b, m, epsilon, num_iters = _prepare(a, b, epsilon, num_iters)
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(a, b, kx, num_iters)
-  return _cost_from_scalings(u, v, kx, epsilon)
+  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
+  u, v = _scalings(a, b, m, epsilon, num_iters, core)[0]
+  return cost_from_scalings(u, v, epsilon)
 
 
 # ----------------------------------------------------------------------------
 # Displacement interpolation with bilinear splatting.
 
 
-def _splat_axis(grid_size: int, alpha) -> jax.Array:
+def splat_axis(grid_size: int, alpha: ArrayLike) -> jax.Array:
   """Per-axis bilinear weights `w[l, i, j]` of position `(1 - alpha) i + alpha j`.
 
   Positions are in grid units; the hat function `max(0, 1 - |l - g|)` equals
   the floor/fraction bilinear weights of docs/method.md section 4 for `g` in
   `[0, m - 1]` (including the last vertex) and is differentiable in `alpha`.
+
+  Args:
+    grid_size: `m`.
+    alpha: interpolation coefficient in `[0, 1]` (scalar).
+
+  Returns:
+    `[m, m, m]` weights indexed `[target vertex l, source i, destination j]`.
   """
   idx = jnp.arange(grid_size, dtype=jnp.float32)
   g = (1.0 - alpha) * idx[:, None] + alpha * idx[None, :]
   return jnp.maximum(0.0, 1.0 - jnp.abs(idx[:, None, None] - g[None]))
 
 
-def _displace_from_scalings(u, v, kx, alpha):
-  """Splatted displacement histogram without materialising the plan.
-
-  `P[(ix,iy),(jx,jy)] = u[ix,iy] Kx[ix,jx] Kx[iy,jy] v[jx,jy]` and the splat
-  weight factorises over the axes, so with `A[l,i,j] = Kx[i,j] w[l,i,j]`:
-  `p[lx,ly] = sum u[ix,iy] v[jx,jy] A[lx,ix,jx] A[ly,iy,jy]`, three contractions
-  of `O(m^4)` each.
-  """
-  amat = kx[None] * _splat_axis(kx.shape[0], alpha)
+def _displace(u, v, kx, alpha):
+  amat = kx[None] * splat_axis(kx.shape[0], alpha)
   z = jnp.einsum('lij,...jk->...lik', amat, v)
   y = jnp.einsum('...ab,...lac->...lbc', u, z)
   return jnp.einsum('...lbc,nbc->...ln', y, amat)
 
 
-def displace(a, b, alpha, epsilon=0.05, num_iters: int = 20) -> jax.Array:
+def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
+                           epsilon: ArrayLike = 0.05) -> jax.Array:
+  """The factorised splat: displacement histogram without the plan.
+
+  `P[(ix,iy),(jx,jy)] = u[ix,iy] Kx[ix,jx] Kx[iy,jy] v[jx,jy]` and the splat
+  weight factorises over the axes, so with `A[l,i,j] = Kx[i,j] w[l,i,j]`
+  (`w = splat_axis`): `p[lx,ly] = sum u[ix,iy] v[jx,jy] A[lx,ix,jx]
+  A[ly,iy,jy]`, three contractions of `O(m^4)` each.
+
+  Args:
+    u: scalings `[..., m, m]` from `sinkhorn_scalings`.
+    v: scalings `[..., m, m]`.
+    alpha: interpolation coefficient in `[0, 1]` (scalar).
+    epsilon: the epsilon the scalings were computed with.
+
+  Returns:
+    `[..., m, m]` splatted histogram (the `displace` of the same problem).
+  """
+  u = jnp.asarray(u, jnp.float32)
+  v = jnp.asarray(v, jnp.float32)
+  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+  return _displace(u, v, axis_kernel(_check_grid('u', u), epsilon), alpha)
+
+
+def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
+             epsilon: ArrayLike = 0.05, num_iters: int = 20,
+             core: str = DEFAULT_CORE) -> jax.Array:
   """Displaced, bilinearly splatted histogram (docs/method.md section 4).
 
   Mass `P_ij` moving `r_i -> r_j` is deposited at `(1 - alpha) r_i + alpha r_j`.
@@ -353,19 +594,19 @@ def displace(a, b, alpha, epsilon=0.05, num_iters: int = 20) -> jax.Array:
     alpha: interpolation coefficient in `[0, 1]` (scalar).
     epsilon: entropic regularisation.
     num_iters: exact number of Sinkhorn iterations.
+    core: `'separable'` or `'ott'`.
 
   Returns:
     `[..., m, m]` histogram with total mass `sum(P)`; `alpha = 0` returns `a`
     (to rounding) and `alpha = 1` the plan's column marginal (close to `b`).
   """
-  a, b, m, epsilon, num_iters = _prepare(a, b, epsilon, num_iters)
+  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
   alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(a, b, kx, num_iters)
-  return _displace_from_scalings(u, v, kx, alpha)
+  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
+  return _displace(u, v, kx, alpha)
 
 
-def dense_displace(plan: jax.Array, alpha) -> jax.Array:
+def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
   """Reference splat from a materialised plan: scatter every packet.
 
   Uses the floor/fraction form of docs/method.md section 4 with
@@ -378,6 +619,7 @@ def dense_displace(plan: jax.Array, alpha) -> jax.Array:
   Returns:
     `[m, m]` histogram.
   """
+  plan = jnp.asarray(plan)
   n = plan.shape[0]
   m = math.isqrt(n)
   if plan.shape != (m * m, m * m):
@@ -399,7 +641,7 @@ def dense_displace(plan: jax.Array, alpha) -> jax.Array:
 # Images.
 
 
-def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters):
+def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   """Checks an image pair, puts its channels on the grid and runs Sinkhorn.
 
   Returns:
@@ -409,22 +651,24 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters):
   """
   _check_finite('x', x)
   _check_finite(y_name, y)
-  x = jnp.asarray(x, jnp.float32)
-  y = jnp.asarray(y, jnp.float32)
+  x = _check_image_values('x', x)
+  y = _check_image_values(y_name, y)
   _check_images(x, y, y_name)
   m = _check_static_int('grid_size', grid_size, 2)
   num_iters = _check_static_int('num_iters', num_iters, 1)
   epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
+  core = _check_core(core)
   measure_x = image_to_measure(x, m)
   measure_y = image_to_measure(y, m)
-  kx = _axis_kernel(m, epsilon)
-  u, v = _sinkhorn_scalings(measure_x[0], measure_y[0], kx, num_iters)
+  (u, v), kx = _scalings(measure_x[0], measure_y[0], m, epsilon, num_iters,
+                         core)
   return measure_x, measure_y, kx, epsilon, u, v
 
 
-def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
-             num_iters: int = 20) -> jax.Array:
+def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
+             grid_size: int = 16, epsilon: ArrayLike = 0.05,
+             num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
   Per channel: measure on an `m x m` grid, Sinkhorn plan from `x` to
@@ -432,41 +676,52 @@ def ot_views(x, x_strong, alpha=0.5, grid_size: int = 16, epsilon=0.05,
   interpolated linearly like the measure, channels stacked, bilinear upsampling
   to the input size and clipping to `[0, 1]`.
 
+  Under `jax.jit`, pass `grid_size`, `num_iters` and `core` as static
+  arguments: `jax.jit(ot_views, static_argnames=('grid_size', 'num_iters',
+  'core'))`.
+
   Args:
-    x: source images `[B, H, W, C]` in `[0, 1]`.
-    x_strong: strong augmentations of `x`, `[B, H, W, C]`.
+    x: source images `[B, H, W, C]`, float in `[0, 1]` (integer dtypes and
+      values outside `[0, 1]` raise ValueError; module docstring).
+    x_strong: strong augmentations of `x`, `[B, H, W, C]`, same rules.
     alpha: interpolation coefficient in `[0, 1]`, a scalar (may be traced, e.g.
       a learnt coefficient).
     grid_size: `m`, at least 2 and at most `min(H, W)`.
     epsilon: entropic regularisation on the max-1 cost, > 0.
     num_iters: exact number of Sinkhorn iterations, >= 1.
+    core: `'separable'` (fused loop) or `'ott'` (ott-jax's solver); same
+      result to float32 rounding.
 
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.
   """
   alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
   (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
-      _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters))
-  p_bar = _displace_from_scalings(u, v, kx, alpha)
+      _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters,
+                    core))
+  p_bar = _displace(u, v, kx, alpha)
   mass = (1.0 - alpha) * mass_src + alpha * mass_str
   offset = (1.0 - alpha) * off_src + alpha * off_str
-  return measure_to_image(p_bar, mass, offset, x.shape[1], x.shape[2])
+  height, width = np.shape(x)[1], np.shape(x)[2]
+  return measure_to_image(p_bar, mass, offset, height, width)
 
 
-def image_sinkhorn_cost(x, y, grid_size: int = 16, epsilon=0.05,
-                        num_iters: int = 20) -> jax.Array:
+def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,
+                        epsilon: ArrayLike = 0.05, num_iters: int = 20,
+                        core: str = DEFAULT_CORE) -> jax.Array:
   """Per-image Sinkhorn cost between two image batches, averaged over channels.
 
   Args:
-    x: images `[B, H, W, C]`.
-    y: images `[B, H, W, C]`.
+    x: images `[B, H, W, C]`, float in `[0, 1]`.
+    y: images `[B, H, W, C]`, float in `[0, 1]`.
     grid_size: `m`.
     epsilon: entropic regularisation.
     num_iters: exact number of Sinkhorn iterations.
+    core: `'separable'` or `'ott'`.
 
   Returns:
     `[B]` costs `mean_c S_eps(x_c, y_c)` (docs/method.md section 6 [decision]).
   """
-  _, _, kx, epsilon, u, v = _solve_images(x, y, 'y', grid_size, epsilon,
-                                          num_iters)
-  return jnp.mean(_cost_from_scalings(u, v, kx, epsilon), axis=-1)
+  _, _, _, epsilon, u, v = _solve_images(x, y, 'y', grid_size, epsilon,
+                                         num_iters, core)
+  return jnp.mean(cost_from_scalings(u, v, epsilon), axis=-1)

@@ -204,7 +204,7 @@ def make_views(config: ml_collections.ConfigDict, params, images: jax.Array,
   views = functools.partial(
       ot.ot_views, alpha=current_alpha(config, params),
       grid_size=config.ot.grid_size, epsilon=config.ot.epsilon,
-      num_iters=config.ot.num_iters)
+      num_iters=config.ot.num_iters, core=config.ot.core)
   return views(images, xs1), views(images, xs2), xs1, xs2
 
 

@@ -21,10 +21,10 @@ EXPECTED_ROWS = (
     '(d) displacement splat',
     '(d) reconstruct (upsample, clip)',
     '(d) sum of stages',
-    'ott Grid kernel + factorised splat',
+    f'ot.ot_views core={bench._other_core()}',
     'ratio (a)/(c)',
     'ratio (b)/(c)',
-    'ratio ott Grid/(c)',
+    f'ratio core={bench._other_core()}/(c)',
     '(c) ms per 64 images',
 )
 
@@ -55,8 +55,8 @@ def test_ot_bench_prints_every_row(capsys):
   checks = re.findall(r'check B=\d+: .*', out)
   assert len(checks) == 2
   for line in checks:
-    diffs = dict(re.findall(r'\b(a|b|grid): ([\d.e+-]+)', line))
-    assert set(diffs) == {'a', 'b', 'grid'}, line
+    diffs = dict(re.findall(r'\b(a|b|core): ([\d.e+-]+)', line))
+    assert set(diffs) == {'a', 'b', 'core'}, line
     assert all(float(d) < 1e-5 for d in diffs.values()), line
   assert 'MISMATCH' not in out
 
@@ -94,22 +94,35 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
   code = bench.main([
       'train', '--config=configs/digits.py', '--repeats=1', '--override',
       f'data_dir={tmp_path}', 'image_size=8', 'batch_size=16',
-      'ot.grid_size=4', 'model.proj_hidden_dim=32', 'model.proj_dim=16'])
+      'ot.grid_size=4', '--config.model.proj_hidden_dim=32',
+      '--config.model.proj_dim=16'])
   assert code == 0
   out = capsys.readouterr().out
+  assert re.search(r'\| Pretraining \| SimCLR \| 11\.\d\d \|', out)
+  # The whole OTCLR step once per Sinkhorn core.
+  for core in ot.CORES:
+    assert re.search(rf'\| Pretraining \| OTCLR core={core} \| 11\.\d\d \|',
+                     out)
+    assert re.search(rf'OT views core={core} .*% of the OTCLR step', out)
   for method in ('SimCLR', 'OTCLR'):
-    assert re.search(rf'\| Pretraining \| {method} \| 11\.\d\d \|', out)
     assert re.search(rf'\| Linear eval\. \| {method} \| 11\.18 \|', out)
-  assert re.search(r'OTCLR / SimCLR step time: \d+\.\d{3}', out)
-  assert 'of the OTCLR step' in out
+  assert re.search(r'OTCLR \(core=\w+\) / SimCLR step time: \d+\.\d{3}', out)
+  assert re.search(r'OTCLR step core=\w+ / core=\w+: \d+\.\d{3}', out)
   assert re.search(r'Input pipeline \(digits\): [\d,]+ batches/s', out)
 
 
 def test_load_config_applies_overrides():
   config = bench.load_config('configs/cifar10.py',
-                             ['batch_size=512', 'ot.epsilon=0.1',
+                             ['batch_size=512', '--config.ot.epsilon=0.1',
                               'dtype=bfloat16', 'ot.learn_alpha=true'])
   assert config.batch_size == 512
   assert config.ot.epsilon == 0.1
   assert config.dtype == 'bfloat16'
   assert config.ot.learn_alpha is True
+
+
+@pytest.mark.parametrize('typo', [['--override', 'ot.epsilonn=0.1'],
+                                  ['--config.ot.epsilonn=0.1']])
+def test_train_bench_refuses_typos(typo):
+  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
+    bench.main(['train', '--config=configs/digits.py'] + typo)

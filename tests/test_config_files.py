@@ -13,33 +13,80 @@ def test_load_py_and_json_agree(tmp_path):
   path = tmp_path / 'config.json'
   path.write_text(json.dumps(config.to_dict()))
   again = config_files.load(str(path))
-  assert again.to_dict() == json.loads(json.dumps(config.to_dict()))
+  # JSON lists come back as the config's tuples, so overrides parse alike.
+  assert again.to_dict() == config.to_dict()
 
 
-@pytest.mark.parametrize('text, key, value', [
-    ('ot.epsilon=0.1', 'ot.epsilon', 0.1),
-    ('batch_size=512', 'batch_size', 512),
-    ('method=simclr', 'method', 'simclr'),
-    ("eval.datasets=('cifar10','digits')", 'eval.datasets',
-     ('cifar10', 'digits')),
-])
-def test_parse_override(text, key, value):
-  assert config_files.parse_override(text) == (key, value)
-
-
-def test_apply_overrides_parses_booleans_from_the_shell():
+@pytest.mark.parametrize('text', ['--config.ot.epsilon=0.1', 'ot.epsilon=0.1'])
+def test_both_spellings(text):
   config = config_files.apply_overrides(
-      config_files.load('configs/default.py'),
-      ['ot.learn_alpha=true', 'eval.at_end=False', 'ot.beta=1.0'])
+      config_files.load('configs/default.py'), [text])
+  assert config.ot.epsilon == 0.1
+
+
+def test_apply_overrides_parses_by_field_type():
+  base = config_files.load('configs/default.py')
+  config = config_files.apply_overrides(base, [
+      '--config.ot.learn_alpha=true', 'eval.at_end=False', 'ot.beta=1',
+      'method=simclr', "eval.datasets=('cifar10','digits')",
+      ('batch_size', 512), ('ot.alpha', 0.25), ('eval.figures', False)])
   assert config.ot.learn_alpha is True
   assert config.eval.at_end is False
-  assert config.ot.beta == 1.0
+  assert config.ot.beta == 1.0 and isinstance(config.ot.beta, float)
+  assert config.method == 'simclr'
+  assert config.eval.datasets == ('cifar10', 'digits')
+  assert config.batch_size == 512 and config.ot.alpha == 0.25
+  assert config.eval.figures is False
+  assert config.is_locked
+  assert base.ot.epsilon == 0.05 and base.method == 'otclr'  # not mutated
 
 
-@pytest.mark.parametrize('bad', ['ot.epsilon', '=3'])
-def test_bad_override(bad):
+@pytest.mark.parametrize('text, match', [
+    ('ot.epsilonn=0.1', 'Did you mean "epsilon"'),
+    ('--config.ott.epsilon=0.1', 'Did you mean "ot"'),
+    ('batch_size=1.5', 'batch_size'),
+    ('ot.epsilon=abc', 'ot.epsilon'),
+    ('ot.learn_alpha=yes', 'learn_alpha'),
+])
+def test_typos_and_bad_types_fail(text, match):
+  with pytest.raises(ValueError, match=match):
+    config_files.apply_overrides(config_files.load('configs/default.py'),
+                                 [text])
+
+
+def test_overrides_of_a_json_config(tmp_path):
+  path = tmp_path / 'config.json'
+  path.write_text(json.dumps(config_files.load('configs/digits.py').to_dict()))
+  config = config_files.apply_overrides(
+      config_files.load(str(path)), ["eval.datasets=('digits',)"])
+  assert config.eval.datasets == ('digits',)
+  with pytest.raises(ValueError, match='Did you mean'):
+    config_files.apply_overrides(config_files.load(str(path)),
+                                 ['ot.epsilonn=0.1'])
+
+
+@pytest.mark.parametrize('bad', ['ot.epsilon', '=3', '--seed=3'])
+def test_malformed_override(bad):
   with pytest.raises(ValueError, match='key=value'):
-    config_files.parse_override(bad)
+    config_files.override_flag(bad)
+
+
+def test_override_flag_is_what_main_takes():
+  assert config_files.override_flag(('ot.learn_alpha', True)) == (
+      '--config.ot.learn_alpha=true')
+  assert config_files.override_flag(('eval.datasets', ['a'])) == (
+      "--config.eval.datasets=('a',)")
+  assert config_files.override_flag('ot.alpha=0.3') == '--config.ot.alpha=0.3'
+
+
+def test_set_field_refuses_unknown_keys():
+  config = config_files.load('configs/default.py')
+  config_files.set_field(config, 'ot.beta', 1.0)
+  assert config.ot.beta == 1.0
+  with pytest.raises(ValueError, match='Did you mean epsilon'):
+    config_files.set_field(config, 'ot.epsilonn', 0.1)
+  with pytest.raises(ValueError, match='Unknown config field'):
+    config_files.set_field(config, 'nope.x', 1)
 
 
 def test_missing_file():

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 from sklearn import metrics
 
+from otclr_jax import config_files
 from otclr_jax import evaluate
 from otclr_jax import figures
 from otclr_jax import input_pipeline
@@ -321,6 +322,20 @@ def test_load_run_config_from_file_and_overrides(tmp_path):
     figures.load_run_config(str(tmp_path / 'other'))
   with pytest.raises(ValueError, match='key=value'):
     figures.load_run_config(str(tmp_path), None, ['method'])
+  # One parser with main: a typo fails with a suggestion instead of adding
+  # a field and leaving epsilon unchanged.
+  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
+    figures.load_run_config(str(tmp_path), None, ['ot.epsilonn=0.1'])
+
+
+@pytest.mark.parametrize('override', [['--set', 'ot.epsilonn=0.1'],
+                                      ['--config.ot.epsilonn=0.1']])
+def test_cli_overrides_refuse_typos(tmp_path, override):
+  (tmp_path / 'eval').mkdir()
+  (tmp_path / 'eval' / 'config.json').write_text(
+      config_files.load('configs/digits.py').to_json())
+  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
+    figures.main(['tsne', '--workdir', str(tmp_path)] + override)
 
 
 def test_density_level_matches_gaussian_hdr():

@@ -311,3 +311,141 @@ class TestErrors:
       ot.displace(a, a, 2.0)
     with pytest.raises(ValueError, match='NaN'):
       ot.sinkhorn_cost(a * np.nan, a)
+
+
+class TestCores:
+  """The ott-jax solver core and the fused separable core agree with POT."""
+
+  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  def test_ott_core_plan_matches_pot(self, pair, num_iters):
+    a, b = pair
+    expected = pot.sinkhorn(a.ravel().astype(np.float64),
+                            b.ravel().astype(np.float64), ot.grid_cost(16),
+                            reg=EPS, numItermax=num_iters, stopThr=0)
+    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters, core='ott'))
+    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+
+  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  def test_cores_agree_on_views(self, num_iters):
+    rng = np.random.default_rng(num_iters)
+    x, xs = _images(rng, (2, 16, 16, 3)), _images(rng, (2, 16, 16, 3))
+    views = {core: ot.ot_views(x, xs, 0.3, grid_size=8, num_iters=num_iters,
+                               core=core) for core in ot.CORES}
+    np.testing.assert_allclose(views['ott'], views['separable'], atol=1e-5)
+
+  def test_cores_agree_on_gradients(self):
+    rng = np.random.default_rng(7)
+    x, xs = _images(rng, (2, 16, 16, 3)), _images(rng, (2, 16, 16, 3))
+    weights = _images(rng, (2, 16, 16, 3))
+
+    def loss(xs, alpha, core):
+      views = ot.ot_views(x, xs, alpha, grid_size=8, num_iters=20, core=core)
+      cost = ot.image_sinkhorn_cost(x, xs, grid_size=8, core=core)
+      return jnp.sum(weights * views) + jnp.sum(cost)
+
+    grads = {core: jax.grad(loss, argnums=(0, 1))(xs, 0.37, core)
+             for core in ot.CORES}
+    assert float(jnp.abs(grads['separable'][0]).max()) > 0
+    np.testing.assert_allclose(grads['ott'][0], grads['separable'][0],
+                               rtol=1e-3, atol=1e-5)
+    assert float(grads['ott'][1]) == pytest.approx(
+        float(grads['separable'][1]), rel=1e-3)
+
+  def test_ott_core_gradient_matches_finite_difference(self):
+    # Against finite differences, so the unrolled ott backward pass is checked
+    # independently of the separable core.
+    src, dst = _blob(8, (2.0, 2.5)), _blob(8, (5.0, 4.5))
+    fn = lambda b: ot.sinkhorn_cost(src, b, num_iters=5, core='ott')
+    # Relative to dst, so dst +- h * direction stays a non-negative histogram.
+    direction = dst * np.random.default_rng(0).standard_normal((8, 8))
+    direction = (direction - dst * direction.sum()).astype(np.float32)
+    h = 1e-3
+    b64 = dst.astype(np.float64)
+    fd = (float(fn((b64 + h * direction).astype(np.float32)))
+          - float(fn((b64 - h * direction).astype(np.float32)))) / (2 * h)
+    got = float(jnp.sum(jax.grad(fn)(dst) * direction))
+    assert got == pytest.approx(fd, rel=2e-2, abs=1e-4)
+
+  def test_kernel_comes_from_ott_grid(self):
+    kx = ot.axis_kernel(6, EPS)
+    np.testing.assert_allclose(kx, np.exp(-ot.axis_cost(6) / EPS), rtol=1e-5)
+    geom = ot.grid_geometry(6, EPS)
+    assert geom.shape == (36, 36)
+
+  def test_public_scalings_and_splat_compose_to_displace(self, pair):
+    a, b = pair
+    u, v = ot.sinkhorn_scalings(a, b, EPS, 5)
+    np.testing.assert_allclose(ot.displace_from_scalings(u, v, 0.4, EPS),
+                               ot.displace(a, b, 0.4, EPS, 5), rtol=1e-6)
+    np.testing.assert_allclose(ot.cost_from_scalings(u, v, EPS),
+                               ot.sinkhorn_cost(a, b, EPS, 5), rtol=1e-6)
+
+  def test_jit_with_static_core(self):
+    x = jnp.full((1, 8, 8, 3), 0.5)
+    fn = jax.jit(ot.ot_views,
+                 static_argnames=('grid_size', 'num_iters', 'core'))
+    out = fn(x, x, 0.5, grid_size=4, num_iters=3, core='ott')
+    assert out.shape == x.shape
+
+  def test_unknown_core(self, pair):
+    with pytest.raises(ValueError, match="core must be one of"):
+      ot.sinkhorn_cost(*pair, core='lse')
+
+
+class TestInputRanges:
+  """Issue 8 item 10: no garbage from wrong image ranges or histograms."""
+
+  x = jnp.full((1, 8, 8, 3), 0.5)
+
+  @pytest.mark.parametrize('dtype', [np.uint8, np.int32, bool])
+  def test_integer_images_are_refused(self, dtype):
+    bad = np.full((1, 8, 8, 3), 1, dtype)
+    with pytest.raises(ValueError, match=r'astype\(jnp.float32\) / 255'):
+      ot.ot_views(bad, self.x, grid_size=4)
+    with pytest.raises(ValueError, match='dtype'):
+      jax.jit(ot.ot_views, static_argnames='grid_size')(self.x, bad,
+                                                        grid_size=4)
+
+  @pytest.mark.parametrize('low, high', [(0.0, 255.0), (-1.0, 1.0),
+                                         (0.0, 1.01)])
+  def test_float_images_outside_unit_range_are_refused(self, low, high):
+    bad = np.linspace(low, high, 8 * 8 * 3, dtype=np.float32).reshape(
+        1, 8, 8, 3)
+    with pytest.raises(ValueError, match=r'in \[0, 1\]'):
+      ot.ot_views(bad, self.x, grid_size=4)
+    with pytest.raises(ValueError, match='x_strong'):
+      ot.ot_views(self.x, bad, grid_size=4)
+    with pytest.raises(ValueError, match=r'in \[0, 1\]'):
+      ot.image_sinkhorn_cost(bad, self.x, grid_size=4)
+
+  def test_traced_out_of_range_image_is_nan_not_clipped(self):
+    good = jnp.full((1, 8, 8, 3), 0.25)
+    minus_one_to_one = 2.0 * good - 1.0
+    out = jax.jit(ot.ot_views, static_argnames='grid_size')(
+        jnp.concatenate([minus_one_to_one, good]),
+        jnp.concatenate([good, good]), grid_size=4)
+    assert bool(jnp.all(jnp.isnan(out[0])))
+    np.testing.assert_allclose(out[1], good[0], atol=1e-4)
+
+  def test_rounding_at_the_ends_is_allowed(self):
+    x = jnp.full((1, 8, 8, 3), 1.0 + 1e-6).at[0, 0, 0, 0].set(-1e-6)
+    assert bool(jnp.all(jnp.isfinite(ot.ot_views(x, x, grid_size=4))))
+
+  def test_negative_masses_are_refused(self):
+    a = np.full((4, 4), 1 / 16, np.float32)
+    bad = a.copy()
+    bad[0, 0], bad[0, 1] = -0.05, 1 / 16 + 0.05
+    for fn in (ot.sinkhorn_plan, ot.sinkhorn_cost, ot.sinkhorn_scalings):
+      with pytest.raises(ValueError, match='negative masses'):
+        fn(bad, a)
+    with pytest.raises(ValueError, match='b has negative'):
+      ot.displace(a, bad, 0.5)
+    plan = jax.jit(ot.sinkhorn_plan)(bad, a)
+    assert bool(jnp.all(jnp.isnan(plan)))
+
+  def test_all_zero_histogram_is_refused(self):
+    a = np.full((4, 4), 1 / 16, np.float32)
+    with pytest.raises(ValueError, match='total mass 0'):
+      ot.sinkhorn_plan(np.zeros_like(a), a)
+    with pytest.raises(ValueError, match='total mass 0'):
+      ot.sinkhorn_cost(np.stack([a, 0 * a]), np.stack([a, a]))

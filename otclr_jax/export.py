@@ -1,0 +1,147 @@
+"""The trained encoder alone, for other projects: export and load.
+
+`export_encoder` writes the ResNet-18 backbone's params and BatchNorm
+statistics (no projection head, no optimiser state) and the model settings
+needed to rebuild it into one file: a `flax.serialization` msgpack payload
+whose `config` entry is JSON text. The write is atomic (`fileio`), so a crash
+never leaves a half-written encoder. Another project embeds images with
+
+    from otclr_jax import export
+    apply_fn, variables = export.load_encoder('encoder.msgpack')
+    features = apply_fn(variables, images)  # [B, H, W, 3] in [0, 1] -> [B, 512]
+
+The images are float RGB in `[0, 1]` (uint8 data divided by 255), at the
+pretraining `image_size` stored in the file (`load_encoder_config`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Mapping
+
+from flax import serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otclr_jax import fileio
+from otclr_jax import models
+
+FORMAT = 'otclr_jax.encoder'
+VERSION = 1
+FEATURE_DIM = 512
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def _encoder_tree(variables: Mapping[str, Any]) -> dict[str, Any]:
+  """The encoder's `{'params', 'batch_stats'}`, from the model's or its own."""
+  out = {}
+  for collection in ('params', 'batch_stats'):
+    if collection not in variables:
+      raise ValueError(
+          f'variables need {collection!r} (the full SimCLRNet variables '
+          f"{{'params': state.params['net'], 'batch_stats': "
+          f"state.batch_stats}} or the encoder's own); got keys "
+          f'{sorted(variables)}.')
+    tree = variables[collection]
+    tree = tree['encoder'] if 'encoder' in tree else tree
+    out[collection] = jax.tree_util.tree_map(np.asarray, dict(tree))
+  return out
+
+
+def export_encoder(path: str, variables: Mapping[str, Any], config) -> None:
+  """Writes the encoder of a trained model to `path`, atomically.
+
+  Args:
+    path: output file, e.g. `<workdir>/encoder.msgpack`.
+    variables: `{'params': ..., 'batch_stats': ...}` of the full `SimCLRNet`
+      (as `state.params['net']`, `state.batch_stats`) or of the encoder alone;
+      the projection head and everything else is dropped.
+    config: the run's ConfigDict (or its dict): `model.stem`, `dtype`,
+      `image_size` are stored; `method`, `dataset` and `seed` too, as
+      provenance.
+  """
+  get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
+  model = get(config, 'model')
+  meta = {
+      'stem': get(model, 'stem'),
+      'dtype': get(config, 'dtype'),
+      'image_size': int(get(config, 'image_size')),
+      'feature_dim': FEATURE_DIM,
+      'method': get(config, 'method'),
+      'dataset': get(config, 'dataset'),
+      'seed': int(get(config, 'seed')),
+  }
+  if meta['dtype'] not in _DTYPES:
+    raise ValueError(f'config.dtype must be one of {tuple(_DTYPES)}, got '
+                     f'{meta["dtype"]!r}.')
+  payload = {'format': FORMAT, 'version': VERSION,
+             'config': json.dumps(meta, sort_keys=True),
+             'variables': _encoder_tree(variables)}
+  data = serialization.msgpack_serialize(payload)
+  fileio.atomic_write(path, lambda f: f.write(data))
+
+
+def _read(path: str) -> dict[str, Any]:
+  try:
+    with open(path, 'rb') as f:
+      payload = serialization.msgpack_restore(f.read())
+  except OSError:
+    raise
+  except Exception as e:  # msgpack raises several unrelated types.
+    raise ValueError(f'{path} is not a readable encoder file: {e}') from e
+  if not isinstance(payload, dict) or payload.get('format') != FORMAT:
+    raise ValueError(f'{path} is not an {FORMAT} file (written by '
+                     'otclr_jax.export.export_encoder).')
+  if payload.get('version') != VERSION:
+    raise ValueError(f'{path} has encoder format version '
+                     f'{payload.get("version")}; this code reads {VERSION}.')
+  return payload
+
+
+def load_encoder_config(path: str) -> dict[str, Any]:
+  """The model settings stored with an exported encoder (stem, image_size)."""
+  return json.loads(_read(path)['config'])
+
+
+def _check_images(images: jax.Array) -> None:
+  if images.ndim != 4 or images.shape[-1] != 3:
+    raise ValueError(f'images must be [B, H, W, 3], got shape {images.shape}.')
+  if not jnp.issubdtype(images.dtype, jnp.floating):
+    raise ValueError(f'images have dtype {images.dtype}; the encoder takes '
+                     'float RGB in [0, 1] (divide uint8 data by 255).')
+
+
+def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
+  """Loads an encoder written by `export_encoder`.
+
+  Args:
+    path: the exported file.
+
+  Returns:
+    `(apply_fn, variables)`: `apply_fn(variables, images)` maps float images
+    `[B, H, W, 3]` in `[0, 1]` to features `[B, 512]` (float32), the frozen
+    encoder in inference mode (BatchNorm running statistics), jitted.
+
+  Raises:
+    FileNotFoundError: no file.
+    ValueError: not an encoder file, or one of another format version.
+  """
+  payload = _read(path)
+  meta = json.loads(payload['config'])
+  encoder = models.ResNet18(stem=meta['stem'], dtype=_DTYPES[meta['dtype']])
+  variables = jax.tree_util.tree_map(jnp.asarray, payload['variables'])
+
+  @jax.jit
+  def features(variables, images):
+    return encoder.apply(variables, images, train=False)
+
+  @functools.wraps(features)
+  def apply_fn(variables, images):
+    images = jnp.asarray(images)
+    _check_images(images)
+    return features(variables, images)
+
+  return apply_fn, variables
