@@ -3,7 +3,23 @@
 `--config.mode=train` (default) pretrains, resuming from DIR if it holds a
 checkpoint; `--config.mode=eval` evaluates DIR's latest checkpoint. Any config
 field can be overridden, e.g. `--config.ot.epsilon=0.1`.
+
+Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
+  0   finished (training reached total_steps; evaluation done if asked).
+  2   bad flag or config field, or a resume whose result-changing settings
+      differ from DIR/config.json (the message names each field).
+  65  diverged: non-finite loss, gradient or state; the newest checkpoint
+      (named in the message) is finite.
+  73  DIR is locked by another running process.
+  75  stopped early (SIGTERM/SIGINT preemption); rerun the same command to
+      resume.
+  1   any other error, e.g. a full disk (the last line names the path).
 """
+
+import contextlib
+import errno
+import os
+import sys
 
 from absl import app
 from absl import flags
@@ -12,6 +28,7 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
+from otclr_jax import rundir
 from otclr_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -23,25 +40,79 @@ _DISTRIBUTED = flags.DEFINE_bool(
     'process per host; coordinator from the cluster environment).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def _disk_full(error: BaseException) -> OSError | None:
+  """The ENOSPC OSError behind `error` (its cause or context chain), if any."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def run(config, workdir: str) -> int:
+  """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
+
+  Expected failures end in one error line (no traceback): a diverged run, a
+  locked workdir, a full disk. Config errors raise `app.UsageError` (status 2).
+  """
+  try:
+    train.validate_config(config)
+    if config.mode == 'train':
+      result = train.train(config, workdir)
+      return 0 if result.status == 'finished' else rundir.EXIT_STOPPED
+    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+    # No lock file in a directory that is not there: evaluate says it is
+    # missing instead of leaving an empty one behind.
+    with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
+          if os.path.isdir(workdir) else contextlib.nullcontext()):
+      evaluate.evaluate(config, workdir)
+    return 0
+  except train.ConfigError as e:
+    raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
+  except train.DivergedError as e:
+    logging.error('%s', e)
+    return rundir.EXIT_DIVERGED
+  except rundir.WorkdirLockedError as e:
+    logging.error('%s', e)
+    return rundir.EXIT_LOCKED
+  except Exception as e:  # pylint: disable=broad-except
+    full = _disk_full(e)
+    if full is None:
+      raise
+    where = full.filename or workdir
+    logging.error('Disk full: %s (No space left on device). Free space there '
+                  'and rerun the same command to resume from the newest '
+                  'checkpoint in %s.', where, workdir)
+    return EXIT_FAILED
+
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}',
+                         exitcode=EXIT_USAGE)
   checkpoint.quiet_logs()
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
-  config = _CONFIG.value
-  if config.mode not in ('train', 'eval'):
-    raise app.UsageError(f"config.mode must be 'train' or 'eval', got "
-                         f'{config.mode!r}.')
-  if config.mode == 'train':
-    train.train_and_evaluate(config, _WORKDIR.value)
-  else:
-    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
-    evaluate.evaluate(config, _WORKDIR.value)
+  return run(_CONFIG.value, _WORKDIR.value)
+
+
+def _parse_flags(argv):
+  """absl's parser, but a bad flag exits with the usage status 2, not 1."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
+                     'Pass --helpshort or --helpfull to see help on flags.\n')
+    sys.exit(EXIT_USAGE)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
