@@ -19,6 +19,7 @@ Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
 import contextlib
 import errno
 import os
+import re
 import sys
 
 from absl import app
@@ -41,16 +42,31 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(['config', 'workdir'])
 
 EXIT_USAGE = 2
-EXIT_FAILED = 1
+EXIT_DISK_FULL = 1  # like any other failure; status.json says 'failed'
 
 
-def _disk_full(error: BaseException) -> OSError | None:
-  """The ENOSPC OSError behind `error` (its cause or context chain), if any."""
+# TensorStore (Orbax's writer) reports a full disk as a ValueError whose text
+# ends in "No space left on device [os_error_code='28']" and names the file in
+# 'Failed writing: "<path>"'.
+_NO_SPACE = re.compile(r"No space left on device|os_error_code='28'")
+_FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')
+
+
+def disk_full_path(error: BaseException, default: str) -> str | None:
+  """Where a full disk failed, if `error` (or what caused it) is one; else None.
+
+  Args:
+    error: the exception that ended the run.
+    default: the path to name when the error names none (the workdir).
+  """
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-      return error
+      return error.filename or default
+    if _NO_SPACE.search(str(error)):
+      paths = _FAILED_PATH.findall(str(error))
+      return paths[-1] if paths else default
     error = error.__cause__ or error.__context__
   return None
 
@@ -82,14 +98,13 @@ def run(config, workdir: str) -> int:
     logging.error('%s', e)
     return rundir.EXIT_LOCKED
   except Exception as e:  # pylint: disable=broad-except
-    full = _disk_full(e)
-    if full is None:
+    where = disk_full_path(e, workdir)
+    if where is None:
       raise
-    where = full.filename or workdir
-    logging.error('Disk full: %s (No space left on device). Free space there '
-                  'and rerun the same command to resume from the newest '
-                  'checkpoint in %s.', where, workdir)
-    return EXIT_FAILED
+    logging.error('Disk full: could not write %s (No space left on device). '
+                  'Free space there and rerun the same command to resume from '
+                  'the newest complete checkpoint in %s.', where, workdir)
+    return EXIT_DISK_FULL
 
 
 def main(argv):
@@ -101,7 +116,16 @@ def main(argv):
     jax.distributed.initialize()
   logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
-  return run(_CONFIG.value, _WORKDIR.value)
+  status = run(_CONFIG.value, _WORKDIR.value)
+  if status == EXIT_DISK_FULL:
+    # The checkpointer's background writers fail too and, left to the
+    # interpreter's shutdown, print hundreds of lines of tracebacks after the
+    # message above; the workdir's files are already closed or atomic.
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+  return status
 
 
 def _parse_flags(argv):

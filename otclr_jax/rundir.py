@@ -85,7 +85,7 @@ def read_status(workdir: str) -> dict[str, Any] | None:
 
 def write_status(workdir: str, state: str, step: int,
                  total_steps: int) -> None:
-  """Atomically writes `workdir/status.json`."""
+  """Atomically writes `workdir/status.json`; `step` is the optimiser steps done."""
   if state not in STATES:
     raise ValueError(f'status state must be one of {STATES}, got {state!r}.')
   status = {'state': state, 'step': int(step), 'total_steps': int(total_steps),

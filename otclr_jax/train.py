@@ -764,7 +764,6 @@ def _train(config, workdir, stored, progress, stop_after_steps,
   def save(step: int) -> None:
     flush()  # raises before a non-finite state reaches the disk
     ckpt.save(step, state)
-    progress['step'] = step
     if main:
       rundir.write_status(workdir, 'running', step, total)
 
@@ -779,6 +778,7 @@ def _train(config, workdir, stored, progress, stop_after_steps,
         state, metrics = step_fn(state, global_batch(next(batches), mesh),
                                  train_key)
         step += 1
+        progress['step'] = step
         pending.append((step, metrics))
         if step % config.log_every_steps == 0 or step == total:
           log(step)

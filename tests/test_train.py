@@ -347,7 +347,7 @@ def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
   assert main.run(tiny_config(data_dir), str(tmp_path)) == 1
   last = caplog.records[-1]
   assert last.levelname == 'ERROR'
-  assert f'Disk full: {path}' in last.getMessage()
+  assert f'Disk full: could not write {path}' in last.getMessage()
   assert rundir.read_status(str(tmp_path))['state'] == 'failed'
 
 
@@ -407,3 +407,17 @@ def test_smallest_safe_epsilon_keeps_views_finite():
   views = ot.ot_views(x, y, alpha=0.5, grid_size=16,
                       epsilon=train.MIN_EPSILON, num_iters=20)
   assert np.all(np.isfinite(views))
+
+
+def test_disk_full_path_from_a_tensorstore_error():
+  # The text Orbax raised on a 20 MB tmpfs (abridged).
+  error = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing "params.net.head.out.kernel/0.0" in '
+      'OCDBT database at local file "/w/checkpoints/2.tmp/": Failed writing: '
+      '"/w/checkpoints/2.tmp/d/4457ef": Failed to write 14004224 bytes to '
+      "file 18: No space left on device [os_error_code='28']")
+  try:
+    raise RuntimeError('save failed') from error
+  except RuntimeError as e:
+    assert main.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
+  assert main.disk_full_path(ValueError('other'), '/w') is None
