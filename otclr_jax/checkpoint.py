@@ -25,6 +25,17 @@ def quiet_logs() -> None:
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
+def has_checkpoint(workdir: str) -> bool:
+  """Whether `workdir/checkpoints` holds a complete checkpoint; creates nothing."""
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    return False
+  ckpt = Checkpointer(workdir, read_only=True)
+  try:
+    return ckpt.latest_step() is not None
+  finally:
+    ckpt.close()
+
+
 class Checkpointer:
   """Keeps the last `keep` checkpoints of a state pytree under `workdir/checkpoints`.
 

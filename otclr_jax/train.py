@@ -633,8 +633,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
   The whole config is validated before anything is created. The workdir is
   locked for the run (otclr_jax/rundir.py); its config is stored in
-  config.json on first start and a resume must match it (`check_resume`,
-  `check_total`); status.json follows the run. A checkpoint is only saved
+  config.json on first start and a resume from its checkpoints must match it
+  (`check_resume`, `check_total`); status.json follows the run. A checkpoint is only saved
   when every step up to it left a finite state; a resume starts from the
   newest checkpoint that restores and is finite.
 
@@ -666,6 +666,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   main = jax.process_index() == 0
   with rundir.lock(workdir) if main else contextlib.nullcontext():
     stored = rundir.read_config(workdir)
+    if stored is not None and not checkpoint.has_checkpoint(workdir):
+      # Nothing to resume (e.g. it diverged before its first checkpoint):
+      # this run starts afresh and replaces the stored config.
+      logging.info('%s has no checkpoint: starting afresh; this config '
+                   'replaces its %s.', workdir, rundir.CONFIG_FILE)
+      stored = None
     check_resume(stored, config, workdir)
     progress = {'step': 0, 'total': 0, 'started': False}
     try:

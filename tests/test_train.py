@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from otclr_jax import checkpoint
+from otclr_jax import config_files
 from otclr_jax import input_pipeline
 from otclr_jax import losses
 from otclr_jax import main
@@ -246,6 +247,12 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
                      match='step 1: .*No checkpoint was saved yet'):
     train.train_and_evaluate(config, str(tmp_path))
   assert main.run(config, str(tmp_path)) == rundir.EXIT_DIVERGED
+  # Nothing to resume: a retry with other settings starts afresh.
+  monkeypatch.undo()
+  retry = tiny_config(data_dir, method='simclr', **{'optim.base_lr': 0.1})
+  assert train.train(retry, str(tmp_path), stop_after_steps=1).status == (
+      'stopped')
+  assert rundir.read_config(str(tmp_path))['optim']['base_lr'] == 0.1
 
 
 def test_resume_skips_a_non_finite_checkpoint(tmp_path, data_dir):
@@ -421,3 +428,10 @@ def test_disk_full_path_from_a_tensorstore_error():
   except RuntimeError as e:
     assert main.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
   assert main.disk_full_path(ValueError('other'), '/w') is None
+
+
+@pytest.mark.parametrize('name', ['default', 'digits', 'cifar10',
+                                  'imagenet300'])
+def test_shipped_configs_pass_validation(name):
+  train.validate_config(config_files.load(os.path.join(REPO, 'configs',
+                                                       f'{name}.py')))
