@@ -129,11 +129,19 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, but a bad flag exits with the usage status 2, not 1."""
+  """absl's parser, but a bad flag exits with the usage status 2, not 1.
+
+  A mistyped `--config.a.b` override fails inside ml_collections with a
+  KeyError/AttributeError ('Did you mean ...?'), not a flags.Error; it is a
+  usage error too and gets the same one-message treatment.
+  """
   try:
     return flags.FLAGS(argv)
-  except flags.Error as e:
-    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]
+    message = ' '.join(str(e.args[0] if e.args else e).split())
+    sys.stderr.write(f'FATAL Flags parsing error: {message}\n'
                      'Pass --helpshort or --helpfull to see help on flags.\n')
     sys.exit(EXIT_USAGE)
 
