@@ -162,6 +162,28 @@ def describe_diff(stored: dict[str, Any], new: dict[str, Any],
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
 
 
+def is_locked(workdir: str, name: str = LOCK_FILE) -> bool:
+  """Whether a live process holds `workdir/name`; creates nothing.
+
+  A status.json that says 'running' while nobody holds the lock belongs to a
+  run that was killed (SIGKILL, a lost node): rerunning it resumes.
+  """
+  path = os.path.join(workdir, name)
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      return True
+    raise
+  finally:
+    os.close(fd)
+  return False
+
+
 # Paths this process holds a lock on, so that nested users (training, then its
 # end-of-run evaluation) do not lock themselves out: flock conflicts between
 # two open files even within one process.
