@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
+from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
@@ -22,6 +23,17 @@ def quiet_logs() -> None:
   """Silences Orbax below WARNING on absl's handler (call from entry points)."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """Whether `workdir/checkpoints` holds a complete checkpoint; creates nothing."""
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    return False
+  ckpt = Checkpointer(workdir, read_only=True)
+  try:
+    return ckpt.latest_step() is not None
+  finally:
+    ckpt.close()
 
 
 class Checkpointer:
@@ -85,9 +97,81 @@ class Checkpointer:
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
+  def restore_newest(
+      self, target: Any,
+      check: Callable[[Any], str | None] | None = None) -> tuple[Any, int | None]:
+    """Restores the newest checkpoint that loads and passes `check`.
+
+    A checkpoint that fails to restore (a truncated or missing file) or that
+    `check` rejects is skipped with one warning line saying why. When an older
+    one then restores, the skipped newer ones are moved to
+    `workdir/checkpoints_skipped/<step>`: kept for inspection, and out of the
+    way of the run's next saves at those steps.
+
+    Args:
+      target: as for `restore`.
+      check: called with a restored state; returns None to accept it or a
+        reason to skip it (e.g. 'non-finite params').
+
+    Returns:
+      `(state, step)`, or `(target, None)` when there is no checkpoint.
+
+    Raises:
+      RuntimeError: no checkpoint restores; the message lists each step and
+        why, and nothing is moved.
+    """
+    skipped = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        state = self.restore(target, step)
+        problem = check(state) if check is not None else None
+      except Exception as e:  # pylint: disable=broad-except
+        problem = describe_error(e)
+      if problem is None:
+        for bad, _ in skipped:
+          self._set_aside(bad)
+        return state, step
+      absl_logging.warning('Skipping checkpoint %s: %s',
+                           os.path.join(self.directory, str(step)), problem)
+      skipped.append((step, problem))
+    if skipped:
+      reasons = '; '.join(f'step {s}: {p}' for s, p in skipped)
+      raise RuntimeError(
+          f'No checkpoint in {self.directory} restores ({reasons}). Move '
+          'that directory aside to start afresh.')
+    return target, None
+
+  def _set_aside(self, step: int) -> None:
+    if self._read_only:
+      return
+    source = os.path.join(self.directory, str(step))
+    aside = os.path.join(os.path.dirname(self.directory),
+                         'checkpoints_skipped')
+    os.makedirs(aside, exist_ok=True)
+    dest, n = os.path.join(aside, str(step)), 1
+    while os.path.exists(dest):
+      dest, n = os.path.join(aside, f'{step}.{n}'), n + 1
+    os.replace(source, dest)
+    absl_logging.warning('Moved the skipped checkpoint %s to %s.', source,
+                         dest)
+    self._manager.reload()
+
   def wait(self) -> None:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def describe_error(error: BaseException) -> str:
+  """The innermost cause as `'Type: first line'`, at most 300 characters.
+
+  TensorStore wraps the useful message ('Requested byte range ... is not valid
+  for value of size 10' on a truncated file) in a generic Exception that
+  prints its whole spec; the cause says what is wrong.
+  """
+  while error.__cause__ is not None:
+    error = error.__cause__
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  return f'{type(error).__name__}: {lines[0][:300] if lines else "(no message)"}'

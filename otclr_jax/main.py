@@ -3,7 +3,24 @@
 `--config.mode=train` (default) pretrains, resuming from DIR if it holds a
 checkpoint; `--config.mode=eval` evaluates DIR's latest checkpoint. Any config
 field can be overridden, e.g. `--config.ot.epsilon=0.1`.
+
+Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
+  0   finished (training reached total_steps; evaluation done if asked).
+  2   bad flag or config field, or a resume whose result-changing settings
+      differ from DIR/config.json (the message names each field).
+  65  diverged: non-finite loss, gradient or state; the newest checkpoint
+      (named in the message) is finite.
+  73  DIR is locked by another running process.
+  75  stopped early (SIGTERM/SIGINT preemption); rerun the same command to
+      resume.
+  1   any other error, e.g. a full disk (the last line names the path).
 """
+
+import contextlib
+import errno
+import os
+import re
+import sys
 
 from absl import app
 from absl import flags
@@ -12,6 +29,7 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
+from otclr_jax import rundir
 from otclr_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -23,25 +41,110 @@ _DISTRIBUTED = flags.DEFINE_bool(
     'process per host; coordinator from the cluster environment).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
+EXIT_USAGE = 2
+EXIT_DISK_FULL = 1  # like any other failure; status.json says 'failed'
+
+
+# TensorStore (Orbax's writer) reports a full disk as a ValueError whose text
+# ends in "No space left on device [os_error_code='28']" and names the file in
+# 'Failed writing: "<path>"'.
+_NO_SPACE = re.compile(r"No space left on device|os_error_code='28'")
+_FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')
+
+
+def disk_full_path(error: BaseException, default: str) -> str | None:
+  """Where a full disk failed, if `error` (or what caused it) is one; else None.
+
+  Args:
+    error: the exception that ended the run.
+    default: the path to name when the error names none (the workdir).
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return error.filename or default
+    if _NO_SPACE.search(str(error)):
+      paths = _FAILED_PATH.findall(str(error))
+      return paths[-1] if paths else default
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def run(config, workdir: str) -> int:
+  """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
+
+  Expected failures end in one error line (no traceback): a diverged run, a
+  locked workdir, a full disk. Config errors raise `app.UsageError` (status 2).
+  """
+  try:
+    train.validate_config(config)
+    if config.mode == 'train':
+      result = train.train(config, workdir)
+      return 0 if result.status == 'finished' else rundir.EXIT_STOPPED
+    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+    # No lock file in a directory that is not there: evaluate says it is
+    # missing instead of leaving an empty one behind.
+    with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
+          if os.path.isdir(workdir) else contextlib.nullcontext()):
+      evaluate.evaluate(config, workdir)
+    return 0
+  except train.ConfigError as e:
+    raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
+  except train.DivergedError as e:
+    logging.error('%s', e)
+    return rundir.EXIT_DIVERGED
+  except rundir.WorkdirLockedError as e:
+    logging.error('%s', e)
+    return rundir.EXIT_LOCKED
+  except Exception as e:  # pylint: disable=broad-except
+    where = disk_full_path(e, workdir)
+    if where is None:
+      raise
+    logging.error('Disk full: could not write %s (No space left on device). '
+                  'Free space there and rerun the same command to resume from '
+                  'the newest complete checkpoint in %s.', where, workdir)
+    return EXIT_DISK_FULL
+
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}',
+                         exitcode=EXIT_USAGE)
   checkpoint.quiet_logs()
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
-  config = _CONFIG.value
-  if config.mode not in ('train', 'eval'):
-    raise app.UsageError(f"config.mode must be 'train' or 'eval', got "
-                         f'{config.mode!r}.')
-  if config.mode == 'train':
-    train.train_and_evaluate(config, _WORKDIR.value)
-  else:
-    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
-    evaluate.evaluate(config, _WORKDIR.value)
+  status = run(_CONFIG.value, _WORKDIR.value)
+  if status == EXIT_DISK_FULL:
+    # The checkpointer's background writers fail too and, left to the
+    # interpreter's shutdown, print hundreds of lines of tracebacks after the
+    # message above; the workdir's files are already closed or atomic.
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+  return status
+
+
+def _parse_flags(argv):
+  """absl's parser, but a bad flag exits with the usage status 2, not 1.
+
+  A mistyped `--config.a.b` override fails inside ml_collections with a
+  KeyError/AttributeError ('Did you mean ...?'), not a flags.Error; it is a
+  usage error too and gets the same one-message treatment.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]
+    message = ' '.join(str(e.args[0] if e.args else e).split())
+    sys.stderr.write(f'FATAL Flags parsing error: {message}\n'
+                     'Pass --helpshort or --helpfull to see help on flags.\n')
+    sys.exit(EXIT_USAGE)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -85,7 +85,7 @@ def read_status(workdir: str) -> dict[str, Any] | None:
 
 def write_status(workdir: str, state: str, step: int,
                  total_steps: int) -> None:
-  """Atomically writes `workdir/status.json`."""
+  """Atomically writes `workdir/status.json`; `step` is the optimiser steps done."""
   if state not in STATES:
     raise ValueError(f'status state must be one of {STATES}, got {state!r}.')
   status = {'state': state, 'step': int(step), 'total_steps': int(total_steps),
@@ -160,6 +160,28 @@ def describe_diff(stored: dict[str, Any], new: dict[str, Any],
   new = _flatten(json.loads(json.dumps(new)))
   show = lambda d, n: repr(d[n]) if n in d else '(absent)'
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
+
+
+def is_locked(workdir: str, name: str = LOCK_FILE) -> bool:
+  """Whether a live process holds `workdir/name`; creates nothing.
+
+  A status.json that says 'running' while nobody holds the lock belongs to a
+  run that was killed (SIGKILL, a lost node): rerunning it resumes.
+  """
+  path = os.path.join(workdir, name)
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      return True
+    raise
+  finally:
+    os.close(fd)
+  return False
 
 
 # Paths this process holds a lock on, so that nested users (training, then its

@@ -62,11 +62,14 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
       """)
   other = lambda: subprocess.run([sys.executable, '-c', script], cwd=REPO,
                                  capture_output=True, text=True, timeout=60)
+  assert not rundir.is_locked(workdir) and not os.path.exists(workdir)
   with rundir.lock(workdir):
     with rundir.lock(workdir):  # re-entrant in one process
       pass
+    assert rundir.is_locked(workdir)
     result = other()
     assert 'LOCKED' in result.stdout, result.stderr
     assert f'process {os.getpid()}' in result.stdout
     assert workdir in result.stdout
   assert 'FREE' in other().stdout
+  assert not rundir.is_locked(workdir)

@@ -1,5 +1,6 @@
 """End-to-end tests of pretraining on a tiny digits config (CPU)."""
 
+import errno
 import json
 import os
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+from absl import app
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -15,8 +17,12 @@ import optax
 import pytest
 
 from otclr_jax import checkpoint
+from otclr_jax import config_files
 from otclr_jax import input_pipeline
 from otclr_jax import losses
+from otclr_jax import main
+from otclr_jax import ot
+from otclr_jax import rundir
 from otclr_jax import train
 from tests.tiny import tiny_config
 
@@ -198,3 +204,250 @@ def test_bfloat16_trains(tmp_path, data_dir):
   losses_ = [json.loads(l)['loss'] for l in open(tmp_path / 'metrics.jsonl')]
   assert len(losses_) == 16 and all(np.isfinite(losses_))
   assert np.mean(losses_[-4:]) < np.mean(losses_[:4]) - 0.1
+
+
+# ----------------------------------------------------------------------------
+# Issue 8: results that cannot be wrong silently (see also tests/test_rundir.py).
+
+
+def _poison_batch_stats_at(monkeypatch, bad_step):
+  """Makes the update that produces step `bad_step` leave inf BatchNorm stats.
+
+  The loss and gradient of that step are still finite (they are computed
+  before the update), as when a huge learning rate first blows up the
+  running variances.
+  """
+  real = train.train_step
+
+  def poisoned(state, batch, key, **kwargs):
+    new, metrics = real(state, batch, key, **kwargs)
+    stats = jax.tree_util.tree_map(
+        lambda v: jnp.where(new.step == bad_step, jnp.inf, v), new.batch_stats)
+    return new.replace(batch_stats=stats), metrics
+
+  monkeypatch.setattr(train, 'train_step', poisoned)
+
+
+def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
+                                                monkeypatch):
+  _poison_batch_stats_at(monkeypatch, 4)
+  config = tiny_config(data_dir, method='simclr')
+  with pytest.raises(train.DivergedError,
+                     match=r'step 4: non-finite batch_stats.*step 2 in'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert checkpoint.Checkpointer(str(tmp_path)).all_steps() == [2]
+  assert rundir.read_status(str(tmp_path))['state'] == 'diverged'
+
+
+def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
+                                                  monkeypatch):
+  _poison_batch_stats_at(monkeypatch, 1)
+  config = tiny_config(data_dir, method='simclr')
+  with pytest.raises(train.DivergedError,
+                     match='step 1: .*No checkpoint was saved yet'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert main.run(config, str(tmp_path)) == rundir.EXIT_DIVERGED
+  # Nothing to resume: a retry with other settings starts afresh.
+  monkeypatch.undo()
+  retry = tiny_config(data_dir, method='simclr', **{'optim.base_lr': 0.1})
+  assert train.train(retry, str(tmp_path), stop_after_steps=1).status == (
+      'stopped')
+  assert rundir.read_config(str(tmp_path))['optim']['base_lr'] == 0.1
+
+
+def test_resume_skips_a_non_finite_checkpoint(tmp_path, data_dir):
+  # A workdir poisoned by older versions: its newest checkpoint holds inf.
+  config = tiny_config(data_dir, method='simclr')
+  state = train.train_and_evaluate(config, str(tmp_path), stop_after_steps=2)
+  bad = state.replace(step=state.step + 1, batch_stats=jax.tree_util.tree_map(
+      lambda v: v * jnp.inf, state.batch_stats))
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  ckpt.save(3, bad)
+  ckpt.close()
+  state = train.train_and_evaluate(config, str(tmp_path))
+  assert int(state.step) == 4
+  assert os.path.isdir(tmp_path / 'checkpoints_skipped' / '3')
+
+
+def test_second_trainer_in_a_workdir_is_refused(tmp_path, data_dir):
+  workdir = str(tmp_path / 'run')
+  holder = subprocess.Popen(
+      [sys.executable, '-c', textwrap.dedent(f"""
+          import sys, time
+          from otclr_jax import rundir
+          with rundir.lock({workdir!r}):
+            print('held', flush=True)
+            time.sleep(120)
+          """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    config = tiny_config(data_dir)
+    with pytest.raises(rundir.WorkdirLockedError,
+                       match=f'in use by process {holder.pid}'):
+      train.train(config, workdir)
+    assert main.run(config, workdir) == rundir.EXIT_LOCKED
+  finally:
+    holder.kill()
+    holder.wait()
+  assert rundir.read_status(workdir) is None  # the refused run wrote nothing
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, data_dir):
+  workdir = str(tmp_path)
+  config = tiny_config(data_dir, method='simclr')
+  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+  assert rundir.read_config(workdir)['method'] == 'simclr'
+  assert rundir.read_status(workdir)['state'] == 'stopped'
+  other = tiny_config(data_dir, method='otclr', seed=3)
+  with pytest.raises(train.ConfigError,
+                     match=r"method: 'simclr' -> 'otclr'; seed: 0 -> 3"):
+    train.train(other, workdir)
+  with pytest.raises(train.ConfigError, match='4-step run.*asks for 3'):
+    train.train(tiny_config(data_dir, method='simclr', total_steps=3), workdir)
+  # Longer, and settings that do not change the result, are allowed.
+  longer = tiny_config(data_dir, method='simclr', total_steps=6,
+                       log_every_steps=1, **{'eval.batch_size': 7})
+  result = train.train(longer, workdir, stop_after_steps=1)
+  assert int(result.state.step) == 3
+  assert rundir.read_config(workdir)['total_steps'] == 6
+
+
+def test_truncated_checkpoint_and_torn_metrics_line(tmp_path, data_dir,
+                                                    caplog):
+  config = tiny_config(data_dir, method='simclr')
+  straight = train.train_and_evaluate(config, str(tmp_path / 'a'))
+  workdir = tmp_path / 'b'
+  train.train_and_evaluate(config, str(workdir))
+  # What a crash mid-write leaves: a checkpoint's data cut short, and a
+  # half-written metrics line.
+  data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
+  for path in data.iterdir():
+    with open(path, 'r+b') as f:
+      f.truncate(10)
+  with open(workdir / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 5, "lo')
+  caplog.set_level('WARNING')
+  resumed = train.train_and_evaluate(config, str(workdir))
+  messages = [r.getMessage() for r in caplog.records]
+  skipped = [m for m in messages if m.startswith('Skipping checkpoint')]
+  assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]
+  assert 'is not valid for value of size 10' in skipped[0]
+  assert any('torn last line 3 of' in m and 'metrics.jsonl' in m
+             for m in messages)
+  assert int(resumed.step) == 4
+  for a, b in zip(_params(straight), _params(resumed)):
+    np.testing.assert_array_equal(a, b)
+  steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
+  assert steps == [2, 4]
+  assert checkpoint.Checkpointer(str(workdir)).all_steps() == [2, 4]
+
+
+def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
+                                                      monkeypatch, caplog):
+  path = str(tmp_path / 'metrics.jsonl')
+
+  def full(self, step, metrics):
+    raise OSError(errno.ENOSPC, 'No space left on device', path)
+
+  monkeypatch.setattr(train.MetricLogger, 'write', full)
+  caplog.set_level('INFO')
+  assert main.run(tiny_config(data_dir), str(tmp_path)) == 1
+  last = caplog.records[-1]
+  assert last.levelname == 'ERROR'
+  assert f'Disk full: could not write {path}' in last.getMessage()
+  assert rundir.read_status(str(tmp_path))['state'] == 'failed'
+
+
+def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
+                                               monkeypatch):
+  real = input_pipeline.train_batches
+
+  def batches_then_sigterm(*args, **kwargs):
+    for i, batch in enumerate(real(*args, **kwargs)):
+      if i == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+      yield batch
+
+  monkeypatch.setattr(input_pipeline, 'train_batches', batches_then_sigterm)
+  config = tiny_config(data_dir, checkpoint_every_steps=100)
+  assert main.run(config, str(tmp_path)) == rundir.EXIT_STOPPED == 75
+  status = rundir.read_status(str(tmp_path))
+  assert (status['state'], status['step'], status['total_steps']) == (
+      'stopped', 2, 4)
+
+
+@pytest.mark.parametrize('bad, match', [
+    ({'ot.epsilon': 0.0}, 'ot.epsilon must be > 0'),
+    ({'ot.epsilon': 1e-5}, r'ot.epsilon=1e-05 is below 0.01145'),
+    ({'ot.num_iters': 0}, 'ot.num_iters'),
+    ({'ot.grid_size': 1}, 'ot.grid_size'),
+    ({'loss.temperature': 0.0}, 'loss.temperature'),
+    ({'optim.base_lr': -0.1}, 'optim.base_lr'),
+    ({'optim.warmup_epochs': -1.0}, 'optim.warmup_epochs'),
+    ({'optim.momentum': 1.0}, 'optim.momentum'),
+    ({'optim.weight_decay': -1e-4}, 'optim.weight_decay'),
+    ({'eval.batch_size': 0}, 'eval.batch_size'),
+    ({'eval.datasets': ()}, 'eval.datasets'),
+    ({'batch_size': 1}, 'batch_size'),
+    ({'mode': 'evaluate'}, 'mode'),
+])
+def test_whole_config_is_checked_before_anything_is_created(
+    tmp_path, data_dir, bad, match):
+  workdir = str(tmp_path / 'run')
+  config = tiny_config(str(tmp_path / 'data'), **bad)
+  with pytest.raises(train.ConfigError, match=match):
+    train.train(config, workdir)
+  assert not os.path.exists(workdir)
+  assert not os.path.exists(tmp_path / 'data')
+  with pytest.raises(app.UsageError, match=match) as info:
+    main.run(config, workdir)
+  assert info.value.exitcode == 2
+
+
+def test_smallest_safe_epsilon_keeps_views_finite():
+  # Worst case: all mass in opposite corners, so the plan needs the smallest
+  # kernel entry exp(-1 / epsilon).
+  x = np.zeros((1, 16, 16, 3), np.float32)
+  y = np.zeros((1, 16, 16, 3), np.float32)
+  x[:, :2, :2] = y[:, -2:, -2:] = 1.0
+  assert train.MIN_EPSILON == pytest.approx(1 / 87.336, rel=1e-4)
+  views = ot.ot_views(x, y, alpha=0.5, grid_size=16,
+                      epsilon=train.MIN_EPSILON, num_iters=20)
+  assert np.all(np.isfinite(views))
+
+
+def test_disk_full_path_from_a_tensorstore_error():
+  # The text Orbax raised on a 20 MB tmpfs (abridged).
+  error = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing "params.net.head.out.kernel/0.0" in '
+      'OCDBT database at local file "/w/checkpoints/2.tmp/": Failed writing: '
+      '"/w/checkpoints/2.tmp/d/4457ef": Failed to write 14004224 bytes to '
+      "file 18: No space left on device [os_error_code='28']")
+  try:
+    raise RuntimeError('save failed') from error
+  except RuntimeError as e:
+    assert main.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
+  assert main.disk_full_path(ValueError('other'), '/w') is None
+
+
+@pytest.mark.parametrize('name', ['default', 'digits', 'cifar10',
+                                  'imagenet300'])
+def test_shipped_configs_pass_validation(name):
+  train.validate_config(config_files.load(os.path.join(REPO, 'configs',
+                                                       f'{name}.py')))
+
+
+@pytest.mark.parametrize('override, message', [
+    ('--config.ot.epsilo=0.1', 'Did you mean "epsilon"'),
+    ('--config.ot.epsilon=1e-5', 'below 0.01145'),
+])
+def test_command_line_config_errors_exit_2(tmp_path, override, message):
+  workdir = str(tmp_path / 'run')
+  result = subprocess.run(
+      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
+       f'--workdir={workdir}', override], cwd=REPO, capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  # The message is what the user sees last, not buried above a traceback.
+  assert message in '\n'.join(result.stderr.strip().splitlines()[-2:])
+  assert not os.path.exists(workdir)
