@@ -96,6 +96,15 @@ def no_config() -> None:
   return None
 
 
+def copy_tree(tree):
+  """A copy of every array of `tree`.
+
+  Targets start equal to the online network but must not share its buffers:
+  the train step donates the whole state, and a buffer donated twice fails.
+  """
+  return jax.tree_util.tree_map(jnp.copy, tree)
+
+
 def l2_normalise(z: jax.Array) -> jax.Array:
   """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
   sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)

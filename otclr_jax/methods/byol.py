@@ -79,8 +79,10 @@ def init_extra(config, variables, key):
   """Target = copy of the online encoder and projector."""
   del key
   base.check_momentum('byol', config.byol.base_tau, config.byol.final_tau)
-  return {'target_params': _without_predictor(variables['params']),
-          'target_batch_stats': _without_predictor(variables['batch_stats'])}
+  return {'target_params': base.copy_tree(
+              _without_predictor(variables['params'])),
+          'target_batch_stats': base.copy_tree(
+              _without_predictor(variables['batch_stats']))}
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):

@@ -100,6 +100,14 @@ def dino_loss(student: jax.Array, teacher: jax.Array, centre: jax.Array,
           + jnp.mean(jnp.sum(-t1 * s2, axis=-1))) / 2
 
 
+def teacher_entropy(teacher: jax.Array, centre: jax.Array,
+                    teacher_temp: jax.Array | float) -> jax.Array:
+  """Mean entropy of the teacher's centred, sharpened softmax over [2B, K] rows."""
+  log_p_t = jax.nn.log_softmax(
+      (teacher.astype(jnp.float32) - centre) / teacher_temp, axis=-1)
+  return jnp.mean(jnp.sum(-jnp.exp(log_p_t) * log_p_t, axis=-1))
+
+
 def update_centre(centre: jax.Array, teacher: jax.Array,
                   momentum: float) -> jax.Array:
   """``momentum * centre + (1 - momentum) * mean over rows of teacher`` [K]."""
@@ -111,8 +119,8 @@ def init_extra(config, variables, key):
   """Teacher = copy of the student; centre 0 (as DINO)."""
   del key
   base.check_momentum('dino', config.dino.base_tau, config.dino.final_tau)
-  return {'target_params': variables['params'],
-          'target_batch_stats': variables['batch_stats'],
+  return {'target_params': base.copy_tree(variables['params']),
+          'target_batch_stats': base.copy_tree(variables['batch_stats']),
           'centre': jnp.zeros((config.dino.num_prototypes,), jnp.float32)}
 
 
@@ -134,8 +142,13 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
       extra, target_batch_stats=target_updates['batch_stats'],
       centre=update_centre(extra['centre'], teacher,
                            config.dino.centre_momentum))
-  return (value, {'dino': value, 'teacher_temp': temp},
-          updates['batch_stats'], new_extra)
+  # The loss is H(P_t) + KL(P_t || P_s): logging the teacher's entropy separates
+  # the part the student can lower from the part the temperature and centre
+  # set (DINO, section 5.3, monitors both against collapse).
+  metrics = {'dino': value, 'teacher_temp': temp,
+             'teacher_entropy': teacher_entropy(teacher, extra['centre'],
+                                                temp)}
+  return value, metrics, updates['batch_stats'], new_extra
 
 
 def post_update(config, extra, params, batch_stats, progress):

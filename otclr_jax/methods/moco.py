@@ -111,8 +111,8 @@ def init_extra(config, variables, key):
         f'config.batch_size ({config.batch_size}).')
   queue = base.l2_normalise(jax.random.normal(
       key, (2, settings.queue_size, config.model.proj_dim), jnp.float32))
-  return {'target_params': variables['params'],
-          'target_batch_stats': variables['batch_stats'],
+  return {'target_params': base.copy_tree(variables['params']),
+          'target_batch_stats': base.copy_tree(variables['batch_stats']),
           'queue': queue, 'queue_ptr': jnp.zeros((), jnp.int32)}
 
 
