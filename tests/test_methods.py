@@ -208,3 +208,12 @@ def test_bad_method_settings_are_rejected(field, value, match):
                'batch_stats': {'encoder': {}, 'head': {}, 'predictor': {}}}
   with pytest.raises(ValueError, match=match):
     method.init_extra(config, variables, jax.random.key(0))
+
+
+def test_titles_name_rows_like_the_paper():
+  assert methods.title('simclr', 'augment') == 'SimCLR'
+  assert methods.title('simclr', 'ot') == 'OTCLR'
+  assert methods.title('otclr', '') == 'OTCLR'
+  assert methods.title('moco', 'augment') == 'MoCo'
+  assert methods.title('moco', 'ot') == 'MoCo + OT views'
+  assert methods.title('dino', 'ot') == 'DINO + OT views'

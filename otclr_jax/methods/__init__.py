@@ -51,3 +51,19 @@ def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     if block is not None and method.name not in config:
       config[method.name] = block
   return config
+
+
+def title(method: str, views: str) -> str:
+  """A run's row name as the paper writes it: 'MoCo', 'MoCo + OT views', 'OTCLR'.
+
+  Args:
+    method: a `config.method` value, or the alias 'otclr'.
+    views: 'augment' or 'ot' (ignored for the alias).
+
+  Returns:
+    The display name; SimCLR with OT views is the paper's OTCLR.
+  """
+  if method == 'otclr' or (method == 'simclr' and views == 'ot'):
+    return 'OTCLR'
+  name = get(method).title
+  return f'{name} + OT views' if views == 'ot' else name
