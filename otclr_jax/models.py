@@ -32,6 +32,7 @@ returned features and projections are float32.
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 STEMS = ('imagenet', 'cifar')
@@ -233,3 +234,141 @@ class SimCLRNet(nn.Module):
     z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,
                        dtype=self.dtype, name='head')(h, train)
     return h, z
+
+
+class BYOLNet(nn.Module):
+  """BYOL's online network: encoder f, projector g and predictor q.
+
+  The predictor has the projector's shape (Dense -> BatchNorm -> ReLU ->
+  Dense, as in BYOL, Grill et al. 2020, section 3.3). The submodules are named
+  ``encoder`` and ``head`` like ``SimCLRNet``, so the ``{'encoder', 'head'}``
+  part of its parameters is a valid ``SimCLRNet`` parameter tree: the target
+  network (which has no predictor) and the evaluation both apply ``SimCLRNet``
+  to it.
+
+  Attributes:
+    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    proj_hidden_dim: hidden width of the projector.
+    proj_dim: output dimension of the projector (and of the predictor).
+    pred_hidden_dim: hidden width of the predictor.
+    dtype: computation dtype; parameters stay float32.
+  """
+  stem: str = 'imagenet'
+  proj_hidden_dim: int = 512
+  proj_dim: int = 128
+  pred_hidden_dim: int = 512
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool
+               ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Encodes, projects and predicts a batch of views.
+
+    Args:
+      x: images [B, H, W, C].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      h: encoder features [B, 512], float32.
+      z: projections [B, proj_dim], float32, not normalised.
+      p: predictions [B, proj_dim], float32, not normalised.
+    """
+    h = ResNet18(stem=self.stem, dtype=self.dtype, name='encoder')(x, train)
+    z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,
+                       dtype=self.dtype, name='head')(h, train)
+    p = ProjectionHead(hidden_dim=self.pred_hidden_dim, out_dim=self.proj_dim,
+                       dtype=self.dtype, name='predictor')(z, train)
+    return h, z, p
+
+
+class DINOHead(nn.Module):
+  """DINO's head: 3-layer MLP, l2 normalisation, weight-normalised prototypes.
+
+  Dense(hidden) -> GELU -> Dense(hidden) -> GELU -> Dense(bottleneck), then
+  ``y / ||y||`` and a bias-free Dense(num_prototypes) whose weight is
+  normalised per prototype with its norm fixed to 1 (``norm_last_layer=True``,
+  no BatchNorm in the head: DINO's and solo-learn's defaults). The MLP uses
+  truncated-normal (std 0.02) kernels and zero biases as DINO does.
+
+  Attributes:
+    hidden_dim: width of the two hidden layers.
+    bottleneck_dim: dimension of the l2-normalised bottleneck.
+    num_prototypes: output dimension K (the softmax is over K).
+    dtype: computation dtype; parameters stay float32.
+  """
+  hidden_dim: int = 2048
+  bottleneck_dim: int = 256
+  num_prototypes: int = 4096
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Maps features to prototype scores.
+
+    Args:
+      h: features [B, D].
+
+    Returns:
+      y: bottleneck [B, bottleneck_dim], float32, before normalisation.
+      logits: prototype scores [B, num_prototypes], float32 (cosines, in
+        [-1, 1]; the loss divides them by its temperatures).
+    """
+    if h.ndim != 2:
+      raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
+    dense = lambda f, name: nn.Dense(
+        f, dtype=self.dtype, param_dtype=jnp.float32,
+        kernel_init=nn.initializers.truncated_normal(0.02),
+        bias_init=nn.initializers.zeros, name=name)
+    y = nn.gelu(dense(self.hidden_dim, 'hidden1')(h), approximate=False)
+    y = nn.gelu(dense(self.hidden_dim, 'hidden2')(y), approximate=False)
+    y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
+    u = y * jax.lax.rsqrt(
+        jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
+    # torch.nn.Linear's default initialisation (DINO creates the last layer
+    # after its truncated-normal pass); the scale cancels in the normalisation.
+    v = self.param('prototypes',
+                   nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform'),
+                   (self.bottleneck_dim, self.num_prototypes), jnp.float32)
+    w = v * jax.lax.rsqrt(
+        jnp.maximum(jnp.sum(jnp.square(v), 0, keepdims=True), 1e-24))
+    logits = jnp.dot(u.astype(self.dtype), w.astype(self.dtype))
+    return y, logits.astype(jnp.float32)
+
+
+class DINONet(nn.Module):
+  """DINO's student (and teacher) network: ResNet-18 encoder and DINO head.
+
+  Attributes:
+    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    hidden_dim: DINOHead hidden width.
+    bottleneck_dim: DINOHead bottleneck dimension.
+    num_prototypes: DINOHead output dimension.
+    dtype: computation dtype; parameters stay float32.
+  """
+  stem: str = 'imagenet'
+  hidden_dim: int = 2048
+  bottleneck_dim: int = 256
+  num_prototypes: int = 4096
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool
+               ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Encodes a batch of views.
+
+    Args:
+      x: images [B, H, W, C].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      h: encoder features [B, 512], float32.
+      z: head bottleneck [B, bottleneck_dim], float32, not normalised (the
+        embedding the cluster and view metrics use for this method).
+      logits: prototype scores [B, num_prototypes], float32.
+    """
+    h = ResNet18(stem=self.stem, dtype=self.dtype, name='encoder')(x, train)
+    z, logits = DINOHead(hidden_dim=self.hidden_dim,
+                         bottleneck_dim=self.bottleneck_dim,
+                         num_prototypes=self.num_prototypes,
+                         dtype=self.dtype, name='head')(h)
+    return h, z, logits

@@ -1,0 +1,158 @@
+"""MoCo v2 (He et al. 2020; Chen et al. 2020, "Improved baselines"), symmetric.
+
+Decisions and sources (docs/methods.md has the full table):
+
+* Network: the query encoder is the SimCLR network (ResNet-18 and the
+  paper's 512-512-128 head of `config.model`, `models.SimCLRNet`). The key
+  encoder is a second copy, initialised equal to it and never trained: after
+  every update it becomes ``tau * key + (1 - tau) * query`` over all
+  parameters (BatchNorm scales and offsets included). Query + key encoder
+  with heads count 2 x 11,505,344 = 23,010,688 parameters, the paper's
+  23.01M; the queue is a buffer, not a parameter.
+* BatchNorm statistics: as in MoCo, the key encoder runs in training mode
+  (normalising with the statistics of its own batch) and keeps its own
+  running averages, updated by its forward passes; they live in
+  ``extra['target_batch_stats']``. Under jit the batch is global, so both
+  encoders see global-batch statistics (solo-learn's ``sync_batchnorm``), not
+  MoCo's shuffled per-GPU BatchNorm, which has nothing to shuffle on one
+  global batch. Both views go through each encoder in one forward pass.
+* Loss: InfoNCE with the positive key first and the queue as negatives,
+  temperature 0.2 (MoCo v2; solo-learn ``scripts/pretrain/cifar/
+  mocov2plus.yaml``). Symmetric, as solo-learn's ``mocov2plus``:
+  ``(L(q1, k2, queue_2) + L(q2, k1, queue_1)) / 2`` with one queue per view
+  (solo-learn ``solo/methods/mocov2plus.py``); MoCo v2 itself is asymmetric.
+* Queue: `config.moco.queue_size` = 32768 keys per view (solo-learn's CIFAR
+  value; MoCo's ImageNet value is 65536), initialised with random unit
+  vectors as MoCo does; FIFO: the B new keys overwrite the oldest, at a
+  pointer that wraps modulo the size.
+* Momentum: cosine schedule from 0.99 to 0.999 over the run (solo-learn
+  CIFAR); MoCo v2 keeps 0.999 fixed, which `base_tau = final_tau = 0.999`
+  reproduces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from otclr_jax.methods import base
+from otclr_jax.methods import simclr
+
+
+def default_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.queue_size = 32768  # keys per view; solo-learn cifar/mocov2plus.yaml.
+  config.temperature = 0.2  # MoCo v2.
+  config.base_tau = 0.99  # key-encoder momentum, cosine to final_tau.
+  config.final_tau = 0.999
+  return config
+
+
+def create_model(config: ml_collections.ConfigDict):
+  return simclr.create_model(config)
+
+
+def infonce(q: jax.Array, k: jax.Array, queue: jax.Array,
+            temperature: float) -> tuple[jax.Array, jax.Array]:
+  """MoCo's InfoNCE: each query against its key and the queued negatives.
+
+  ``L = 1/B sum_b -log(exp(q_b.k_b / t) / (exp(q_b.k_b / t) +
+  sum_j exp(q_b.n_j / t)))`` with unit vectors q, k, n.
+
+  Args:
+    q: queries [B, D] (normalised here).
+    k: positive keys [B, D] (normalised here), constants.
+    queue: negatives [K, D], unit rows.
+    temperature: t > 0.
+
+  Returns:
+    loss: scalar float32.
+    top1: fraction of queries whose key beats every negative.
+  """
+  q = base.l2_normalise(q.astype(jnp.float32))
+  k = base.l2_normalise(k.astype(jnp.float32))
+  pos = jnp.sum(q * k, axis=-1) / temperature
+  neg = (q @ queue.T) / temperature
+  logits = jnp.concatenate([pos[:, None], neg], axis=1)
+  loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - pos)
+  top1 = jnp.mean((pos > jnp.max(neg, axis=1)).astype(jnp.float32))
+  return loss, top1
+
+
+def enqueue(queue: jax.Array, ptr: jax.Array,
+            keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """First in, first out: `keys` replace the oldest entries of `queue`.
+
+  Args:
+    queue: [K, D].
+    ptr: int32 scalar, index of the oldest entry.
+    keys: [B, D] with B <= K; row b lands at ``(ptr + b) mod K``.
+
+  Returns:
+    `(queue, ptr)` after the update, ``ptr`` advanced by B modulo K.
+  """
+  size, batch = queue.shape[0], keys.shape[0]
+  if batch > size:
+    raise ValueError(f'A queue of {size} keys cannot take a batch of {batch}; '
+                     'raise config.moco.queue_size.')
+  index = (ptr + jnp.arange(batch, dtype=jnp.int32)) % size
+  return (queue.at[index].set(keys.astype(queue.dtype)),
+          (ptr + batch) % size)
+
+
+def init_extra(config, variables, key):
+  """Key encoder = copy of the query encoder; two random unit-vector queues."""
+  settings = config.moco
+  base.check_momentum('moco', settings.base_tau, settings.final_tau)
+  if settings.queue_size < config.batch_size:
+    raise ValueError(
+        f'config.moco.queue_size ({settings.queue_size}) must be at least '
+        f'config.batch_size ({config.batch_size}).')
+  queue = base.l2_normalise(jax.random.normal(
+      key, (2, settings.queue_size, config.model.proj_dim), jnp.float32))
+  return {'target_params': base.copy_tree(variables['params']),
+          'target_batch_stats': base.copy_tree(variables['batch_stats']),
+          'queue': queue, 'queue_ptr': jnp.zeros((), jnp.int32)}
+
+
+def loss(config, model, params, batch_stats, extra, v1, v2, progress):
+  """Symmetric MoCo v2 loss and the queue update; see `base.Method.loss`."""
+  del progress
+  views = jnp.concatenate([v1, v2])
+  (_, q), updates = model.apply(
+      {'params': params, 'batch_stats': batch_stats}, views, train=True,
+      mutable=['batch_stats'])
+  (_, k), target_updates = model.apply(
+      {'params': extra['target_params'],
+       'batch_stats': extra['target_batch_stats']}, views, train=True,
+      mutable=['batch_stats'])
+  k = jax.lax.stop_gradient(base.l2_normalise(k))
+  q1, q2 = jnp.split(q, 2)
+  k1, k2 = jnp.split(k, 2)
+  temperature = config.moco.temperature
+  queue = extra['queue']
+  loss_1, top1_1 = infonce(q1, k2, queue[1], temperature)
+  loss_2, top1_2 = infonce(q2, k1, queue[0], temperature)
+  nce = (loss_1 + loss_2) / 2
+  queue_1, ptr = enqueue(queue[0], extra['queue_ptr'], k1)
+  queue_2, _ = enqueue(queue[1], extra['queue_ptr'], k2)
+  new_extra = dict(extra, target_batch_stats=target_updates['batch_stats'],
+                   queue=jnp.stack([queue_1, queue_2]), queue_ptr=ptr)
+  metrics = {'nce': nce, 'top1': (top1_1 + top1_2) / 2}
+  return nce, metrics, updates['batch_stats'], new_extra
+
+
+def post_update(config, extra, params, batch_stats, progress):
+  """Key encoder parameters follow the query encoder by EMA."""
+  del batch_stats
+  tau = base.cosine_momentum(progress.step, progress.total_steps,
+                             config.moco.base_tau, config.moco.final_tau)
+  return dict(extra, target_params=base.ema(extra['target_params'], params,
+                                            tau))
+
+
+METHOD = base.Method(
+    name='moco', title='MoCo', create_model=create_model,
+    init_extra=init_extra, loss=loss, post_update=post_update,
+    default_config=default_config)

@@ -1,0 +1,43 @@
+"""SimCLR (Chen et al. 2020): NT-Xent over the 2B projections of a batch.
+
+The objective the project had before methods became plug-ins, unchanged:
+one forward pass of the concatenated views (BatchNorm statistics over the 2B
+views), NT-Xent with temperature `config.loss.temperature` (0.5, the paper's
+value) and the 512-512-128 projection head of `config.model`
+(`losses.nt_xent`, METHOD.md section 6). No extra state. With
+`config.views = 'ot'` this is OTCLR.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+
+from otclr_jax import losses
+from otclr_jax import models
+from otclr_jax.methods import base
+
+
+def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
+  return models.SimCLRNet(
+      stem=config.model.stem,
+      proj_hidden_dim=config.model.proj_hidden_dim,
+      proj_dim=config.model.proj_dim,
+      dtype=base.dtype_of(config))
+
+
+def loss(config, model, params, batch_stats, extra, v1, v2, progress):
+  """NT-Xent of the two views' projections; see `base.Method.loss`."""
+  del progress
+  (_, z), updates = model.apply(
+      {'params': params, 'batch_stats': batch_stats},
+      jnp.concatenate([v1, v2]), train=True, mutable=['batch_stats'])
+  z1, z2 = jnp.split(z, 2)
+  nce, top1 = losses.nt_xent(z1, z2, config.loss.temperature)
+  return nce, {'nce': nce, 'top1': top1}, updates['batch_stats'], extra
+
+
+METHOD = base.Method(
+    name='simclr', title='SimCLR', create_model=create_model,
+    init_extra=base.no_extra, loss=loss, post_update=base.keep_extra,
+    default_config=base.no_config)

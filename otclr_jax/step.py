@@ -1,0 +1,175 @@
+"""The generic pretraining step: views -> model -> objective -> update.
+
+One jitted, donated step serves every objective of `otclr_jax.methods` with
+either view generator of `otclr_jax.views`: it draws the two views of the
+batch, hands them to the method's loss (which runs its networks), adds the
+Sinkhorn term of OT views (METHOD.md section 6), applies the optimiser and
+the method's post-update hook (EMA targets). Everything a resumed run needs,
+the method's extra state included, is in `TrainState`; randomness is
+``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.
+
+For ``simclr`` with ``augment`` or ``ot`` views it computes exactly what
+`train.train_step` computed before methods were plug-ins (tests/test_step.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from otclr_jax import losses
+from otclr_jax import views
+from otclr_jax.methods import base
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Everything a resumed run needs.
+
+  Attributes:
+    step: number of optimiser updates done (int32 scalar).
+    params: {'net': network params, 'alpha_logit': [] when ot.learn_alpha}.
+    batch_stats: BatchNorm running statistics of the trained network.
+    opt_state: optax state.
+    extra: the method's state outside the optimiser (target network and its
+      BatchNorm statistics, queue, centre; ``{}`` for SimCLR).
+  """
+  step: jax.Array
+  params: Any
+  batch_stats: Any
+  opt_state: Any
+  extra: Any
+
+
+def init_state(config: ml_collections.ConfigDict, method: base.Method,
+               model, tx: optax.GradientTransformation,
+               key: jax.Array) -> TrainState:
+  """The state at step 0.
+
+  The network is initialised from `key` exactly as before methods were
+  plug-ins; the method's extra state (e.g. MoCo's random queue) draws from
+  ``fold_in(key, 1)``.
+
+  Args:
+    config: the run's config.
+    method: the objective (`methods.get`).
+    model: `method.create_model(config)`.
+    tx: the optimiser.
+    key: the run's init key.
+
+  Returns:
+    TrainState.
+  """
+  dummy = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
+  variables = model.init({'params': key}, dummy, train=False)
+  params = {'net': variables['params']}
+  if config.ot.learn_alpha:
+    params['alpha_logit'] = jnp.asarray(
+        losses.alpha_to_logit(config.ot.alpha), jnp.float32)
+  extra = method.init_extra(config, variables, jax.random.fold_in(key, 1))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    batch_stats=variables['batch_stats'],
+                    opt_state=tx.init(params), extra=extra)
+
+
+def all_finite(tree) -> jax.Array:
+  """True iff every element of every inexact array leaf of `tree` is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
+               method: base.Method, config: ml_collections.ConfigDict, model,
+               tx: optax.GradientTransformation, schedule: optax.Schedule,
+               total_steps: int, steps_per_epoch: int):
+  """One optimiser update.
+
+  Args:
+    state: current state (donated under `jit_train_step`).
+    batch: uint8 images [B, H, W, 3], B the global batch.
+    key: the run's training key; folded with the step here.
+    method: the objective (static).
+    config: the run's config (static).
+    model: `method.create_model(config)` (static).
+    tx: the optimiser.
+    schedule: learning-rate schedule, for logging.
+    total_steps: length of the run (momentum schedules).
+    steps_per_epoch: updates per epoch (schedules counted in epochs).
+
+  Returns:
+    `(new_state, metrics)`, metrics a dict of scalars for this step:
+    ``'loss'``, the method's own terms, ``'sinkhorn'`` and ``'alpha'`` for OT
+    views, ``'grad_norm'``, ``'lr'`` and ``'state_finite'`` (1.0 when every
+    parameter, BatchNorm statistic, optimiser and extra-state entry of the new
+    state is finite, else 0.0).
+  """
+  _, view_kind = views.resolve(config)
+  images = batch.astype(jnp.float32) / 255.0
+  step_key = jax.random.fold_in(key, state.step)
+  progress = base.Progress(state.step, total_steps, steps_per_epoch)
+
+  def loss_fn(params):
+    alpha = views.current_alpha(config, params)
+    v1, v2, xs1, xs2 = views.make_views(config, images, step_key, alpha)
+    loss, metrics, batch_stats, extra = method.loss(
+        config, model, params['net'], state.batch_stats, state.extra, v1, v2,
+        progress)
+    if view_kind == 'ot':
+      regulariser = functools.partial(
+          losses.sinkhorn_regulariser, images, xs1, xs2, v1, v2,
+          grid_size=config.ot.grid_size, epsilon=config.ot.epsilon,
+          num_iters=config.ot.num_iters)
+      if views.regulariser_in_loss(config):
+        reg = regulariser()
+        loss = loss + config.ot.beta * reg
+        metrics['sinkhorn'] = reg
+      else:
+        # A diagnostic only: evaluated exactly on the steps that are logged,
+        # NaN (skipped by the logger) on the others, which saves ~1% of a step.
+        metrics['sinkhorn'] = jax.lax.cond(
+            (state.step + 1) % config.log_every_steps == 0, regulariser,
+            lambda: jnp.float32(jnp.nan))
+      metrics['alpha'] = alpha
+    metrics['loss'] = loss
+    return loss, (metrics, batch_stats, extra)
+
+  grads, (metrics, batch_stats, extra) = jax.grad(loss_fn, has_aux=True)(
+      state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  extra = method.post_update(config, extra, params['net'], batch_stats,
+                             progress)
+  metrics['grad_norm'] = optax.tree.norm(grads)
+  metrics['lr'] = schedule(state.step)
+  metrics['state_finite'] = all_finite(
+      (params, batch_stats, opt_state, extra)).astype(jnp.float32)
+  new_state = state.replace(step=state.step + 1, params=params,
+                            batch_stats=batch_stats, opt_state=opt_state,
+                            extra=extra)
+  return new_state, metrics
+
+
+def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
+                   model, tx: optax.GradientTransformation,
+                   schedule: optax.Schedule, mesh: Mesh, *, total_steps: int,
+                   steps_per_epoch: int):
+  """`train_step` jitted over `mesh`: batch sharded on 'data', state replicated.
+
+  The loss, BatchNorm and a MoCo queue see the global batch: the arrays are
+  global and XLA inserts the cross-device reductions and gathers.
+  """
+  replicated = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P('data'))
+  step = functools.partial(
+      train_step, method=method, config=config, model=model, tx=tx,
+      schedule=schedule, total_steps=total_steps,
+      steps_per_epoch=steps_per_epoch)
+  return jax.jit(step, in_shardings=(replicated, data, replicated),
+                 out_shardings=(replicated, replicated), donate_argnums=0)

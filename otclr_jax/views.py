@@ -1,0 +1,121 @@
+"""Positive views: the view generator, chosen independently of the objective.
+
+`config.views` picks how the two positive views of a batch are made:
+
+* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (METHOD.md
+  section 1), used as they are.
+* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of METHOD.md
+  sections 2-5, built from the same two strong augmentations.
+
+Any objective of `otclr_jax.methods` trains on either. OTCLR is SimCLR with
+``'ot'`` views; the old ``config.method = 'otclr'`` is kept as that alias
+(`resolve`).
+
+The draws repeat the historical `train.make_views` exactly (one split of the
+step key into the two augmentation keys), so ``simclr`` + ``augment`` and
+``simclr`` + ``ot`` reproduce the runs made before the split into methods bit
+for bit (tests/test_step.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from otclr_jax import augment
+from otclr_jax import losses
+from otclr_jax import ot
+
+VIEWS = ('augment', 'ot')
+# The historical name of SimCLR + OT views.
+OTCLR_ALIAS = 'otclr'
+
+
+def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
+  """The run's `(objective, view generator)` names.
+
+  Args:
+    config: the run's config. `config.method` names the objective (or the
+      alias ``'otclr'``); `config.views` (optional until every config has it)
+      names the view generator.
+
+  Returns:
+    `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
+
+  Raises:
+    ValueError: for an unknown `config.views`, or ``method='otclr'`` with
+      ``views='augment'`` (a contradiction: OTCLR is SimCLR with OT views).
+  """
+  views = config.get('views', None) or None
+  if views is not None and views not in VIEWS:
+    raise ValueError(f'config.views must be one of {VIEWS}, got {views!r}.')
+  if config.method == OTCLR_ALIAS:
+    if views not in (None, 'ot'):
+      raise ValueError(
+          "config.method='otclr' is SimCLR with OT views (config.views='ot'); "
+          f'got config.views={views!r}. Use config.method=simclr with '
+          "config.views='augment' for the baseline.")
+    return 'simclr', 'ot'
+  if views is None:
+    # Before `config.views` existed, 'simclr' meant SimCLR with augmentations.
+    views = 'augment'
+  return config.method, views
+
+
+def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
+  """The interpolation coefficient alpha: learnt (`params['alpha_logit']`) or fixed.
+
+  Args:
+    config: the run's config (`config.ot.learn_alpha`, `config.ot.alpha`).
+    params: TrainState.params.
+
+  Returns:
+    Scalar float32 in [0, 1], differentiable in the logit when learnt.
+  """
+  if config.ot.learn_alpha:
+    return losses.alpha_from_logit(params['alpha_logit'])
+  return jnp.asarray(config.ot.alpha, jnp.float32)
+
+
+def make_views(config: ml_collections.ConfigDict, images: jax.Array,
+               key: jax.Array, alpha: jax.Array | float | None = None):
+  """Both positive views of a batch, as the training step sees them.
+
+  Args:
+    config: the run's config (`resolve` gives the view generator; `config.ot`
+      the OT settings).
+    images: source images float32 [B, H, W, 3] in [0, 1].
+    key: PRNG key for the two strong augmentations (split once, as always).
+    alpha: interpolation coefficient for ``'ot'`` views (scalar, may be a
+      traced learnt value); None means `config.ot.alpha`. Unused by
+      ``'augment'``.
+
+  Returns:
+    `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the views fed to
+    the encoder and the strong augmentations they came from (equal to the
+    views for ``'augment'``).
+  """
+  _, views = resolve(config)
+  k1, k2 = jax.random.split(key)
+  xs1 = augment.simclr_augment(k1, images)
+  xs2 = augment.simclr_augment(k2, images)
+  if views == 'augment':
+    return xs1, xs2, xs1, xs2
+  if alpha is None:
+    alpha = jnp.asarray(config.ot.alpha, jnp.float32)
+  generate = functools.partial(
+      ot.ot_views, alpha=alpha, grid_size=config.ot.grid_size,
+      epsilon=config.ot.epsilon, num_iters=config.ot.num_iters)
+  return generate(images, xs1), generate(images, xs2), xs1, xs2
+
+
+def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:
+  """Whether `beta * L_Sinkhorn` is part of the loss (then every step needs it).
+
+  With beta = 0 it is only a logged diagnostic. (With beta != 0 but a fixed
+  alpha it enters the loss value yet has no gradient, METHOD.md section 6.)
+  """
+  return config.ot.beta != 0

@@ -1,0 +1,224 @@
+"""Tests of the generic train step (otclr_jax/step.py) on tiny digits configs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import functools
+
+import flax.serialization
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+from otclr_jax import input_pipeline
+from otclr_jax import methods
+from otclr_jax import step as step_lib
+from otclr_jax import train
+from tests.tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMBINATIONS = [(m, v) for m in methods.NAMES for v in ('augment', 'ot')]
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('data'))
+
+
+@pytest.fixture(scope='module')
+def images(data_dir):
+  return input_pipeline.load_split('digits', 'train', 8, data_dir).images
+
+
+def method_config(data_dir, method, views, **overrides):
+  """`tiny_config` with small method-specific widths (queue 64, DINO 32-16-64)."""
+  config = methods.add_defaults(tiny_config(data_dir, method=method,
+                                            **overrides))
+  config.views = views
+  config.moco.queue_size = 64
+  config.byol.pred_hidden_dim = 32
+  config.dino.hidden_dim = 32
+  config.dino.bottleneck_dim = 16
+  config.dino.num_prototypes = 64
+  config.dino.warmup_teacher_temp_epochs = 1.0
+  return config
+
+
+def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
+  """(method, state, jitted step) for `config`, as training will build them."""
+  method = methods.get(step_lib.views.resolve(config)[0])
+  model = method.create_model(config)
+  schedule = train.learning_rate_schedule(config, steps_per_epoch, total_steps)
+  tx = train.create_optimizer(config, schedule)
+  mesh = train.make_mesh() if mesh is None else mesh
+  # Jitted and placed as training places it: targets copied from the online
+  # network must not alias its buffers, or donating the state fails.
+  state = jax.jit(
+      functools.partial(step_lib.init_state, config, method, model, tx),
+      out_shardings=NamedSharding(mesh, P()))(jax.random.key(0))
+  step = step_lib.jit_train_step(method, config, model, tx, schedule, mesh,
+                                 total_steps=total_steps,
+                                 steps_per_epoch=steps_per_epoch)
+  return method, state, step, mesh
+
+
+def leaves(tree):
+  return jax.tree_util.tree_leaves(jax.device_get(tree))
+
+
+@pytest.mark.parametrize('old_method, views, overrides', [
+    ('simclr', 'augment', {}),
+    ('otclr', 'ot', {}),
+    ('otclr', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}),
+])
+def test_simclr_reproduces_train_step_exactly(data_dir, images, old_method,
+                                              views, overrides):
+  old_config = tiny_config(data_dir, method=old_method, **overrides)
+  mesh = train.make_mesh()
+  model = train.create_model(old_config)
+  schedule = train.learning_rate_schedule(old_config, 2, 4)
+  tx = train.create_optimizer(old_config, schedule)
+  # Initialised as train_and_evaluate does (jitted, so initial values match
+  # `build`'s jitted init to the bit).
+  old_state = jax.jit(
+      functools.partial(train.init_state, old_config, model, tx),
+      out_shardings=NamedSharding(mesh, P()))(jax.random.key(0))
+  old_step = train.jit_train_step(old_config, model, tx, schedule, mesh)
+
+  config = method_config(data_dir, 'simclr', views, **overrides)
+  _, state, new_step, _ = build(config, mesh=mesh)
+  batch = train.global_batch(images[:16], mesh)
+  for _ in range(2):
+    old_state, old_metrics = old_step(old_state, batch, jax.random.key(1))
+    state, metrics = new_step(state, batch, jax.random.key(1))
+    for name, value in old_metrics.items():
+      np.testing.assert_array_equal(np.asarray(metrics[name]),
+                                    np.asarray(value), err_msg=name)
+  assert float(metrics['state_finite']) == 1.0
+  for old, new in zip(leaves((old_state.params, old_state.batch_stats,
+                              old_state.opt_state)),
+                      leaves((state.params, state.batch_stats,
+                              state.opt_state))):
+    np.testing.assert_array_equal(new, old)
+  assert state.extra == {}
+
+
+def test_otclr_alias_equals_simclr_with_ot_views(data_dir):
+  alias = methods.add_defaults(tiny_config(data_dir, method='otclr'))
+  assert step_lib.views.resolve(alias) == ('simclr', 'ot')
+  alias.views = 'augment'
+  with pytest.raises(ValueError, match='otclr'):
+    step_lib.views.resolve(alias)
+
+
+def _progress_metric(method, metrics):
+  """The part of the loss training lowers (DINO: KL, without the teacher's entropy)."""
+  if method == 'dino':
+    return float(metrics['loss']) - float(metrics['teacher_entropy'])
+  return float(metrics['loss'])
+
+
+@pytest.mark.parametrize('method, views', COMBINATIONS)
+def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
+                                                 views):
+  n = 4
+  config = method_config(data_dir, method, views, **{
+      'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
+  # One batch of keys: from step 1 on, the negatives are the previous batch's
+  # keys, not the random initial queue (whose loss is lower, by construction).
+  config.moco.queue_size = 16
+  # A fixed teacher temperature: its warm-up raises the loss by design.
+  config.dino.warmup_teacher_temp_epochs = 0.0
+  _, state, step, mesh = build(config, total_steps=2 * n)
+  template = jax.device_get(state)
+  batches = [train.global_batch(images[16 * i:16 * (i + 1)], mesh)
+             for i in range(2 * n)]
+  key = jax.random.key(1)
+  progress = []
+  for i, batch in enumerate(batches):
+    if i == n:
+      saved = flax.serialization.to_bytes(state)
+    state, metrics = step(state, batch, key)
+    assert np.isfinite(float(metrics['loss'])), (i, metrics)
+    assert float(metrics['state_finite']) == 1.0, i
+    progress.append(_progress_metric(method, metrics))
+  # Trains: the objective falls over 8 steps. MoCo starts at step 1: at step 0
+  # its negatives are the random initial queue, an easier task by construction.
+  start = 1 if method == 'moco' else 0
+  if (method, views) != ('moco', 'ot'):
+    # MoCo on OT views stays flat over 8 tiny steps (measured 3.26, 3.26,
+    # 3.05, 3.23, 3.07, 3.24, 3.34 from step 1): no decrease to assert at this
+    # size; its finiteness and exact resumption are still checked.
+    assert np.mean(progress[-2:]) < np.mean(progress[start:start + 2]), (
+        progress)
+  # Resumes: N steps, a serialised round trip, N more == 2N straight, bit for
+  # bit, extra state (targets, queue, centre) included.
+  resumed = jax.device_put(flax.serialization.from_bytes(template, saved),
+                           NamedSharding(mesh, P()))
+  assert int(resumed.step) == n
+  for batch in batches[n:]:
+    resumed, _ = step(resumed, batch, key)
+  # The extra state keeps its shapes and dtypes: one compilation, resume too.
+  assert step._cache_size() == 1
+  straight, again = jax.device_get(state), jax.device_get(resumed)
+  assert (jax.tree_util.tree_structure(straight)
+          == jax.tree_util.tree_structure(again))
+  for a, b in zip(jax.tree_util.tree_leaves(straight),
+                  jax.tree_util.tree_leaves(again)):
+    np.testing.assert_array_equal(b, a)
+
+
+def test_targets_follow_the_online_network_by_ema(data_dir, images):
+  config = method_config(data_dir, 'byol', 'augment')
+  method, state, step, mesh = build(config, total_steps=4)
+  before = jax.device_get(state)
+  state, _ = step(state, train.global_batch(images[:16], mesh),
+                  jax.random.key(1))
+  after = jax.device_get(state)
+  tau = 0.99  # cosine schedule at step 0 = base_tau.
+  online = after.params['net']['encoder']['stem_conv']['kernel']
+  target = before.extra['target_params']['encoder']['stem_conv']['kernel']
+  np.testing.assert_allclose(
+      after.extra['target_params']['encoder']['stem_conv']['kernel'],
+      tau * target + (1 - tau) * online, rtol=1e-6, atol=1e-7)
+  assert method.name == 'byol'
+
+
+def test_four_devices_match_one_for_every_method(data_dir):
+  script = textwrap.dedent(f"""
+      import jax, numpy as np
+      from otclr_jax import input_pipeline, methods, train
+      from tests.test_step import build, method_config
+      assert jax.device_count() == 4
+      images = input_pipeline.load_split('digits', 'train', 8,
+                                         {data_dir!r}).images[:16]
+      for name in methods.NAMES:
+        config = method_config({data_dir!r}, name, 'augment')
+        out = []
+        for devices in (jax.devices()[:1], jax.devices()):
+          mesh = train.make_mesh(devices)
+          _, state, step, _ = build(config, mesh=mesh)
+          state, metrics = step(state, train.global_batch(images, mesh),
+                                jax.random.key(1))
+          out.append((float(metrics['loss']), jax.tree_util.tree_leaves(
+              jax.device_get((state.params, state.batch_stats,
+                              state.extra)))))
+        (loss1, tree1), (loss4, tree4) = out
+        np.testing.assert_allclose(loss4, loss1, rtol=1e-5, err_msg=name)
+        # atol 1e-5: MoCo's queued keys are unit vectors whose entries near 0
+        # carry the float32 noise of BatchNorm's cross-device reduction order
+        # (measured: 2e-6 absolute on entries of 3e-3).
+        for a, b in zip(tree1, tree4):
+          np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5,
+                                     err_msg=name)
+        print('OK', name, loss1, loss4, flush=True)
+      """)
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+             JAX_PLATFORMS='cpu')
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.count('OK') == len(methods.NAMES)
