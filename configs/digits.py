@@ -19,6 +19,7 @@ def get_config():
   config.model.proj_hidden_dim = 512
   config.optim.warmup_epochs = 1.0
   config.ot.grid_size = 8
+  config.monitor.every_steps = 50  # steps 50 and 100 of the ~130
   config.eval.datasets = ('digits',)
   config.eval.at_end = True
   return config
