@@ -47,7 +47,8 @@ class KnnMonitor:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model,
-               train_split: input_pipeline.Split | None = None):
+               train_split: input_pipeline.Split | None = None,
+               test_split: input_pipeline.Split | None = None):
     """Draws the subset and builds the jitted encoder.
 
     Args:
@@ -56,11 +57,12 @@ class KnnMonitor:
       model: the run's `SimCLRNet`.
       train_split: the already loaded train split of `config.dataset`, to
         avoid reading it twice; loaded here when None.
+      test_split: its test split; loaded here when None.
     """
     load = lambda split: input_pipeline.load_split(
         config.dataset, split, config.image_size, config.data_dir or None)
     train_split = load('train') if train_split is None else train_split
-    test_split = load('test')
+    test_split = load('test') if test_split is None else test_split
     rng = np.random.default_rng(SEED)
     self.train_images, self.train_labels = _subset(
         train_split, config.monitor.num_train, rng)
