@@ -796,10 +796,6 @@ def _train(config, workdir, stored, progress, stop_after_steps,
       mesh.size, count_params(state.params['net']) / 1e6)
 
   step_fn = jit_train_step(config, model, tx, schedule, mesh)
-  knn_monitor = None
-  if monitor_enabled(config):
-    from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
-    knn_monitor = monitor.KnnMonitor(config, model, data)
   batches: Iterator[np.ndarray] = input_pipeline.train_batches(
       data.images, config.batch_size, config.seed, start_step=start)
   logger = None
@@ -836,7 +832,11 @@ def _train(config, workdir, stored, progress, stop_after_steps,
       rundir.write_status(workdir, 'running', step, total)
 
   step = start
+  knn_monitor = None
   try:
+    if monitor_enabled(config):
+      from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
+      knn_monitor = monitor.KnnMonitor(config, model, data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:
       while step < total:
