@@ -35,6 +35,7 @@ def get_config():
   config.augment.flip_prob = 0.0
   config.augment.jitter_prob = 0.0
   config.augment.grayscale_prob = 0.0
+  config.monitor.every_steps = 50  # steps 50 and 100 of the ~130
   config.eval.datasets = ('digits',)
   config.eval.at_end = True
   return config

@@ -64,6 +64,7 @@ import time
 import types
 from typing import Any, Callable, Mapping, Sequence
 
+from otclr_jax import config_files
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +217,10 @@ def load_sweep(sweep: str,
   result = Sweep(name, spec['config'], grid, overrides)
   config = base_config(result)
   for run in result.runs(os.getcwd()):
-    apply_overrides(config, run.overrides)
+    try:
+      apply_overrides(config, run.overrides)
+    except ValueError as e:
+      raise ValueError(f'{path} (run {run.name}): {e}') from e
   return result
 
 
@@ -231,31 +235,31 @@ def base_config(sweep: Sweep):
 
 
 def apply_overrides(config, overrides: Sequence[tuple[str, Any]]):
-  """Sets dotted keys on a (copied) ConfigDict; raises ValueError on a bad key."""
-  config = config.copy_and_resolve_references()
-  for key, value in overrides:
-    node = config
-    *parents, leaf = key.split('.')
-    try:
-      for parent in parents:
-        node = node[parent]
-      if leaf not in node:
-        raise KeyError(leaf)
-      node[leaf] = value
-    except (KeyError, AttributeError) as e:
-      raise ValueError(f'Unknown config field {key!r} (override {key}='
-                       f'{value!r}).') from e
-    except TypeError as e:
-      raise ValueError(f'Override {key}={value!r} has the wrong type: '
-                       f'{e}') from e
-  return config
+  """A locked copy of `config` with `(key, value)` overrides applied.
+
+  The parser `main` uses on its command line (`config_files.apply_overrides`,
+  `ml_collections.config_flags` on a locked config): an unknown field fails
+  with a suggestion ('Did you mean "epsilon"?'), a value that does not parse
+  as the field's type fails too, so a sweep is refused before any run starts.
+
+  Raises:
+    ValueError: a bad key or value (the message names the override).
+  """
+  return config_files.apply_overrides(config, list(overrides))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-  """`'ot.epsilon=0.1'` -> `('ot.epsilon', 0.1)`; non-literals stay strings."""
-  key, sep, raw = text.partition('=')
-  if not sep or not key:
-    raise ValueError(f'--override expects KEY=VALUE, got {text!r}.')
+  """`'ot.epsilon=0.1'` (or `'--config.ot.epsilon=0.1'`) -> `('ot.epsilon', 0.1)`.
+
+  The spelling is `config_files.override_flag`'s; values that are Python
+  literals become those, others stay strings. The key and the value are
+  checked against the config later, by `apply_overrides`.
+  """
+  try:
+    flag = config_files.override_flag(text)
+  except ValueError as e:
+    raise ValueError(f'--override: {e}') from e
+  key, _, raw = flag[len(f'--{config_files.FLAG}.'):].partition('=')
   try:
     value = ast.literal_eval(raw)
   except (SyntaxError, ValueError):
@@ -267,19 +271,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 # Commands and run state.
 
 
-def _flag_value(value: Any) -> str:
-  if isinstance(value, bool):
-    return 'true' if value else 'false'
-  if isinstance(value, (tuple, list)):
-    return repr(tuple(value))
-  return str(value)
-
-
 def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
   """The `python -m otclr_jax.main ...` argv of one run; cwd is the repo root."""
   argv = [sys.executable, '-m', 'otclr_jax.main', f'--config={sweep.config}',
           f'--workdir={run.workdir}']
-  argv += [f'--config.{k}={_flag_value(v)}' for k, v in run.overrides]
+  argv += [config_files.override_flag((k, v)) for k, v in run.overrides]
   if mode == 'eval':
     argv.append('--config.mode=eval')
   return argv
@@ -1049,8 +1045,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr)
       return 1
     return 0
-  extra = dict(parse_override(o) for o in args.override)
-  sweep = load_sweep(args.sweep, extra)
+  try:
+    extra = dict(parse_override(o) for o in args.override)
+    sweep = load_sweep(args.sweep, extra)
+  except ValueError as e:
+    # A typo in a sweep file or an --override: refused before anything runs.
+    print(f'Sweep refused: {e}', file=sys.stderr)
+    return 2
   if args.slurm:
     extra_args = [f'--override={o}' for o in args.override]
     path = write_slurm(

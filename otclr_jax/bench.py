@@ -16,8 +16,10 @@ Subcommands:
        alternated in one process after a warm-up, the OTCLR/SimCLR ratio; the
        OTCLR step and the OT views once per Sinkhorn core (`ot.core`: 'ott'
        and 'separable'), with their ratio; the same for the linear-evaluation
-       forward; the OT views' share of the step; and the host input
-       pipeline's batches/s next to the step's.
+       forward; the OT views' share of the step; the host input
+       pipeline's batches/s next to the step's; and the kNN monitor's ms per
+       call with its share of the `config.monitor.every_steps` steps between
+       two calls.
 
 Config overrides use `main`'s spelling and parser (`config_files`):
 `--config.ot.epsilon=0.1` or `--override ot.epsilon=0.1`; a typo fails with a
@@ -528,6 +530,9 @@ def run_train(args: argparse.Namespace) -> int:
   eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
                        repeats=2 * args.repeats)
 
+  # The kNN monitor (otclr_jax/monitor.py) as training calls it.
+  monitor_ms, monitor_images = _time_monitor(base, model, state, args)
+
   # The OT views of a whole batch (both views), as the OTCLR step makes them.
   otc = base.ot
   views_ms = {}
@@ -590,7 +595,44 @@ def run_train(args: argparse.Namespace) -> int:
         f'{1e3 / step_ms[otclr]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
         f'{TARGET_PIPELINE_OVER_STEP:.0f}x: '
         f'{"met" if pipe_ratio >= TARGET_PIPELINE_OVER_STEP else "MISSED"})')
+  every = base.monitor.every_steps
+  monitor_text = (f'every {every} steps: {monitor_ms:.1f} ms = '
+                  f'{100 * monitor_ms / (every * step_ms[otclr]):.3f}% of '
+                  f'{every} OTCLR steps' if every > 0 else
+                  'off (config.monitor.every_steps=0)')
+  print(f'kNN monitor ({monitor_images}): {monitor_ms:.1f} ms per call; '
+        f'{monitor_text}')
   return 0
+
+
+def _time_monitor(config, model, state, args) -> tuple[float, str]:
+  """Median ms of one kNN monitor call, and which images it embeds.
+
+  The config's dataset when it is prepared here, else random uint8 images
+  and labels (the cost does not depend on content).
+  """
+  from otclr_jax import input_pipeline, monitor  # pylint: disable=g-import-not-at-top
+  try:
+    splits = [input_pipeline.load_split(config.dataset, split,
+                                        config.image_size,
+                                        config.data_dir or None,
+                                        download=False)
+              for split in ('train', 'test')]
+    source = config.dataset
+  except Exception:  # pylint: disable=broad-except
+    rng = np.random.default_rng(args.seed)
+    shape = (config.image_size, config.image_size, 3)
+    splits = [input_pipeline.Split(
+        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
+        rng.integers(0, 10, num, dtype=np.int32), 10,
+        [str(c) for c in range(10)])
+              for num in (config.monitor.num_train, config.monitor.num_test)]
+    source = 'random uint8'
+  knn = monitor.KnnMonitor(config, model, *splits)
+  knn(state)  # compiles
+  ms, _ = time_ms(knn, state, repeats=args.repeats)
+  return ms, (f'{len(knn.train_images)} train / {len(knn.test_images)} test '
+              f'images of {source}')
 
 
 def _add_train_parser(subparsers) -> None:

@@ -73,12 +73,14 @@ can be evaluated without disturbing its saves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
 import os
 import re
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -100,6 +102,7 @@ from otclr_jax import fileio
 from otclr_jax import input_pipeline
 from otclr_jax import metrics
 from otclr_jax import models
+from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax import train
 
@@ -1081,7 +1084,10 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
 
 def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
-  """The run's network, restored TrainState and step (default: latest).
+  """The run's network, restored TrainState and step.
+
+  With `step` None, the newest checkpoint that restores; newer ones that do
+  not (truncated, incomplete) are skipped with a warning naming each.
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
@@ -1105,9 +1111,7 @@ def _restore(config: ml_collections.ConfigDict, workdir: str,
     steps = ckpt.all_steps()
     if not steps:
       raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
-    if step is None:
-      step = ckpt.latest_step()
-    elif step not in steps:
+    if step is not None and step not in steps:
       raise ValueError(f'No checkpoint for step {step} in {directory}; '
                        f'available steps: {sorted(steps)}.')
     model = train.create_model(config)
@@ -1118,7 +1122,13 @@ def _restore(config: ml_collections.ConfigDict, workdir: str,
     init_key, _ = jax.random.split(jax.random.key(config.seed))
     initial = jax.jit(functools.partial(train.init_state, config, model, tx))(
         init_key)
-    state = ckpt.restore(initial, step)
+    if step is None:
+      # The newest checkpoint that restores: a truncated or incomplete newer
+      # one (a crash mid-write) is skipped with a warning naming it and why.
+      # Read-only, so nothing is moved and a training run there is undisturbed.
+      state, step = ckpt.restore_newest(initial)
+    else:
+      state = ckpt.restore(initial, step)
   finally:
     ckpt.close()
   return model, state, initial, int(step), os.path.join(directory, str(step))
@@ -1131,7 +1141,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   Args:
     config: the run's config; `config.eval.datasets` lists the probe datasets.
     workdir: the run's directory, holding checkpoints/.
-    step: checkpoint step; None for the latest.
+    step: checkpoint step; None for the newest that restores.
 
   Returns:
     The results dict, also written to `workdir/eval/results.json`.
@@ -1294,7 +1304,17 @@ def _main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   checkpoint.quiet_logs()
   logging.info('JAX devices: %s', jax.devices())
-  evaluate(flags.FLAGS.config, flags.FLAGS.workdir, flags.FLAGS.step)
+  workdir = flags.FLAGS.workdir
+  # The lock `main --config.mode=eval` takes: one writer of eval/ at a time.
+  # No lock file in a directory that is not there: evaluate says it is
+  # missing instead of leaving an empty one behind.
+  try:
+    with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
+          if os.path.isdir(workdir) else contextlib.nullcontext()):
+      evaluate(flags.FLAGS.config, workdir, flags.FLAGS.step)
+  except rundir.WorkdirLockedError as e:
+    logging.error('%s', e)
+    sys.exit(rundir.EXIT_LOCKED)
 
 
 def run() -> None:

@@ -31,6 +31,7 @@ import optax
 
 from otclr_jax import augment
 from otclr_jax import checkpoint
+from otclr_jax import export
 from otclr_jax import fileio
 from otclr_jax import input_pipeline
 from otclr_jax import losses
@@ -54,6 +55,8 @@ MIN_EPSILON = 1.0 / (126 * math.log(2))
 # logging; a checkpoint is only written when every step up to it was finite.
 _FINITE = 'state_finite'
 _STATE_PARTS = ('params', 'batch_stats', 'opt_state')
+# Logged by the kNN monitor (otclr_jax/monitor.py) on its steps.
+MONITOR_METRIC = 'monitor_knn_top1'
 
 
 class ConfigError(ValueError):
@@ -184,12 +187,27 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for field in ('at_end', 'figures'):
     _require(isinstance(c.eval[field], bool), f'eval.{field}',
              'must be True or False', c.eval[field])
+  if 'monitor' in c:  # configs stored by older versions have none
+    _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
+             and c.monitor.every_steps % c.log_every_steps == 0,
+             'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
+             'multiple of config.log_every_steps (it is logged with that '
+             "step's line)", c.monitor.every_steps)
+    for field in ('num_train', 'num_test'):
+      _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
+               f'monitor.{field}', 'must be an integer >= 1',
+               c.monitor[field])
   try:
     augment_params(c)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   _require(c.ot.core in ot.CORES, 'ot.core', f'must be one of {ot.CORES}',
            c.ot.core)
+
+
+def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the kNN monitor runs (otclr_jax/monitor.py; `config.monitor`)."""
+  return 'monitor' in config and config.monitor.every_steps > 0
 
 
 def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
@@ -660,7 +678,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   Args:
     config: the run's config (configs/default.py documents the fields).
     workdir: output directory: checkpoints/, tensorboard/, metrics.jsonl,
-      config.json, status.json.
+      config.json, status.json, and once finished encoder/encoder.msgpack
+      (`export_encoder`).
     stop_after_steps: leave after this many steps of *this* invocation,
       checkpointing as on a preemption (for time-sliced cluster jobs and the
       resumption test). None runs to the end.
@@ -696,6 +715,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     try:
       result = _train(config, workdir, stored, progress, stop_after_steps,
                       mesh)
+      if main and result.status == 'finished':
+        export_encoder(config, workdir, result.state)
     except BaseException as e:
       if main and progress['started']:
         state = 'diverged' if isinstance(e, DivergedError) else 'failed'
@@ -714,6 +735,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       with rundir.lock(workdir, rundir.EVAL_LOCK_FILE):
         evaluate.evaluate(config, workdir)
   return result
+
+
+def export_encoder(config: ml_collections.ConfigDict, workdir: str,
+                   state: TrainState) -> str:
+  """Writes the finished run's encoder to `workdir/encoder/encoder.msgpack`.
+
+  The backbone alone (params, BatchNorm statistics, model settings) for
+  `otclr_jax.export.load_encoder`; returns the path.
+  """
+  path = export.encoder_path(workdir)
+  export.export_encoder(
+      path, {'params': state.params['net'], 'batch_stats': state.batch_stats},
+      config, step=int(state.step))
+  logging.info('Encoder exported to %s', path)
+  return path
 
 
 def _train(config, workdir, stored, progress, stop_after_steps,
@@ -783,6 +819,9 @@ def _train(config, workdir, stored, progress, stop_after_steps,
         values = [m[key] for m in window if not math.isnan(m[key])]
         if values:  # diagnostics evaluated on logging steps only
           means[key] = float(np.mean(values))
+      if knn_monitor is not None and step % config.monitor.every_steps == 0:
+        # After flush(): the state it reads is known to be finite.
+        means[MONITOR_METRIC] = knn_monitor(state)
       logger.write(step, means)
       window.clear()
 
@@ -793,7 +832,11 @@ def _train(config, workdir, stored, progress, stop_after_steps,
       rundir.write_status(workdir, 'running', step, total)
 
   step = start
+  knn_monitor = None
   try:
+    if monitor_enabled(config):
+      from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
+      knn_monitor = monitor.KnnMonitor(config, model, data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:
       while step < total:

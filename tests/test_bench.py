@@ -109,6 +109,10 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
   assert re.search(r'OTCLR \(core=\w+\) / SimCLR step time: \d+\.\d{3}', out)
   assert re.search(r'OTCLR step core=\w+ / core=\w+: \d+\.\d{3}', out)
   assert re.search(r'Input pipeline \(digits\): [\d,]+ batches/s', out)
+  # digits: monitor every 50 steps, on 1000 train / all 359 test images.
+  assert re.search(r'kNN monitor \(1000 train / 359 test images of digits\): '
+                   r'[\d.]+ ms per call; every 50 steps: [\d.]+ ms = '
+                   r'[\d.]+% of 50 OTCLR steps', out)
 
 
 def test_load_config_applies_overrides():

@@ -95,8 +95,11 @@ def test_overrides_reach_the_command_line_with_config_flag_syntax(tmp_path):
     ({'method': ['otclr'], 'seed': [0], 'dataset': ['digits']}, None,
      'exactly the axes'),
     ({**tiny_grid(), 'seed': []}, None, 'non-empty list'),
-    (tiny_grid(), {'ot.no_such_field': 1}, 'Unknown config field'),
-    (tiny_grid(), {'total_steps': 'many'}, 'wrong type'),
+    (tiny_grid(), {'ot.no_such_field': 1},
+     r's\.py \(run .*\): Bad config override .*no_such_field'),
+    (tiny_grid(), {'total_steps': 'many'},
+     r'total_steps=many: invalid literal for int'),
+    (tiny_grid(), {'total_steps': 1.5}, r'total_steps=1\.5: invalid literal'),
     (tiny_grid(), {'seed': 3}, 'grid axis'),
     ({**tiny_grid(), 'seed': [0, 0]}, None, 'duplicate run names'),
 ])
@@ -104,6 +107,31 @@ def test_bad_sweep_files_are_rejected(tmp_path, grid, overrides, message):
   path = write_sweep(tmp_path / 's.py', grid, overrides)
   with pytest.raises(ValueError, match=message):
     sweep_lib.load_sweep(path)
+
+
+def test_override_typos_fail_with_a_suggestion_before_anything_runs(
+    tmp_path, capsys):
+  # The typo of issue 11: `ot.epsilonn` used to add a key and leave epsilon.
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), {'ot.epsilonn': 0.1})
+  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
+    sweep_lib.load_sweep(path)
+  out = str(tmp_path / 'out')
+  assert sweep_lib.main([path, f'--workdir={out}']) == 2
+  assert 'Did you mean "epsilon"' in capsys.readouterr().err
+  good = write_sweep(tmp_path / 'good.py', tiny_grid(), TINY_OVERRIDES)
+  for override in ('ot.epsilonn=0.1', '--config.ot.epsilonn=0.1'):
+    assert sweep_lib.main([good, f'--workdir={out}',
+                           f'--override={override}']) == 2
+    assert 'Did you mean "epsilon"' in capsys.readouterr().err
+  assert sweep_lib.main([good, f'--workdir={out}', '--override=epsilon']) == 2
+  assert 'key=value' in capsys.readouterr().err
+  assert not os.path.exists(out)
+  # main's spelling is accepted and reaches the command line.
+  sweep = sweep_lib.load_sweep(good, dict(
+      [sweep_lib.parse_override('--config.ot.epsilon=0.2')]))
+  (run,) = sweep.runs(out)
+  assert flags_of(sweep_lib.command(sweep, run, 'train'))[
+      'config.ot.epsilon'] == '0.2'
 
 
 def test_folder_datasets_get_a_single_path_component():

@@ -154,10 +154,41 @@ def test_learned_alpha_moves(tmp_path, data_dir):
     ({'ot.grid_size': 16}, 'grid_size'),
     ({'ot.alpha': 1.5}, 'alpha'),
     ({'optim.name': 'adam'}, 'optim'),
+    ({'monitor.every_steps': -1}, 'monitor.every_steps'),
+    ({'monitor.every_steps': 3}, 'multiple of config.log_every_steps'),
+    ({'monitor.num_train': 0}, 'monitor.num_train'),
+    ({'monitor.num_test': 0}, 'monitor.num_test'),
 ])
 def test_bad_config_is_rejected(data_dir, bad, match):
   with pytest.raises(ValueError, match=match):
     train.validate_config(tiny_config(data_dir, **bad))
+
+
+def test_knn_monitor_is_logged_and_leaves_training_unchanged(
+    tmp_path, data_dir, caplog):
+  monitored = tiny_config(data_dir, **{
+      'monitor.every_steps': 2, 'monitor.num_train': 40,
+      'monitor.num_test': 20})
+  plain = tiny_config(data_dir, **{'monitor.every_steps': 0})
+  caplog.set_level('INFO')
+  with_monitor = train.train(monitored, str(tmp_path / 'a')).state
+  lines = [r.getMessage() for r in caplog.records]
+  without = train.train(plain, str(tmp_path / 'b')).state
+  for a, b in zip(_params(with_monitor), _params(without)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(
+      jax.tree_util.tree_leaves(jax.device_get(with_monitor.batch_stats)),
+      jax.tree_util.tree_leaves(jax.device_get(without.batch_stats))):
+    np.testing.assert_array_equal(a, b)
+  read = lambda run: [json.loads(l) for l in open(tmp_path / run /
+                                                  'metrics.jsonl')]
+  records = read('a')
+  assert [r['step'] for r in records] == [2, 4]
+  for record in records:
+    assert 0.0 <= record[train.MONITOR_METRIC] <= 100.0
+  assert all(train.MONITOR_METRIC not in r for r in read('b'))
+  progress = [l for l in lines if l.startswith('step 4/4')]
+  assert len(progress) == 1 and 'monitor_knn_top1' in progress[0]
 
 
 def test_four_devices_match_one(tmp_path, data_dir):
