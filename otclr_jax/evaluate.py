@@ -100,8 +100,9 @@ from otclr_jax import fileio
 from otclr_jax import input_pipeline
 from otclr_jax import metrics
 from otclr_jax import models
+from otclr_jax import experiment
 from otclr_jax import tables
-from otclr_jax import train
+from otclr_jax import views as views_lib
 
 # L2 strengths lambda of the probe, loss = mean CE + lambda / 2 ||W||^2 on
 # standardised features (bias not penalised).
@@ -234,16 +235,17 @@ class Encoder:
   """
 
   def __init__(self, model, mesh=None):
-    mesh = train.make_mesh(jax.local_devices()) if mesh is None else mesh
+    mesh = (experiment.make_mesh(jax.local_devices()) if mesh is None
+            else mesh)
     self.num_devices = mesh.size
     self._data = NamedSharding(mesh, P('data'))
     self._replicated = NamedSharding(mesh, P())
 
     @jax.jit
     def apply(variables, images):
-      h, _ = model.apply(variables, images.astype(jnp.float32) / 255.0,
-                         train=False)
-      return h
+      # Every method's network returns (h, z, ...): h is the encoder's.
+      return model.apply(variables, images.astype(jnp.float32) / 255.0,
+                         train=False)[0]
 
     self._apply = apply
 
@@ -833,25 +835,35 @@ def embedding_of(config: ml_collections.ConfigDict) -> str:
 
 def project(model, variables: dict[str, Any], features: np.ndarray,
             batch_size: int = 4096) -> np.ndarray:
-  """Projection-head outputs z (not normalised) of backbone features h.
+  """Embeddings z (not normalised) of backbone features h, by the run's head.
 
   Applies the run's head alone (BatchNorm in inference mode) to cached h, so
-  z needs no second pass over the images: g(f(x)) = g(h).
+  z needs no second pass over the images: g(f(x)) = g(h). The head is the
+  ``'head'`` submodule every method's network has (SimCLR, MoCo and BYOL: the
+  projection head; DINO: the bottleneck of its head).
 
   Args:
-    model: the run's `models.SimCLRNet`.
+    model: the run's network (`experiment.create_model`).
     variables: its {'params', 'batch_stats'}.
     features: float32 [N, 512] backbone features h.
     batch_size: rows per call.
 
   Returns:
-    float32 [N, proj_dim].
+    float32 [N, D], D the embedding width of the method's network.
   """
-  head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
-                               out_dim=model.proj_dim, dtype=model.dtype)
-  head_vars = {'params': variables['params']['head'],
-               'batch_stats': variables['batch_stats']['head']}
-  apply = jax.jit(lambda v, h: head.apply(v, h, train=False))
+  if isinstance(model, models.DINONet):
+    head = models.DINOHead(hidden_dim=model.hidden_dim,
+                           bottleneck_dim=model.bottleneck_dim,
+                           num_prototypes=model.num_prototypes,
+                           dtype=model.dtype)
+    head_vars = {'params': variables['params']['head']}
+    apply = jax.jit(lambda v, h: head.apply(v, h)[0])
+  else:
+    head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
+                                 out_dim=model.proj_dim, dtype=model.dtype)
+    head_vars = {'params': variables['params']['head'],
+                 'batch_stats': variables['batch_stats']['head']}
+    apply = jax.jit(lambda v, h: head.apply(v, h, train=False))
   return np.concatenate([
       np.asarray(apply(head_vars, jnp.asarray(features[i:i + batch_size])))
       for i in range(0, len(features), batch_size)]).astype(np.float32)
@@ -965,8 +977,9 @@ class ViewEmbeddings(NamedTuple):
   embedding: str = 'z'
 
 
-def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
-                    images: np.ndarray, *, num_images: int, batch_size: int,
+def view_embeddings(config: ml_collections.ConfigDict, model,
+                    variables: dict[str, Any], images: np.ndarray, *,
+                    num_images: int, batch_size: int,
                     seed: int = VIEWS_SEED) -> ViewEmbeddings:
   """Both generators' positive pairs of test images, embedded by one encoder.
 
@@ -974,13 +987,14 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
   strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
   (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
   run's `config.ot` settings and alpha (learnt alpha if any). The network
-  of `state` embeds both pairs and the clean images: l2-normalised z (the
+  `variables` embeds both pairs and the clean images: l2-normalised z (the
   paper's choice) or h, as `config.eval.embedding` says.
 
   Args:
     config: the run's config.
     model: the run's network.
-    state: the restored TrainState.
+    variables: its restored {'params', 'batch_stats'} (and 'alpha_logit' for
+      a learnt alpha), `experiment.restore_variables`.
     images: uint8 [N, S, S, 3] test images.
     num_images: n, at most N.
     batch_size: images per device call.
@@ -994,16 +1008,21 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
                                                       replace=False))
   images = images[chosen]
   both = config.copy_and_resolve_references()
-  both.method = 'otclr'  # make_views then returns the OT and the strong pairs.
-  variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+  # 'ot' views: make_views then returns the OT and the strong pairs.
+  both.views = 'ot'
+  if both.method == views_lib.OTCLR_ALIAS:
+    both.method = 'simclr'
+  alpha = experiment.alpha_of(config, variables)
+  variables = {'params': variables['params'],
+               'batch_stats': variables['batch_stats']}
   embedding = embedding_of(config)
 
   @jax.jit
-  def batch_views(params, variables, batch, key):
+  def batch_views(variables, batch, key):
     x = batch.astype(jnp.float32) / 255.0
-    o1, o2, s1, s2 = train.make_views(both, params, x, key)
+    o1, o2, s1, s2 = views_lib.make_views(both, x, key, alpha)
     h, z = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
-                       train=False)
+                       train=False)[:2]
     e = z if embedding == 'z' else h
     e = e / jnp.maximum(jnp.linalg.norm(e, axis=1, keepdims=True), 1e-12)
     return jnp.split(e, 5), (o1, o2, s1, s2)
@@ -1014,7 +1033,7 @@ def view_embeddings(config: ml_collections.ConfigDict, model, state: Any,
   for index, batch in enumerate(input_pipeline.eval_batches(images,
                                                             batch_size)):
     real = len(batch)
-    zs, (o1, o2, s1, s2) = batch_views(state.params, variables,
+    zs, (o1, o2, s1, s2) = batch_views(variables,
                                        _pad_rows(batch, batch_size),
                                        jax.random.fold_in(key, index))
     parts.append([np.asarray(z)[:real] for z in zs])
@@ -1047,8 +1066,8 @@ def summarise_views(views: ViewEmbeddings,
   return out
 
 
-def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
-                 images: np.ndarray, num_classes: int, *, num_images: int,
+def view_metrics(config: ml_collections.ConfigDict, model,
+                 variables: dict[str, Any], images: np.ndarray, num_classes: int, *, num_images: int,
                  batch_size: int, seed: int = VIEWS_SEED) -> dict[str, Any]:
   """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
 
@@ -1057,7 +1076,7 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
   Args:
     config: the run's config.
     model: the run's network.
-    state: the restored TrainState.
+    variables: as for `view_embeddings`.
     images: uint8 [N, S, S, 3] test images.
     num_classes: K for the cluster metrics of the view embeddings.
     num_images: n, at most N.
@@ -1071,7 +1090,7 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
     embedding `config.eval.embedding` names.
   """
   return summarise_views(
-      view_embeddings(config, model, state, images, num_images=num_images,
+      view_embeddings(config, model, variables, images, num_images=num_images,
                       batch_size=batch_size, seed=seed), num_classes)
 
 
@@ -1081,19 +1100,24 @@ def view_metrics(config: ml_collections.ConfigDict, model, state: Any,
 
 def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
-  """The run's network, restored TrainState and step (default: latest).
+  """The run's network, restored variables and step (default: latest).
+
+  Returns:
+    `(model, variables, step)`: `variables` the network's {'params',
+    'batch_stats'} (and 'alpha_logit' for a learnt alpha) of the checkpoint,
+    read by partial restoration (`experiment.restore_variables`).
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
     ValueError: no checkpoint for `step`.
   """
-  model, state, _, step, _ = _restore(config, workdir, step)
-  return model, state, step
+  model, variables, step, _ = _restore(config, workdir, step)
+  return model, variables, step
 
 
 def _restore(config: ml_collections.ConfigDict, workdir: str,
              step: int | None):
-  """The run's restored state, its untrained initial state, and the step."""
+  """The run's model, restored variables, step and checkpoint path."""
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   how = ('pretrain first, e.g. `python -m otclr_jax.main '
          '--config=configs/<config>.py --workdir=' + workdir + '`')
@@ -1110,18 +1134,11 @@ def _restore(config: ml_collections.ConfigDict, workdir: str,
     elif step not in steps:
       raise ValueError(f'No checkpoint for step {step} in {directory}; '
                        f'available steps: {sorted(steps)}.')
-    model = train.create_model(config)
-    # Only the optimiser state's structure matters for the restore; the
-    # schedule's values do not enter it.
-    tx = train.create_optimizer(
-        config, train.learning_rate_schedule(config, 1, 1))
-    init_key, _ = jax.random.split(jax.random.key(config.seed))
-    initial = jax.jit(functools.partial(train.init_state, config, model, tx))(
-        init_key)
-    state = ckpt.restore(initial, step)
   finally:
     ckpt.close()
-  return model, state, initial, int(step), os.path.join(directory, str(step))
+  variables = experiment.restore_variables(config, workdir, step)
+  return (experiment.create_model(config), variables, int(step),
+          os.path.join(directory, str(step)))
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -1140,7 +1157,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     FileNotFoundError: `workdir` holds no checkpoint.
     ValueError: an unknown dataset, a missing step, or a bad config.
   """
-  train.validate_config(config)
+  experiment.validate_config(config)
   datasets = tuple(config.eval.datasets)
   if not datasets:
     raise ValueError('config.eval.datasets is empty; name at least one '
@@ -1161,11 +1178,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   recompute_bn = bool(config.eval.get('recompute_bn', False))
 
   start = time.perf_counter()
-  model, state, initial, step, ckpt_path = _restore(config, workdir, step)
+  model, restored, step, ckpt_path = _restore(config, workdir, step)
   logging.info('Evaluating %s (step %d) on %s', ckpt_path, step,
                ', '.join(datasets))
-  trained_vars = {'params': state.params['net'],
-                  'batch_stats': state.batch_stats}
+  trained_vars = {'params': restored['params'],
+                  'batch_stats': restored['batch_stats']}
   # A diverged run can leave NaN/inf weights or BatchNorm statistics; their
   # features give chance-level numbers that look like results.
   check_finite_variables(trained_vars, workdir, step)
@@ -1194,6 +1211,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   results: dict[str, Any] = {
       'step': step, 'checkpoint': ckpt_path, 'method': config.method,
+      'view_generator': views_lib.resolve(config)[1],
+      'title': experiment.title_of(config),
       'seed': int(config.seed), 'batch_size': int(config.batch_size),
       'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
       'hardware': _hardware(), 'linear': {}, 'random_init': {},
@@ -1226,7 +1245,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   test = input_pipeline.load_split(views_dataset, 'test', config.image_size,
                                    config.data_dir or None)
   num_view_images = min(num_view_images, len(test.images))
-  views = view_embeddings(config, model, state, test.images,
+  views = view_embeddings(config, model, restored, test.images,
                           num_images=num_view_images, batch_size=batch_size)
   results['views'] = summarise_views(views, test.num_classes)
   results['protocol'] = {
@@ -1239,7 +1258,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
       'views_num_images': num_view_images, 'views_seed': VIEWS_SEED,
       'embedding': embedding, 'embedding_desc': EMBEDDINGS[embedding],
       'recompute_bn': recompute_bn, 'bn_images': bn_images,
-      'alpha': float(train.current_alpha(config, state.params)),
+      'alpha': experiment.alpha_of(config, restored),
       'seconds': time.perf_counter() - start,
   }
   results = _json_safe(results)
