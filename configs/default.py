@@ -6,12 +6,19 @@ be overridden on the command line, e.g. `--config.ot.epsilon=0.1`.
 
 import ml_collections
 
+from otclr_jax import methods
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.mode = 'train'  # 'train' pretrains; 'eval' probes the latest checkpoint.
   config.seed = 0
-  config.method = 'otclr'  # 'otclr' or the 'simclr' baseline.
+  # The objective: 'simclr', 'moco', 'byol' or 'dino' (docs/methods.md), or
+  # 'otclr', the paper's method: SimCLR with OT views.
+  config.method = 'otclr'
+  # The view generator: 'augment' (two SimCLR strong augmentations) or 'ot'
+  # (OT displacement views); '' = 'ot' for 'otclr', 'augment' otherwise.
+  config.views = ''
 
   config.dataset = 'imagenet300'  # see otclr_jax/input_pipeline.py for names.
   config.data_dir = ''  # '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
@@ -69,6 +76,15 @@ def get_config() -> ml_collections.ConfigDict:
   # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
 
+  # kNN monitor during pretraining (otclr_jax/monitor.py): every every_steps
+  # optimiser steps (0: off; a multiple of log_every_steps), kNN top-1 of
+  # num_test test images against num_train labelled train images, logged as
+  # monitor_knn_top1. Never changes the run's result.
+  config.monitor = ml_collections.ConfigDict()
+  config.monitor.every_steps = 500  # 10 x log_every_steps
+  config.monitor.num_train = 1000
+  config.monitor.num_test = 500
+
   config.eval = ml_collections.ConfigDict()
   config.eval.datasets = ('cifar10',)
   config.eval.at_end = False  # evaluate right after pretraining.
@@ -82,4 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
   config.eval.figures = True  # t-SNE and training curves after evaluating.
+  # Each method's own settings block (config.moco, config.byol, config.dino;
+  # defaults and their sources in otclr_jax/methods/<name>.py).
+  methods.add_defaults(config)
   return config

@@ -16,8 +16,10 @@ Subcommands:
        alternated in one process after a warm-up, the OTCLR/SimCLR ratio; the
        OTCLR step and the OT views once per Sinkhorn core (`ot.core`: 'ott'
        and 'separable'), with their ratio; the same for the linear-evaluation
-       forward; the OT views' share of the step; and the host input
-       pipeline's batches/s next to the step's.
+       forward; the OT views' share of the step; the host input
+       pipeline's batches/s next to the step's; and the kNN monitor's ms per
+       call with its share of the `config.monitor.every_steps` steps between
+       two calls.
 
 Config overrides use `main`'s spelling and parser (`config_files`):
 `--config.ot.epsilon=0.1` or `--override ot.epsilon=0.1`; a typo fails with a
@@ -457,50 +459,52 @@ def _train_images(config, num: int, seed: int) -> np.ndarray:
 
 def run_train(args: argparse.Namespace) -> int:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from otclr_jax import input_pipeline, train  # pylint: disable=g-import-not-at-top
+  from otclr_jax import experiment, input_pipeline, methods  # pylint: disable=g-import-not-at-top
 
   base = load_config(args.config, args.override)
   if args.batch_size:
     base.batch_size = args.batch_size
   batch_size, size = base.batch_size, base.image_size
-  mesh = train.make_mesh()
+  mesh = experiment.make_mesh()
   replicated = NamedSharding(mesh, PartitionSpec())
   images, source = _train_images(base, max(4 * batch_size, 1024), args.seed)
   host_batch = images[:batch_size]
-  batch = train.global_batch(host_batch, mesh)
+  batch = experiment.global_batch(host_batch, mesh)
   key = jax.device_put(jax.random.key(args.seed), replicated)
 
-  # SimCLR, then OTCLR once per Sinkhorn core (the default core first).
+  # Every method with both view generators (default Sinkhorn core), then
+  # OTCLR (SimCLR + OT views) with the other core.
   cores = (ot.DEFAULT_CORE, _other_core())
-  variants = {'simclr': ('simclr', ot.DEFAULT_CORE)}
-  variants.update({f'otclr/{c}': ('otclr', c) for c in cores})
-  otclr = f'otclr/{ot.DEFAULT_CORE}'
-  steps, states, flops, fwd_flops = {}, {}, {}, {}
-  params_m = eval_params_m = None
-  for name, (method, core) in variants.items():
+  variants = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
+              for m in methods.NAMES for v in ('augment', 'ot')}
+  variants[f'simclr/ot/{cores[1]}'] = ('simclr', 'ot', cores[1])
+  otclr = 'simclr/ot'
+  steps, states, flops, fwd_flops, titles = {}, {}, {}, {}, {}
+  params_m, eval_params_m = {}, {}
+  for name, (method, views, core) in variants.items():
     config = base.copy_and_resolve_references()
-    config.method = method
-    config.ot.core = core
-    model = train.create_model(config)
-    schedule = train.learning_rate_schedule(config, 100, 1000)
-    tx = train.create_optimizer(config, schedule)
-    state = jax.jit(functools.partial(train.init_state, config, model, tx),
-                    out_shardings=replicated)(jax.random.key(args.seed))
-    step = train.jit_train_step(config, model, tx, schedule, mesh)
+    config.method, config.views, config.ot.core = method, views, core
+    run = experiment.setup(config, steps_per_epoch=100)
+    state = experiment.initial_state(config, run, mesh)
+    step = experiment.jit_train_step(config, run, mesh)
     compiled = step.lower(state, batch, key).compile()
     flops[name] = _flops(compiled)
     steps[name], states[name] = compiled, state
-    # Both views of the batch: the forward FLOPs of B image pairs. XLA counts
-    # only multiply-adds on real pixels, not on a convolution's zero padding,
-    # which at 32 x 32 (1 x 1 maps in the last stage) is much of the naive
-    # count that papers quote.
-    views = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
+    titles[name] = run.title
+    # Both views of the batch: the forward FLOPs of B image pairs through the
+    # trained network. XLA counts only multiply-adds on real pixels, not on a
+    # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
+    # stage) is much of the naive count that papers quote.
+    views_in = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
     variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
     fwd_flops[name] = _flops(jax.jit(
-        lambda v, x: model.apply(v, x, train=False)).lower(variables, views)
-                             .compile())
-    params_m = train.count_params(state.params['net']) / 1e6
-    eval_params_m = train.count_params(state.params['net']['encoder']) / 1e6
+        lambda v, x, model=run.model: model.apply(v, x, train=False)).lower(
+            variables, views_in).compile())
+    # Pretraining: the trained network and its targets (MoCo: query + key
+    # encoders with heads, the paper's 23.01M); evaluation: the encoder.
+    params_m[name] = experiment.pretraining_params(state) / 1e6
+    eval_params_m[name] = experiment.count_params(
+        state.params['net']['encoder']) / 1e6
     print(f'compiled {name} step', flush=True)
 
   times = {name: [] for name in variants}
@@ -517,7 +521,8 @@ def run_train(args: argparse.Namespace) -> int:
 
   # Linear evaluation: the frozen encoder's forward pass on clean images.
   config = base.copy_and_resolve_references()
-  model = train.create_model(config)
+  config.method, config.views = 'simclr', 'ot'
+  model = experiment.create_model(config)
   state = states[otclr]
   encoder_vars = {'params': state.params['net'],
                   'batch_stats': state.batch_stats}
@@ -527,6 +532,9 @@ def run_train(args: argparse.Namespace) -> int:
   eval_flops = _flops(eval_compiled)
   eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
                        repeats=2 * args.repeats)
+
+  # The kNN monitor (otclr_jax/monitor.py) as training calls it.
+  monitor_ms, monitor_images = _time_monitor(base, model, state, args)
 
   # The OT views of a whole batch (both views), as the OTCLR step makes them.
   otc = base.ot
@@ -547,13 +555,10 @@ def run_train(args: argparse.Namespace) -> int:
   n = 50
   start = time.perf_counter()
   for _ in range(n):
-    jax.block_until_ready(train.global_batch(next(batches), mesh))
+    jax.block_until_ready(experiment.global_batch(next(batches), mesh))
   pipeline_per_s = n / (time.perf_counter() - start)
   getattr(batches, 'close', lambda: None)()
 
-  ratio = step_ms[otclr] / step_ms['simclr']
-  rows = [('Pretraining', 'SimCLR', 'simclr')]
-  rows += [('Pretraining', f'OTCLR core={c}', f'otclr/{c}') for c in cores]
   device = jax.devices()[0]
   print(f'\nconfig {args.config}, batch {batch_size}, {size}x{size}, dtype '
         f'{base.dtype}, {len(jax.devices())} x {device.device_kind} '
@@ -562,26 +567,34 @@ def run_train(args: argparse.Namespace) -> int:
   print('| Stage | Method | Params (M) | GFLOPs fwd / pair | GFLOPs step / pair '
         '| Step (ms) | Thrpt. (pairs/s) |')
   print('|---|---|---|---|---|---|---|')
-  for stage, label, name in rows:
+  for name in variants:
     ms = step_ms[name]
-    print(f'| {stage} | {label} | {params_m:.2f} | '
+    label = titles[name]
+    if name.count('/') == 2 or name == otclr:
+      label += f' core={variants[name][2]}'
+    print(f'| Pretraining | {label} | {params_m[name]:.2f} | '
           f'{fwd_flops[name] / batch_size / 1e9:.3f} '
           f'| {flops[name] / batch_size / 1e9:.3f} | {ms:.1f} '
           f'| {1e3 * batch_size / ms:,.0f} |')
-  for method in ('SimCLR', 'OTCLR'):
-    # Same frozen encoder for both: the OT views exist only in pretraining.
-    print(f'| Linear eval. | {method} | {eval_params_m:.2f} | '
+  for method in methods.NAMES:
+    # Same frozen encoder with either views: they exist only in pretraining.
+    print(f'| Linear eval. | {titles[method + "/augment"]} | '
+          f'{eval_params_m[method + "/augment"]:.2f} | '
           f'{eval_flops / batch_size / 1e9:.3f} / image | - | {eval_ms:.1f} '
           f'| {1e3 * batch_size / eval_ms:,.0f} images/s |')
   pipe_ratio = pipeline_per_s / (1e3 / step_ms[otclr])
-  print(f'\nOTCLR (core={ot.DEFAULT_CORE}) / SimCLR step time: {ratio:.3f} '
-        f'(target <= {TARGET_STEP_RATIO}: '
-        f'{"met" if ratio <= TARGET_STEP_RATIO else "MISSED"})')
+  print()
+  for method in methods.NAMES:
+    r = step_ms[f'{method}/ot'] / step_ms[f'{method}/augment']
+    print(f'{titles[method + "/ot"]} / {titles[method + "/augment"]} step '
+          f'time: {r:.3f} (target <= {TARGET_STEP_RATIO}: '
+          f'{"met" if r <= TARGET_STEP_RATIO else "MISSED"})')
   other = cores[1]
   print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
-        f'{step_ms[f"otclr/{other}"] / step_ms[otclr]:.3f}')
+        f'{step_ms[f"{otclr}/{other}"] / step_ms[otclr]:.3f}')
   for core in cores:
-    share = views_ms[core] / step_ms[f'otclr/{core}']
+    share = views_ms[core] / step_ms[
+        otclr if core == ot.DEFAULT_CORE else f'{otclr}/{core}']
     print(f'OT views core={core} (2 x {batch_size} images): '
           f'{views_ms[core]:.1f} ms = {100 * share:.2f}% of the OTCLR step '
           f'(target < {100 * TARGET_OT_SHARE:.0f}%: '
@@ -590,7 +603,44 @@ def run_train(args: argparse.Namespace) -> int:
         f'{1e3 / step_ms[otclr]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
         f'{TARGET_PIPELINE_OVER_STEP:.0f}x: '
         f'{"met" if pipe_ratio >= TARGET_PIPELINE_OVER_STEP else "MISSED"})')
+  every = base.monitor.every_steps
+  monitor_text = (f'every {every} steps: {monitor_ms:.1f} ms = '
+                  f'{100 * monitor_ms / (every * step_ms[otclr]):.3f}% of '
+                  f'{every} OTCLR steps' if every > 0 else
+                  'off (config.monitor.every_steps=0)')
+  print(f'kNN monitor ({monitor_images}): {monitor_ms:.1f} ms per call; '
+        f'{monitor_text}')
   return 0
+
+
+def _time_monitor(config, model, state, args) -> tuple[float, str]:
+  """Median ms of one kNN monitor call, and which images it embeds.
+
+  The config's dataset when it is prepared here, else random uint8 images
+  and labels (the cost does not depend on content).
+  """
+  from otclr_jax import input_pipeline, monitor  # pylint: disable=g-import-not-at-top
+  try:
+    splits = [input_pipeline.load_split(config.dataset, split,
+                                        config.image_size,
+                                        config.data_dir or None,
+                                        download=False)
+              for split in ('train', 'test')]
+    source = config.dataset
+  except Exception:  # pylint: disable=broad-except
+    rng = np.random.default_rng(args.seed)
+    shape = (config.image_size, config.image_size, 3)
+    splits = [input_pipeline.Split(
+        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
+        rng.integers(0, 10, num, dtype=np.int32), 10,
+        [str(c) for c in range(10)])
+              for num in (config.monitor.num_train, config.monitor.num_test)]
+    source = 'random uint8'
+  knn = monitor.KnnMonitor(config, model, *splits)
+  knn(state)  # compiles
+  ms, _ = time_ms(knn, state, repeats=args.repeats)
+  return ms, (f'{len(knn.train_images)} train / {len(knn.test_images)} test '
+              f'images of {source}')
 
 
 def _add_train_parser(subparsers) -> None:

@@ -73,12 +73,14 @@ can be evaluated without disturbing its saves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
 import os
 import re
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -101,6 +103,7 @@ from otclr_jax import input_pipeline
 from otclr_jax import metrics
 from otclr_jax import models
 from otclr_jax import experiment
+from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax import views as views_lib
 
@@ -1100,7 +1103,10 @@ def view_metrics(config: ml_collections.ConfigDict, model,
 
 def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
-  """The run's network, restored variables and step (default: latest).
+  """The run's network, restored variables and step.
+
+  With `step` None, the newest checkpoint that restores; newer ones that do
+  not (truncated, incomplete) are skipped with a warning naming each.
 
   Returns:
     `(model, variables, step)`: `variables` the network's {'params',
@@ -1129,29 +1135,70 @@ def _restore(config: ml_collections.ConfigDict, workdir: str,
     steps = ckpt.all_steps()
     if not steps:
       raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
-    if step is None:
-      step = ckpt.latest_step()
-    elif step not in steps:
+    if step is not None and step not in steps:
       raise ValueError(f'No checkpoint for step {step} in {directory}; '
                        f'available steps: {sorted(steps)}.')
   finally:
     ckpt.close()
-  variables = experiment.restore_variables(config, workdir, step)
+  if step is not None:
+    variables = experiment.restore_variables(config, workdir, step)
+  else:
+    # The newest checkpoint that restores: a truncated or incomplete newer
+    # one (a crash mid-write) is skipped with a warning naming it and why.
+    # Read-only, so nothing is moved and a training run there is undisturbed.
+    failures = []
+    for candidate in sorted(steps, reverse=True):
+      try:
+        variables = experiment.restore_variables(config, workdir, candidate)
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append(f'step {candidate}: {checkpoint.describe_error(e)}')
+        logging.warning('Skipping checkpoint %s: %s',
+                        os.path.join(directory, str(candidate)),
+                        checkpoint.describe_error(e))
+        continue
+      step = candidate
+      break
+    else:
+      raise RuntimeError(f'No checkpoint in {directory} restores '
+                         f'({"; ".join(failures)}).')
   return (experiment.create_model(config), variables, int(step),
           os.path.join(directory, str(step)))
 
 
+class Evaluation(NamedTuple):
+  """What `evaluate_run` computed: the results and what the figures draw.
+
+  Attributes:
+    results: the results dict written to `workdir/eval/results.json`.
+    views: the view embeddings of the view-quality metrics.
+    test: the test split they were drawn from.
+  """
+  results: dict[str, Any]
+  views: ViewEmbeddings
+  test: input_pipeline.Split
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
              step: int | None = None) -> dict[str, Any]:
+  """`evaluate_run(...).results`: evaluates a checkpoint, draws no figure."""
+  return evaluate_run(config, workdir, step).results
+
+
+def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
+                 step: int | None = None) -> Evaluation:
   """Evaluates a checkpoint of the run in `workdir` (see the module docstring).
+
+  Figures are not drawn here (evaluation does not import them): `main.py`
+  draws them from the returned `Evaluation` when `config.eval.figures`.
 
   Args:
     config: the run's config; `config.eval.datasets` lists the probe datasets.
     workdir: the run's directory, holding checkpoints/.
-    step: checkpoint step; None for the latest.
+    step: checkpoint step; None for the newest that restores.
 
   Returns:
-    The results dict, also written to `workdir/eval/results.json`.
+    An `Evaluation`; its results are also written to
+    `workdir/eval/results.json`.
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
@@ -1269,26 +1316,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s', step,
                time.perf_counter() - start, os.path.join(workdir, 'eval'))
-  if config.eval.figures:
-    _draw_figures(config, workdir, results, views, test)
-  return results
-
-
-def _draw_figures(config: ml_collections.ConfigDict, workdir: str,
-                  results: dict[str, Any], views: ViewEmbeddings,
-                  test: input_pipeline.Split) -> None:
-  """t-SNE of the views and training curves into `workdir/eval/figures/`."""
-  try:
-    from otclr_jax import figures  # pylint: disable=g-import-not-at-top
-    paths = figures.report_single(config, workdir, results=results,
-                                  views=views, test=test)
-    logging.info('Figures: %s', ', '.join(paths))
-  # A figure is a by-product: whatever goes wrong drawing it (a plotting
-  # backend, a degenerate embedding) must not lose the results written above.
-  except Exception:  # pylint: disable=broad-except
-    logging.exception('Drawing the figures failed; the evaluation results are '
-                      'complete. Redraw with `python -m otclr_jax.figures '
-                      'report --workdir=%s`.', workdir)
+  return Evaluation(results, views, test)
 
 
 def write_results(results: dict[str, Any], workdir: str) -> None:
@@ -1313,7 +1341,20 @@ def _main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   checkpoint.quiet_logs()
   logging.info('JAX devices: %s', jax.devices())
-  evaluate(flags.FLAGS.config, flags.FLAGS.workdir, flags.FLAGS.step)
+  workdir = flags.FLAGS.workdir
+  # The lock `main --config.mode=eval` takes: one writer of eval/ at a time.
+  # No lock file in a directory that is not there: evaluate says it is
+  # missing instead of leaving an empty one behind.
+  try:
+    with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
+          if os.path.isdir(workdir) else contextlib.nullcontext()):
+      evaluate(flags.FLAGS.config, workdir, flags.FLAGS.step)
+    logging.info('Figures: `python -m otclr_jax.figures report --workdir=%s` '
+                 '(`python -m otclr_jax.main --config.mode=eval` evaluates '
+                 'and draws them).', workdir)
+  except rundir.WorkdirLockedError as e:
+    logging.error('%s', e)
+    sys.exit(rundir.EXIT_LOCKED)
 
 
 def run() -> None:

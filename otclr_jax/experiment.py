@@ -153,12 +153,27 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for field in ('at_end', 'figures'):
     _require(isinstance(c.eval[field], bool), f'eval.{field}',
              'must be True or False', c.eval[field])
+  if 'monitor' in c:  # configs stored by older versions have none
+    _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
+             and c.monitor.every_steps % c.log_every_steps == 0,
+             'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
+             'multiple of config.log_every_steps (it is logged with that '
+             "step's line)", c.monitor.every_steps)
+    for field in ('num_train', 'num_test'):
+      _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
+               f'monitor.{field}', 'must be an integer >= 1',
+               c.monitor[field])
   try:
     views_lib.augment_params(c)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   _require(c.ot.core in ot.CORES, 'ot.core', f'must be one of {ot.CORES}',
            c.ot.core)
+
+
+def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the kNN monitor runs (otclr_jax/monitor.py; `config.monitor`)."""
+  return 'monitor' in config and config.monitor.every_steps > 0
 
 
 # ----------------------------------------------------------------------------

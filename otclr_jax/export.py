@@ -12,12 +12,23 @@ never leaves a half-written encoder. Another project embeds images with
 
 The images are float RGB in `[0, 1]` (uint8 data divided by 255), at the
 pretraining `image_size` stored in the file (`load_encoder_config`).
+
+Training writes `<workdir>/encoder/encoder.msgpack` (`encoder_path`) when it
+finishes; any checkpoint of a run is exported on demand with
+
+    python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]
+
+(default step: the newest that restores; default out:
+`DIR/encoder/encoder_step<S>.msgpack`), using the run's stored config.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import os
+import sys
 from typing import Any, Callable, Mapping
 
 from flax import serialization
@@ -31,6 +42,9 @@ from otclr_jax import models
 FORMAT = 'otclr_jax.encoder'
 VERSION = 1
 FEATURE_DIM = 512
+# Where a finished training run leaves its encoder, relative to the workdir.
+ENCODER_DIR = 'encoder'
+ENCODER_FILE = 'encoder.msgpack'
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -51,7 +65,14 @@ def _encoder_tree(variables: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
-def export_encoder(path: str, variables: Mapping[str, Any], config) -> None:
+def encoder_path(workdir: str, step: int | None = None) -> str:
+  """`workdir/encoder/encoder.msgpack` (end of training) or `..._step<S>.msgpack`."""
+  name = ENCODER_FILE if step is None else f'encoder_step{int(step)}.msgpack'
+  return os.path.join(workdir, ENCODER_DIR, name)
+
+
+def export_encoder(path: str, variables: Mapping[str, Any], config, *,
+                   step: int | None = None) -> None:
   """Writes the encoder of a trained model to `path`, atomically.
 
   Args:
@@ -62,6 +83,8 @@ def export_encoder(path: str, variables: Mapping[str, Any], config) -> None:
     config: the run's ConfigDict (or its dict): `model.stem`, `dtype`,
       `image_size` are stored; `method`, `dataset` and `seed` too, as
       provenance.
+    step: the checkpoint step the variables come from (provenance; stored
+      when given).
   """
   get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
   model = get(config, 'model')
@@ -74,6 +97,8 @@ def export_encoder(path: str, variables: Mapping[str, Any], config) -> None:
       'dataset': get(config, 'dataset'),
       'seed': int(get(config, 'seed')),
   }
+  if step is not None:
+    meta['step'] = int(step)
   if meta['dtype'] not in _DTYPES:
     raise ValueError(f'config.dtype must be one of {tuple(_DTYPES)}, got '
                      f'{meta["dtype"]!r}.')
@@ -145,3 +170,76 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
     return features(variables, images)
 
   return apply_fn, variables
+
+
+# ----------------------------------------------------------------------------
+# Command line: export any checkpoint of a run.
+
+
+def export_checkpoint(workdir: str, step: int | None = None,
+                      out: str | None = None) -> tuple[str, int]:
+  """Exports the encoder of checkpoint `step` of the run in `workdir`.
+
+  The network is rebuilt from the run's stored `workdir/config.json` and the
+  checkpoint restored as evaluation restores it (`evaluate.restore`); a
+  checkpoint with non-finite variables is refused.
+
+  Args:
+    workdir: the run's directory (config.json, checkpoints/).
+    step: checkpoint step; None for the newest that restores.
+    out: output file; default `encoder_path(workdir, step)`.
+
+  Returns:
+    `(path written, step exported)`.
+
+  Raises:
+    FileNotFoundError: no config.json or no checkpoint in `workdir`.
+    ValueError: no checkpoint for `step`, or non-finite variables.
+  """
+  # Training-side modules (Orbax, the train step) load only for this command;
+  # `load_encoder` users need none of them.
+  from otclr_jax import config_files  # pylint: disable=g-import-not-at-top
+  from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
+  config_path = os.path.join(workdir, rundir.CONFIG_FILE)
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(
+        f'{config_path} does not exist: the encoder is rebuilt from the '
+        "run's stored config (written by `python -m otclr_jax.main` when a "
+        'run starts).')
+  config = config_files.load(config_path)
+  _, restored, step = evaluate.restore(config, workdir, step)
+  variables = {'params': restored['params'],
+               'batch_stats': restored['batch_stats']}
+  evaluate.check_finite_variables(variables, workdir, step)
+  path = out or encoder_path(workdir, step)
+  export_encoder(path, variables, config, step=step)
+  return path, step
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]`."""
+  parser = argparse.ArgumentParser(
+      prog='python -m otclr_jax.export',
+      description="Export a run checkpoint's encoder (params + BatchNorm "
+      'statistics + model settings) for `export.load_encoder`.')
+  parser.add_argument('--workdir', required=True,
+                      help="the run's directory (config.json, checkpoints/)")
+  parser.add_argument('--step', type=int, default=None,
+                      help='checkpoint step (default: the newest that '
+                      'restores)')
+  parser.add_argument('--out', default=None,
+                      help='output file (default: '
+                      'WORKDIR/encoder/encoder_step<S>.msgpack)')
+  args = parser.parse_args(argv)
+  try:
+    path, step = export_checkpoint(args.workdir, args.step, args.out)
+  except (FileNotFoundError, ValueError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  print(f'Exported the encoder of step {step} to {path}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -667,10 +667,10 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
   n = int(num_images or config.eval.num_view_images)
   if n < 2:
     raise ValueError(f'need at least 2 images, got n = {n}.')
-  model, state, step = evaluate.restore(config, workdir, step)
+  model, variables, step = evaluate.restore(config, workdir, step)
   test = input_pipeline.load_split(dataset, 'test', config.image_size,
                                    config.data_dir or None)
-  views = evaluate.view_embeddings(config, model, state, test.images,
+  views = evaluate.view_embeddings(config, model, variables, test.images,
                                    num_images=n,
                                    batch_size=int(config.eval.batch_size))
   results = load_results(workdir)
@@ -1046,7 +1046,7 @@ def report_single(config: ml_collections.ConfigDict, workdir: str, *,
                   test: input_pipeline.Split) -> list[str]:
   """t-SNE and training curves of a run, from an evaluation in progress.
 
-  `otclr_jax.evaluate.evaluate` calls this with the view embeddings it has
+  `otclr_jax.main` calls this with the view embeddings the evaluation has
   just measured, so the t-SNE shows exactly the views of the results' table.
 
   Args:

@@ -29,8 +29,10 @@ import numpy as np
 
 from otclr_jax import checkpoint
 from otclr_jax import experiment
+from otclr_jax import export
 from otclr_jax import fileio
 from otclr_jax import input_pipeline
+from otclr_jax import methods
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 
@@ -38,6 +40,8 @@ from otclr_jax import step as step_lib
 # finite *after* the update. Popped before logging; a checkpoint is only
 # written when every step up to it was finite.
 _FINITE = 'state_finite'
+# Logged by the kNN monitor (otclr_jax/monitor.py) on its steps.
+MONITOR_METRIC = 'monitor_knn_top1'
 
 class DivergedError(FloatingPointError):
   """The loss, a gradient or the training state became non-finite."""
@@ -197,6 +201,21 @@ def _stored_total(stored: dict[str, Any], steps_per_epoch: int) -> int | None:
   return int(stored['num_epochs'] * steps_per_epoch)
 
 
+def _unused_setting(name: str, stored: dict[str, Any],
+                    config: ml_collections.ConfigDict) -> bool:
+  """Whether `name` differs only because config.json predates it, harmlessly.
+
+  Configs stored before methods were plug-ins lack `views` (whose '' means
+  the old behaviour) and the settings blocks of the other methods
+  (`moco.*`, ...), which cannot change this run.
+  """
+  if name == 'views':
+    return 'views' not in stored and not config.views
+  block = name.split('.')[0]
+  return (block in methods.NAMES and block not in stored
+          and block != experiment.method_of(config).name)
+
+
 def check_resume(stored: dict[str, Any] | None,
                  config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses a config whose result-changing settings differ from config.json.
@@ -207,7 +226,8 @@ def check_resume(stored: dict[str, Any] | None,
   if stored is None:
     return
   new = config.to_dict()
-  names = rundir.result_changing_diff(stored, new)
+  names = [n for n in rundir.result_changing_diff(stored, new)
+           if not _unused_setting(n, stored, config)]
   if names:
     raise experiment.ConfigError(
         f'{os.path.join(workdir, rundir.CONFIG_FILE)} holds a run with other '
@@ -257,15 +277,16 @@ class RunResult:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_after_steps: int | None = None,
-                       mesh: Mesh | None = None) -> step_lib.TrainState:
-  """`train(...)`'s final TrainState (see `train`)."""
+                       mesh: Mesh | None = None,
+                       make_monitor=None) -> step_lib.TrainState:
+  """`train(...)`'s final TrainState (see `train`; `main.py` evaluates)."""
   return train(config, workdir, stop_after_steps=stop_after_steps,
-               mesh=mesh).state
+               mesh=mesh, make_monitor=make_monitor).state
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, *,
           stop_after_steps: int | None = None,
-          mesh: Mesh | None = None) -> RunResult:
+          mesh: Mesh | None = None, make_monitor=None) -> RunResult:
   """Pretrains (resuming from `workdir` if it holds a checkpoint).
 
   The whole config is validated before anything is created. The workdir is
@@ -278,21 +299,32 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   Args:
     config: the run's config (configs/default.py documents the fields).
     workdir: output directory: checkpoints/, tensorboard/, metrics.jsonl,
-      config.json, status.json.
+      config.json, status.json, and once finished encoder/encoder.msgpack
+      (`export_encoder`).
     stop_after_steps: leave after this many steps of *this* invocation,
       checkpointing as on a preemption (for time-sliced cluster jobs and the
       resumption test). None runs to the end.
     mesh: device mesh with a 'data' axis; default all devices.
+    make_monitor: `(config, model, train_split) -> callable(state) -> float`,
+      the kNN monitor (`monitor.KnnMonitor`, which `main.py` passes) when
+      `config.monitor.every_steps > 0`. Handed in, so that training does not
+      import evaluation code.
 
   Returns:
     A RunResult. (`main.py` then evaluates the run if `config.eval.at_end`.)
 
   Raises:
-    ConfigError: a bad config field, or one that conflicts with config.json.
+    ConfigError: a bad config field, or one that conflicts with config.json,
+      or a monitored config without `make_monitor`.
     rundir.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
   experiment.validate_config(config)
+  if experiment.monitor_enabled(config) and make_monitor is None:
+    raise experiment.ConfigError(
+        'config.monitor.every_steps > 0 asks for the kNN monitor: run through '
+        '`python -m otclr_jax.main`, or pass '
+        'make_monitor=otclr_jax.monitor.KnnMonitor to train.train.')
   mesh = experiment.make_mesh() if mesh is None else mesh
   if config.batch_size % mesh.size:
     raise experiment.ConfigError(
@@ -313,7 +345,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     progress = {'step': 0, 'total': 0, 'started': False}
     try:
       result = _train(config, workdir, stored, progress, stop_after_steps,
-                      mesh)
+                      mesh, make_monitor)
+      if main and result.status == 'finished':
+        export_encoder(config, workdir, result.state)
     except BaseException as e:
       if main and progress['started']:
         state = 'diverged' if isinstance(e, DivergedError) else 'failed'
@@ -330,8 +364,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   return result
 
 
-def _train(config, workdir, stored, progress, stop_after_steps,
-           mesh) -> RunResult:
+def export_encoder(config: ml_collections.ConfigDict, workdir: str,
+                   state: step_lib.TrainState) -> str:
+  """Writes the finished run's encoder to `workdir/encoder/encoder.msgpack`.
+
+  The backbone alone (params, BatchNorm statistics, model settings) for
+  `otclr_jax.export.load_encoder`; returns the path.
+  """
+  path = export.encoder_path(workdir)
+  export.export_encoder(
+      path, {'params': state.params['net'], 'batch_stats': state.batch_stats},
+      config, step=int(state.step))
+  logging.info('Encoder exported to %s', path)
+  return path
+
+
+def _train(config, workdir, stored, progress, stop_after_steps, mesh,
+           make_monitor) -> RunResult:
   """The body of `train`, with the workdir locked and the config checked."""
   main = jax.process_index() == 0
   data = input_pipeline.load_split(config.dataset, 'train', config.image_size,
@@ -393,6 +442,9 @@ def _train(config, workdir, stored, progress, stop_after_steps,
         values = [m[key] for m in window if not math.isnan(m[key])]
         if values:  # diagnostics evaluated on logging steps only
           means[key] = float(np.mean(values))
+      if knn_monitor is not None and step % config.monitor.every_steps == 0:
+        # After flush(): the state it reads is known to be finite.
+        means[MONITOR_METRIC] = knn_monitor(state)
       logger.write(step, means)
       window.clear()
 
@@ -403,7 +455,10 @@ def _train(config, workdir, stored, progress, stop_after_steps,
       rundir.write_status(workdir, 'running', step, total)
 
   step = start
+  knn_monitor = None
   try:
+    if experiment.monitor_enabled(config):
+      knn_monitor = make_monitor(config, run.model, data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:
       while step < total:

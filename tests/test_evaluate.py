@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -14,6 +16,7 @@ from otclr_jax import checkpoint
 from otclr_jax import evaluate
 from otclr_jax import input_pipeline
 from otclr_jax import models
+from otclr_jax import rundir
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -450,15 +453,15 @@ def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
                                           monkeypatch):
   workdir = _copy_run(trained_run, tmp_path)
   _small_digits(monkeypatch)
-  restore = checkpoint.Checkpointer.restore
+  restore = checkpoint.restore_part
 
-  def poisoned(self, target, step=None):
-    state = restore(self, target, step)
-    stats = jax.tree_util.tree_map(lambda v: v.at[...].set(jnp.nan),
-                                   state.batch_stats)
-    return state.replace(batch_stats=stats)
+  def poisoned(workdir, step, item):
+    part = restore(workdir, step, item)
+    part['batch_stats'] = jax.tree_util.tree_map(
+        lambda v: v.at[...].set(jnp.nan), part['batch_stats'])
+    return part
 
-  monkeypatch.setattr(checkpoint.Checkpointer, 'restore', poisoned)
+  monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
   with pytest.raises(evaluate.NonFiniteError,
                      match=f'{workdir}: checkpoint step 2 .*non-finite'):
     evaluate.evaluate(_eval_config(data_dir), workdir)
@@ -482,3 +485,44 @@ def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
                      match=f'{workdir}: the step2 encoder .* on digits/train'):
     evaluate.evaluate(_eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
+
+
+def test_restore_falls_back_past_a_truncated_newest_checkpoint(
+    tmp_path, data_dir, caplog):
+  config = _eval_config(data_dir, method='simclr')
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(config, str(workdir))  # checkpoints 2 and 4
+  _, expected, _ = evaluate.restore(config, str(workdir), step=2)
+  # What a crash mid-write leaves: the newest checkpoint's data cut short.
+  data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
+  for path in data.iterdir():
+    with open(path, 'r+b') as f:
+      f.truncate(10)
+  caplog.set_level('WARNING')
+  _, state, step = evaluate.restore(config, str(workdir))
+  assert step == 2
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
+                  jax.tree_util.tree_leaves(jax.device_get(state))):
+    np.testing.assert_array_equal(a, b)
+  skipped = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith('Skipping checkpoint')]
+  assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]
+  # Read-only: the damaged checkpoint is left where it is.
+  assert (workdir / 'checkpoints' / '4').is_dir()
+  # An explicit step is never replaced by another one.
+  with pytest.raises(Exception):
+    evaluate.restore(config, str(workdir), step=4)
+
+
+def test_command_line_takes_the_eval_lock(tmp_path):
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with rundir.lock(workdir, rundir.EVAL_LOCK_FILE):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'otclr_jax.evaluate',
+         '--config=configs/digits.py', f'--workdir={workdir}'],
+        cwd=repo, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == rundir.EXIT_LOCKED, proc.stderr[-2000:]
+  assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
+  assert not os.path.exists(os.path.join(workdir, 'eval'))

@@ -1,13 +1,19 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import default
+from otclr_jax import evaluate
 from otclr_jax import export
+from otclr_jax import input_pipeline
 from otclr_jax import models
+from otclr_jax import train
+from tests.tiny import tiny_config
 
 
 @pytest.fixture(scope='module')
@@ -62,3 +68,79 @@ def test_bad_inputs(tmp_path, trained):
     export.load_encoder(str(junk))
   with pytest.raises(FileNotFoundError):
     export.load_encoder(str(tmp_path / 'nope.msgpack'))
+
+
+# ----------------------------------------------------------------------------
+# Wiring: training exports its encoder; any checkpoint exports on demand.
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory):
+  """A tiny digits run trained to its end (4 steps, checkpoints 2 and 4)."""
+  root = tmp_path_factory.mktemp('export_run')
+  config = tiny_config(str(root / 'data'), method='simclr')
+  workdir = str(root / 'run')
+  train.train(config, workdir)
+  return config, workdir
+
+
+def _evaluate_features(config, workdir, step, images):
+  model, restored, _ = evaluate.restore(config, workdir, step)
+  variables = {'params': restored['params'],
+               'batch_stats': restored['batch_stats']}
+  return evaluate.Encoder(model)(variables, images)
+
+
+def _test_images(config):
+  data = input_pipeline.load_split('digits', 'test', config.image_size,
+                                   config.data_dir)
+  return data.images[:16]  # uint8 [16, 8, 8, 3]
+
+
+@jax.jit
+def _as_float(images):
+  # As evaluation's encoder converts uint8 inside its jit: XLA computes x / 255
+  # as x * (1 / 255), which differs from NumPy's division in the last bit.
+  return images.astype(jnp.float32) / 255.0
+
+
+def test_finished_run_exports_its_encoder(finished_run):
+  config, workdir = finished_run
+  path = export.encoder_path(workdir)
+  assert path == os.path.join(workdir, 'encoder', 'encoder.msgpack')
+  images = _test_images(config)
+  apply_fn, variables = export.load_encoder(path)
+  got = np.asarray(apply_fn(variables, _as_float(images)))
+  np.testing.assert_allclose(got, _evaluate_features(config, workdir, 4,
+                                                     images), rtol=0, atol=0)
+  meta = export.load_encoder_config(path)
+  assert (meta['step'], meta['method'], meta['image_size']) == (4, 'simclr', 8)
+
+
+def test_stopped_run_exports_nothing(tmp_path):
+  config = tiny_config(str(tmp_path / 'data'))
+  workdir = str(tmp_path / 'run')
+  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+  assert not os.path.exists(export.encoder_path(workdir))
+
+
+def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
+  config, workdir = finished_run
+  assert export.main([f'--workdir={workdir}', '--step=2']) == 0
+  path = export.encoder_path(workdir, 2)
+  assert path in capsys.readouterr().out
+  images = _test_images(config)
+  apply_fn, variables = export.load_encoder(path)
+  got = np.asarray(apply_fn(variables, _as_float(images)))
+  step2 = _evaluate_features(config, workdir, 2, images)
+  np.testing.assert_allclose(got, step2, rtol=0, atol=0)
+  assert not np.array_equal(step2, _evaluate_features(config, workdir, 4,
+                                                      images))
+  assert export.load_encoder_config(path)['step'] == 2
+  out = str(tmp_path / 'mine.msgpack')
+  assert export.main([f'--workdir={workdir}', f'--out={out}']) == 0
+  assert export.load_encoder_config(out)['step'] == 4
+  assert export.main([f'--workdir={workdir}', '--step=3']) == 1
+  assert 'No checkpoint for step 3' in capsys.readouterr().err
+  assert export.main([f'--workdir={tmp_path}']) == 1
+  assert 'config.json does not exist' in capsys.readouterr().err

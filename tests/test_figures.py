@@ -15,6 +15,7 @@ from otclr_jax import config_files
 from otclr_jax import evaluate
 from otclr_jax import figures
 from otclr_jax import input_pipeline
+from otclr_jax import main
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -134,7 +135,7 @@ def runs(tmp_path_factory):
         config.eval.figures = False
       workdir = str(root / f'digits_{method}')
       train.train_and_evaluate(config, workdir)
-      evaluate.evaluate(config, workdir)
+      main.evaluate_and_draw(config, workdir)
       out[method] = workdir
     yield out
 
@@ -164,7 +165,7 @@ def test_figure_failure_does_not_fail_evaluation(runs, monkeypatch, caplog):
   monkeypatch.setattr(figures, 'report_single', broken)
   _small_digits(monkeypatch)
   config = _figure_config(str(pathlib.Path(runs['otclr']).parent / 'data'))
-  results = evaluate.evaluate(config, runs['otclr'])
+  results = main.evaluate_and_draw(config, runs['otclr'])
   assert results['step'] == 2
   assert 'Drawing the figures failed' in caplog.text
 

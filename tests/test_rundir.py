@@ -48,6 +48,16 @@ def test_result_changing_diff():
   assert rundir.result_changing_diff(stored, stored) == []
 
 
+def test_monitor_settings_never_change_a_result():
+  # The kNN monitor only reads the state; a config stored before it existed
+  # (no `monitor` at all) resumes too.
+  stored = {'seed': 0, 'monitor': {'every_steps': 500, 'num_train': 1000}}
+  new = {'seed': 0, 'monitor': {'every_steps': 0, 'num_train': 10,
+                                'num_test': 5}}
+  assert rundir.result_changing_diff(stored, new) == []
+  assert rundir.result_changing_diff({'seed': 0}, new) == []
+
+
 def test_lock_refuses_a_second_process_and_is_released(tmp_path):
   workdir = str(tmp_path / 'run')
   script = textwrap.dedent(f"""

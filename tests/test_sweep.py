@@ -95,8 +95,11 @@ def test_overrides_reach_the_command_line_with_config_flag_syntax(tmp_path):
     ({'method': ['otclr'], 'seed': [0], 'dataset': ['digits']}, None,
      'exactly the axes'),
     ({**tiny_grid(), 'seed': []}, None, 'non-empty list'),
-    (tiny_grid(), {'ot.no_such_field': 1}, 'Unknown config field'),
-    (tiny_grid(), {'total_steps': 'many'}, 'wrong type'),
+    (tiny_grid(), {'ot.no_such_field': 1},
+     r's\.py \(run .*\): Bad config override .*no_such_field'),
+    (tiny_grid(), {'total_steps': 'many'},
+     r'total_steps=many: invalid literal for int'),
+    (tiny_grid(), {'total_steps': 1.5}, r'total_steps=1\.5: invalid literal'),
     (tiny_grid(), {'seed': 3}, 'grid axis'),
     ({**tiny_grid(), 'seed': [0, 0]}, None, 'duplicate run names'),
 ])
@@ -104,6 +107,31 @@ def test_bad_sweep_files_are_rejected(tmp_path, grid, overrides, message):
   path = write_sweep(tmp_path / 's.py', grid, overrides)
   with pytest.raises(ValueError, match=message):
     sweep_lib.load_sweep(path)
+
+
+def test_override_typos_fail_with_a_suggestion_before_anything_runs(
+    tmp_path, capsys):
+  # The typo of issue 11: `ot.epsilonn` used to add a key and leave epsilon.
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), {'ot.epsilonn': 0.1})
+  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
+    sweep_lib.load_sweep(path)
+  out = str(tmp_path / 'out')
+  assert sweep_lib.main([path, f'--workdir={out}']) == 2
+  assert 'Did you mean "epsilon"' in capsys.readouterr().err
+  good = write_sweep(tmp_path / 'good.py', tiny_grid(), TINY_OVERRIDES)
+  for override in ('ot.epsilonn=0.1', '--config.ot.epsilonn=0.1'):
+    assert sweep_lib.main([good, f'--workdir={out}',
+                           f'--override={override}']) == 2
+    assert 'Did you mean "epsilon"' in capsys.readouterr().err
+  assert sweep_lib.main([good, f'--workdir={out}', '--override=epsilon']) == 2
+  assert 'key=value' in capsys.readouterr().err
+  assert not os.path.exists(out)
+  # main's spelling is accepted and reaches the command line.
+  sweep = sweep_lib.load_sweep(good, dict(
+      [sweep_lib.parse_override('--config.ot.epsilon=0.2')]))
+  (run,) = sweep.runs(out)
+  assert flags_of(sweep_lib.command(sweep, run, 'train'))[
+      'config.ot.epsilon'] == '0.2'
 
 
 def test_folder_datasets_get_a_single_path_component():
@@ -679,3 +707,27 @@ def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
                              aggregate=False) == 0
   assert launcher.calls == [(names[0], 'eval')]
   assert broken in capsys.readouterr().out
+
+
+def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
+  sweep = sweep_lib.load_sweep(os.path.join(REPO, 'launch', 'sweeps',
+                                            'digits_methods.py'))
+  workdir = str(tmp_path / 'out')
+  runs = sweep.runs(workdir)
+  assert [(r.method, r.views) for r in runs] == [
+      (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
+      for v in ('augment', 'ot')]
+  assert runs[3].name == 'digits_moco-ot_b64_s0'
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 0
+  assert launcher.calls == [(r.name, mode) for r in runs
+                            for mode in ('train', 'eval')]
+  # Each run's command asks for its views; the run's stored config has them.
+  for run in runs:
+    stored = json.load(open(os.path.join(run.workdir, 'config.json')))
+    assert (stored['method'], stored['views']) == (run.method, run.views)
+  # A sweep file without the axis keeps its run names (views '').
+  assert all(r.views == '' and '-' not in r.name.split('_')[1]
+             for r in sweep_lib.load_sweep(os.path.join(
+                 REPO, 'launch', 'sweeps', 'digits_smoke.py')).runs(workdir))
