@@ -1,8 +1,11 @@
 """Evaluation of a pretrained run's checkpoints (docs/method.md section 7).
 
-`python -m otclr_jax.evaluate --config=configs/X.py --workdir=DIR [--step=S]`
-(or `python -m otclr_jax.main ... --config.mode=eval`) restores a checkpoint of
-the run in DIR and, for every dataset in `config.eval.datasets`:
+`python -m otclr_jax.main ... --config.mode=eval` (which also draws the
+figures) or `python -m otclr_jax.evaluate --config=configs/X.py --workdir=DIR
+[--step=S]` restores the network's params and BatchNorm statistics of a
+checkpoint of the run in DIR (partial restoration: the optimiser's and the
+method's extra state are not read) and, for every dataset in
+`config.eval.datasets`:
 
 1. Extracts frozen 512-d encoder features `h` (BatchNorm in inference mode, no
    augmentation) of the train split and of the complete test split, with the
@@ -45,7 +48,7 @@ quality: for `config.eval.num_view_images` test images x (fixed seed) two
 SimCLR strong augmentations xs1, xs2 are drawn with a fixed key and turned into
 both generators' positive pairs, the SimCLR pair (xs1, xs2) and the OTCLR pair
 (ot_views(x, xs1), ot_views(x, xs2)) with the run's OT settings
-(`train.make_views`). Both pairs, and the clean anchors x, are embedded by the
+(`views.make_views`). Both pairs, and the clean anchors x, are embedded by the
 SAME restored network (l2-normalised z or h, as for the clusters), so the
 two rows differ only in how the
 views were generated: this isolates view quality from representation quality.
@@ -57,9 +60,12 @@ of docs/method.md section 11, with a `protocol` entry recording the
 settings above), `tables.md` and `tables.tex` (`otclr_jax.tables`); the probe
 table is printed to stdout. Also, for the figures (`otclr_jax.figures`):
 `probe_step<S>_<dataset key>.npz`, the final probe of each dataset (`Probe`,
-read back with `load_probe`), `config.json`, the run's config, and
-`figures/` (t-SNE of the views and the training curves, drawn by
-`figures.report_single`; a failure there is logged, never raised).
+read back with `load_probe`), `config.json`, the run's config. results.json
+also names the run: `method`, `view_generator` ('augment' or 'ot') and
+`title`, its row name ('MoCo + OT views', 'OTCLR'). `main.py` then draws
+`figures/` (t-SNE of the views and the training curves,
+`figures.report_single`; a failure there is logged, never raised); this
+module does not import the figures.
 
 Config fields (`config.eval.<name>`, defaults in configs/default.py):
 batch_size (images per feature-extraction batch), probe_steps (maximum L-BFGS

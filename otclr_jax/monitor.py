@@ -42,7 +42,7 @@ def _subset(split: input_pipeline.Split, num: int,
 class KnnMonitor:
   """Weighted kNN top-1 of the current encoder on a fixed held-out subset.
 
-  Call it as `monitor(state)` with a `train.TrainState`; returns the top-1 in
+  Call it as `monitor(state)` with a `step.TrainState`; returns the top-1 in
   percent (a Python float).
   """
 

@@ -307,24 +307,23 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     mesh: device mesh with a 'data' axis; default all devices.
     make_monitor: `(config, model, train_split) -> callable(state) -> float`,
       the kNN monitor (`monitor.KnnMonitor`, which `main.py` passes) when
-      `config.monitor.every_steps > 0`. Handed in, so that training does not
-      import evaluation code.
+      `config.monitor.every_steps > 0` (None: no monitor, with a warning).
+      Handed in, so that training does not import evaluation code.
 
   Returns:
     A RunResult. (`main.py` then evaluates the run if `config.eval.at_end`.)
 
   Raises:
-    ConfigError: a bad config field, or one that conflicts with config.json,
-      or a monitored config without `make_monitor`.
+    ConfigError: a bad config field, or one that conflicts with config.json.
     rundir.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
   experiment.validate_config(config)
   if experiment.monitor_enabled(config) and make_monitor is None:
-    raise experiment.ConfigError(
-        'config.monitor.every_steps > 0 asks for the kNN monitor: run through '
-        '`python -m otclr_jax.main`, or pass '
-        'make_monitor=otclr_jax.monitor.KnnMonitor to train.train.')
+    logging.warning(
+        'config.monitor.every_steps=%d but no make_monitor was given: no kNN '
+        'monitor in this run (`python -m otclr_jax.main` passes '
+        '`main.make_monitor`).', config.monitor.every_steps)
   mesh = experiment.make_mesh() if mesh is None else mesh
   if config.batch_size % mesh.size:
     raise experiment.ConfigError(
@@ -457,7 +456,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   step = start
   knn_monitor = None
   try:
-    if experiment.monitor_enabled(config):
+    if experiment.monitor_enabled(config) and make_monitor is not None:
       knn_monitor = make_monitor(config, run.model, data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:

@@ -526,3 +526,42 @@ def test_command_line_takes_the_eval_lock(tmp_path):
   assert proc.returncode == rundir.EXIT_LOCKED, proc.stderr[-2000:]
   assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
   assert not os.path.exists(os.path.join(workdir, 'eval'))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('method', ['moco', 'byol', 'dino'])
+def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
+                                              method):
+  _small_digits(monkeypatch)
+  config = _eval_config(data_dir, method=method, views='ot', total_steps=2,
+                        **{'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
+                           'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
+                           'dino.num_prototypes': 32})
+  workdir = str(tmp_path / 'run')
+  train.train(config, workdir)
+  results = evaluate.evaluate(config, workdir)
+  title = {'moco': 'MoCo', 'byol': 'BYOL', 'dino': 'DINO'}[method]
+  assert results['title'] == f'{title} + OT views'
+  assert results['view_generator'] == 'ot'
+  assert 0.0 <= results['linear']['digits']['top1'] <= 100.0
+  assert set(results['views']) == {'simclr', 'otclr'}
+
+
+def test_checkpoint_without_extra_state_still_evaluates(trained_run, tmp_path,
+                                                         data_dir):
+  # Evaluation reads params and batch_stats only: a checkpoint whose other
+  # parts (here: no `extra`, as before methods were plug-ins, and another
+  # optimiser's state) differ from today's TrainState still restores.
+  workdir = _copy_run(trained_run, tmp_path)
+  config = _eval_config(data_dir)
+  _, expected, step = evaluate.restore(config, workdir)
+  ckpt = checkpoint.Checkpointer(workdir)
+  ckpt.save(3, {'step': np.int32(3), 'params': {'net': expected['params']},
+                'batch_stats': expected['batch_stats'],
+                'opt_state': {'other_optimiser': np.zeros(3, np.float32)}})
+  ckpt.close()
+  _, restored, step = evaluate.restore(config, workdir)
+  assert step == 3
+  for a, b in zip(jax.tree_util.tree_leaves(expected),
+                  jax.tree_util.tree_leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
