@@ -148,7 +148,9 @@ def test_learned_alpha_moves(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize('bad, match', [
-    ({'method': 'byol'}, 'method'),
+    ({'method': 'swav'}, 'method'),
+    ({'views': 'mixup'}, 'views'),
+    ({'method': 'otclr', 'views': 'augment'}, 'otclr'),
     ({'dtype': 'float16'}, 'dtype'),
     ({'ot.grid_size': 16}, 'grid_size'),
     ({'ot.alpha': 1.5}, 'alpha'),
