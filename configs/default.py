@@ -6,12 +6,19 @@ be overridden on the command line, e.g. `--config.ot.epsilon=0.1`.
 
 import ml_collections
 
+from otclr_jax import methods
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.mode = 'train'  # 'train' pretrains; 'eval' probes the latest checkpoint.
   config.seed = 0
-  config.method = 'otclr'  # 'otclr' or the 'simclr' baseline.
+  # The objective: 'simclr', 'moco', 'byol' or 'dino' (docs/methods.md), or
+  # 'otclr', the paper's method: SimCLR with OT views.
+  config.method = 'otclr'
+  # The view generator: 'augment' (two SimCLR strong augmentations) or 'ot'
+  # (OT displacement views); '' = 'ot' for 'otclr', 'augment' otherwise.
+  config.views = ''
 
   config.dataset = 'imagenet300'  # see otclr_jax/input_pipeline.py for names.
   config.data_dir = ''  # '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
@@ -91,4 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
   config.eval.figures = True  # t-SNE and training curves after evaluating.
+  # Each method's own settings block (config.moco, config.byol, config.dino;
+  # defaults and their sources in otclr_jax/methods/<name>.py).
+  methods.add_defaults(config)
   return config

@@ -3,7 +3,8 @@ r"""Runs a grid of pretraining + evaluation runs and tabulates mean ± std.
 A sweep file is a Python file whose `get_sweep()` returns a dict:
 
     {'config': 'configs/cifar10.py',            # base config, repo-relative
-     'grid': {'method': ['simclr', 'otclr'],     # the four axes, each a list
+     'grid': {'method': ['simclr', 'moco'],      # the axes, each a list
+              'views': ['augment', 'ot'],        # optional; default ['']
               'batch_size': [256, 512],
               'seed': [0, 1, 2],
               'dataset': ['cifar10']},
@@ -12,7 +13,9 @@ A sweep file is a Python file whose `get_sweep()` returns a dict:
 
 The runs are the Cartesian product of the grid, seed-major (an interrupted
 sweep already holds whole method x batch-size comparisons for its first seeds),
-each named `<dataset>_<method>_b<batch>_s<seed>` with workdir `DIR/<name>`.
+each named `<dataset>_<method>[-<views>]_b<batch>_s<seed>` with workdir
+`DIR/<name>` (no `-<views>` for views '', the method's historical views:
+OT for 'otclr', augmentations otherwise).
 
     python -m launch.sweep launch/sweeps/cifar10_paper.py --workdir=DIR
         Trains and evaluates every run here, one after another, then writes
@@ -69,7 +72,9 @@ from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS_DIR = os.path.join(REPO, 'launch', 'sweeps')
-AXES = ('method', 'batch_size', 'seed', 'dataset')
+AXES = ('method', 'views', 'batch_size', 'seed', 'dataset')
+# Axes a sweep file may leave out, and the value they then take.
+OPTIONAL_AXES = {'views': ['']}
 RESULTS = os.path.join('eval', 'results.json')
 _WIDTH = 150  # characters of the live progress line
 
@@ -84,9 +89,9 @@ class Run:
 
   Attributes:
     index: position in the sweep, 0-based (the SLURM array task id).
-    name: `<dataset>_<method>_b<batch>_s<seed>`.
+    name: `<dataset>_<method>[-<views>]_b<batch>_s<seed>`.
     workdir: `DIR/<name>`, absolute.
-    method, batch_size, seed, dataset: the grid values of this run.
+    method, views, batch_size, seed, dataset: the grid values of this run.
     overrides: every `--config.*` value of this run, grid values included,
       in command-line order.
   """
@@ -94,6 +99,7 @@ class Run:
   name: str
   workdir: str
   method: str
+  views: str
   batch_size: int
   seed: int
   dataset: str
@@ -107,7 +113,7 @@ class Sweep:
   Attributes:
     name: the sweep file's stem, e.g. 'cifar10_paper'.
     config: base config path relative to the repository root.
-    grid: {axis: list of values} for the four AXES.
+    grid: {axis: list of values} for every one of AXES.
     overrides: fixed `--config.<key>` values applied to every run.
   """
   name: str
@@ -120,14 +126,17 @@ class Sweep:
     workdir = os.path.abspath(workdir)
     runs = []
     product = itertools.product(self.grid['seed'], self.grid['dataset'],
-                                self.grid['batch_size'], self.grid['method'])
-    for index, (seed, dataset, batch_size, method) in enumerate(product):
-      name = run_name(dataset, method, batch_size, seed)
-      overrides = (('method', method), ('batch_size', batch_size),
-                   ('seed', seed), ('dataset', dataset),
-                   *self.overrides.items())
+                                self.grid['batch_size'], self.grid['method'],
+                                self.grid['views'])
+    for index, (seed, dataset, batch_size, method, views) in enumerate(
+        product):
+      name = run_name(dataset, method, batch_size, seed, views)
+      overrides = (('method', method),
+                   *((('views', views),) if views else ()),
+                   ('batch_size', batch_size), ('seed', seed),
+                   ('dataset', dataset), *self.overrides.items())
       runs.append(Run(index, name, os.path.join(workdir, name), method,
-                      batch_size, seed, dataset, overrides))
+                      views, batch_size, seed, dataset, overrides))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
       raise ValueError(f'Sweep {self.name} has duplicate run names {names}; '
@@ -135,9 +144,11 @@ class Sweep:
     return runs
 
 
-def run_name(dataset: str, method: str, batch_size: int, seed: int) -> str:
+def run_name(dataset: str, method: str, batch_size: int, seed: int,
+             views: str = '') -> str:
   # 'folder:/data/x' must become one path component.
   safe = re.sub(r'[^A-Za-z0-9.-]+', '-', dataset).strip('-')
+  method = f'{method}-{views}' if views else method
   return f'{safe}_{method}_b{batch_size}_s{seed}'
 
 
@@ -200,10 +211,11 @@ def load_sweep(sweep: str,
     raise ValueError(f"{path}: get_sweep() must return a dict with keys "
                      f"'config', 'grid' and optionally 'overrides'; got "
                      f'{sorted(spec)}.')
-  grid = dict(spec['grid'])
+  grid = {**OPTIONAL_AXES, **dict(spec['grid'])}
   if set(grid) != set(AXES):
-    raise ValueError(f'{path}: the grid must list exactly the axes {AXES}, '
-                     f'got {sorted(grid)}.')
+    raise ValueError(f'{path}: the grid must list exactly the axes {AXES} '
+                     f"('views' may be left out), got "
+                     f'{sorted(spec["grid"])}.')
   for axis, values in grid.items():
     if isinstance(values, (str, bytes)) or not values:
       raise ValueError(f'{path}: grid[{axis!r}] must be a non-empty list, '
@@ -755,7 +767,8 @@ def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'runs.json')
   entries = [{'index': r.index, 'name': r.name, 'workdir': r.workdir,
-              'method': r.method, 'batch_size': r.batch_size, 'seed': r.seed,
+              'method': r.method, 'views': r.views,
+              'batch_size': r.batch_size, 'seed': r.seed,
               'dataset': r.dataset,
               'train': shlex.join(command(sweep, r, 'train')),
               'eval': shlex.join(command(sweep, r, 'eval'))} for r in runs]

@@ -459,50 +459,52 @@ def _train_images(config, num: int, seed: int) -> np.ndarray:
 
 def run_train(args: argparse.Namespace) -> int:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from otclr_jax import input_pipeline, train  # pylint: disable=g-import-not-at-top
+  from otclr_jax import experiment, input_pipeline, methods  # pylint: disable=g-import-not-at-top
 
   base = load_config(args.config, args.override)
   if args.batch_size:
     base.batch_size = args.batch_size
   batch_size, size = base.batch_size, base.image_size
-  mesh = train.make_mesh()
+  mesh = experiment.make_mesh()
   replicated = NamedSharding(mesh, PartitionSpec())
   images, source = _train_images(base, max(4 * batch_size, 1024), args.seed)
   host_batch = images[:batch_size]
-  batch = train.global_batch(host_batch, mesh)
+  batch = experiment.global_batch(host_batch, mesh)
   key = jax.device_put(jax.random.key(args.seed), replicated)
 
-  # SimCLR, then OTCLR once per Sinkhorn core (the default core first).
+  # Every method with both view generators (default Sinkhorn core), then
+  # OTCLR (SimCLR + OT views) with the other core.
   cores = (ot.DEFAULT_CORE, _other_core())
-  variants = {'simclr': ('simclr', ot.DEFAULT_CORE)}
-  variants.update({f'otclr/{c}': ('otclr', c) for c in cores})
-  otclr = f'otclr/{ot.DEFAULT_CORE}'
-  steps, states, flops, fwd_flops = {}, {}, {}, {}
-  params_m = eval_params_m = None
-  for name, (method, core) in variants.items():
+  variants = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
+              for m in methods.NAMES for v in ('augment', 'ot')}
+  variants[f'simclr/ot/{cores[1]}'] = ('simclr', 'ot', cores[1])
+  otclr = 'simclr/ot'
+  steps, states, flops, fwd_flops, titles = {}, {}, {}, {}, {}
+  params_m, eval_params_m = {}, {}
+  for name, (method, views, core) in variants.items():
     config = base.copy_and_resolve_references()
-    config.method = method
-    config.ot.core = core
-    model = train.create_model(config)
-    schedule = train.learning_rate_schedule(config, 100, 1000)
-    tx = train.create_optimizer(config, schedule)
-    state = jax.jit(functools.partial(train.init_state, config, model, tx),
-                    out_shardings=replicated)(jax.random.key(args.seed))
-    step = train.jit_train_step(config, model, tx, schedule, mesh)
+    config.method, config.views, config.ot.core = method, views, core
+    run = experiment.setup(config, steps_per_epoch=100)
+    state = experiment.initial_state(config, run, mesh)
+    step = experiment.jit_train_step(config, run, mesh)
     compiled = step.lower(state, batch, key).compile()
     flops[name] = _flops(compiled)
     steps[name], states[name] = compiled, state
-    # Both views of the batch: the forward FLOPs of B image pairs. XLA counts
-    # only multiply-adds on real pixels, not on a convolution's zero padding,
-    # which at 32 x 32 (1 x 1 maps in the last stage) is much of the naive
-    # count that papers quote.
-    views = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
+    titles[name] = run.title
+    # Both views of the batch: the forward FLOPs of B image pairs through the
+    # trained network. XLA counts only multiply-adds on real pixels, not on a
+    # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
+    # stage) is much of the naive count that papers quote.
+    views_in = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
     variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
     fwd_flops[name] = _flops(jax.jit(
-        lambda v, x: model.apply(v, x, train=False)).lower(variables, views)
-                             .compile())
-    params_m = train.count_params(state.params['net']) / 1e6
-    eval_params_m = train.count_params(state.params['net']['encoder']) / 1e6
+        lambda v, x, model=run.model: model.apply(v, x, train=False)).lower(
+            variables, views_in).compile())
+    # Pretraining: the trained network and its targets (MoCo: query + key
+    # encoders with heads, the paper's 23.01M); evaluation: the encoder.
+    params_m[name] = experiment.pretraining_params(state) / 1e6
+    eval_params_m[name] = experiment.count_params(
+        state.params['net']['encoder']) / 1e6
     print(f'compiled {name} step', flush=True)
 
   times = {name: [] for name in variants}
@@ -519,7 +521,8 @@ def run_train(args: argparse.Namespace) -> int:
 
   # Linear evaluation: the frozen encoder's forward pass on clean images.
   config = base.copy_and_resolve_references()
-  model = train.create_model(config)
+  config.method, config.views = 'simclr', 'ot'
+  model = experiment.create_model(config)
   state = states[otclr]
   encoder_vars = {'params': state.params['net'],
                   'batch_stats': state.batch_stats}
@@ -552,13 +555,10 @@ def run_train(args: argparse.Namespace) -> int:
   n = 50
   start = time.perf_counter()
   for _ in range(n):
-    jax.block_until_ready(train.global_batch(next(batches), mesh))
+    jax.block_until_ready(experiment.global_batch(next(batches), mesh))
   pipeline_per_s = n / (time.perf_counter() - start)
   getattr(batches, 'close', lambda: None)()
 
-  ratio = step_ms[otclr] / step_ms['simclr']
-  rows = [('Pretraining', 'SimCLR', 'simclr')]
-  rows += [('Pretraining', f'OTCLR core={c}', f'otclr/{c}') for c in cores]
   device = jax.devices()[0]
   print(f'\nconfig {args.config}, batch {batch_size}, {size}x{size}, dtype '
         f'{base.dtype}, {len(jax.devices())} x {device.device_kind} '
@@ -567,26 +567,34 @@ def run_train(args: argparse.Namespace) -> int:
   print('| Stage | Method | Params (M) | GFLOPs fwd / pair | GFLOPs step / pair '
         '| Step (ms) | Thrpt. (pairs/s) |')
   print('|---|---|---|---|---|---|---|')
-  for stage, label, name in rows:
+  for name in variants:
     ms = step_ms[name]
-    print(f'| {stage} | {label} | {params_m:.2f} | '
+    label = titles[name]
+    if name.count('/') == 2 or name == otclr:
+      label += f' core={variants[name][2]}'
+    print(f'| Pretraining | {label} | {params_m[name]:.2f} | '
           f'{fwd_flops[name] / batch_size / 1e9:.3f} '
           f'| {flops[name] / batch_size / 1e9:.3f} | {ms:.1f} '
           f'| {1e3 * batch_size / ms:,.0f} |')
-  for method in ('SimCLR', 'OTCLR'):
-    # Same frozen encoder for both: the OT views exist only in pretraining.
-    print(f'| Linear eval. | {method} | {eval_params_m:.2f} | '
+  for method in methods.NAMES:
+    # Same frozen encoder with either views: they exist only in pretraining.
+    print(f'| Linear eval. | {titles[method + "/augment"]} | '
+          f'{eval_params_m[method + "/augment"]:.2f} | '
           f'{eval_flops / batch_size / 1e9:.3f} / image | - | {eval_ms:.1f} '
           f'| {1e3 * batch_size / eval_ms:,.0f} images/s |')
   pipe_ratio = pipeline_per_s / (1e3 / step_ms[otclr])
-  print(f'\nOTCLR (core={ot.DEFAULT_CORE}) / SimCLR step time: {ratio:.3f} '
-        f'(target <= {TARGET_STEP_RATIO}: '
-        f'{"met" if ratio <= TARGET_STEP_RATIO else "MISSED"})')
+  print()
+  for method in methods.NAMES:
+    r = step_ms[f'{method}/ot'] / step_ms[f'{method}/augment']
+    print(f'{titles[method + "/ot"]} / {titles[method + "/augment"]} step '
+          f'time: {r:.3f} (target <= {TARGET_STEP_RATIO}: '
+          f'{"met" if r <= TARGET_STEP_RATIO else "MISSED"})')
   other = cores[1]
   print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
-        f'{step_ms[f"otclr/{other}"] / step_ms[otclr]:.3f}')
+        f'{step_ms[f"{otclr}/{other}"] / step_ms[otclr]:.3f}')
   for core in cores:
-    share = views_ms[core] / step_ms[f'otclr/{core}']
+    share = views_ms[core] / step_ms[
+        otclr if core == ot.DEFAULT_CORE else f'{otclr}/{core}']
     print(f'OT views core={core} (2 x {batch_size} images): '
           f'{views_ms[core]:.1f} ms = {100 * share:.2f}% of the OTCLR step '
           f'(target < {100 * TARGET_OT_SHARE:.0f}%: '

@@ -164,6 +164,34 @@ class Checkpointer:
     self._manager.close()
 
 
+def restore_part(workdir: str, step: int, item: Any) -> Any:
+  """Reads only the entries of `item` from checkpoint `step` in `workdir`.
+
+  Orbax partial restoration: `item` is a nested dict naming a subset of the
+  saved state's fields (e.g. ``{'params': ..., 'batch_stats': ...}``) with
+  arrays or ShapeDtypeStructs of the saved shapes; everything else the
+  checkpoint holds (optimiser state, a method's extra state) is not read, so
+  its structure may differ from today's code.
+
+  Returns:
+    `item`'s structure with the saved values, on the default device.
+
+  Raises:
+    FileNotFoundError: no checkpoint `step` in `workdir`.
+  """
+  path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step),
+                      'default')
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'No checkpoint for step {step}: {path} does not '
+                            'exist.')
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, item)
+  with ocp.PyTreeCheckpointer() as reader:
+    return reader.restore(path, args=ocp.args.PyTreeRestore(
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True))
+
+
 def describe_error(error: BaseException) -> str:
   """The innermost cause as `'Type: first line'`, at most 300 characters.
 

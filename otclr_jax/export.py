@@ -200,6 +200,7 @@ def export_checkpoint(workdir: str, step: int | None = None,
   # `load_encoder` users need none of them.
   from otclr_jax import config_files  # pylint: disable=g-import-not-at-top
   from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import features  # pylint: disable=g-import-not-at-top
   from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, rundir.CONFIG_FILE)
   if not os.path.exists(config_path):
@@ -208,9 +209,10 @@ def export_checkpoint(workdir: str, step: int | None = None,
         "run's stored config (written by `python -m otclr_jax.main` when a "
         'run starts).')
   config = config_files.load(config_path)
-  _, state, step = evaluate.restore(config, workdir, step)
-  variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
-  evaluate.check_finite_variables(variables, workdir, step)
+  _, restored, step = evaluate.restore(config, workdir, step)
+  variables = {'params': restored['params'],
+               'batch_stats': restored['batch_stats']}
+  features.check_finite_variables(variables, workdir, step)
   path = out or encoder_path(workdir, step)
   export_encoder(path, variables, config, step=step)
   return path, step

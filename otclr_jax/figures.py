@@ -12,7 +12,7 @@ Subcommands:
                   of n test images, all embedded by ONE run's restored encoder
                   (l2-normalised z by default, or h: config.eval.embedding,
                   named in the title), made exactly as the evaluation's
-                  view metrics make them (`evaluate.view_embeddings`); one
+                  view metrics make them (`view_quality.view_embeddings`); one
                   panel per class with each set's coverage shaded, a panel
                   with the view metrics (P = OTCLR vs S = SimCLR, from
                   eval/results.json when it describes these views) and one
@@ -77,6 +77,10 @@ import threadpoolctl
 from otclr_jax import augment
 from otclr_jax import config_files
 from otclr_jax import evaluate
+from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import probe
+from otclr_jax.evaluation import view_quality
 from otclr_jax import input_pipeline
 from otclr_jax import ot
 from otclr_jax import tables
@@ -344,7 +348,7 @@ DEFAULT_PERPLEXITY = 30.0
 DEFAULT_MAX_CLASSES = 12
 
 
-def tsne_points(views: evaluate.ViewEmbeddings, *,
+def tsne_points(views: view_quality.ViewEmbeddings, *,
                 perplexity: float = DEFAULT_PERPLEXITY,
                 seed: int = 0) -> dict[str, np.ndarray]:
   """Joint 2-d t-SNE of the anchors and both generators' views.
@@ -354,7 +358,7 @@ def tsne_points(views: evaluate.ViewEmbeddings, *,
   the three sets share one map.
 
   Args:
-    views: `evaluate.view_embeddings` of n images.
+    views: `view_quality.view_embeddings` of n images.
     perplexity: t-SNE perplexity, below 5n.
     seed: `random_state` of the t-SNE.
 
@@ -377,7 +381,7 @@ def tsne_points(views: evaluate.ViewEmbeddings, *,
   return {'anchor': xy[:n], 'simclr': xy[n:3 * n], 'otclr': xy[3 * n:]}
 
 
-def classwise_silhouette(views: evaluate.ViewEmbeddings, labels: np.ndarray,
+def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
                          num_classes: int) -> dict[str, np.ndarray]:
   """Mean silhouette of each class's view embeddings, per generator.
 
@@ -590,7 +594,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   return fig
 
 
-def draw_tsne(views: evaluate.ViewEmbeddings, test: input_pipeline.Split,
+def draw_tsne(views: view_quality.ViewEmbeddings, test: input_pipeline.Split,
               out: str | os.PathLike[str], *,
               view_rows: dict[str, dict[str, Any]] | None = None,
               table_note: str = '', title: str | None = None,
@@ -599,11 +603,11 @@ def draw_tsne(views: evaluate.ViewEmbeddings, test: input_pipeline.Split,
   """t-SNE figure of `views` (of images `test.images[views.indices]`).
 
   Args:
-    views: `evaluate.view_embeddings` output on `test.images`.
+    views: `view_quality.view_embeddings` output on `test.images`.
     test: the test split the views were made from.
     out: output PNG (a PDF is written beside it).
     view_rows: P vs S metrics for the table; None computes them from `views`
-      (`evaluate.summarise_views`).
+      (`view_quality.summarise_views`).
     table_note: where the table's numbers come from.
     title: figure title.
     perplexity: t-SNE perplexity; lowered to (5n - 1) / 3 for small n.
@@ -615,7 +619,7 @@ def draw_tsne(views: evaluate.ViewEmbeddings, test: input_pipeline.Split,
   """
   labels = test.labels[views.indices]
   if view_rows is None:
-    view_rows = evaluate.summarise_views(views, test.num_classes)
+    view_rows = view_quality.summarise_views(views, test.num_classes)
   points = tsne_points(views, perplexity=min(
       perplexity, (5 * len(labels) - 1) / 3), seed=seed)
   thumbnails = {}
@@ -634,10 +638,10 @@ def _views_dataset(config: ml_collections.ConfigDict) -> str:
 
 
 def _tsne_title(config, step: int, dataset: str, n: int) -> str:
-  embedding = evaluate.embedding_of(config)
+  embedding = clusters.embedding_of(config)
   return (f'Views of {n} {tables.dataset_name(dataset)} test images, '
           f'embedded by the {tables.method_name(config.method)} network '
-          f'(step {step}; {evaluate.EMBEDDINGS[embedding]}); joint t-SNE of '
+          f'(step {step}; {clusters.EMBEDDINGS[embedding]}); joint t-SNE of '
           f'anchors and both view pairs')
 
 
@@ -667,10 +671,10 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
   n = int(num_images or config.eval.num_view_images)
   if n < 2:
     raise ValueError(f'need at least 2 images, got n = {n}.')
-  model, state, step = evaluate.restore(config, workdir, step)
+  model, variables, step = evaluate.restore(config, workdir, step)
   test = input_pipeline.load_split(dataset, 'test', config.image_size,
                                    config.data_dir or None)
-  views = evaluate.view_embeddings(config, model, state, test.images,
+  views = view_quality.view_embeddings(config, model, variables, test.images,
                                    num_images=n,
                                    batch_size=int(config.eval.batch_size))
   results = load_results(workdir)
@@ -679,8 +683,8 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
       and protocol.get('views_dataset') == dataset
       and protocol.get('views_num_images') == len(views.indices)
       and protocol.get('embedding', 'h') == views.embedding
-      and protocol.get('views_seed', evaluate.VIEWS_SEED)
-      == evaluate.VIEWS_SEED):
+      and protocol.get('views_seed', view_quality.VIEWS_SEED)
+      == view_quality.VIEWS_SEED):
     rows, note = results['views'], 'metrics: eval/results.json'
   else:
     rows, note = None, 'metrics: computed on these views'
@@ -764,10 +768,10 @@ def probe_predictions(workdir: str, dataset: str,
                       image_size: int) -> Predictions:
   """Softmax of the saved probe on the cached test features of a run."""
   step = int(results['step'])
-  probe = evaluate.load_probe(evaluate.probe_path(workdir, step, dataset))
-  features, labels = evaluate.load_features(workdir, step, dataset, 'test',
-                                            image_size)
-  logits = probe.logits(features).astype(np.float64)
+  fitted = probe.load_probe(probe.probe_path(workdir, step, dataset))
+  feats, labels = features.load_features(workdir, step, dataset, 'test',
+                                         image_size)
+  logits = fitted.logits(feats).astype(np.float64)
   logits -= logits.max(axis=1, keepdims=True)
   probs = np.exp(logits)
   probs /= probs.sum(axis=1, keepdims=True)
@@ -1042,11 +1046,11 @@ def _add_curves_parser(subparsers) -> None:
 
 
 def report_single(config: ml_collections.ConfigDict, workdir: str, *,
-                  results: dict[str, Any], views: evaluate.ViewEmbeddings,
+                  results: dict[str, Any], views: view_quality.ViewEmbeddings,
                   test: input_pipeline.Split) -> list[str]:
   """t-SNE and training curves of a run, from an evaluation in progress.
 
-  `otclr_jax.evaluate.evaluate` calls this with the view embeddings it has
+  `otclr_jax.main` calls this with the view embeddings the evaluation has
   just measured, so the t-SNE shows exactly the views of the results' table.
 
   Args:

@@ -1,8 +1,12 @@
 """Entry point: `python -m otclr_jax.main --config=configs/X.py --workdir=DIR`.
 
-`--config.mode=train` (default) pretrains, resuming from DIR if it holds a
-checkpoint; `--config.mode=eval` evaluates DIR's latest checkpoint. Any config
-field can be overridden, e.g. `--config.ot.epsilon=0.1`.
+The only orchestrator: `--config.mode=train` (default) pretrains, resuming
+from DIR if it holds a checkpoint, then (with `config.eval.at_end`) evaluates
+the finished run, then draws its figures (`config.eval.figures`);
+`--config.mode=eval` evaluates DIR's newest checkpoint and draws the figures.
+Training, evaluation and figures do not import each other. Any config field
+can be overridden, e.g. `--config.ot.epsilon=0.1`; `--config.method=moco
+--config.views=ot` picks the objective and the view generator.
 
 Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
   0   finished (training reached total_steps; evaluation done if asked).
@@ -29,6 +33,8 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
+from otclr_jax import evaluate
+from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
 
@@ -71,6 +77,46 @@ def disk_full_path(error: BaseException, default: str) -> str | None:
   return None
 
 
+def draw_figures(config, workdir: str, evaluation: evaluate.Evaluation) -> None:
+  """t-SNE of the views and training curves into `workdir/eval/figures/`.
+
+  A figure is a by-product: whatever goes wrong drawing it (a plotting
+  backend, a degenerate embedding) is logged and never loses the results.
+  """
+  try:
+    from otclr_jax import figures  # pylint: disable=g-import-not-at-top
+    paths = figures.report_single(config, workdir, results=evaluation.results,
+                                  views=evaluation.views, test=evaluation.test)
+    logging.info('Figures: %s', ', '.join(paths))
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('Drawing the figures failed; the evaluation results are '
+                      'complete. Redraw with `python -m otclr_jax.figures '
+                      'report --workdir=%s`.', workdir)
+
+
+def evaluate_and_draw(config, workdir: str,
+                      step: int | None = None) -> dict:
+  """Evaluates a checkpoint of `workdir` under its eval lock, then draws figures.
+
+  Returns:
+    The evaluation results (`evaluate.evaluate_run`).
+  """
+  # No lock file in a directory that is not there: evaluate says it is
+  # missing instead of leaving an empty one behind.
+  with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
+        if os.path.isdir(workdir) else contextlib.nullcontext()):
+    evaluation = evaluate.evaluate_run(config, workdir, step)
+    if config.eval.figures:
+      draw_figures(config, workdir, evaluation)
+  return evaluation.results
+
+
+def make_monitor(config, model, train_split):
+  """The kNN monitor training logs (`config.monitor`), built from evaluation's parts."""
+  from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
+  return monitor.KnnMonitor(config, model, train_split)
+
+
 def run(config, workdir: str) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
@@ -78,18 +124,16 @@ def run(config, workdir: str) -> int:
   locked workdir, a full disk. Config errors raise `app.UsageError` (status 2).
   """
   try:
-    train.validate_config(config)
+    experiment.validate_config(config)
     if config.mode == 'train':
-      result = train.train(config, workdir)
-      return 0 if result.status == 'finished' else rundir.EXIT_STOPPED
-    from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
-    # No lock file in a directory that is not there: evaluate says it is
-    # missing instead of leaving an empty one behind.
-    with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
-          if os.path.isdir(workdir) else contextlib.nullcontext()):
-      evaluate.evaluate(config, workdir)
+      result = train.train(config, workdir, make_monitor=make_monitor)
+      if result.status != 'finished':
+        return rundir.EXIT_STOPPED
+      if not config.eval.at_end:
+        return 0
+    evaluate_and_draw(config, workdir)
     return 0
-  except train.ConfigError as e:
+  except experiment.ConfigError as e:
     raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
   except train.DivergedError as e:
     logging.error('%s', e)

@@ -6,7 +6,7 @@ current network in inference mode (BatchNorm running statistics, no
 augmentation): `num_train` images of the pretraining dataset's train split
 (with their labels) as the memory bank and `num_test` images of its test split
 as the queries, both drawn once with the fixed seed `SEED`. It logs their
-weighted kNN top-1 in percent (`evaluate.knn_top1`, the final evaluation's kNN,
+weighted kNN top-1 in percent (`knn.knn_top1`, the final evaluation's kNN,
 on a subset) as `monitor_knn_top1` (`train.MONITOR_METRIC`) in metrics.jsonl,
 TensorBoard and the progress line.
 
@@ -23,7 +23,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from otclr_jax import evaluate
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import knn
 from otclr_jax import input_pipeline
 
 # Picks the held-out images; fixed so curves of different runs compare.
@@ -42,7 +43,7 @@ def _subset(split: input_pipeline.Split, num: int,
 class KnnMonitor:
   """Weighted kNN top-1 of the current encoder on a fixed held-out subset.
 
-  Call it as `monitor(state)` with a `train.TrainState`; returns the top-1 in
+  Call it as `monitor(state)` with a `step.TrainState`; returns the top-1 in
   percent (a Python float).
   """
 
@@ -69,7 +70,7 @@ class KnnMonitor:
     self.test_images, self.test_labels = _subset(
         test_split, config.monitor.num_test, rng)
     self.num_classes = train_split.num_classes
-    self._encoder = evaluate.Encoder(model)
+    self._encoder = features.Encoder(model)
     devices = self._encoder.num_devices
     self._batch = -(-BATCH_SIZE // devices) * devices
 
@@ -78,7 +79,7 @@ class KnnMonitor:
     parts = []
     for start in range(0, len(images), self._batch):
       batch = images[start:start + self._batch]
-      padded = evaluate._pad_rows(batch, self._batch)  # pylint: disable=protected-access
+      padded = features.pad_rows(batch, self._batch)
       parts.append(self._encoder(variables, padded)[:len(batch)])
     return np.concatenate(parts)
 
@@ -87,5 +88,5 @@ class KnnMonitor:
                  'batch_stats': state.batch_stats}
     train_x = self.features(variables, self.train_images)
     test_x = self.features(variables, self.test_images)
-    return evaluate.knn_top1(train_x, self.train_labels, test_x,
+    return knn.knn_top1(train_x, self.train_labels, test_x,
                              self.test_labels, self.num_classes)

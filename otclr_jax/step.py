@@ -3,13 +3,14 @@
 One jitted, donated step serves every objective of `otclr_jax.methods` with
 either view generator of `otclr_jax.views`: it draws the two views of the
 batch, hands them to the method's loss (which runs its networks), adds the
-Sinkhorn term of OT views (METHOD.md section 6), applies the optimiser and
+Sinkhorn term of OT views (docs/method.md section 6), applies the optimiser and
 the method's post-update hook (EMA targets). Everything a resumed run needs,
 the method's extra state included, is in `TrainState`; randomness is
 ``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.
 
-For ``simclr`` with ``augment`` or ``ot`` views it computes exactly what
-`train.train_step` computed before methods were plug-ins (tests/test_step.py).
+For ``simclr`` with ``augment`` or ``ot`` views it computes exactly what the
+project's SimCLR/OTCLR step computed before methods were plug-ins (pinned in
+tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -78,11 +79,26 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
                     opt_state=tx.init(params), extra=extra)
 
 
+# The parts of a TrainState that `state_finite` checks, in its output's order.
+STATE_PARTS = ('params', 'batch_stats', 'opt_state', 'extra')
+
+
 def all_finite(tree) -> jax.Array:
   """True iff every element of every inexact array leaf of `tree` is finite."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def state_finite(state: TrainState) -> jax.Array:
+  """Bool [4]: whether each of `STATE_PARTS` holds only finite values.
+
+  One fused reduction on the device; the loss and gradient are computed
+  *before* the update, so only this sees an update that overflowed the state
+  (e.g. BatchNorm running variances after a huge step). Training never
+  checkpoints a state for which it is not all True (otclr_jax/train.py).
+  """
+  return jnp.stack([all_finite(getattr(state, part)) for part in STATE_PARTS])
 
 
 def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
@@ -106,9 +122,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
   Returns:
     `(new_state, metrics)`, metrics a dict of scalars for this step:
     ``'loss'``, the method's own terms, ``'sinkhorn'`` and ``'alpha'`` for OT
-    views, ``'grad_norm'``, ``'lr'`` and ``'state_finite'`` (1.0 when every
-    parameter, BatchNorm statistic, optimiser and extra-state entry of the new
-    state is finite, else 0.0).
+    views, ``'grad_norm'`` and ``'lr'``.
   """
   _, view_kind = views.resolve(config)
   images = batch.astype(jnp.float32) / 255.0
@@ -148,8 +162,6 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
                              progress)
   metrics['grad_norm'] = optax.tree.norm(grads)
   metrics['lr'] = schedule(state.step)
-  metrics['state_finite'] = all_finite(
-      (params, batch_stats, opt_state, extra)).astype(jnp.float32)
   new_state = state.replace(step=state.step + 1, params=params,
                             batch_stats=batch_stats, opt_state=opt_state,
                             extra=extra)
@@ -163,13 +175,20 @@ def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
   """`train_step` jitted over `mesh`: batch sharded on 'data', state replicated.
 
   The loss, BatchNorm and a MoCo queue see the global batch: the arrays are
-  global and XLA inserts the cross-device reductions and gathers.
+  global and XLA inserts the cross-device reductions and gathers. The metrics
+  also hold ``'state_finite'``, `state_finite` of the new state (bool [4]).
   """
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
-  step = functools.partial(
-      train_step, method=method, config=config, model=model, tx=tx,
-      schedule=schedule, total_steps=total_steps,
-      steps_per_epoch=steps_per_epoch)
+
+  def step(state, batch, key):
+    # `train_step` is looked up when traced, so a test can wrap it.
+    new_state, metrics = train_step(
+        state, batch, key, method=method, config=config, model=model, tx=tx,
+        schedule=schedule, total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch)
+    metrics['state_finite'] = state_finite(new_state)
+    return new_state, metrics
+
   return jax.jit(step, in_shardings=(replicated, data, replicated),
                  out_shardings=(replicated, replicated), donate_argnums=0)

@@ -39,7 +39,11 @@ import os
 import statistics
 from typing import Any, Iterable, NamedTuple, Sequence
 
+# Row names of results written before results.json held its 'title'.
 METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
+# Row order: each method, then it with OT views (run ids of `run_id`).
+RUN_ORDER = ('simclr', 'otclr', 'moco', 'moco+ot', 'byol', 'byol+ot', 'dino',
+             'dino+ot')
 DATASET_NAMES = {
     'cifar10': 'CIFAR-10', 'cifar100': 'CIFAR-100', 'food101': 'Food-101',
     'oxford_iiit_pet': 'Pets', 'stl10': 'STL-10', 'svhn_cropped': 'SVHN',
@@ -113,8 +117,21 @@ def _aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _method_rank(method: str) -> tuple[int, str]:
-  order = list(METHOD_NAMES)
+  order = list(RUN_ORDER)
   return (order.index(method) if method in order else len(order), method)
+
+
+def run_id(result: dict[str, Any]) -> str:
+  """Which objective and views made a run: 'simclr', 'otclr', 'moco+ot', ...
+
+  SimCLR with OT views is 'otclr' however it was asked for (the alias
+  `method='otclr'` or `method='simclr', views='ot'`).
+  """
+  method = str(result['method'])
+  views = result.get('view_generator', '')
+  if method == 'otclr' or (method == 'simclr' and views == 'ot'):
+    return 'otclr'
+  return f'{method}+ot' if views == 'ot' else method
 
 
 def _run_key(result: dict[str, Any]) -> tuple[str, int, str]:
@@ -124,7 +141,7 @@ def _run_key(result: dict[str, Any]) -> tuple[str, int, str]:
     raise ValueError(f'results dict lacks {missing}; expected the output of '
                      'otclr_jax.evaluate.')
   return (str(result['pretrain_dataset']), int(result['batch_size']),
-          str(result['method']))
+          run_id(result))
 
 
 def _sort_key(key: tuple[str, int, str]):
@@ -133,7 +150,7 @@ def _sort_key(key: tuple[str, int, str]):
 
 
 def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Groups runs by (pretrain_dataset, batch_size, method).
+  """Groups runs by (pretrain_dataset, batch_size, `run_id`).
 
   Args:
     results: results dicts of `otclr_jax.evaluate`, one per run.
@@ -141,7 +158,9 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   Returns:
     One dict per group, sorted by pretraining dataset, batch size (descending)
     and method (SimCLR, OTCLR, others): 'pretrain_dataset', 'batch_size',
-    'method', 'n' (runs), 'seeds', 'steps', and for each of `SECTIONS`
+    'method' (the `run_id`), 'title' (the row name the results give, e.g.
+    'MoCo + OT views'), 'n' (runs), 'seeds', 'steps', and for each of
+    `SECTIONS`
     ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn'; empty
     when the runs lack it) the results' nested dicts with every
     number replaced by `stat` of its values over the runs (a run lacking a
@@ -154,7 +173,9 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   for key in sorted(groups, key=_sort_key):
     runs = groups[key]
     group = {'pretrain_dataset': key[0], 'batch_size': key[1],
-             'method': key[2], 'n': len(runs),
+             'method': key[2],
+             'title': runs[0].get('title') or method_name(key[2]),
+             'n': len(runs),
              'seeds': [r.get('seed') for r in runs],
              'steps': [r.get('step') for r in runs]}
     for section in SECTIONS:
@@ -435,7 +456,7 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
     setting = (g['pretrain_dataset'], g['batch_size'])
     suffix = _setting_suffix(*setting) if several else ''
     clean = g.get('linear_clean_bn')
-    name = method_name(g['method'])
+    name = g['title']
     rows.append(_Row((name + (BN_STORED_LABEL if clean else '') + suffix,),
                      cells(g['linear']), block=setting,
                      highlight=g['method'] == 'otclr', section=setting))
@@ -476,7 +497,7 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
   for i, g in enumerate(groups):
     setting = (g['pretrain_dataset'], g['batch_size'])
     labels = (dataset_name(setting[0]), str(setting[1]))
-    rows.append(_Row(labels + (method_name(g['method']),), cells(g['linear']),
+    rows.append(_Row(labels + (g['title'],), cells(g['linear']),
                      block=setting, highlight=g['method'] == 'otclr',
                      section=setting[0]))
     if _last_of_setting(groups, i) and floors.get(setting):
@@ -506,7 +527,7 @@ def augmentation_table(results: Sequence[dict[str, Any]],
                digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
   rows = []
   for g in groups:
-    encoder = method_name(g['method'])
+    encoder = g['title']
     if several:
       encoder += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
     for generator in sorted(g['views'], key=_method_rank):
@@ -533,7 +554,7 @@ def cluster_table(results: Sequence[dict[str, Any]],
     for g in groups:
       if dataset not in g['clusters']:
         continue
-      label = method_name(g['method'])
+      label = g['title']
       if several:
         label += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
       rows.append(_Row((dataset_name(dataset), label),

@@ -2,9 +2,9 @@
 
 `config.views` picks how the two positive views of a batch are made:
 
-* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (METHOD.md
+* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (docs/method.md
   section 1), used as they are.
-* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of METHOD.md
+* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of docs/method.md
   sections 2-5, built from the same two strong augmentations.
 
 Any objective of `otclr_jax.methods` trains on either. OTCLR is SimCLR with
@@ -80,13 +80,29 @@ def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
   return jnp.asarray(config.ot.alpha, jnp.float32)
 
 
+def augment_params(config: ml_collections.ConfigDict) -> augment.AugmentParams:
+  """The strong augmentation's settings from `config.augment` (checked).
+
+  Raises:
+    ValueError: naming `config.augment` and the bad field.
+  """
+  fields = dict(config.augment) if 'augment' in config else {}
+  for name in ('crop_scale',):
+    if name in fields:
+      fields[name] = tuple(float(v) for v in fields[name])
+  try:
+    return augment.AugmentParams(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'config.augment: {e}') from e
+
+
 def make_views(config: ml_collections.ConfigDict, images: jax.Array,
                key: jax.Array, alpha: jax.Array | float | None = None):
   """Both positive views of a batch, as the training step sees them.
 
   Args:
-    config: the run's config (`resolve` gives the view generator; `config.ot`
-      the OT settings).
+    config: the run's config (`resolve` gives the view generator;
+      `config.augment` the strong augmentation, `config.ot` the OT settings).
     images: source images float32 [B, H, W, 3] in [0, 1].
     key: PRNG key for the two strong augmentations (split once, as always).
     alpha: interpolation coefficient for ``'ot'`` views (scalar, may be a
@@ -100,15 +116,17 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
   """
   _, views = resolve(config)
   k1, k2 = jax.random.split(key)
-  xs1 = augment.simclr_augment(k1, images)
-  xs2 = augment.simclr_augment(k2, images)
+  params_aug = augment_params(config)
+  xs1 = augment.simclr_augment(k1, images, params_aug)
+  xs2 = augment.simclr_augment(k2, images, params_aug)
   if views == 'augment':
     return xs1, xs2, xs1, xs2
   if alpha is None:
     alpha = jnp.asarray(config.ot.alpha, jnp.float32)
   generate = functools.partial(
       ot.ot_views, alpha=alpha, grid_size=config.ot.grid_size,
-      epsilon=config.ot.epsilon, num_iters=config.ot.num_iters)
+      epsilon=config.ot.epsilon, num_iters=config.ot.num_iters,
+      core=config.ot.core)
   return generate(images, xs1), generate(images, xs2), xs1, xs2
 
 
@@ -116,6 +134,6 @@ def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:
   """Whether `beta * L_Sinkhorn` is part of the loss (then every step needs it).
 
   With beta = 0 it is only a logged diagnostic. (With beta != 0 but a fixed
-  alpha it enters the loss value yet has no gradient, METHOD.md section 6.)
+  alpha it enters the loss value yet has no gradient, docs/method.md section 6.)
   """
   return config.ot.beta != 0

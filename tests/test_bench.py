@@ -90,6 +90,7 @@ def test_ot_bench_rejects_bad_flags(flag, value):
     bench.main(TINY + [flag, value])
 
 
+@pytest.mark.slow
 def test_train_bench_prints_complexity_table(tmp_path, capsys):
   code = bench.main([
       'train', '--config=configs/digits.py', '--repeats=1', '--override',
@@ -104,9 +105,17 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
     assert re.search(rf'\| Pretraining \| OTCLR core={core} \| 11\.\d\d \|',
                      out)
     assert re.search(rf'OT views core={core} .*% of the OTCLR step', out)
-  for method in ('SimCLR', 'OTCLR'):
-    assert re.search(rf'\| Linear eval\. \| {method} \| 11\.18 \|', out)
-  assert re.search(r'OTCLR \(core=\w+\) / SimCLR step time: \d+\.\d{3}', out)
+  # Every method with both view generators; MoCo and BYOL count their
+  # targets (two encoders), DINO its teacher (and its larger head).
+  for title, params in (('MoCo', '2\\d'), ('BYOL', '2\\d'), ('DINO', '\\d+')):
+    for label in (title, f'{title} \\+ OT views'):
+      assert re.search(rf'\| Pretraining \| {label} \| {params}\.\d\d \|',
+                       out), label
+    assert re.search(rf'{title} \+ OT views / {title} step time: '
+                     r'\d+\.\d{3}', out)
+  for method in ('SimCLR', 'MoCo', 'BYOL', 'DINO'):
+    assert re.search(rf'\| Linear eval\. \| {method} \| 11\.1\d \|', out)
+  assert re.search(r'OTCLR / SimCLR step time: \d+\.\d{3}', out)
   assert re.search(r'OTCLR step core=\w+ / core=\w+: \d+\.\d{3}', out)
   assert re.search(r'Input pipeline \(digits\): [\d,]+ batches/s', out)
   # digits: monitor every 50 steps, on 1000 train / all 359 test images.

@@ -14,7 +14,10 @@ import pytest
 
 from otclr_jax import checkpoint
 from otclr_jax import evaluate
-from otclr_jax import input_pipeline
+from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import knn
+from otclr_jax.evaluation import probe
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
@@ -39,12 +42,12 @@ def _blobs(num_classes, per_class, dim, seed, spread=0.3, noise_seed=None):
 def test_probe_separates_blobs():
   train_x, train_y = _blobs(6, 40, 16, seed=0)
   test_x, test_y = _blobs(6, 15, 16, seed=0, noise_seed=1)
-  result = evaluate.linear_probe(train_x, train_y, test_x, test_y, 6,
+  result = probe.linear_probe(train_x, train_y, test_x, test_y, 6,
                                  max_steps=50)
   assert result['top1'] == pytest.approx(100.0)
   assert result['top5'] == pytest.approx(100.0)
   assert result['val_top1'] == pytest.approx(100.0)
-  assert result['weight_decay'] in evaluate.L2_GRID
+  assert result['weight_decay'] in probe.L2_GRID
   assert (result['num_train'], result['num_test']) == (240, 90)
 
 
@@ -55,7 +58,7 @@ def test_scores_top1_top5_match_numpy_count():
     y = rng.integers(0, num_classes, size=64).astype(np.int32)
     params = {'w': rng.normal(size=(5, num_classes)).astype(np.float32),
               'b': rng.normal(size=num_classes).astype(np.float32)}
-    top1, top5, ce = (np.asarray(a) for a in evaluate._scores(
+    top1, top5, ce = (np.asarray(a) for a in probe._scores(
         params, jnp.asarray(x), jnp.asarray(y)))
     logits = x.astype(np.float64) @ params['w'] + params['b']
     np.testing.assert_array_equal(top1, logits.argmax(1) == y)
@@ -77,12 +80,12 @@ def test_regularisation_choice_never_reads_test():
   # different lambda once they are shuffled.
   train_x, train_y = _blobs(4, 30, 64, seed=2, spread=10.0)
   test_x, test_y = _blobs(4, 25, 64, seed=2, spread=10.0, noise_seed=3)
-  first = evaluate.linear_probe(train_x, train_y, test_x, test_y, 4,
+  first = probe.linear_probe(train_x, train_y, test_x, test_y, 4,
                                 max_steps=40)
-  shuffled = evaluate.linear_probe(
+  shuffled = probe.linear_probe(
       train_x, train_y, test_x, np.random.default_rng(0).permutation(test_y),
       4, max_steps=40)
-  garbage = evaluate.linear_probe(train_x, train_y,
+  garbage = probe.linear_probe(train_x, train_y,
                                   np.full_like(test_x, 1e3), test_y, 4,
                                   max_steps=40)
   for other in (shuffled, garbage):
@@ -92,19 +95,19 @@ def test_regularisation_choice_never_reads_test():
 
 def test_stratified_holdout():
   labels = np.repeat([0, 1, 2, 3], [30, 11, 2, 1])
-  held = evaluate.stratified_holdout(labels, 0.1, seed=0)
+  held = probe.stratified_holdout(labels, 0.1, seed=0)
   np.testing.assert_array_equal(
       [held[labels == c].sum() for c in range(4)], [3, 1, 1, 0])
-  np.testing.assert_array_equal(held, evaluate.stratified_holdout(labels))
-  assert not np.array_equal(held, evaluate.stratified_holdout(labels, seed=1))
+  np.testing.assert_array_equal(held, probe.stratified_holdout(labels))
+  assert not np.array_equal(held, probe.stratified_holdout(labels, seed=1))
   with pytest.raises(ValueError, match='fraction'):
-    evaluate.stratified_holdout(labels, 1.0)
+    probe.stratified_holdout(labels, 1.0)
 
 
 def test_probe_rejects_bad_labels():
   x, y = _blobs(3, 5, 4, seed=0)
   with pytest.raises(ValueError, match='labels'):
-    evaluate.linear_probe(x, y, x, np.full_like(y, -1), 3)
+    probe.linear_probe(x, y, x, np.full_like(y, -1), 3)
 
 
 # ----------------------------------------------------------------------------
@@ -127,17 +130,17 @@ def _knn_reference(train_x, train_y, test_x, num_classes, k, temperature):
 @pytest.mark.parametrize('k', [7, 200])
 def test_knn_matches_numpy(monkeypatch, k):
   # A tiny slab bound forces several chunks and a padded last chunk.
-  monkeypatch.setattr(evaluate, 'KNN_MAX_SLAB', 60 * 8)
+  monkeypatch.setattr(knn, 'KNN_MAX_SLAB', 60 * 8)
   rng = np.random.default_rng(k)
   train_x = rng.normal(size=(60, 8)).astype(np.float32)
   train_y = rng.integers(0, 5, size=60).astype(np.int32)
   test_x = rng.normal(size=(21, 8)).astype(np.float32)
   test_y = rng.integers(0, 5, size=21).astype(np.int32)
   ref = _knn_reference(train_x, train_y, test_x, 5, k, 0.07)
-  acc = evaluate.knn_top1(train_x, train_y, test_x, test_y, 5, k=k)
+  acc = knn.knn_top1(train_x, train_y, test_x, test_y, 5, k=k)
   assert acc == pytest.approx(100.0 * np.mean(ref == test_y), abs=1e-9)
   # Predicting the test points' own labels from themselves: a sanity anchor.
-  assert evaluate.knn_top1(test_x, test_y, test_x, test_y, 5, k=1) == 100.0
+  assert knn.knn_top1(test_x, test_y, test_x, test_y, 5, k=1) == 100.0
 
 
 # ----------------------------------------------------------------------------
@@ -145,12 +148,12 @@ def test_knn_matches_numpy(monkeypatch, k):
 
 
 def test_dataset_keys_are_file_names():
-  key = evaluate.dataset_key('folder:/data/my pets:v2/')
+  key = features.dataset_key('folder:/data/my pets:v2/')
   assert key.startswith('folder-my_pets_v2-') and '/' not in key
-  assert key != evaluate.dataset_key('folder:/other/my pets:v2')
-  assert evaluate.dataset_key('cifar10') == 'cifar10'
+  assert key != features.dataset_key('folder:/other/my pets:v2')
+  assert features.dataset_key('cifar10') == 'cifar10'
   with pytest.raises(ValueError, match='unknown evaluation dataset'):
-    evaluate.dataset_key('mnist')
+    features.dataset_key('mnist')
 
 
 @pytest.fixture(scope='module')
@@ -227,15 +230,15 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   assert '| OTCLR (BN: clean train) |' in printed
   with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
     assert 'embedding z, l2-normalised projection output' in f.read()
-  features = os.path.join(workdir, 'eval', 'features')
+  feature_dir = os.path.join(workdir, 'eval', 'features')
   for tag in ('step2', 'step2_cleanbn'):
-    assert sorted(os.listdir(os.path.join(features, tag))) == [
+    assert sorted(os.listdir(os.path.join(feature_dir, tag))) == [
         'digits_test.npz', 'digits_train.npz']
 
   def fail(*args, **kwargs):
     raise AssertionError('features were recomputed instead of read')
 
-  monkeypatch.setattr(evaluate, 'extract_features', fail)
+  monkeypatch.setattr(features, 'extract_features', fail)
   again = evaluate.evaluate(config, workdir)
   for section in ('linear', 'random_init', 'clusters', 'views',
                   'linear_clean_bn'):
@@ -278,7 +281,7 @@ def _bn_inputs(model, variables, images):
   """{BatchNorm path: float64 input [N, ..., C]} of one training-mode pass.
 
   Recorded by intercepting every BatchNorm call, independently of
-  `evaluate.recompute_batch_stats`.
+  `clusters.recompute_batch_stats`.
   """
   seen = {}
 
@@ -306,7 +309,7 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
   # ResNet-18: stem 1 + 8 blocks x 2 + 3 shortcuts = 20; the head 1.
   assert len(inputs) == 21
   # One batch holding every image: every layer's statistics are exact.
-  stats = evaluate.recompute_batch_stats(model, variables, images,
+  stats = clusters.recompute_batch_stats(model, variables, images,
                                          batch_size=len(images))
   for path, x in inputs.items():
     flat = x.reshape(-1, x.shape[-1])
@@ -328,7 +331,7 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
       stats, updated['batch_stats'])
   # Uneven batches (16, 16, 16, 2): the first BatchNorm's input does not
   # depend on other BatchNorm layers, so pooling must still be exact there.
-  pooled = evaluate.recompute_batch_stats(model, variables, images,
+  pooled = clusters.recompute_batch_stats(model, variables, images,
                                           batch_size=16)
   first = ('encoder', 'stem_bn')
   flat = inputs[first].reshape(-1, inputs[first].shape[-1])
@@ -343,16 +346,16 @@ def test_project_equals_the_networks_z():
   h, z = model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
                      train=False)
   np.testing.assert_allclose(
-      evaluate.project(model, variables, np.asarray(h), batch_size=5),
+      clusters.project(model, variables, np.asarray(h), batch_size=5),
       np.asarray(z), rtol=1e-5, atol=1e-6)
 
 
 def test_embedding_config_is_checked():
   config = tiny_config('/nonexistent')
-  assert evaluate.embedding_of(config) == 'z'  # the paper's default
+  assert clusters.embedding_of(config) == 'z'  # the paper's default
   config.eval.embedding = 'x'
   with pytest.raises(ValueError, match='config.eval.embedding'):
-    evaluate.embedding_of(config)
+    clusters.embedding_of(config)
 
 
 # ----------------------------------------------------------------------------
@@ -391,7 +394,7 @@ def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
   _small_digits(monkeypatch)
   config_a = _eval_config(data_dir)
   first = evaluate.evaluate(config_a, workdir)
-  features_a = evaluate.load_features(workdir, 2, 'digits', 'test', 8)[0]
+  features_a = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
   for entry in os.listdir(workdir):
     if entry != 'eval':
       path = os.path.join(workdir, entry)
@@ -402,7 +405,7 @@ def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
   second = evaluate.evaluate(config_b, workdir)
-  features_b = evaluate.load_features(workdir, 2, 'digits', 'test', 8)[0]
+  features_b = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
   assert second['step'] == first['step'] == 2
   assert (second['method'], second['seed']) == ('simclr', 1)
   assert not np.array_equal(features_a, features_b)
@@ -420,21 +423,21 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
   _small_digits(monkeypatch)
   config = _eval_config(data_dir)
   first = evaluate.evaluate(config, workdir)
-  features = os.path.join(workdir, 'eval', 'features')
+  feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
-  changed = os.path.join(features, 'step2', 'digits_test.npz')
+  changed = os.path.join(feature_dir, 'step2', 'digits_test.npz')
   with np.load(changed) as f:
     stored = {k: f[k] for k in f.files}
   stored['settings'] = stored['settings'].item().replace('"model"', '"x"')
   np.savez(changed, **stored)
   # A torn write.
-  torn = os.path.join(features, 'init', 'digits_train.npz')
+  torn = os.path.join(feature_dir, 'init', 'digits_train.npz')
   with open(torn, 'r+b') as f:
     f.truncate(os.path.getsize(torn) // 2)
   calls, warnings = [], []
-  extract = evaluate.extract_features
+  extract = features.extract_features
   monkeypatch.setattr(
-      evaluate, 'extract_features',
+      features, 'extract_features',
       lambda *a, **k: calls.append(k['what']) or extract(*a, **k))
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
@@ -453,16 +456,16 @@ def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
                                           monkeypatch):
   workdir = _copy_run(trained_run, tmp_path)
   _small_digits(monkeypatch)
-  restore = checkpoint.Checkpointer.restore
+  restore = checkpoint.restore_part
 
-  def poisoned(self, target, step=None):
-    state = restore(self, target, step)
-    stats = jax.tree_util.tree_map(lambda v: v.at[...].set(jnp.nan),
-                                   state.batch_stats)
-    return state.replace(batch_stats=stats)
+  def poisoned(workdir, step, item):
+    part = restore(workdir, step, item)
+    part['batch_stats'] = jax.tree_util.tree_map(
+        lambda v: v.at[...].set(jnp.nan), part['batch_stats'])
+    return part
 
-  monkeypatch.setattr(checkpoint.Checkpointer, 'restore', poisoned)
-  with pytest.raises(evaluate.NonFiniteError,
+  monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
+  with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: checkpoint step 2 .*non-finite'):
     evaluate.evaluate(_eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
@@ -472,7 +475,7 @@ def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
                                          monkeypatch):
   workdir = _copy_run(trained_run, tmp_path)
   _small_digits(monkeypatch)
-  extract = evaluate.extract_features
+  extract = features.extract_features
 
   def nan_features(*args, **kwargs):
     feats = extract(*args, **kwargs)
@@ -480,8 +483,8 @@ def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
       feats[3, 7] = np.nan
     return feats
 
-  monkeypatch.setattr(evaluate, 'extract_features', nan_features)
-  with pytest.raises(evaluate.NonFiniteError,
+  monkeypatch.setattr(features, 'extract_features', nan_features)
+  with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: the step2 encoder .* on digits/train'):
     evaluate.evaluate(_eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
@@ -526,3 +529,42 @@ def test_command_line_takes_the_eval_lock(tmp_path):
   assert proc.returncode == rundir.EXIT_LOCKED, proc.stderr[-2000:]
   assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
   assert not os.path.exists(os.path.join(workdir, 'eval'))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('method', ['moco', 'byol', 'dino'])
+def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
+                                              method):
+  _small_digits(monkeypatch)
+  config = _eval_config(data_dir, method=method, views='ot', total_steps=2,
+                        **{'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
+                           'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
+                           'dino.num_prototypes': 32})
+  workdir = str(tmp_path / 'run')
+  train.train(config, workdir)
+  results = evaluate.evaluate(config, workdir)
+  title = {'moco': 'MoCo', 'byol': 'BYOL', 'dino': 'DINO'}[method]
+  assert results['title'] == f'{title} + OT views'
+  assert results['view_generator'] == 'ot'
+  assert 0.0 <= results['linear']['digits']['top1'] <= 100.0
+  assert set(results['views']) == {'simclr', 'otclr'}
+
+
+def test_checkpoint_without_extra_state_still_evaluates(trained_run, tmp_path,
+                                                         data_dir):
+  # Evaluation reads params and batch_stats only: a checkpoint whose other
+  # parts (here: no `extra`, as before methods were plug-ins, and another
+  # optimiser's state) differ from today's TrainState still restores.
+  workdir = _copy_run(trained_run, tmp_path)
+  config = _eval_config(data_dir)
+  _, expected, step = evaluate.restore(config, workdir)
+  ckpt = checkpoint.Checkpointer(workdir)
+  ckpt.save(3, {'step': np.int32(3), 'params': {'net': expected['params']},
+                'batch_stats': expected['batch_stats'],
+                'opt_state': {'other_optimiser': np.zeros(3, np.float32)}})
+  ckpt.close()
+  _, restored, step = evaluate.restore(config, workdir)
+  assert step == 3
+  for a, b in zip(jax.tree_util.tree_leaves(expected),
+                  jax.tree_util.tree_leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

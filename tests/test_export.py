@@ -9,6 +9,7 @@ import pytest
 
 from configs import default
 from otclr_jax import evaluate
+from otclr_jax.evaluation import features
 from otclr_jax import export
 from otclr_jax import input_pipeline
 from otclr_jax import models
@@ -85,10 +86,10 @@ def finished_run(tmp_path_factory):
 
 
 def _evaluate_features(config, workdir, step, images):
-  model, state, _ = evaluate.restore(config, workdir, step)
-  variables = {'params': state.params['net'],
-               'batch_stats': state.batch_stats}
-  return evaluate.Encoder(model)(variables, images)
+  model, restored, _ = evaluate.restore(config, workdir, step)
+  variables = {'params': restored['params'],
+               'batch_stats': restored['batch_stats']}
+  return features.Encoder(model)(variables, images)
 
 
 def _test_images(config):

@@ -12,9 +12,11 @@ from PIL import Image
 from sklearn import metrics
 
 from otclr_jax import config_files
-from otclr_jax import evaluate
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import probe
+from otclr_jax.evaluation import view_quality
 from otclr_jax import figures
-from otclr_jax import input_pipeline
+from otclr_jax import main
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -134,7 +136,7 @@ def runs(tmp_path_factory):
         config.eval.figures = False
       workdir = str(root / f'digits_{method}')
       train.train_and_evaluate(config, workdir)
-      evaluate.evaluate(config, workdir)
+      main.evaluate_and_draw(config, workdir)
       out[method] = workdir
     yield out
 
@@ -164,7 +166,7 @@ def test_figure_failure_does_not_fail_evaluation(runs, monkeypatch, caplog):
   monkeypatch.setattr(figures, 'report_single', broken)
   _small_digits(monkeypatch)
   config = _figure_config(str(pathlib.Path(runs['otclr']).parent / 'data'))
-  results = evaluate.evaluate(config, runs['otclr'])
+  results = main.evaluate_and_draw(config, runs['otclr'])
   assert results['step'] == 2
   assert 'Drawing the figures failed' in caplog.text
 
@@ -174,25 +176,25 @@ def test_probe_file_reproduces_reported_top1(runs, method):
   workdir = runs[method]
   results = json.loads((pathlib.Path(workdir) / 'eval' /
                         'results.json').read_text())
-  path = evaluate.probe_path(workdir, 2, 'digits')
+  path = probe.probe_path(workdir, 2, 'digits')
   assert path == os.path.join(workdir, 'eval', 'probe_step2_digits.npz')
-  probe = evaluate.load_probe(path)
-  assert probe.w.shape == (512, 10) and probe.b.shape == (10,)
-  assert probe.weight_decay == results['linear']['digits']['weight_decay']
-  features, labels = evaluate.load_features(workdir, 2, 'digits', 'test', 8)
+  fitted = probe.load_probe(path)
+  assert fitted.w.shape == (512, 10) and fitted.b.shape == (10,)
+  assert fitted.weight_decay == results['linear']['digits']['weight_decay']
+  feats, labels = features.load_features(workdir, 2, 'digits', 'test', 8)
   assert len(labels) == 60
-  top1 = 100.0 * np.mean(probe.logits(features).argmax(axis=1) == labels)
+  top1 = 100.0 * np.mean(fitted.logits(feats).argmax(axis=1) == labels)
   assert top1 == pytest.approx(results['linear']['digits']['top1'],
                                rel=0, abs=1e-9)
   # The same probe written out in NumPy, float64.
-  logits = ((features - probe.mean) / probe.std) @ probe.w + probe.b
-  np.testing.assert_allclose(probe.logits(features), logits, rtol=1e-4,
+  logits = ((feats - fitted.mean) / fitted.std) @ fitted.w + fitted.b
+  np.testing.assert_allclose(fitted.logits(feats), logits, rtol=1e-4,
                              atol=1e-4)
 
 
 def test_missing_probe_says_to_evaluate(tmp_path):
   with pytest.raises(FileNotFoundError, match='run the evaluation first'):
-    evaluate.load_probe(str(tmp_path / 'probe_step1_digits.npz'))
+    probe.load_probe(str(tmp_path / 'probe_step1_digits.npz'))
   with pytest.raises(FileNotFoundError, match='run the evaluation first'):
     figures.main(['top5', '--workdirs', str(tmp_path), '--out',
                   str(tmp_path / 'top5.png')])
@@ -214,7 +216,7 @@ def test_tsne_points_and_classwise_silhouette():
   anchors = unit(centres[labels] + rng.normal(size=(n, 16)))
   pair = lambda s: tuple(unit(centres[labels] + s * rng.normal(size=(n, 16)))
                          for _ in range(2))
-  views = evaluate.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
+  views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
                                   0.1)
   points = figures.tsne_points(views, perplexity=5)
   assert points['anchor'].shape == (n, 2)

@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from otclr_jax import experiment
 from otclr_jax import input_pipeline
 from otclr_jax import methods
 from otclr_jax import step as step_lib
-from otclr_jax import train
 from tests.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,9 +51,10 @@ def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
   """(method, state, jitted step) for `config`, as training will build them."""
   method = methods.get(step_lib.views.resolve(config)[0])
   model = method.create_model(config)
-  schedule = train.learning_rate_schedule(config, steps_per_epoch, total_steps)
-  tx = train.create_optimizer(config, schedule)
-  mesh = train.make_mesh() if mesh is None else mesh
+  schedule = experiment.learning_rate_schedule(config, steps_per_epoch,
+                                               total_steps)
+  tx = experiment.create_optimizer(config, schedule)
+  mesh = experiment.make_mesh() if mesh is None else mesh
   # Jitted and placed as training places it: targets copied from the online
   # network must not alias its buffers, or donating the state fails.
   state = jax.jit(
@@ -69,40 +70,42 @@ def leaves(tree):
   return jax.tree_util.tree_leaves(jax.device_get(tree))
 
 
-@pytest.mark.parametrize('old_method, views, overrides', [
-    ('simclr', 'augment', {}),
-    ('otclr', 'ot', {}),
-    ('otclr', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}),
-])
-def test_simclr_reproduces_train_step_exactly(data_dir, images, old_method,
-                                              views, overrides):
-  old_config = tiny_config(data_dir, method=old_method, **overrides)
-  mesh = train.make_mesh()
-  model = train.create_model(old_config)
-  schedule = train.learning_rate_schedule(old_config, 2, 4)
-  tx = train.create_optimizer(old_config, schedule)
-  # Initialised as train_and_evaluate does (jitted, so initial values match
-  # `build`'s jitted init to the bit).
-  old_state = jax.jit(
-      functools.partial(train.init_state, old_config, model, tx),
-      out_shardings=NamedSharding(mesh, P()))(jax.random.key(0))
-  old_step = train.jit_train_step(old_config, model, tx, schedule, mesh)
+# Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
+# step as it was before methods became plug-ins (train.train_step at commit
+# 656364d, `tiny_config` digits, batch images[:16], init key 0, train key 1,
+# 4 total steps, 2 per epoch), computed on this project's CPU build of XLA.
+# The generic step must reproduce them to the bit (atol 0).
+PINNED = {
+    'augment': [
+        {'grad_norm': '0x1.f63ffe0000000p+6', 'loss': '0x1.be3e680000000p+1'},
+        {'grad_norm': '0x1.95d1800000000p+6', 'loss': '0x1.b9957c0000000p+1'},
+    ],
+    'ot': [
+        {'alpha': '0x1.0000000000000p-1', 'grad_norm': '0x1.5a89740000000p+7', 'loss': '0x1.c65d3c0000000p+1', 'sinkhorn': 'nan'},
+        {'alpha': '0x1.0000000000000p-1', 'grad_norm': '0x1.493e7e0000000p+7', 'loss': '0x1.c75c540000000p+1', 'sinkhorn': '-0x1.aa7d440000000p-2'},
+    ],
+    'ot_learn': [
+        {'alpha': '0x1.0000000000000p-1', 'grad_norm': '0x1.5a89740000000p+7', 'loss': '0x1.91381a0000000p+1', 'sinkhorn': '-0x1.a929140000000p-2'},
+        {'alpha': '0x1.0000000000000p-1', 'grad_norm': '0x1.493f600000000p+7', 'loss': '0x1.920cac0000000p+1', 'sinkhorn': '-0x1.aa7d440000000p-2'},
+    ],
+}
 
+
+@pytest.mark.parametrize('name, views, overrides', [
+    ('augment', 'augment', {}),
+    ('ot', 'ot', {}),
+    ('ot_learn', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}),
+])
+def test_simclr_reproduces_the_old_train_step_exactly(data_dir, images, name,
+                                                      views, overrides):
   config = method_config(data_dir, 'simclr', views, **overrides)
-  _, state, new_step, _ = build(config, mesh=mesh)
-  batch = train.global_batch(images[:16], mesh)
-  for _ in range(2):
-    old_state, old_metrics = old_step(old_state, batch, jax.random.key(1))
-    state, metrics = new_step(state, batch, jax.random.key(1))
-    for name, value in old_metrics.items():
-      np.testing.assert_array_equal(np.asarray(metrics[name]),
-                                    np.asarray(value), err_msg=name)
-  assert float(metrics['state_finite']) == 1.0
-  for old, new in zip(leaves((old_state.params, old_state.batch_stats,
-                              old_state.opt_state)),
-                      leaves((state.params, state.batch_stats,
-                              state.opt_state))):
-    np.testing.assert_array_equal(new, old)
+  _, state, step, mesh = build(config)
+  batch = experiment.global_batch(images[:16], mesh)
+  for pinned in PINNED[name]:
+    state, metrics = step(state, batch, jax.random.key(1))
+    got = {k: float(np.asarray(metrics[k])).hex() for k in pinned}
+    assert got == pinned
+  assert np.all(np.asarray(metrics['state_finite']))
   assert state.extra == {}
 
 
@@ -134,7 +137,7 @@ def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
   config.dino.warmup_teacher_temp_epochs = 0.0
   _, state, step, mesh = build(config, total_steps=2 * n)
   template = jax.device_get(state)
-  batches = [train.global_batch(images[16 * i:16 * (i + 1)], mesh)
+  batches = [experiment.global_batch(images[16 * i:16 * (i + 1)], mesh)
              for i in range(2 * n)]
   key = jax.random.key(1)
   progress = []
@@ -143,7 +146,7 @@ def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
       saved = flax.serialization.to_bytes(state)
     state, metrics = step(state, batch, key)
     assert np.isfinite(float(metrics['loss'])), (i, metrics)
-    assert float(metrics['state_finite']) == 1.0, i
+    assert np.all(np.asarray(metrics['state_finite'])), i
     progress.append(_progress_metric(method, metrics))
   # Trains: the objective falls over 8 steps. MoCo starts at step 1: at step 0
   # its negatives are the random initial queue, an easier task by construction.
@@ -175,7 +178,7 @@ def test_targets_follow_the_online_network_by_ema(data_dir, images):
   config = method_config(data_dir, 'byol', 'augment')
   method, state, step, mesh = build(config, total_steps=4)
   before = jax.device_get(state)
-  state, _ = step(state, train.global_batch(images[:16], mesh),
+  state, _ = step(state, experiment.global_batch(images[:16], mesh),
                   jax.random.key(1))
   after = jax.device_get(state)
   tau = 0.99  # cosine schedule at step 0 = base_tau.
@@ -187,10 +190,11 @@ def test_targets_follow_the_online_network_by_ema(data_dir, images):
   assert method.name == 'byol'
 
 
+@pytest.mark.slow
 def test_four_devices_match_one_for_every_method(data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np
-      from otclr_jax import input_pipeline, methods, train
+      from otclr_jax import experiment, input_pipeline, methods
       from tests.test_step import build, method_config
       assert jax.device_count() == 4
       images = input_pipeline.load_split('digits', 'train', 8,
@@ -199,9 +203,9 @@ def test_four_devices_match_one_for_every_method(data_dir):
         config = method_config({data_dir!r}, name, 'augment')
         out = []
         for devices in (jax.devices()[:1], jax.devices()):
-          mesh = train.make_mesh(devices)
+          mesh = experiment.make_mesh(devices)
           _, state, step, _ = build(config, mesh=mesh)
-          state, metrics = step(state, train.global_batch(images, mesh),
+          state, metrics = step(state, experiment.global_batch(images, mesh),
                                 jax.random.key(1))
           out.append((float(metrics['loss']), jax.tree_util.tree_leaves(
               jax.device_get((state.params, state.batch_stats,

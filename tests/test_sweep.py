@@ -707,3 +707,27 @@ def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
                              aggregate=False) == 0
   assert launcher.calls == [(names[0], 'eval')]
   assert broken in capsys.readouterr().out
+
+
+def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
+  sweep = sweep_lib.load_sweep(os.path.join(REPO, 'launch', 'sweeps',
+                                            'digits_methods.py'))
+  workdir = str(tmp_path / 'out')
+  runs = sweep.runs(workdir)
+  assert [(r.method, r.views) for r in runs] == [
+      (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
+      for v in ('augment', 'ot')]
+  assert runs[3].name == 'digits_moco-ot_b64_s0'
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 0
+  assert launcher.calls == [(r.name, mode) for r in runs
+                            for mode in ('train', 'eval')]
+  # Each run's command asks for its views; the run's stored config has them.
+  for run in runs:
+    stored = json.load(open(os.path.join(run.workdir, 'config.json')))
+    assert (stored['method'], stored['views']) == (run.method, run.views)
+  # A sweep file without the axis keeps its run names (views '').
+  assert all(r.views == '' and '-' not in r.name.split('_')[1]
+             for r in sweep_lib.load_sweep(os.path.join(
+                 REPO, 'launch', 'sweeps', 'digits_smoke.py')).runs(workdir))

@@ -1,0 +1,214 @@
+"""Cluster metrics of embeddings, the head that makes z, clean-BN statistics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from absl import logging
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from otclr_jax import input_pipeline
+from otclr_jax import metrics
+from otclr_jax import models
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import knn
+
+MAX_CLUSTER_POINTS = 10_000
+CLUSTER_SEED = 0
+# Which embedding the cluster metrics, view metrics and t-SNE use
+# (`config.eval.embedding`): the paper's z, or the backbone's h.
+EMBEDDINGS = {'z': 'z, l2-normalised projection-head output',
+              'h': 'h, l2-normalised backbone features'}
+# `config.eval.recompute_bn`: at most this many clean train images (a fixed
+# seed picks them) estimate the BatchNorm statistics.
+MAX_BN_IMAGES = 50_000
+BN_SEED = 0
+
+
+def _finite_or_none(value: float) -> float | None:
+  # NaN / inf are not JSON; an undefined metric is written as null.
+  value = float(value)
+  return value if math.isfinite(value) else None
+
+
+_CLUSTER_KEYS = ('silhouette', 'compactness', 'centroid_margin',
+                 'inter_intra_ratio')
+
+
+def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
+  """metrics.cluster_metrics, or None values where they are undefined.
+
+  A collapsed encoder (all embeddings nearly equal) gives a degenerate
+  K-means clustering; that is a result to report, not a reason to lose the
+  whole evaluation.
+  """
+  if len(z) <= num_classes:
+    logging.warning('Cluster metrics need more than K = %d points, got %d.',
+                    num_classes, len(z))
+    return dict.fromkeys(_CLUSTER_KEYS)
+  try:
+    result = metrics.cluster_metrics(z, num_classes, CLUSTER_SEED)
+  except ValueError as e:
+    logging.warning('Cluster metrics undefined: %s', e)
+    return dict.fromkeys(_CLUSTER_KEYS)
+  return {k: _finite_or_none(result[k]) for k in _CLUSTER_KEYS}
+
+
+def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
+                         max_points: int = MAX_CLUSTER_POINTS,
+                         seed: int = CLUSTER_SEED) -> dict[str, Any]:
+  """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
+
+  `test_x` is whichever embedding `config.eval.embedding` names (h, or z from
+  `project`); rows are l2-normalised here. More than `max_points` rows are
+  subsampled without replacement by `np.random.default_rng(seed)`
+  (silhouette needs all pairwise distances).
+
+  Returns:
+    The four metrics (None where undefined) and 'num_points'.
+  """
+  z = knn._l2_normalise(test_x)
+  if len(z) > max_points:
+    keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points,
+                                                      replace=False))
+    logging.info('Cluster metrics on %d of %d test points (seed %d).',
+                 max_points, len(z), seed)
+    z = z[keep]
+  out = safe_cluster_metrics(z, num_classes)
+  out['num_points'] = int(len(z))
+  return out
+
+
+def embedding_of(config: ml_collections.ConfigDict) -> str:
+  """`config.eval.embedding` ('z' when a saved config predates the field)."""
+  embedding = config.eval.get('embedding', 'z')
+  if embedding not in EMBEDDINGS:
+    raise ValueError(f'config.eval.embedding must be one of '
+                     f'{tuple(EMBEDDINGS)}, got {embedding!r}.')
+  return embedding
+
+
+def project(model, variables: dict[str, Any], features: np.ndarray,
+            batch_size: int = 4096) -> np.ndarray:
+  """Embeddings z (not normalised) of backbone features h, by the run's head.
+
+  Applies the run's head alone (BatchNorm in inference mode) to cached h, so
+  z needs no second pass over the images: g(f(x)) = g(h). The head is the
+  ``'head'`` submodule every method's network has (SimCLR, MoCo and BYOL: the
+  projection head; DINO: the bottleneck of its head).
+
+  Args:
+    model: the run's network (`experiment.create_model`).
+    variables: its {'params', 'batch_stats'}.
+    features: float32 [N, 512] backbone features h.
+    batch_size: rows per call.
+
+  Returns:
+    float32 [N, D], D the embedding width of the method's network.
+  """
+  if isinstance(model, models.DINONet):
+    head = models.DINOHead(hidden_dim=model.hidden_dim,
+                           bottleneck_dim=model.bottleneck_dim,
+                           num_prototypes=model.num_prototypes,
+                           dtype=model.dtype)
+    head_vars = {'params': variables['params']['head']}
+    apply = jax.jit(lambda v, h: head.apply(v, h)[0])
+  else:
+    head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
+                                 out_dim=model.proj_dim, dtype=model.dtype)
+    head_vars = {'params': variables['params']['head'],
+                 'batch_stats': variables['batch_stats']['head']}
+    apply = jax.jit(lambda v, h: head.apply(v, h, train=False))
+  return np.concatenate([
+      np.asarray(apply(head_vars, jnp.asarray(features[i:i + batch_size])))
+      for i in range(0, len(features), batch_size)]).astype(np.float32)
+
+
+def recompute_batch_stats(model, variables: dict[str, Any],
+                          images: np.ndarray,
+                          batch_size: int) -> dict[str, Any]:
+  """BatchNorm statistics re-estimated on clean images (precise BN).
+
+  Every batch goes through the network in training mode (each BatchNorm
+  normalises with that batch's statistics, as in pretraining) while the
+  input of every BatchNorm layer is intercepted and reduced to its per-channel
+  mean mu_b and biased variance var_b. These are pooled over the batches with
+  weights equal to the batch sizes n_b:
+  mean = sum_b n_b mu_b / N and var = sum_b n_b (var_b + mu_b^2) / N - mean^2.
+  For the first BatchNorm (whose input does not depend on other BatchNorm
+  layers), and for every layer when one batch holds all images, this is
+  exactly the mean and variance of that layer's input over all images. The
+  parameters are not changed. Batches are not padded (padding would weight
+  repeated images), so the last, shorter batch compiles once more.
+
+  Args:
+    model: the run's network.
+    variables: {'params', 'batch_stats'}; the stored batch_stats only give
+      the structure (and are used by nothing in training mode).
+    images: uint8 [N, S, S, 3] clean images (no augmentation).
+    batch_size: images per call.
+
+  Returns:
+    A batch_stats tree with the structure of `variables['batch_stats']`,
+    leaves float32 [C].
+
+  Raises:
+    ValueError: no images, or a BatchNorm layer that the forward pass did
+      not reach (its statistics could not be re-estimated).
+  """
+  if len(images) == 0:
+    raise ValueError('recompute_batch_stats: no images.')
+
+  @jax.jit
+  def moments(variables, batch):
+    found = {}
+
+    def record(next_fun, args, kwargs, context):
+      if (isinstance(context.module, nn.BatchNorm)
+          and context.method_name == '__call__'):
+        x = jnp.asarray(args[0], jnp.float32)
+        axes = tuple(range(x.ndim - 1))  # every axis but the channels
+        mean = jnp.mean(x, axes)
+        found['/'.join(context.module.path)] = (
+            mean, jnp.mean(jnp.square(x - mean), axes))
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+      model.apply(variables, batch.astype(jnp.float32) / 255.0, train=True,
+                  mutable=['batch_stats'])
+    return found
+
+  sums: dict[str, list[np.ndarray]] = {}
+  for batch in input_pipeline.eval_batches(images, batch_size):
+    n = float(len(batch))
+    for path, (mean, var) in jax.device_get(
+        moments(variables, jnp.asarray(batch))).items():
+      # Host float64: var = E[x^2] - mean^2 cancels badly in float32.
+      mean = np.asarray(mean, np.float64)
+      first = n * mean
+      second = n * (np.asarray(var, np.float64) + mean**2)
+      if path in sums:
+        sums[path][0] += first
+        sums[path][1] += second
+      else:
+        sums[path] = [first, second]
+
+  total = float(len(images))
+
+  def rebuild(tree, prefix):
+    if set(tree.keys()) == {'mean', 'var'}:
+      path = '/'.join(prefix)
+      if path not in sums:
+        raise ValueError(f'BatchNorm {path} was not reached by the forward '
+                         'pass; its statistics cannot be re-estimated.')
+      mean = sums[path][0] / total
+      var = np.maximum(sums[path][1] / total - mean**2, 0.0)
+      return {'mean': mean.astype(np.float32), 'var': var.astype(np.float32)}
+    return {k: rebuild(tree[k], prefix + (k,)) for k in tree.keys()}
+
+  return rebuild(variables['batch_stats'], ())

@@ -1,0 +1,318 @@
+"""Frozen encoder features: extraction, cache bound to the weights, checks.
+
+Features of a checkpoint are cached in `DIR/eval/features/step<S>/` and reused
+only when made by the same weights (`variables_fingerprint`), model settings,
+dataset and image size; non-finite variables or features are refused
+(`NonFiniteError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from typing import Any
+
+from absl import logging
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from otclr_jax import experiment
+from otclr_jax import fileio
+from otclr_jax import input_pipeline
+
+
+_SPLITS = ('train', 'test')
+_LOG_EVERY_SECONDS = 30.0
+
+
+def check_dataset_name(name: Any) -> str:
+  """Returns `name` if `input_pipeline.load_split` knows it, else raises."""
+  if isinstance(name, str) and (
+      name == 'digits' or name in input_pipeline.TFDS_SPLITS or
+      (name.startswith(input_pipeline.FOLDER_PREFIX)
+       and len(name) > len(input_pipeline.FOLDER_PREFIX))):
+    return name
+  raise ValueError(
+      f'unknown evaluation dataset {name!r} in config.eval.datasets; expected '
+      f'one of {input_pipeline.known_datasets()}.')
+
+
+def dataset_key(name: str) -> str:
+  """A file-name-safe key for a dataset name.
+
+  Registered names are their own key; `folder:/a/b` becomes
+  `folder-b-<first 16 hex digits of sha256 of the absolute path>`, so two trees
+  with the same base name do not share a cache file.
+  """
+  name = check_dataset_name(name)
+  if not name.startswith(input_pipeline.FOLDER_PREFIX):
+    return name
+  root = os.path.abspath(os.path.expanduser(
+      name[len(input_pipeline.FOLDER_PREFIX):]))
+  base = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root)) or 'root'
+  return f'folder-{base}-{hashlib.sha256(root.encode()).hexdigest()[:16]}'
+
+
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  """Pads [n, ...] to [rows, ...] by repeating the last row (a valid input)."""
+  if len(x) == rows:
+    return x
+  return np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)])
+
+
+class Encoder:
+  """The frozen encoder: features of uint8 images, BatchNorm in inference mode.
+
+  Call it as `encoder(variables, images)` with the network variables
+  {'params', 'batch_stats'} and uint8 images [B, S, S, 3], B divisible by
+  `num_devices`; it returns float32 features [B, 512] as a host array. The
+  batch is split over the devices of `mesh` (default: all local devices).
+  """
+
+  def __init__(self, model, mesh=None):
+    mesh = (experiment.make_mesh(jax.local_devices()) if mesh is None
+            else mesh)
+    self.num_devices = mesh.size
+    self._data = NamedSharding(mesh, P('data'))
+    self._replicated = NamedSharding(mesh, P())
+
+    @jax.jit
+    def apply(variables, images):
+      # Every method's network returns (h, z, ...): h is the encoder's.
+      return model.apply(variables, images.astype(jnp.float32) / 255.0,
+                         train=False)[0]
+
+    self._apply = apply
+
+  def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
+    variables = jax.device_put(variables, self._replicated)
+    return np.asarray(jax.device_get(
+        self._apply(variables, jax.device_put(images, self._data))))
+
+
+def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
+                     batch_size: int, what: str = 'features') -> np.ndarray:
+  """Encoder features of every image, in order.
+
+  Every batch, the last one padded, has the same shape, so the encoder is
+  compiled once.
+
+  Args:
+    encoder: the frozen encoder.
+    variables: network variables.
+    images: uint8 [N, S, S, 3].
+    batch_size: images per call; rounded up to a multiple of the devices.
+    what: name used in the progress log.
+
+  Returns:
+    float32 [N, 512].
+  """
+  num = len(images)
+  if num == 0:
+    raise ValueError(f'{what}: no images.')
+  devices = encoder.num_devices
+  batch_size = -(-min(batch_size, num) // devices) * devices
+  parts = []
+  start = last_log = time.perf_counter()
+  done = 0
+  for batch in input_pipeline.eval_batches(images, batch_size):
+    parts.append(encoder(variables, pad_rows(batch, batch_size))[:len(batch)])
+    done += len(batch)
+    now = time.perf_counter()
+    if now - last_log > _LOG_EVERY_SECONDS or done == num:
+      last_log = now
+      logging.info('%s: %d/%d images (%.0f img/s)', what, done, num,
+                   done / max(now - start, 1e-9))
+  return np.concatenate(parts).astype(np.float32)
+
+
+def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
+  return os.path.join(workdir, 'eval', 'features', tag,
+                      f'{dataset_key(name)}_{split}.npz')
+
+
+def variables_fingerprint(variables: Any) -> str:
+  """sha256 (hex) of network variables: every leaf's path, dtype, shape, bytes.
+
+  Binds a feature cache to the exact weights that produced it, so retraining
+  a workdir to the same step (another seed or method) cannot reuse it.
+  """
+  digest = hashlib.sha256()
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
+  for path, leaf in leaves:
+    leaf = np.ascontiguousarray(np.asarray(leaf))
+    digest.update(f'{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape};'
+                  .encode())
+    digest.update(leaf.tobytes())
+  return digest.hexdigest()
+
+
+def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
+  """The settings a feature cache depends on besides the weights (JSON).
+
+  Not `data_dir`: where the same dataset is stored does not change it.
+  """
+  return json.dumps({'dataset': name, 'image_size': int(config.image_size),
+                     'model': config.model.to_dict()}, sort_keys=True)
+
+
+def _load_cached(path: str, name: str, image_size: int,
+                 weights: str | None = None, settings: str | None = None):
+  """A feature cache file's (features, labels, num_classes), or None.
+
+  None (with one logged line saying why) when the file is absent, unreadable
+  (a torn or corrupted write), or was made for another dataset, image size,
+  set of weights (`weights`, see `variables_fingerprint`) or model settings;
+  the caller then recomputes it. None for `weights`/`settings` skips that
+  check (readers that only want what `evaluate` last wrote).
+  """
+  if not os.path.exists(path):
+    return None
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      stored = {k: f[k] for k in f.files}
+    features, labels = stored['features'], stored['labels']
+    num_classes = int(stored['num_classes'])
+    made_for = (str(stored['dataset']), int(stored['image_size']))
+  # A torn or corrupted .npz raises zipfile.BadZipFile, OSError, EOFError,
+  # KeyError or ValueError depending on where it is damaged; the cache is
+  # derived data, so any failure to read it means: rebuild it.
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('Feature cache %s is unreadable (%s: %s); recomputing it.',
+                    path, type(e).__name__, e)
+    return None
+  if made_for != (name, image_size):
+    logging.warning('Recomputing feature cache %s: made for %s at %d px, not '
+                    '%s at %d px.', path, *made_for, name, image_size)
+    return None
+  for field, wanted, what in (('weights', weights, 'other weights'),
+                              ('settings', settings, 'other model settings')):
+    if wanted is None:
+      continue
+    have = str(stored[field]) if field in stored else None
+    if have != wanted:
+      logging.warning(
+          'Recomputing feature cache %s: it was made by %s (%s %s, now %s).',
+          path, what, field, 'unrecorded' if have is None else have[:80],
+          wanted[:80])
+      return None
+  if features.ndim != 2 or len(features) != len(labels):
+    logging.warning('Feature cache %s holds features %s and labels %s; '
+                    'recomputing it.', path, features.shape, labels.shape)
+    return None
+  return features, labels, num_classes
+
+
+class NonFiniteError(ValueError):
+  """A checkpoint or its features hold NaN or inf: no result can be trusted."""
+
+
+def check_finite_variables(variables: Any, workdir: str, step: int) -> None:
+  """Raises NonFiniteError naming the non-finite leaves of a checkpoint."""
+  bad = []
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
+  for path, leaf in leaves:
+    leaf = np.asarray(leaf)
+    if np.issubdtype(leaf.dtype, np.inexact) and not np.isfinite(leaf).all():
+      bad.append(jax.tree_util.keystr(path))
+  if bad:
+    raise NonFiniteError(
+        f'{workdir}: checkpoint step {step} holds non-finite values in '
+        f'{len(bad)} variable(s) ({", ".join(bad[:5])}'
+        f'{", ..." if len(bad) > 5 else ""}); the run diverged before this '
+        'checkpoint. Evaluate an earlier step (--step) or retrain with a '
+        'smaller learning rate; nothing was written.')
+
+
+def check_finite_features(features: np.ndarray, workdir: str, tag: str,
+                          name: str, split: str) -> None:
+  """Raises NonFiniteError if features of `tag` on name/split are not finite."""
+  bad = int(np.size(features) - np.isfinite(features).sum())
+  if bad:
+    raise NonFiniteError(
+        f'{workdir}: the {tag} encoder gives {bad} non-finite feature values '
+        f'on {name}/{split} (of {np.size(features)}); probe and kNN numbers '
+        'would be meaningless, so nothing was written. The checkpoint is '
+        'numerically broken (e.g. a diverged run): evaluate an earlier step '
+        'or retrain with a smaller learning rate.')
+
+
+def load_features(workdir: str, step: int, name: str, split: str,
+                  image_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Cached encoder features of checkpoint `step`, as `evaluate` stored them.
+
+  Returns:
+    (features float32 [N, 512], labels int32 [N]).
+
+  Raises:
+    FileNotFoundError: no cache for this step, dataset, split and image size;
+      the message says how to make it.
+  """
+  path = _cache_path(workdir, f'step{int(step)}', name, split)
+  cached = _load_cached(path, name, image_size)
+  if cached is None:
+    raise FileNotFoundError(
+        f'No cached {name}/{split} features of step {step} at {image_size} px '
+        f'({path}); run the evaluation first: `python -m otclr_jax.evaluate '
+        f'--config=configs/<config>.py --workdir={workdir}`.')
+  return cached[0], cached[1]
+
+
+def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
+                 labels: np.ndarray, num_classes: int, *, weights: str,
+                 settings: str) -> None:
+  fileio.atomic_write(path, lambda f: np.savez(
+      f, features=features, labels=labels, num_classes=num_classes,
+      image_size=image_size, dataset=name, weights=weights,
+      settings=settings))
+
+
+def dataset_features(config: ml_collections.ConfigDict, workdir: str,
+                     name: str, encoder: Encoder, variables: dict[str, Any]):
+  """Features of the train and test splits of one dataset for each encoder.
+
+  Args:
+    config: the run's config (image_size, data_dir, eval.batch_size).
+    workdir: the run's directory (feature cache under eval/features/).
+    name: dataset name.
+    encoder: the frozen encoder.
+    variables: {cache tag: network variables}, e.g. {'step100': ...,
+      'init': ...}.
+
+  Returns:
+    `{tag: {split: (features float32 [N, 512], labels int32 [N])}}` and the
+    number of classes.
+  """
+  out = {tag: {} for tag in variables}
+  num_classes = None
+  settings = _cache_settings(config, name)
+  weights = {tag: variables_fingerprint(v) for tag, v in variables.items()}
+  for split in _SPLITS:
+    data = None
+    for tag, tag_variables in variables.items():
+      path = _cache_path(workdir, tag, name, split)
+      cached = _load_cached(path, name, config.image_size, weights[tag],
+                            settings)
+      if cached is None:
+        if data is None:
+          data = input_pipeline.load_split(name, split, config.image_size,
+                                           config.data_dir or None)
+        feats = extract_features(encoder, tag_variables, data.images,
+                                 config.eval.batch_size,
+                                 what=f'{tag} features {name}/{split}')
+        check_finite_features(feats, workdir, tag, name, split)
+        cached = (feats, data.labels.astype(np.int32), data.num_classes)
+        _save_cached(path, name, config.image_size, *cached,
+                     weights=weights[tag], settings=settings)
+      else:
+        check_finite_features(cached[0], workdir, tag, name, split)
+        logging.info('Using cached features %s', path)
+      out[tag][split] = cached[:2]
+      num_classes = cached[2]
+  return out, num_classes

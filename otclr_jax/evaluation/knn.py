@@ -1,0 +1,75 @@
+"""Weighted kNN top-1 on l2-normalised features (InstDisc / solo-learn)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import probe
+
+KNN_K = 200
+KNN_TEMPERATURE = 0.07
+# Bound on the [rows, N_train] similarity slab of one kNN chunk.
+KNN_MAX_SLAB = 2**26
+
+
+def _l2_normalise(x):
+  x = np.asarray(x, np.float32)
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+@functools.partial(jax.jit, static_argnames=('k', 'num_classes'))
+def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
+                 num_classes):
+  def chunk(rows):
+    sim, idx = jax.lax.top_k(probe._matmul(rows, train_z.T), k)
+    weights = jnp.exp(sim / temperature)
+    votes = jax.vmap(lambda l, w: jnp.zeros(num_classes).at[l].add(w))(
+        train_y[idx], weights)
+    return jnp.argmax(votes, axis=1)
+  return jax.lax.map(chunk, test_chunks)
+
+
+def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
+             test_y: np.ndarray, num_classes: int, *, k: int = KNN_K,
+             temperature: float = KNN_TEMPERATURE) -> float:
+  """Weighted kNN accuracy (InstDisc, Wu et al. 2018; solo-learn's default).
+
+  Features are l2-normalised; each test row takes its k most cosine-similar
+  train rows (all of them when fewer than k), which vote for their labels
+  with weight exp(similarity / temperature); the prediction is the class with
+  the largest total (ties: smallest class index). Test rows are processed in
+  chunks so that only a [chunk, N_train] similarity slab exists at a time.
+
+  Args:
+    train_x: float [N, D].
+    train_y: int [N] in [0, num_classes).
+    test_x: float [M, D].
+    test_y: int [M].
+    num_classes: C.
+    k: neighbours.
+    temperature: > 0.
+
+  Returns:
+    Top-1 accuracy on the test rows, percent.
+  """
+  if k < 1 or temperature <= 0:
+    raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '
+                     f'{temperature}.')
+  train_z, test_z = _l2_normalise(train_x), _l2_normalise(test_x)
+  num_test = len(test_z)
+  if num_test == 0 or len(train_z) == 0:
+    raise ValueError('kNN needs at least one train and one test row.')
+  rows = int(max(1, min(256, KNN_MAX_SLAB // len(train_z), num_test)))
+  num_chunks = -(-num_test // rows)
+  chunks = features.pad_rows(
+      test_z, num_chunks * rows).reshape(num_chunks, rows, -1)
+  pred = _knn_predict(jnp.asarray(train_z), jnp.asarray(train_y, jnp.int32),
+                      jnp.asarray(chunks), jnp.float32(temperature),
+                      k=min(k, len(train_z)), num_classes=num_classes)
+  pred = np.asarray(pred).reshape(-1)[:num_test]
+  return 100.0 * float(np.mean(pred == np.asarray(test_y)))

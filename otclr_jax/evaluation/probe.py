@@ -1,0 +1,288 @@
+"""The linear probe: softmax regression on standardised frozen features.
+
+Full-batch L-BFGS; the L2 strength is chosen on a stratified held-out part of
+the TRAIN split, then the probe is refitted on all of it (docs/method.md
+section 7).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.tree_utils as otu
+
+from otclr_jax import fileio
+from otclr_jax.evaluation import features
+
+
+# L2 strengths lambda of the probe, loss = mean CE + lambda / 2 ||W||^2 on
+# standardised features (bias not penalised).
+L2_GRID = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+HOLDOUT_FRACTION = 0.1
+HOLDOUT_SEED = 0
+# Stop L-BFGS once the gradient norm is this small (an optimum for practical
+# purposes; without an L2 penalty on separable data it never is).
+PROBE_TOLERANCE = 1e-5
+
+DEFAULT_PROBE_STEPS = 500
+
+
+def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
+                       seed: int = HOLDOUT_SEED) -> np.ndarray:
+  """Marks a stratified random `fraction` of the examples as held out.
+
+  In each class of c examples, round(fraction * c) of them, at least 1 and at
+  most c - 1 (none for a single example), chosen by one
+  `np.random.default_rng(seed)` visiting the classes in increasing order.
+
+  Args:
+    labels: int [N].
+    fraction: share held out, in (0, 1).
+    seed: fixed seed; the same labels always give the same split.
+
+  Returns:
+    bool [N], True for held-out examples.
+  """
+  if not 0.0 < fraction < 1.0:
+    raise ValueError(f'fraction must lie in (0, 1), got {fraction}.')
+  labels = np.asarray(labels)
+  rng = np.random.default_rng(seed)
+  held = np.zeros(len(labels), bool)
+  for label in np.unique(labels):
+    members = np.flatnonzero(labels == label)
+    count = len(members)
+    n_held = 0 if count < 2 else min(max(round(fraction * count), 1),
+                                     count - 1)
+    held[rng.permutation(members)[:n_held]] = True
+  return held
+
+
+def _moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Float64 column mean and standard deviation [D] of x [N, D]."""
+  mean = x.mean(axis=0, dtype=np.float64)
+  std = x.std(axis=0, dtype=np.float64)
+  # A constant feature (e.g. a dead ReLU channel) is centred, not scaled.
+  return mean, np.where(std > 0, std, 1.0)
+
+
+def _standardiser(x: np.ndarray):
+  mean, std = _moments(x)
+  return lambda y: ((y - mean) / std).astype(np.float32)
+
+
+def _matmul(a, b):
+  # Full float32 products: TF32 noise would perturb the line search and the
+  # kNN ranking differently on different accelerators.
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnames=('num_classes', 'max_steps'))
+def _fit_probe(x, y, weights, l2, *, num_classes, max_steps):
+  """Weighted softmax regression by L-BFGS; returns ({'w', 'b'}, steps)."""
+  params = {'w': jnp.zeros((x.shape[1], num_classes), jnp.float32),
+            'b': jnp.zeros((num_classes,), jnp.float32)}
+  total = jnp.sum(weights)
+
+  def loss(p):
+    logits = _matmul(x, p['w']) + p['b']
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(weights * ce) / total + 0.5 * l2 * jnp.sum(p['w']**2)
+
+  opt = optax.lbfgs()
+  value_and_grad = optax.value_and_grad_from_state(loss)
+
+  def step(carry):
+    p, state = carry
+    value, grad = value_and_grad(p, state=state)
+    updates, state = opt.update(grad, state, p, value=value, grad=grad,
+                                value_fn=loss)
+    return optax.apply_updates(p, updates), state
+
+  def keep_going(carry):
+    _, state = carry
+    count = otu.tree_get(state, 'count')
+    grad_norm = otu.tree_norm(otu.tree_get(state, 'grad'))
+    return (count == 0) | ((count < max_steps) & (grad_norm >= PROBE_TOLERANCE))
+
+  params, state = jax.lax.while_loop(keep_going, step,
+                                     (params, opt.init(params)))
+  return params, otu.tree_get(state, 'count')
+
+
+@jax.jit
+def _logits(params, x):
+  return _matmul(x, params['w']) + params['b']
+
+
+@jax.jit
+def _scores(params, x, y):
+  """Top-1 hits, top-5 hits and cross-entropy per example."""
+  logits = _logits(params, x)
+  label_logit = jnp.take_along_axis(logits, y[:, None], axis=1)
+  # Rank = number of classes scoring strictly higher than the label; with
+  # fewer than 5 classes every rank is < 5, so top-5 is 100%.
+  rank = jnp.sum(logits > label_logit, axis=1)
+  top1 = jnp.argmax(logits, axis=1) == y
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  return top1, rank < 5, ce
+
+
+class Probe(NamedTuple):
+  """A fitted linear probe: `logits = ((h - mean) / std) @ w + b`.
+
+  Attributes:
+    w: float32 [D, C].
+    b: float32 [C].
+    mean: float64 [D], the train features' mean.
+    std: float64 [D], their standard deviation (1 for constant features).
+    weight_decay: the L2 strength it was fitted with.
+  """
+  w: np.ndarray
+  b: np.ndarray
+  mean: np.ndarray
+  std: np.ndarray
+  weight_decay: float
+
+  def logits(self, features: np.ndarray) -> np.ndarray:
+    """Class scores float32 [N, C] of encoder features [N, D].
+
+    The same float32 computation as the probe's evaluation, so predictions
+    reproduce the reported accuracies exactly.
+    """
+    features = np.asarray(features, np.float32)
+    if features.ndim != 2 or features.shape[1] != len(self.mean):
+      raise ValueError(f'features must be [N, {len(self.mean)}], got '
+                       f'{features.shape}.')
+    x = ((features - self.mean) / self.std).astype(np.float32)
+    return np.asarray(_logits({'w': jnp.asarray(self.w),
+                               'b': jnp.asarray(self.b)}, jnp.asarray(x)))
+
+
+def probe_path(workdir: str, step: int, name: str) -> str:
+  """`<workdir>/eval/probe_step<step>_<dataset key>.npz`."""
+  return os.path.join(workdir, 'eval',
+                      f'probe_step{int(step)}_{features.dataset_key(name)}.npz')
+
+
+def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
+               top1: float, weights: str = '') -> None:
+  """Writes a probe, with the dataset, step and test top-1 it belongs to.
+
+  `weights` is the encoder's `variables_fingerprint`, recording which
+  checkpoint the probe was fitted on.
+  """
+  fileio.atomic_write(path, lambda f: np.savez(
+      f, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
+      weight_decay=probe.weight_decay, dataset=dataset, step=int(step),
+      top1=float(top1), weights=weights))
+
+
+def load_probe(path: str) -> Probe:
+  """Reads a probe written by `save_probe` (i.e. by `evaluate`).
+
+  Raises:
+    FileNotFoundError: no probe at `path`; the message says how to make it.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f'No linear probe {path}; run the evaluation first: `python -m '
+        'otclr_jax.evaluate --config=configs/<config>.py --workdir=<run dir>` '
+        '(it saves the probe of every dataset it evaluates).')
+  with np.load(path, allow_pickle=False) as f:
+    return Probe(w=f['w'], b=f['b'], mean=f['mean'], std=f['std'],
+                 weight_decay=float(f['weight_decay']))
+
+
+def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
+                 test_y: np.ndarray, num_classes: int, *,
+                 l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
+                 holdout_fraction: float = HOLDOUT_FRACTION,
+                 holdout_seed: int = HOLDOUT_SEED,
+                 return_probe: bool = False):
+  """Linear probe with the L2 strength chosen on held-out training data.
+
+  For each lambda in `l2_grid`, a probe is fitted on 90% of the train split
+  (standardised with that part's statistics) and scored on the held-out,
+  stratified 10%; the best lambda (top-1, then lower cross-entropy, then the
+  first in the grid) is refitted on the whole train split, standardised with
+  the train statistics, and scored on the test split. `test_x` and `test_y`
+  are not touched before that last step.
+
+  Args:
+    train_x: float [N, D] features.
+    train_y: int [N] labels in [0, num_classes).
+    test_x: float [M, D].
+    test_y: int [M].
+    num_classes: C >= 2.
+    l2_grid: candidate lambdas >= 0.
+    max_steps: maximum L-BFGS iterations per fit.
+    holdout_fraction: share of each class held out for the selection.
+    holdout_seed: seed of the held-out split.
+    return_probe: also return the final probe.
+
+  Returns:
+    {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
+    lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
+    'num_test'}; with `return_probe`, the pair (that dict, `Probe`).
+  """
+  train_x = np.asarray(train_x, np.float32)
+  test_x = np.asarray(test_x, np.float32)
+  train_y = np.asarray(train_y, np.int32)
+  test_y = np.asarray(test_y, np.int32)
+  if (train_x.ndim != 2 or test_x.ndim != 2
+      or train_x.shape[1] != test_x.shape[1]):
+    raise ValueError(f'features must be [N, D] and [M, D], got {train_x.shape} '
+                     f'and {test_x.shape}.')
+  if len(train_y) != len(train_x) or len(test_y) != len(test_x):
+    raise ValueError('each feature row needs one label.')
+  if num_classes < 2:
+    raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
+  for labels, split in ((train_y, 'train'), (test_y, 'test')):
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+      raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
+                       'unlabelled examples (-1) cannot be probed.')
+  if not l2_grid or min(l2_grid) < 0:
+    raise ValueError(f'l2_grid must be non-empty and >= 0, got {l2_grid}.')
+  fit = functools.partial(_fit_probe, num_classes=num_classes,
+                          max_steps=max_steps)
+
+  held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
+  scale = _standardiser(train_x[~held])
+  x = jnp.asarray(scale(train_x))
+  y = jnp.asarray(train_y)
+  weights = jnp.asarray(~held, jnp.float32)
+  candidates = []
+  for l2 in l2_grid:
+    params, steps = fit(x, y, weights, jnp.float32(l2))
+    top1, _, ce = jax.device_get(_scores(params, x, y))
+    val_top1, val_ce = float(np.mean(top1[held])), float(np.mean(ce[held]))
+    logging.info('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
+                 'L-BFGS steps)', l2, 100 * val_top1, val_ce, int(steps))
+    # A diverged fit (non-finite loss) ranks below every finite one.
+    candidates.append((-val_top1, val_ce if math.isfinite(val_ce) else math.inf,
+                       len(candidates), float(l2)))
+  neg_val_top1, _, _, best = min(candidates)
+
+  mean, std = _moments(train_x)
+  scale = lambda v: ((v - mean) / std).astype(np.float32)
+  params, _ = fit(jnp.asarray(scale(train_x)), y,
+                  jnp.ones(len(train_y), jnp.float32), jnp.float32(best))
+  top1, top5, _ = jax.device_get(
+      _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
+  row = {'top1': 100.0 * float(np.mean(top1)),
+         'top5': 100.0 * float(np.mean(top5)),
+         'weight_decay': best, 'val_top1': -100.0 * neg_val_top1,
+         'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
+  if not return_probe:
+    return row
+  w, b = jax.device_get((params['w'], params['b']))
+  return row, Probe(w=np.asarray(w), b=np.asarray(b), mean=mean, std=std,
+                    weight_decay=float(best))

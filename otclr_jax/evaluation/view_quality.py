@@ -1,0 +1,167 @@
+"""View quality: both view generators' pairs embedded by one network.
+
+The SimCLR pair (xs1, xs2) and the OT pair (ot_views(x, xs1), ot_views(x,
+xs2)) of the same images and augmentation key, embedded by the SAME restored
+network, so the two rows differ only in how the views were made.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from otclr_jax import experiment
+from otclr_jax import input_pipeline
+from otclr_jax import metrics
+from otclr_jax import views as views_lib
+from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import features
+
+VIEWS_SEED = 0
+
+
+class ViewEmbeddings(NamedTuple):
+  """Encoder embeddings of test images and of both generators' views.
+
+  Attributes:
+    indices: int [n], the rows of the test split that were used (sorted).
+    anchors: float32 [n, D], the l2-normalised embedding of the clean images
+      (D = proj_dim for z, 512 for h).
+    simclr: (z1, z2), each [n, D], of the SimCLR pair (xs1, xs2).
+    otclr: (z1, z2), each [n, D], of the OTCLR pair.
+    pixel_l2: the paper's pixel L2 of the OT views: mean over the 2n views of
+      the plain L2 norm of (OT view - its strong endpoint), flattened.
+    pixel_rms: the same differences as per-image RMS (`metrics.pixel_rms`).
+    embedding: 'z' or 'h', which embedding the arrays hold (`EMBEDDINGS`).
+  """
+  indices: np.ndarray
+  anchors: np.ndarray
+  simclr: tuple[np.ndarray, np.ndarray]
+  otclr: tuple[np.ndarray, np.ndarray]
+  pixel_l2: float
+  pixel_rms: float = math.nan
+  embedding: str = 'z'
+
+
+def view_embeddings(config: ml_collections.ConfigDict, model,
+                    variables: dict[str, Any], images: np.ndarray, *,
+                    num_images: int, batch_size: int,
+                    seed: int = VIEWS_SEED) -> ViewEmbeddings:
+  """Both generators' positive pairs of test images, embedded by one encoder.
+
+  `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
+  strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
+  (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
+  run's `config.ot` settings and alpha (learnt alpha if any). The network
+  `variables` embeds both pairs and the clean images: l2-normalised z (the
+  paper's choice) or h, as `config.eval.embedding` says.
+
+  Args:
+    config: the run's config.
+    model: the run's network.
+    variables: its restored {'params', 'batch_stats'} (and 'alpha_logit' for
+      a learnt alpha), `experiment.restore_variables`.
+    images: uint8 [N, S, S, 3] test images.
+    num_images: n, at most N.
+    batch_size: images per device call.
+    seed: selection and augmentation seed.
+
+  Returns:
+    The embeddings.
+  """
+  n = min(num_images, len(images))
+  chosen = np.sort(np.random.default_rng(seed).choice(len(images), n,
+                                                      replace=False))
+  images = images[chosen]
+  both = config.copy_and_resolve_references()
+  # 'ot' views: make_views then returns the OT and the strong pairs.
+  both.views = 'ot'
+  if both.method == views_lib.OTCLR_ALIAS:
+    both.method = 'simclr'
+  alpha = experiment.alpha_of(config, variables)
+  variables = {'params': variables['params'],
+               'batch_stats': variables['batch_stats']}
+  embedding = clusters.embedding_of(config)
+
+  @jax.jit
+  def batch_views(variables, batch, key):
+    x = batch.astype(jnp.float32) / 255.0
+    o1, o2, s1, s2 = views_lib.make_views(both, x, key, alpha)
+    h, z = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
+                       train=False)[:2]
+    e = z if embedding == 'z' else h
+    e = e / jnp.maximum(jnp.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+    return jnp.split(e, 5), (o1, o2, s1, s2)
+
+  batch_size = min(batch_size, n)
+  key = jax.random.key(seed)
+  parts, l2_sum, rms_sum = [], 0.0, 0.0
+  for index, batch in enumerate(input_pipeline.eval_batches(images,
+                                                            batch_size)):
+    real = len(batch)
+    zs, (o1, o2, s1, s2) = batch_views(variables,
+                                       features.pad_rows(batch, batch_size),
+                                       jax.random.fold_in(key, index))
+    parts.append([np.asarray(z)[:real] for z in zs])
+    # The paper's (1 / 2n) sum_i sum_k: both views of every image.
+    l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
+                                 metrics.pixel_l2(o2[:real], s2[:real]))
+    rms_sum += real * 0.5 * float(metrics.pixel_rms(o1[:real], s1[:real]) +
+                                  metrics.pixel_rms(o2[:real], s2[:real]))
+  za, zs1, zs2, zo1, zo2 = (np.concatenate(p) for p in zip(*parts))
+  return ViewEmbeddings(indices=chosen, anchors=za, simclr=(zs1, zs2),
+                        otclr=(zo1, zo2), pixel_l2=l2_sum / n,
+                        pixel_rms=rms_sum / n, embedding=embedding)
+
+
+def summarise_views(views: ViewEmbeddings,
+                    num_classes: int) -> dict[str, Any]:
+  """The view-quality metrics of `view_embeddings` (see `view_metrics`)."""
+  out = {}
+  # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
+  for generator, (z1, z2), pix, rms in (
+      ('simclr', views.simclr, 0.0, 0.0),
+      ('otclr', views.otclr, views.pixel_l2, views.pixel_rms)):
+    row = {'view_distance': float(metrics.view_distance(z1, z2)),
+           'view_cosine': float(metrics.view_cosine(z1, z2)),
+           'anchor_distance': float(metrics.anchor_distance(z1, z2,
+                                                            views.anchors)),
+           'pixel_l2': float(pix), 'pixel_rms': float(rms)}
+    row.update(clusters.safe_cluster_metrics(
+        np.concatenate([z1, z2]), num_classes))
+    out[generator] = row
+  return out
+
+
+def view_metrics(config: ml_collections.ConfigDict, model,
+                 variables: dict[str, Any], images: np.ndarray,
+                 num_classes: int, *, num_images: int, batch_size: int,
+                 seed: int = VIEWS_SEED) -> dict[str, Any]:
+  """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
+
+  The views and embeddings are those of `view_embeddings` (same arguments).
+
+  Args:
+    config: the run's config.
+    model: the run's network.
+    variables: as for `view_embeddings`.
+    images: uint8 [N, S, S, 3] test images.
+    num_classes: K for the cluster metrics of the view embeddings.
+    num_images: n, at most N.
+    batch_size: images per device call.
+    seed: selection and augmentation seed.
+
+  Returns:
+    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
+    anchor_distance, pixel_l2, pixel_rms and the four cluster metrics of the
+    2n view embeddings [z1; z2] (K-means with K = num_classes), all in the
+    embedding `config.eval.embedding` names.
+  """
+  return summarise_views(
+      view_embeddings(config, model, variables, images, num_images=num_images,
+                      batch_size=batch_size, seed=seed), num_classes)

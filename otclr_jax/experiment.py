@@ -1,0 +1,386 @@
+"""What a config builds, for everybody: method, model, optimiser, schedule, state.
+
+Training, evaluation, figures and the benchmark depend on this module instead
+of on each other (imports go one way: data -> views -> model -> methods ->
+step -> checkpoint -> evaluation -> figures/tables; `main.py` orchestrates).
+It validates configs (`validate_config`), resolves the objective and view
+generator (`setup`), builds the optimiser and learning-rate schedule, the
+initial `step.TrainState`, the device mesh, and restores the network
+variables a checkpoint holds for evaluation (`restore_variables`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+
+from otclr_jax import checkpoint
+from otclr_jax import input_pipeline
+from otclr_jax import methods
+from otclr_jax import models
+from otclr_jax import ot
+from otclr_jax import step as step_lib
+from otclr_jax import views as views_lib
+from otclr_jax.methods import base
+
+# The smallest safe `ot.epsilon`. Kernel-mode Sinkhorn (otclr_jax/ot.py) builds
+# K = exp(-C / epsilon) with the cost C normalised to [0, 1], in float32. Its
+# smallest entry exp(-1 / epsilon) stays a normal float32 (>= 2**-126 =
+# 1.18e-38 = exp(-87.34)) only for epsilon >= 1 / (126 ln 2) = 0.01145; below
+# that entries flush to 0, the scalings a / (K v) overflow and the views and
+# the loss turn NaN at the first step.
+MIN_EPSILON = 1.0 / (126 * math.log(2))
+
+
+class ConfigError(ValueError):
+  """A config field is invalid, or conflicts with the run stored in the workdir."""
+
+
+# ----------------------------------------------------------------------------
+# Validation.
+
+
+def _require(ok: bool, field: str, rule: str, value: Any) -> None:
+  if not ok:
+    raise ConfigError(f'config.{field} {rule}, got {value!r}.')
+
+
+def _is_number(value: Any) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Checks every field before anything is created (workdir, data caches).
+
+  Raises:
+    ConfigError: (a ValueError) naming the field, its value and the rule.
+  """
+  c = config
+  _require(c.mode in ('train', 'eval'), 'mode', "must be 'train' or 'eval'",
+           c.mode)
+  try:
+    method_name, _ = views_lib.resolve(c)
+    methods.get(method_name)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  _require(c.dtype in base.DTYPES, 'dtype',
+           f'must be one of {tuple(base.DTYPES)}', c.dtype)
+  _require(_is_int(c.seed), 'seed', 'must be an integer', c.seed)
+  _require(isinstance(c.dataset, str) and c.dataset, 'dataset',
+           'must name a dataset', c.dataset)
+  _require(_is_int(c.image_size)
+           and c.image_size >= input_pipeline.MIN_IMAGE_SIZE, 'image_size',
+           f'must be an integer >= {input_pipeline.MIN_IMAGE_SIZE}',
+           c.image_size)
+  _require(_is_int(c.batch_size) and c.batch_size >= 2, 'batch_size',
+           'must be an integer >= 2 (contrastive losses need negatives)',
+           c.batch_size)
+  for field in ('log_every_steps', 'checkpoint_every_steps',
+                'keep_checkpoints'):
+    _require(_is_int(c[field]) and c[field] >= 1, field,
+             'must be an integer >= 1', c[field])
+  _require(_is_int(c.total_steps) and c.total_steps >= 0, 'total_steps',
+           'must be an integer >= 0 (0: use num_epochs)', c.total_steps)
+  _require(_is_number(c.num_epochs) and c.num_epochs >= 0, 'num_epochs',
+           'must be >= 0', c.num_epochs)
+  if c.total_steps <= 0 and c.num_epochs <= 0:
+    raise ConfigError('Set config.num_epochs > 0 or config.total_steps > 0.')
+  _require(c.model.stem in models.STEMS, 'model.stem',
+           f'must be one of {models.STEMS}', c.model.stem)
+  for field in ('proj_hidden_dim', 'proj_dim'):
+    _require(_is_int(c.model[field]) and c.model[field] >= 1,
+             f'model.{field}', 'must be an integer >= 1', c.model[field])
+  _require(_is_number(c.loss.temperature) and c.loss.temperature > 0,
+           'loss.temperature', 'must be > 0', c.loss.temperature)
+  _require(c.optim.name in ('sgd', 'lars'), 'optim.name',
+           "must be 'sgd' or 'lars'", c.optim.name)
+  _require(_is_number(c.optim.base_lr) and c.optim.base_lr >= 0,
+           'optim.base_lr', 'must be >= 0', c.optim.base_lr)
+  _require(_is_number(c.optim.momentum) and 0 <= c.optim.momentum < 1,
+           'optim.momentum', 'must lie in [0, 1)', c.optim.momentum)
+  _require(_is_number(c.optim.weight_decay) and c.optim.weight_decay >= 0,
+           'optim.weight_decay', 'must be >= 0', c.optim.weight_decay)
+  _require(_is_number(c.optim.warmup_epochs) and c.optim.warmup_epochs >= 0,
+           'optim.warmup_epochs', 'must be >= 0', c.optim.warmup_epochs)
+  _require(_is_int(c.ot.grid_size) and c.ot.grid_size >= 2, 'ot.grid_size',
+           'must be an integer >= 2', c.ot.grid_size)
+  if c.ot.grid_size > c.image_size:
+    raise ConfigError(f'config.ot.grid_size ({c.ot.grid_size}) must not '
+                      f'exceed config.image_size ({c.image_size}).')
+  _require(_is_number(c.ot.epsilon) and c.ot.epsilon > 0, 'ot.epsilon',
+           'must be > 0', c.ot.epsilon)
+  if c.ot.epsilon < MIN_EPSILON:
+    raise ConfigError(
+        f'config.ot.epsilon={c.ot.epsilon} is below {MIN_EPSILON:.5f}, the '
+        'smallest safe value: the Sinkhorn kernel exp(-C / epsilon) on the '
+        'max-1 cost C in [0, 1] underflows float32 (smallest normal 1.18e-38 '
+        f'= exp(-87.3)) for epsilon < 1/87.3, which gives NaN views and loss.')
+  _require(_is_int(c.ot.num_iters) and c.ot.num_iters >= 1, 'ot.num_iters',
+           'must be an integer >= 1', c.ot.num_iters)
+  _require(_is_number(c.ot.alpha) and 0.0 <= c.ot.alpha <= 1.0, 'ot.alpha',
+           'must lie in [0, 1]', c.ot.alpha)
+  if c.ot.learn_alpha and not 0.0 < c.ot.alpha < 1.0:
+    raise ConfigError('config.ot.learn_alpha starts from sigmoid(logit) = '
+                      f'config.ot.alpha, which must lie in (0, 1); got '
+                      f'{c.ot.alpha}.')
+  _require(_is_number(c.ot.beta) and c.ot.beta >= 0, 'ot.beta', 'must be >= 0',
+           c.ot.beta)
+  _require(isinstance(c.ot.learn_alpha, bool), 'ot.learn_alpha',
+           'must be True or False', c.ot.learn_alpha)
+  datasets = c.eval.datasets
+  _require(isinstance(datasets, (tuple, list)) and len(datasets) >= 1
+           and all(isinstance(d, str) and d for d in datasets),
+           'eval.datasets', 'must be a non-empty tuple of dataset names',
+           datasets)
+  _require(isinstance(c.eval.views_dataset, str), 'eval.views_dataset',
+           "must be a dataset name or ''", c.eval.views_dataset)
+  for field in ('batch_size', 'probe_steps', 'num_view_images'):
+    _require(_is_int(c.eval[field]) and c.eval[field] >= 1, f'eval.{field}',
+             'must be an integer >= 1', c.eval[field])
+  for field in ('at_end', 'figures'):
+    _require(isinstance(c.eval[field], bool), f'eval.{field}',
+             'must be True or False', c.eval[field])
+  if 'monitor' in c:  # configs stored by older versions have none
+    _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
+             and c.monitor.every_steps % c.log_every_steps == 0,
+             'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
+             'multiple of config.log_every_steps (it is logged with that '
+             "step's line)", c.monitor.every_steps)
+    for field in ('num_train', 'num_test'):
+      _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
+               f'monitor.{field}', 'must be an integer >= 1',
+               c.monitor[field])
+  try:
+    views_lib.augment_params(c)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  _require(c.ot.core in ot.CORES, 'ot.core', f'must be one of {ot.CORES}',
+           c.ot.core)
+
+
+def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the kNN monitor runs (otclr_jax/monitor.py; `config.monitor`)."""
+  return 'monitor' in config and config.monitor.every_steps > 0
+
+
+# ----------------------------------------------------------------------------
+# What a run is made of.
+
+
+def method_of(config: ml_collections.ConfigDict) -> base.Method:
+  """The objective `config.method` names (the alias 'otclr' is SimCLR)."""
+  return methods.get(views_lib.resolve(config)[0])
+
+
+def title_of(config: ml_collections.ConfigDict) -> str:
+  """The run's row name as the paper writes it ('MoCo + OT views', 'OTCLR')."""
+  return methods.title(*views_lib.resolve(config))
+
+
+def create_model(config: ml_collections.ConfigDict):
+  """The trained (online) network of the run's method."""
+  return method_of(config).create_model(config)
+
+
+def total_steps_for(config: ml_collections.ConfigDict,
+                    steps_per_epoch: int) -> int:
+  if config.total_steps > 0:
+    return int(config.total_steps)
+  return int(config.num_epochs * steps_per_epoch)
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict,
+                           steps_per_epoch: int,
+                           total_steps: int) -> optax.Schedule:
+  """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0."""
+  peak = config.optim.base_lr * config.batch_size / 256.0
+  warmup = min(int(config.optim.warmup_epochs * steps_per_epoch),
+               max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+
+
+def _decay_mask(params):
+  # Convolution and dense kernels only: decaying BatchNorm scales, biases or
+  # the interpolation logit would pull them towards 0 for no benefit.
+  return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     schedule: optax.Schedule) -> optax.GradientTransformation:
+  opt = config.optim
+  if opt.name == 'lars':
+    return optax.lars(schedule, weight_decay=opt.weight_decay,
+                      weight_decay_mask=_decay_mask,
+                      trust_ratio_mask=_decay_mask, momentum=opt.momentum)
+  return optax.chain(
+      optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
+      optax.sgd(schedule, momentum=opt.momentum))
+
+
+def count_params(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def make_mesh(devices=None) -> Mesh:
+  devices = np.asarray(jax.devices() if devices is None else devices)
+  return Mesh(devices, ('data',))
+
+
+def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+  """This process's rows of the global host batch, as one global device array."""
+  n = jax.process_count()
+  if batch.shape[0] % n or (batch.shape[0] // n) % (mesh.size // n or 1):
+    raise ValueError(f'Global batch {batch.shape[0]} must split evenly over '
+                     f'{n} processes and {mesh.size} devices.')
+  local = batch.shape[0] // n
+  rows = batch[jax.process_index() * local:(jax.process_index() + 1) * local]
+  return jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P('data')), rows, batch.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything a config builds for a run of known length.
+
+  Attributes:
+    method: the objective (`methods.get`).
+    views: the view generator, 'augment' or 'ot'.
+    title: the run's row name ('MoCo + OT views', 'OTCLR', ...).
+    model: the trained network, `method.create_model(config)`.
+    schedule: the learning-rate schedule.
+    tx: the optimiser.
+    steps_per_epoch: updates per epoch.
+    total_steps: length of the run in updates.
+  """
+  method: base.Method
+  views: str
+  title: str
+  model: Any
+  schedule: optax.Schedule
+  tx: optax.GradientTransformation
+  steps_per_epoch: int
+  total_steps: int
+
+
+def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
+  """The run's method, model, schedule and optimiser.
+
+  Args:
+    config: a validated config.
+    steps_per_epoch: updates per epoch of the pretraining set
+      (`input_pipeline.steps_per_epoch`).
+  """
+  method_name, views = views_lib.resolve(config)
+  method = methods.get(method_name)
+  total = total_steps_for(config, steps_per_epoch)
+  schedule = learning_rate_schedule(config, steps_per_epoch, total)
+  return Setup(method=method, views=views,
+               title=methods.title(method_name, views),
+               model=method.create_model(config), schedule=schedule,
+               tx=create_optimizer(config, schedule),
+               steps_per_epoch=steps_per_epoch, total_steps=total)
+
+
+def init_key(config: ml_collections.ConfigDict) -> jax.Array:
+  """The key the network is initialised from (the first of `config.seed`'s split)."""
+  return jax.random.split(jax.random.key(config.seed))[0]
+
+
+def train_key(config: ml_collections.ConfigDict) -> jax.Array:
+  """The key every step folds its step number into."""
+  return jax.random.split(jax.random.key(config.seed))[1]
+
+
+def initial_state(config: ml_collections.ConfigDict, run: Setup,
+                  mesh: Mesh | None = None) -> step_lib.TrainState:
+  """The state at step 0, jitted (replicated over `mesh` when given).
+
+  Jitted as training does, so that initial values match training's to the
+  bit and targets copied from the online network do not alias its buffers.
+  """
+  init = functools.partial(step_lib.init_state, config, run.method, run.model,
+                           run.tx)
+  if mesh is None:
+    return jax.jit(init)(init_key(config))
+  return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
+      init_key(config))
+
+
+def jit_train_step(config: ml_collections.ConfigDict, run: Setup, mesh: Mesh):
+  """`step.train_step` for this run, jitted over `mesh` (state donated)."""
+  return step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+
+
+def pretraining_params(state: step_lib.TrainState) -> int:
+  """Parameters the pretraining state holds: the network's and its targets'.
+
+  A MoCo run counts the query and key encoders with their heads (the paper's
+  23.01M); queues, centres and BatchNorm statistics are buffers, not
+  parameters.
+  """
+  extra = state.extra if isinstance(state.extra, dict) else {}
+  targets = {k: v for k, v in extra.items() if k.endswith('params')}
+  return count_params(state.params['net']) + count_params(targets)
+
+
+# ----------------------------------------------------------------------------
+# Evaluation's view of a checkpoint.
+
+
+def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The untrained network's `{'params', 'batch_stats'}`, as training starts it."""
+  model = create_model(config)
+  dummy = np.zeros((1, config.image_size, config.image_size, 3), np.float32)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      {'params': init_key(config)}, dummy)
+  return {'params': variables['params'],
+          'batch_stats': variables['batch_stats']}
+
+
+def restore_variables(config: ml_collections.ConfigDict, workdir: str,
+                      step: int) -> dict[str, Any]:
+  """The network's `{'params', 'batch_stats'}` of checkpoint `step` in `workdir`.
+
+  Only these two parts are read (Orbax partial restoration): a change of the
+  optimiser or of a method's extra state never breaks evaluating a run, and
+  checkpoints written before `TrainState.extra` existed still evaluate. A
+  learnt interpolation logit, if any, is returned under `'alpha_logit'`.
+
+  Raises:
+    FileNotFoundError: no checkpoint `step` in `workdir`.
+  """
+  template = initial_variables(config)
+  item = {'params': {'net': template['params']},
+          'batch_stats': template['batch_stats']}
+  if config.ot.learn_alpha:
+    item['params']['alpha_logit'] = np.zeros((), np.float32)
+  restored = checkpoint.restore_part(workdir, step, item)
+  out = {'params': restored['params']['net'],
+         'batch_stats': restored['batch_stats']}
+  if config.ot.learn_alpha:
+    out['alpha_logit'] = restored['params']['alpha_logit']
+  return out
+
+
+def alpha_of(config: ml_collections.ConfigDict,
+             variables: dict[str, Any]) -> float:
+  """The run's interpolation coefficient: learnt (`'alpha_logit'`) or fixed."""
+  params = {'alpha_logit': variables.get('alpha_logit')}
+  return float(views_lib.current_alpha(config, params))
