@@ -3,7 +3,7 @@
 One jitted, donated step serves every objective of `otclr_jax.methods` with
 either view generator of `otclr_jax.views`: it draws the two views of the
 batch, hands them to the method's loss (which runs its networks), adds the
-Sinkhorn term of OT views (METHOD.md section 6), applies the optimiser and
+Sinkhorn term of OT views (docs/method.md section 6), applies the optimiser and
 the method's post-update hook (EMA targets). Everything a resumed run needs,
 the method's extra state included, is in `TrainState`; randomness is
 ``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.

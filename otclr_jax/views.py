@@ -2,9 +2,9 @@
 
 `config.views` picks how the two positive views of a batch are made:
 
-* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (METHOD.md
+* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (docs/method.md
   section 1), used as they are.
-* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of METHOD.md
+* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of docs/method.md
   sections 2-5, built from the same two strong augmentations.
 
 Any objective of `otclr_jax.methods` trains on either. OTCLR is SimCLR with
@@ -116,6 +116,6 @@ def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:
   """Whether `beta * L_Sinkhorn` is part of the loss (then every step needs it).
 
   With beta = 0 it is only a logged diagnostic. (With beta != 0 but a fixed
-  alpha it enters the loss value yet has no gradient, METHOD.md section 6.)
+  alpha it enters the loss value yet has no gradient, docs/method.md section 6.)
   """
   return config.ot.beta != 0

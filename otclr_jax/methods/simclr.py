@@ -4,7 +4,7 @@ The objective the project had before methods became plug-ins, unchanged:
 one forward pass of the concatenated views (BatchNorm statistics over the 2B
 views), NT-Xent with temperature `config.loss.temperature` (0.5, the paper's
 value) and the 512-512-128 projection head of `config.model`
-(`losses.nt_xent`, METHOD.md section 6). No extra state. With
+(`losses.nt_xent`, docs/method.md section 6). No extra state. With
 `config.views = 'ot'` this is OTCLR.
 """
 
