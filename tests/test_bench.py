@@ -95,7 +95,9 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
   code = bench.main([
       'train', '--config=configs/digits.py', '--repeats=1', '--override',
       f'data_dir={tmp_path}', 'image_size=8', 'batch_size=16',
-      'ot.grid_size=4', '--config.model.proj_hidden_dim=32',
+      # The paper's 11.18M backbone has the imagenet stem (digits uses cifar).
+      'model.stem=imagenet', 'ot.grid_size=4',
+      '--config.model.proj_hidden_dim=32',
       '--config.model.proj_dim=16'])
   assert code == 0
   out = capsys.readouterr().out

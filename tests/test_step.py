@@ -124,6 +124,7 @@ def _progress_metric(method, metrics):
   return float(metrics['loss'])
 
 
+@pytest.mark.slow  # ~1 min per combination on the 2-core CPU
 @pytest.mark.parametrize('method, views', COMBINATIONS)
 def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
                                                  views):
@@ -190,7 +191,7 @@ def test_targets_follow_the_online_network_by_ema(data_dir, images):
   assert method.name == 'byol'
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a subprocess compiling every method on 4 devices
 def test_four_devices_match_one_for_every_method(data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np

@@ -66,7 +66,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, data_dir):
   assert steps == [2, 4]
 
 
-def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
+def _sigterm_after_two_batches(monkeypatch):
+  """Makes the input pipeline send this process SIGTERM while yielding batch 2."""
   real = input_pipeline.train_batches
 
   def batches_then_sigterm(*args, **kwargs):
@@ -76,6 +77,10 @@ def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
       yield batch
 
   monkeypatch.setattr(input_pipeline, 'train_batches', batches_then_sigterm)
+
+
+def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
+  _sigterm_after_two_batches(monkeypatch)
   config = tiny_config(data_dir, checkpoint_every_steps=100)
   state = train.train_and_evaluate(config, str(tmp_path))
   assert int(state.step) == 2
@@ -359,15 +364,7 @@ def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
 
 def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
                                                monkeypatch):
-  real = input_pipeline.train_batches
-
-  def batches_then_sigterm(*args, **kwargs):
-    for i, batch in enumerate(real(*args, **kwargs)):
-      if i == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
-      yield batch
-
-  monkeypatch.setattr(input_pipeline, 'train_batches', batches_then_sigterm)
+  _sigterm_after_two_batches(monkeypatch)
   config = tiny_config(data_dir, checkpoint_every_steps=100)
   assert main.run(config, str(tmp_path)) == rundir.EXIT_STOPPED == 75
   status = rundir.read_status(str(tmp_path))

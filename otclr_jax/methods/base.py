@@ -148,6 +148,27 @@ def cosine_momentum(step: jax.Array | int, total_steps: int, base: float,
       jnp.cos(jnp.float32(math.pi) * frac) + 1.0) / 2.0
 
 
+def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
+  """A `post_update` that moves `extra['target_params']` towards the online
+  parameters by EMA, with `cosine_momentum` from `config.<block>.base_tau` to
+  `config.<block>.final_tau` (MoCo's key encoder, BYOL's target, DINO's
+  teacher).
+
+  Args:
+    block: the method's config block, e.g. 'moco'.
+    online: maps the online params to the tree the target mirrors (BYOL drops
+      its predictor).
+  """
+  def post_update(config, extra, params, batch_stats, progress):
+    del batch_stats
+    settings = config[block]
+    tau = cosine_momentum(progress.step, progress.total_steps,
+                          settings.base_tau, settings.final_tau)
+    return dict(extra, target_params=ema(extra['target_params'],
+                                         online(params), tau))
+  return post_update
+
+
 def check_momentum(config_field: str, base: float, final: float) -> None:
   for name, value in (('base_tau', base), ('final_tau', final)):
     if not 0.0 <= value <= 1.0:

@@ -104,13 +104,8 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   return value, {'byol': value}, updates['batch_stats'], new_extra
 
 
-def post_update(config, extra, params, batch_stats, progress):
-  """Target encoder and projector follow the online ones by EMA."""
-  del batch_stats
-  tau = base.cosine_momentum(progress.step, progress.total_steps,
-                             config.byol.base_tau, config.byol.final_tau)
-  return dict(extra, target_params=base.ema(
-      extra['target_params'], _without_predictor(params), tau))
+# Target encoder and projector follow the online ones by EMA.
+post_update = base.ema_targets('byol', _without_predictor)
 
 
 METHOD = base.Method(

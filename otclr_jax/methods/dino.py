@@ -151,13 +151,8 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   return value, metrics, updates['batch_stats'], new_extra
 
 
-def post_update(config, extra, params, batch_stats, progress):
-  """Teacher parameters follow the student by EMA."""
-  del batch_stats
-  tau = base.cosine_momentum(progress.step, progress.total_steps,
-                             config.dino.base_tau, config.dino.final_tau)
-  return dict(extra, target_params=base.ema(extra['target_params'], params,
-                                            tau))
+# Teacher parameters follow the student by EMA.
+post_update = base.ema_targets('dino')
 
 
 METHOD = base.Method(

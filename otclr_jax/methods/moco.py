@@ -143,13 +143,8 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   return nce, metrics, updates['batch_stats'], new_extra
 
 
-def post_update(config, extra, params, batch_stats, progress):
-  """Key encoder parameters follow the query encoder by EMA."""
-  del batch_stats
-  tau = base.cosine_momentum(progress.step, progress.total_steps,
-                             config.moco.base_tau, config.moco.final_tau)
-  return dict(extra, target_params=base.ema(extra['target_params'], params,
-                                            tau))
+# Key encoder parameters follow the query encoder by EMA.
+post_update = base.ema_targets('moco')
 
 
 METHOD = base.Method(
