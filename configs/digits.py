@@ -15,6 +15,10 @@ changed for 8 x 8 grey digits, as the ablation in the README measured:
   about five pixels, too little to identify it.
 - The OT grid is the image itself (m = 8) and the projection head is the
   default 512-512-128.
+- MoCo's queue holds 1,024 keys per view, not 32,768: the whole run enqueues
+  ~17,000 keys, so a 32,768-key queue would hold mostly its random initial
+  vectors, and more keys than the 1,437 training images would put each image's
+  own older keys among its negatives.
 """
 
 from configs import default
@@ -31,6 +35,7 @@ def get_config():
   config.checkpoint_every_steps = 50
   config.optim.warmup_epochs = 1.0
   config.ot.grid_size = 8
+  config.moco.queue_size = 1024
   config.augment.crop_scale = (0.4, 1.0)
   config.augment.flip_prob = 0.0
   config.augment.jitter_prob = 0.0

@@ -717,7 +717,7 @@ def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
   assert [(r.method, r.views) for r in runs] == [
       (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
       for v in ('augment', 'ot')]
-  assert runs[3].name == 'digits_moco-ot_b64_s0'
+  assert runs[3].name == 'digits_moco-ot_b128_s0'
   launcher = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
