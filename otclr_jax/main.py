@@ -13,7 +13,8 @@ Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
   2   bad flag or config field, or a resume whose result-changing settings
       differ from DIR/config.json (the message names each field).
   65  diverged: non-finite loss, gradient or state; the newest checkpoint
-      (named in the message) is finite.
+      (named in the message) is finite. Also evaluation refusing a checkpoint
+      whose variables or features are not finite (nothing is written).
   73  DIR is locked by another running process.
   75  stopped early (SIGTERM/SIGINT preemption); rerun the same command to
       resume.
@@ -37,6 +38,7 @@ from otclr_jax import evaluate
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
+from otclr_jax.evaluation import features
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Training configuration file.', lock_config=True)
@@ -135,7 +137,7 @@ def run(config, workdir: str) -> int:
     return 0
   except experiment.ConfigError as e:
     raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
-  except train.DivergedError as e:
+  except (train.DivergedError, features.NonFiniteError) as e:
     logging.error('%s', e)
     return rundir.EXIT_DIVERGED
   except rundir.WorkdirLockedError as e:

@@ -14,6 +14,7 @@ import pytest
 
 from otclr_jax import checkpoint
 from otclr_jax import evaluate
+from otclr_jax import main
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import knn
@@ -468,6 +469,11 @@ def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: checkpoint step 2 .*non-finite'):
     evaluate.evaluate(_eval_config(data_dir), workdir)
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
+  # The command line ends in one error line and the data-error status.
+  config = _eval_config(data_dir)
+  config.mode = 'eval'
+  assert main.run(config, workdir) == rundir.EXIT_DIVERGED
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 

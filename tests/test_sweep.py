@@ -718,6 +718,8 @@ def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
       (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
       for v in ('augment', 'ot')]
   assert runs[3].name == 'digits_moco-ot_b128_s0'
+  # The fake launcher writes its files at config.total_steps (0: epochs).
+  sweep.overrides['total_steps'] = 20
   launcher = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
