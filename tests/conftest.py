@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # POT probes every installed array backend at import; TensorFlow's import alone
 # costs seconds and the tests only use POT's NumPy path.
 for _backend in ('TENSORFLOW', 'PYTORCH', 'CUPY', 'JAX'):
@@ -13,3 +15,22 @@ os.environ.setdefault(
     'JAX_COMPILATION_CACHE_DIR',
     os.path.join(os.path.expanduser('~'), '.cache', 'otclr_jax_test_xla'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      '--runslow', action='store_true', default=False,
+      help='also run the end-to-end tests marked slow (about 15 minutes on a '
+      '2-core CPU): every method x views training and resuming, 4 devices '
+      'against 1, the complexity-table benchmark, seeded sweeps end to end')
+
+
+def pytest_collection_modifyitems(config, items):
+  # The pattern of pytest's documentation: slow tests are reported as skipped
+  # (so a plain run says how many did not run), not silently deselected.
+  if config.getoption('--runslow'):
+    return
+  skip = pytest.mark.skip(reason='slow end-to-end test: pass --runslow')
+  for item in items:
+    if 'slow' in item.keywords:
+      item.add_marker(skip)

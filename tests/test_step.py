@@ -128,7 +128,7 @@ def _progress_metric(method, metrics):
 @pytest.mark.parametrize('method, views', COMBINATIONS)
 def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
                                                  views):
-  n = 4
+  n = 8
   config = method_config(data_dir, method, views, **{
       'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
   # One batch of keys: from step 1 on, the negatives are the previous batch's
@@ -149,15 +149,13 @@ def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
     assert np.isfinite(float(metrics['loss'])), (i, metrics)
     assert np.all(np.asarray(metrics['state_finite'])), i
     progress.append(_progress_metric(method, metrics))
-  # Trains: the objective falls over 8 steps. MoCo starts at step 1: at step 0
-  # its negatives are the random initial queue, an easier task by construction.
+  # Trains: the objective falls over 16 steps (means of 3: single tiny steps
+  # are noisy; over 8 steps MoCo on OT views looked flat). MoCo starts at
+  # step 1: at step 0 its negatives are the random initial queue, an easier
+  # task by construction.
   start = 1 if method == 'moco' else 0
-  if (method, views) != ('moco', 'ot'):
-    # MoCo on OT views stays flat over 8 tiny steps (measured 3.26, 3.26,
-    # 3.05, 3.23, 3.07, 3.24, 3.34 from step 1): no decrease to assert at this
-    # size; its finiteness and exact resumption are still checked.
-    assert np.mean(progress[-2:]) < np.mean(progress[start:start + 2]), (
-        progress)
+  assert np.mean(progress[-3:]) < np.mean(progress[start:start + 3]), (
+      progress)
   # Resumes: N steps, a serialised round trip, N more == 2N straight, bit for
   # bit, extra state (targets, queue, centre) included.
   resumed = jax.device_put(flax.serialization.from_bytes(template, saved),

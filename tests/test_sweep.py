@@ -489,6 +489,7 @@ def _without_timing(path):
   return records
 
 
+@pytest.mark.slow  # two sweeps of train + eval subprocesses (~1 min)
 def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
   overrides = {**TINY_OVERRIDES, 'data_dir': str(tmp_path / 'data')}
   # Optional evaluation knobs, smallest settings, where the config has them.
