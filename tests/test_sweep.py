@@ -734,3 +734,14 @@ def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
   assert all(r.views == '' and '-' not in r.name.split('_')[1]
              for r in sweep_lib.load_sweep(os.path.join(
                  REPO, 'launch', 'sweeps', 'digits_smoke.py')).runs(workdir))
+
+
+@pytest.mark.parametrize('name', sweep_lib.list_sweeps())
+def test_shipped_sweeps_give_valid_run_configs(name, tmp_path):
+  # Every run a shipped sweep would launch passes training's whole-config
+  # check, so a typo or an impossible combination fails here, not hours in.
+  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
+  sweep = sweep_lib.load_sweep(name)
+  base = sweep_lib.base_config(sweep)
+  for run in sweep.runs(str(tmp_path)):
+    experiment.validate_config(sweep_lib.apply_overrides(base, run.overrides))
