@@ -29,6 +29,7 @@ import ml_collections
 
 from otclr_jax import models
 from otclr_jax.methods import base
+from otclr_jax.methods import simclr
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -45,14 +46,6 @@ def create_model(config: ml_collections.ConfigDict) -> models.BYOLNet:
       proj_hidden_dim=config.model.proj_hidden_dim,
       proj_dim=config.model.proj_dim,
       pred_hidden_dim=config.byol.pred_hidden_dim,
-      dtype=base.dtype_of(config))
-
-
-def _target_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
-  return models.SimCLRNet(
-      stem=config.model.stem,
-      proj_hidden_dim=config.model.proj_hidden_dim,
-      proj_dim=config.model.proj_dim,
       dtype=base.dtype_of(config))
 
 
@@ -92,7 +85,7 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   (_, _, p), updates = model.apply(
       {'params': params, 'batch_stats': batch_stats}, views, train=True,
       mutable=['batch_stats'])
-  (_, z), target_updates = _target_model(config).apply(
+  (_, z), target_updates = simclr.create_model(config).apply(
       {'params': extra['target_params'],
        'batch_stats': extra['target_batch_stats']}, views, train=True,
       mutable=['batch_stats'])
