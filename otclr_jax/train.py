@@ -275,11 +275,11 @@ class RunResult:
   status: str
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_after_steps: int | None = None,
-                       mesh: Mesh | None = None,
-                       make_monitor=None) -> step_lib.TrainState:
-  """`train(...)`'s final TrainState (see `train`; `main.py` evaluates)."""
+def pretrain(config: ml_collections.ConfigDict, workdir: str, *,
+             stop_after_steps: int | None = None,
+             mesh: Mesh | None = None,
+             make_monitor=None) -> step_lib.TrainState:
+  """`train(...)`, returning only its final TrainState (no evaluation)."""
   return train(config, workdir, stop_after_steps=stop_after_steps,
                mesh=mesh, make_monitor=make_monitor).state
 

@@ -180,7 +180,7 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
     evaluate.evaluate(config, workdir)
   assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
 
-  train.train_and_evaluate(config, workdir, stop_after_steps=2)
+  train.pretrain(config, workdir, stop_after_steps=2)
   with pytest.raises(ValueError, match=r'available steps: \[2\]'):
     evaluate.evaluate(config, workdir, step=3)
   _small_digits(monkeypatch)
@@ -375,8 +375,8 @@ def _eval_config(data_dir, **overrides):
 def trained_run(tmp_path_factory, data_dir):
   """A tiny run trained to step 2 (seed 0, otclr); tests copy it."""
   workdir = str(tmp_path_factory.mktemp('trained') / 'run')
-  train.train_and_evaluate(_eval_config(data_dir), workdir,
-                           stop_after_steps=2)
+  train.pretrain(_eval_config(data_dir), workdir,
+                 stop_after_steps=2)
   return workdir
 
 
@@ -401,7 +401,7 @@ def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
       path = os.path.join(workdir, entry)
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   config_b = _eval_config(data_dir, seed=1, method='simclr')
-  train.train_and_evaluate(config_b, workdir, stop_after_steps=2)
+  train.pretrain(config_b, workdir, stop_after_steps=2)
   warnings = []
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
@@ -500,7 +500,7 @@ def test_restore_falls_back_past_a_truncated_newest_checkpoint(
     tmp_path, data_dir, caplog):
   config = _eval_config(data_dir, method='simclr')
   workdir = tmp_path / 'run'
-  train.train_and_evaluate(config, str(workdir))  # checkpoints 2 and 4
+  train.pretrain(config, str(workdir))  # checkpoints 2 and 4
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
   # What a crash mid-write leaves: the newest checkpoint's data cut short.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'

@@ -135,7 +135,7 @@ def runs(tmp_path_factory):
       if method == 'simclr':
         config.eval.figures = False
       workdir = str(root / f'digits_{method}')
-      train.train_and_evaluate(config, workdir)
+      train.pretrain(config, workdir)
       main.evaluate_and_draw(config, workdir)
       out[method] = workdir
     yield out
