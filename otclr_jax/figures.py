@@ -923,6 +923,7 @@ CURVES = (('loss', 'loss'),
           ('top1', 'contrastive top-1'),
           ('lr', 'learning rate'),
           ('images_per_sec', 'images / s'),
+          ('monitor_knn_top1', 'kNN monitor top-1 (%)'),
           ('sinkhorn', 'Sinkhorn regulariser'),
           ('alpha', '$\\alpha$'))
 
@@ -987,9 +988,11 @@ def plot_curves(runs: dict[str, dict[str, np.ndarray]],
     for label, m in runs.items():
       if key not in m:
         continue
-      # Markers, so that a run with a single log step still shows.
-      ax.plot(m['step'], m[key], color=colours[label], lw=1.2, marker='.',
-              ms=3, label=label)
+      # Markers, so that a run with a single log step still shows; only the
+      # steps that logged the quantity (the monitor runs every N steps).
+      finite = np.isfinite(m[key])
+      ax.plot(m['step'][finite], m[key][finite], color=colours[label],
+              lw=1.2, marker='.', ms=3, label=label)
       if (key == 'loss' and 'nce' in m
           and not np.allclose(m['nce'], m['loss'], equal_nan=True)):
         ax.plot(m['step'], m['nce'], color=colours[label], lw=1.0, ls='--')
