@@ -22,8 +22,8 @@ def pytest_addoption(parser):
       '--runslow', action='store_true', default=False,
       help='also run the end-to-end tests marked slow (the whole suite then '
       'takes ~6.5 min with -n 2 on a 2-core CPU): every method x views '
-      'training and resuming, 4 devices '
-      'against 1, the complexity-table benchmark, seeded sweeps end to end')
+      'training and resuming, 4 devices against 1, the complexity-table '
+      'benchmark, seeded sweeps end to end')
 
 
 def pytest_collection_modifyitems(config, items):
