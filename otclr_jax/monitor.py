@@ -29,7 +29,7 @@ from otclr_jax import input_pipeline
 
 # Picks the held-out images; fixed so curves of different runs compare.
 SEED = 0
-# Images per encoder call (the last batch is padded, so it compiles once).
+# Images per encoder call (`features.extract_features` pads the last batch).
 BATCH_SIZE = 256
 
 
@@ -71,17 +71,11 @@ class KnnMonitor:
         test_split, config.monitor.num_test, rng)
     self.num_classes = train_split.num_classes
     self._encoder = features.Encoder(model)
-    devices = self._encoder.num_devices
-    self._batch = -(-BATCH_SIZE // devices) * devices
 
   def features(self, variables: Any, images: np.ndarray) -> np.ndarray:
     """float32 [N, 512] features of uint8 images [N, S, S, 3]."""
-    parts = []
-    for start in range(0, len(images), self._batch):
-      batch = images[start:start + self._batch]
-      padded = features.pad_rows(batch, self._batch)
-      parts.append(self._encoder(variables, padded)[:len(batch)])
-    return np.concatenate(parts)
+    return features.extract_features(self._encoder, variables, images,
+                                     BATCH_SIZE, log_progress=False)
 
   def __call__(self, state) -> float:
     variables = {'params': state.params['net'],
@@ -89,4 +83,4 @@ class KnnMonitor:
     train_x = self.features(variables, self.train_images)
     test_x = self.features(variables, self.test_images)
     return knn.knn_top1(train_x, self.train_labels, test_x,
-                             self.test_labels, self.num_classes)
+                        self.test_labels, self.num_classes)

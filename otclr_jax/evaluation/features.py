@@ -97,7 +97,8 @@ class Encoder:
 
 
 def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
-                     batch_size: int, what: str = 'features') -> np.ndarray:
+                     batch_size: int, what: str = 'features', *,
+                     log_progress: bool = True) -> np.ndarray:
   """Encoder features of every image, in order.
 
   Every batch, the last one padded, has the same shape, so the encoder is
@@ -109,6 +110,8 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
     images: uint8 [N, S, S, 3].
     batch_size: images per call; rounded up to a multiple of the devices.
     what: name used in the progress log.
+    log_progress: log images/s as it goes (the kNN monitor, called during
+      training, does not).
 
   Returns:
     float32 [N, 512].
@@ -125,7 +128,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
     parts.append(encoder(variables, pad_rows(batch, batch_size))[:len(batch)])
     done += len(batch)
     now = time.perf_counter()
-    if now - last_log > _LOG_EVERY_SECONDS or done == num:
+    if log_progress and (now - last_log > _LOG_EVERY_SECONDS or done == num):
       last_log = now
       logging.info('%s: %d/%d images (%.0f img/s)', what, done, num,
                    done / max(now - start, 1e-9))
