@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Callable
@@ -23,6 +24,23 @@ def quiet_logs() -> None:
   """Silences Orbax below WARNING on absl's handler (call from entry points)."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+# The checkpoint's items: the state pytree (its directory is `<step>/default`,
+# which `restore_part` reads) and the run's config.
+_STATE = 'default'
+_CONFIG = 'config'
+
+
+def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
+  """`Checkpointer.stored_config` of `workdir`, read-only; None if no checkpoint."""
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    return None
+  ckpt = Checkpointer(workdir, read_only=True)
+  try:
+    return ckpt.stored_config()
+  finally:
+    ckpt.close()
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -60,7 +78,7 @@ class Checkpointer:
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     self._read_only = read_only
     self._manager = ocp.CheckpointManager(
-        self.directory,
+        self.directory, item_names=(_STATE, _CONFIG),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only,
             cleanup_tmp_directories=not read_only, read_only=read_only))
@@ -72,13 +90,25 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, state: Any) -> None:
-    """Saves `state` as checkpoint `step` (a no-op if that step exists)."""
+  def save(self, step: int, state: Any,
+           config: dict[str, Any] | None = None) -> None:
+    """Saves `state` as checkpoint `step` (a no-op if that step exists).
+
+    Args:
+      step: the checkpoint's step.
+      state: the pytree to save.
+      config: the run's config as a JSON-able dict (`ConfigDict.to_dict()`),
+        stored in the same checkpoint so that the run's settings survive the
+        loss of `config.json` (`stored_config`).
+    """
     if self._read_only:
       raise RuntimeError(f'{self.directory} was opened read-only.')
     if step in self._manager.all_steps():
       return
-    self._manager.save(step, args=ocp.args.StandardSave(state))
+    items = {_STATE: ocp.args.StandardSave(state)}
+    if config is not None:
+      items[_CONFIG] = ocp.args.JsonSave(json.loads(json.dumps(config)))
+    self._manager.save(step, args=ocp.args.Composite(**items))
 
   def restore(self, target: Any, step: int | None = None) -> Any:
     """Restores checkpoint `step` (default: latest) into the structure of `target`.
@@ -95,7 +125,23 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f'No checkpoint under {self.directory}.')
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    return self._manager.restore(step, args=ocp.args.Composite(
+        **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
+
+  def stored_config(self) -> tuple[dict[str, Any], int] | None:
+    """The config stored with the newest checkpoint that has one, and its step.
+
+    None when no checkpoint holds a config (or there is none).
+    """
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        config = self._manager.restore(step, args=ocp.args.Composite(
+            **{_CONFIG: ocp.args.JsonRestore()}))[_CONFIG]
+      except (KeyError, FileNotFoundError, ValueError):
+        continue  # saved without a config, or that item is unreadable
+      if isinstance(config, dict):
+        return config, step
+    return None
 
   def restore_newest(
       self, target: Any,
@@ -180,7 +226,7 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
     FileNotFoundError: no checkpoint `step` in `workdir`.
   """
   path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step),
-                      'default')
+                      _STATE)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'No checkpoint for step {step}: {path} does not '
                             'exist.')

@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+import os
+from typing import Any, Iterable
+
+from absl import logging
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -27,6 +30,7 @@ from otclr_jax import input_pipeline
 from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax import ot
+from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import views as views_lib
 from otclr_jax.methods import base
@@ -377,6 +381,50 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
   if config.ot.learn_alpha:
     out['alpha_logit'] = restored['params']['alpha_logit']
   return out
+
+
+def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
+  """The config `workdir`'s run was trained with, and where it was read.
+
+  `workdir/config.json`, or when that is missing the copy stored with the
+  newest checkpoint that has one; None when neither exists.
+
+  Raises:
+    rundir.CorruptFileError: config.json is not a JSON object.
+  """
+  stored = rundir.read_config(workdir)
+  if stored is not None:
+    return stored, os.path.join(workdir, rundir.CONFIG_FILE)
+  found = checkpoint.stored_config(workdir)
+  if found is None:
+    return None
+  stored, step = found
+  return stored, os.path.join(workdir, 'checkpoints', str(step))
+
+
+def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
+                     overridden: Iterable[str] = ()) -> None:
+  """Gives `config` the result-changing settings `workdir`'s run was trained with.
+
+  For everything that reads a trained run (evaluation, figures, export): the
+  method, model, data and OT settings are the run's own, whatever the config
+  file says (`rundir.adopt_stored`); a no-op when `workdir` holds no run.
+
+  Raises:
+    ConfigError: a command-line override (`overridden`, dotted names)
+      contradicts the stored run; the message names the flag.
+  """
+  found = run_config(workdir)
+  if found is None:
+    return
+  stored, source = found
+  try:
+    names = rundir.adopt_stored(config, stored, overridden, source)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  if names:
+    logging.info('Using the settings of the run in %s for: %s.', source,
+                 ', '.join(names))
 
 
 def alpha_of(config: ml_collections.ConfigDict,

@@ -26,6 +26,7 @@ import errno
 import os
 import re
 import sys
+from typing import Iterable
 
 from absl import app
 from absl import flags
@@ -119,13 +120,33 @@ def make_monitor(config, model, train_split):
   return monitor.KnnMonitor(config, model, train_split)
 
 
-def run(config, workdir: str) -> int:
+def _unwritable_path(error: BaseException) -> str | None:
+  """The path a permission or read-only-filesystem error names, else None."""
+  if isinstance(error, OSError) and error.errno in (
+      errno.EACCES, errno.EPERM, errno.EROFS):
+    return error.filename or '(unnamed path)'
+  return None
+
+
+def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
   Expected failures end in one error line (no traceback): a diverged run, a
-  locked workdir, a full disk. Config errors raise `app.UsageError` (status 2).
+  locked workdir, a full disk. Config errors (a bad field, a flag that
+  contradicts the run being evaluated, a corrupt config.json, a workdir that
+  cannot be written) raise `app.UsageError` (status 2).
+
+  Args:
+    config: the run's config.
+    workdir: the run directory (`~` is expanded).
+    overridden: the dotted config fields given on the command line; in
+      `--config.mode=eval` one that contradicts the run's stored config is
+      refused (the run's own settings are used for everything else).
   """
+  workdir = os.path.expanduser(workdir)
   try:
+    if config.mode == 'eval':
+      experiment.adopt_run_config(config, workdir, overridden)
     experiment.validate_config(config)
     if config.mode == 'train':
       result = train.train(config, workdir, make_monitor=make_monitor)
@@ -135,7 +156,7 @@ def run(config, workdir: str) -> int:
         return 0
     evaluate_and_draw(config, workdir)
     return 0
-  except experiment.ConfigError as e:
+  except (experiment.ConfigError, rundir.CorruptFileError) as e:
     raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
   except (train.DivergedError, features.NonFiniteError) as e:
     logging.error('%s', e)
@@ -144,6 +165,12 @@ def run(config, workdir: str) -> int:
     logging.error('%s', e)
     return rundir.EXIT_LOCKED
   except Exception as e:  # pylint: disable=broad-except
+    path = _unwritable_path(e)
+    if path is not None:
+      raise app.UsageError(
+          f'Cannot write {path} ({os.strerror(e.errno)}); --workdir '
+          f'{workdir} and the data directory must be writable by this user.',
+          exitcode=EXIT_USAGE) from e
     where = disk_full_path(e, workdir)
     if where is None:
       raise
@@ -162,7 +189,8 @@ def main(argv):
     jax.distributed.initialize()
   logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
-  status = run(_CONFIG.value, _WORKDIR.value)
+  overridden = config_flags.get_override_values(flags.FLAGS['config'])
+  status = run(_CONFIG.value, _WORKDIR.value, overridden)
   if status == EXIT_DISK_FULL:
     # The checkpointer's background writers fail too and, left to the
     # interpreter's shutdown, print hundreds of lines of tracebacks after the

@@ -29,7 +29,7 @@ import fcntl
 import json
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from otclr_jax import fileio
 
@@ -60,6 +60,10 @@ class WorkdirLockedError(RuntimeError):
   """Another process holds the workdir's lock."""
 
 
+class CorruptFileError(ValueError):
+  """A stored file of the workdir is not the JSON object it should be."""
+
+
 def _read_json(path: str) -> dict[str, Any] | None:
   if not os.path.exists(path):
     return None
@@ -67,11 +71,13 @@ def _read_json(path: str) -> dict[str, Any] | None:
     with open(path) as f:
       value = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f'{path} is corrupt ({e}); delete it or restore it from '
-                     'a backup.') from e
+    raise CorruptFileError(
+        f'{path} is corrupt ({e}); delete it (a run\'s config is also stored '
+        'in each of its checkpoints and is checked from there) or restore it '
+        'from a backup.') from e
   if not isinstance(value, dict):
-    raise ValueError(f'{path} is corrupt: expected a JSON object, got '
-                     f'{type(value).__name__}.')
+    raise CorruptFileError(f'{path} is corrupt: expected a JSON object, got '
+                           f'{type(value).__name__}.')
   return value
 
 
@@ -162,6 +168,68 @@ def describe_diff(stored: dict[str, Any], new: dict[str, Any],
   new = _flatten(json.loads(json.dumps(new)))
   show = lambda d, n: repr(d[n]) if n in d else '(absent)'
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+  """Sets the dotted field `name` of a ConfigDict-like `config` to `value`."""
+  *parents, leaf = name.split('.')
+  for part in parents:
+    config = config[part]
+  config[leaf] = _tuples(value)
+
+
+def _tuples(value: Any) -> Any:
+  """JSON lists back to the tuples the Python configs use (`eval.datasets`)."""
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def adopt_stored(config: Any, stored: dict[str, Any],
+                 overridden: Iterable[str], source: str) -> list[str]:
+  """Gives `config` the stored run's result-changing settings, in place.
+
+  A workdir's results belong to the run that trained it, so evaluating or
+  drawing it uses that run's method, model, data and OT settings whatever the
+  config file says; only what never changes a trained run (`eval.*`,
+  `data_dir`, ...; see `result_changing_diff`) comes from this invocation. The
+  run length is the stored one too.
+
+  Args:
+    config: this invocation's ConfigDict (locked is fine: fields are set, none
+      added).
+    stored: the run's stored config (`read_config`, or the copy a checkpoint
+      holds).
+    overridden: dotted names given on the command line
+      (`config_flags.get_override_values`); one that contradicts the stored
+      value is refused rather than silently replaced.
+    source: where `stored` came from, for messages (e.g. DIR/config.json).
+
+  Returns:
+    The dotted names whose value was taken from `stored`.
+
+  Raises:
+    ValueError: a command-line override contradicts the stored run; the
+      message names each such flag.
+  """
+  new = config.to_dict()
+  flat_stored = _flatten(json.loads(json.dumps(stored)))
+  flat_new = _flatten(json.loads(json.dumps(new)))
+  # A field this code no longer has cannot be set; one the stored run lacks
+  # keeps this invocation's value (it did not exist when the run was trained).
+  names = sorted(
+      n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
+      if n in flat_stored and n in flat_new and flat_stored[n] != flat_new[n])
+  clashes = [n for n in names if n in set(overridden)]
+  if clashes:
+    raise ValueError(
+        f'{", ".join(f"--config.{n}" for n in clashes)} contradicts the run '
+        f'in {source} ({describe_diff(stored, new, clashes)}, stored -> '
+        'flag); a trained run is evaluated with its own settings. Drop the '
+        'flag, or point --workdir at a run trained that way.')
+  for name in names:
+    _set(config, name, flat_stored[name])
+  return names
 
 
 def is_locked(workdir: str, name: str = LOCK_FILE) -> bool:

@@ -32,7 +32,6 @@ from otclr_jax import experiment
 from otclr_jax import export
 from otclr_jax import fileio
 from otclr_jax import input_pipeline
-from otclr_jax import methods
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 
@@ -201,19 +200,36 @@ def _stored_total(stored: dict[str, Any], steps_per_epoch: int) -> int | None:
   return int(stored['num_epochs'] * steps_per_epoch)
 
 
-def _unused_setting(name: str, stored: dict[str, Any],
-                    config: ml_collections.ConfigDict) -> bool:
-  """Whether `name` differs only because config.json predates it, harmlessly.
+def stored_run_config(workdir: str) -> dict[str, Any] | None:
+  """The config a resume of `workdir` must match, or None to start afresh.
 
-  Configs stored before methods were plug-ins lack `views` (whose '' means
-  the old behaviour) and the settings blocks of the other methods
-  (`moco.*`, ...), which cannot change this run.
+  `experiment.run_config`: config.json, or when it is missing the copy stored
+  with the newest checkpoint, so that deleting config.json never disables
+  `check_resume`.
+
+  Raises:
+    ConfigError: the workdir has checkpoints but no config anywhere, so a
+      resume could not be checked.
+    rundir.CorruptFileError: config.json is not a JSON object.
   """
-  if name == 'views':
-    return 'views' not in stored and not config.views
-  block = name.split('.')[0]
-  return (block in methods.NAMES and block not in stored
-          and block != experiment.method_of(config).name)
+  if not checkpoint.has_checkpoint(workdir):
+    if rundir.read_config(workdir) is not None:
+      # Nothing to resume (e.g. it diverged before its first checkpoint):
+      # this run starts afresh and replaces the stored config.
+      logging.info('%s has no checkpoint: starting afresh; this config '
+                   'replaces its %s.', workdir, rundir.CONFIG_FILE)
+    return None
+  found = experiment.run_config(workdir)
+  if found is None:
+    raise experiment.ConfigError(
+        f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
+        'checkpoint holds its config: a resume could not be checked against '
+        'the settings it was trained with. Use another --workdir.')
+  stored, source = found
+  if not source.endswith(rundir.CONFIG_FILE):
+    logging.warning('%s has no %s: checking this run against the config '
+                    'stored in %s.', workdir, rundir.CONFIG_FILE, source)
+  return stored
 
 
 def check_resume(stored: dict[str, Any] | None,
@@ -226,8 +242,7 @@ def check_resume(stored: dict[str, Any] | None,
   if stored is None:
     return
   new = config.to_dict()
-  names = [n for n in rundir.result_changing_diff(stored, new)
-           if not _unused_setting(n, stored, config)]
+  names = rundir.result_changing_diff(stored, new)
   if names:
     raise experiment.ConfigError(
         f'{os.path.join(workdir, rundir.CONFIG_FILE)} holds a run with other '
@@ -333,13 +348,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   # others share its filesystem and must not lock themselves out.
   main = jax.process_index() == 0
   with rundir.lock(workdir) if main else contextlib.nullcontext():
-    stored = rundir.read_config(workdir)
-    if stored is not None and not checkpoint.has_checkpoint(workdir):
-      # Nothing to resume (e.g. it diverged before its first checkpoint):
-      # this run starts afresh and replaces the stored config.
-      logging.info('%s has no checkpoint: starting afresh; this config '
-                   'replaces its %s.', workdir, rundir.CONFIG_FILE)
-      stored = None
+    stored = stored_run_config(workdir)
     check_resume(stored, config, workdir)
     progress = {'step': 0, 'total': 0, 'started': False}
     try:
@@ -393,6 +402,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   train_key = jax.device_put(experiment.train_key(config),
                              NamedSharding(mesh, P()))
 
+  run_config = config.to_dict()
   ckpt = checkpoint.Checkpointer(workdir, config.keep_checkpoints)
   try:
     state, restored = ckpt.restore_newest(state, _state_problem)
@@ -403,10 +413,6 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
     logging.info('Resumed from step %d in %s', restored, workdir)
   start = int(state.step)
   if main:
-    if stored is None and restored is not None:
-      logging.warning('%s has checkpoints but no %s (written by older '
-                      'versions); storing this config without checking it.',
-                      workdir, rundir.CONFIG_FILE)
     rundir.write_config(workdir, config.to_dict())
     rundir.write_status(workdir, 'running', start, total)
   progress.update(step=start, total=total, started=True)
@@ -449,7 +455,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
   def save(step: int) -> None:
     flush()  # raises before a non-finite state reaches the disk
-    ckpt.save(step, state)
+    ckpt.save(step, state, run_config)
     if main:
       rundir.write_status(workdir, 'running', step, total)
 

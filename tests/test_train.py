@@ -470,20 +470,3 @@ def test_command_line_config_errors_exit_2(tmp_path, override, message):
   # The message is what the user sees last, not buried above a traceback.
   assert message in '\n'.join(result.stderr.strip().splitlines()[-2:])
   assert not os.path.exists(workdir)
-
-
-def test_run_stored_before_method_plugins_resumes(tmp_path, data_dir):
-  workdir = str(tmp_path)
-  config = tiny_config(data_dir, method='simclr')
-  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
-  # config.json as versions without config.views and method blocks wrote it.
-  stored = rundir.read_config(workdir)
-  for name in ('views', 'moco', 'byol', 'dino'):
-    del stored[name]
-  rundir.write_config(workdir, stored)
-  assert train.train(config, workdir).status == 'finished'
-  # The new fields still count when they change the run.
-  rundir.write_config(workdir, stored)
-  with pytest.raises(experiment.ConfigError, match='views'):
-    train.train(tiny_config(data_dir, method='simclr', views='ot',
-                            total_steps=6), workdir)

@@ -1,0 +1,152 @@
+"""Tests of `otclr_jax.main.run`: which config a command uses, and its statuses."""
+
+import errno
+import json
+import os
+import shutil
+
+from absl import app
+import pytest
+
+from otclr_jax import experiment
+from otclr_jax import main
+from otclr_jax import rundir
+from otclr_jax import train
+from tests.tiny import shrink_digits
+from tests.tiny import tiny_config
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('data'))
+
+
+def _config(data_dir, **overrides):
+  config = tiny_config(data_dir, **overrides)
+  config.eval.num_view_images = 16
+  config.eval.probe_steps = 10
+  config.eval.batch_size = 64
+  config.eval.figures = False
+  return config
+
+
+@pytest.fixture(scope='module')
+def moco_run(tmp_path_factory, data_dir):
+  """A tiny MoCo run stopped at step 2; tests copy it."""
+  workdir = str(tmp_path_factory.mktemp('moco') / 'run')
+  config = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+  return workdir
+
+
+def _copy(run, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(run, workdir)
+  return workdir
+
+
+def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
+                                               monkeypatch):
+  shrink_digits(monkeypatch, train_per_class=10, test_per_class=4)
+  workdir = _copy(moco_run, tmp_path)
+  # The config file's defaults (OTCLR, seed 0) differ from the run's.
+  config = _config(data_dir, mode='eval')
+  assert main.run(config, workdir) == 0
+  with open(os.path.join(workdir, 'eval', 'results.json')) as f:
+    results = json.load(f)
+  assert (results['method'], results['title'], results['seed']) == (
+      'moco', 'MoCo', 3)
+  with open(os.path.join(workdir, 'eval', 'config.json')) as f:
+    stored = json.load(f)
+  assert (stored['method'], stored['seed'], stored['moco']['queue_size']) == (
+      'moco', 3, 32)
+  with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
+    assert '| MoCo' in f.read()
+
+
+def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
+                                                            tmp_path,
+                                                            data_dir):
+  workdir = _copy(moco_run, tmp_path)
+  config = _config(data_dir, mode='eval', method='simclr')
+  with pytest.raises(app.UsageError,
+                     match=r"--config.method contradicts .*config.json "
+                     r"\(method: 'moco' -> 'simclr'") as info:
+    main.run(config, workdir, overridden=['mode', 'method'])
+  assert info.value.exitcode == 2
+  assert not os.path.exists(os.path.join(workdir, 'eval'))
+  # A flag that agrees with the run, and eval.* settings, are fine.
+  config = _config(data_dir, mode='eval', method='moco')
+  experiment.adopt_run_config(config, workdir, ['method', 'eval.batch_size'])
+  assert config.seed == 3
+
+
+def test_deleted_config_json_still_guards_the_resume(moco_run, tmp_path,
+                                                     data_dir):
+  workdir = _copy(moco_run, tmp_path)
+  os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
+  other = _config(data_dir, method='moco', seed=4, **{'moco.queue_size': 32,
+                                                      'ot.epsilon': 0.1})
+  with pytest.raises(experiment.ConfigError,
+                     match=r'ot.epsilon: 0.05 -> 0.1; seed: 3 -> 4'):
+    train.train(other, workdir)
+  assert not os.path.exists(os.path.join(workdir, rundir.CONFIG_FILE))
+  # Evaluation recovers the run's settings from the checkpoint as well.
+  config = _config(data_dir, mode='eval')
+  experiment.adopt_run_config(config, workdir)
+  assert (config.method, config.seed) == ('moco', 3)
+  same = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  assert train.train(same, workdir).status == 'finished'
+  assert rundir.read_config(workdir)['seed'] == 3
+
+
+def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
+                                                        data_dir):
+  workdir = _copy(moco_run, tmp_path)
+  os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  for step in os.listdir(checkpoints):
+    shutil.rmtree(os.path.join(checkpoints, step, 'config'))
+  config = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  with pytest.raises(experiment.ConfigError, match='no checkpoint holds its '
+                     'config'):
+    train.train(config, workdir)
+
+
+def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir):
+  workdir = _copy(moco_run, tmp_path)
+  with open(os.path.join(workdir, rundir.CONFIG_FILE), 'w') as f:
+    f.write('{"seed": 3,')
+  for mode in ('train', 'eval'):
+    config = _config(data_dir, mode=mode, method='moco', seed=3,
+                     **{'moco.queue_size': 32})
+    with pytest.raises(app.UsageError, match='config.json is corrupt') as info:
+      main.run(config, workdir)
+    assert info.value.exitcode == 2
+
+
+def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
+                                                    monkeypatch):
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.chdir(tmp_path)
+  config = _config(data_dir, total_steps=2, checkpoint_every_steps=2)
+  config.monitor.every_steps = 0
+  assert main.run(config, '~/run') == 0
+  assert rundir.read_status(str(tmp_path / 'home' / 'run'))['state'] == (
+      'finished')
+  assert not os.path.exists(tmp_path / '~')
+
+
+def test_unwritable_workdir_is_a_usage_error(tmp_path, data_dir, monkeypatch):
+  workdir = str(tmp_path / 'locked' / 'run')
+  os.makedirs(os.path.dirname(workdir))
+  if os.geteuid() == 0:  # root writes through any mode bits
+    def refuse(path, *args, **kwargs):
+      raise PermissionError(errno.EACCES, 'Permission denied', path)
+    monkeypatch.setattr(rundir.os, 'makedirs', refuse)
+  else:
+    os.chmod(os.path.dirname(workdir), 0o555)
+  with pytest.raises(app.UsageError, match='Cannot write .*Permission '
+                     'denied') as info:
+    main.run(_config(data_dir), workdir)
+  assert info.value.exitcode == 2
