@@ -159,10 +159,14 @@ def variables_fingerprint(variables: Any) -> str:
 def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
   """The settings a feature cache depends on besides the weights (JSON).
 
-  Not `data_dir`: where the same dataset is stored does not change it.
+  Not `data_dir`: where the same dataset is stored does not change it. The
+  splits' sources are (`data.describe_source`: a folder tree's class list and
+  files), so features and labels of a changed tree are recomputed.
   """
+  sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
-                     'model': config.model.to_dict()}, sort_keys=True)
+                     'model': config.model.to_dict(), 'sources': sources},
+                    sort_keys=True)
 
 
 def _load_cached(path: str, name: str, image_size: int,
