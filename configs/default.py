@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (OT displacement views); '' = 'ot' for 'otclr', 'augment' otherwise.
   config.views = ''
 
-  config.dataset = 'imagenet300'  # see otclr_jax/input_pipeline.py for names.
+  config.dataset = 'imagenet300'  # see otclr_jax/data/ for names.
   config.data_dir = ''  # '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
   config.image_size = 32
   config.batch_size = 256

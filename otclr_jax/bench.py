@@ -446,11 +446,11 @@ def _flops(compiled) -> float:
 def _train_images(config, num: int, seed: int) -> np.ndarray:
   """Training images for the pipeline timing: the config's dataset if it is
   prepared here, else random uint8 (gathering cost does not depend on content)."""
-  from otclr_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from otclr_jax import data  # pylint: disable=g-import-not-at-top
   try:
-    return input_pipeline.load_split(config.dataset, 'train', config.image_size,
-                                     config.data_dir or None,
-                                     download=False).images, config.dataset
+    return data.load_split(config.dataset, 'train', config.image_size,
+                           config.data_dir or None,
+                           download=False).images, config.dataset
   except Exception:  # pylint: disable=broad-except
     rng = np.random.default_rng(seed)
     shape = (num, config.image_size, config.image_size, 3)
@@ -459,7 +459,7 @@ def _train_images(config, num: int, seed: int) -> np.ndarray:
 
 def run_train(args: argparse.Namespace) -> int:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from otclr_jax import experiment, input_pipeline, methods  # pylint: disable=g-import-not-at-top
+  from otclr_jax import data, experiment, methods  # pylint: disable=g-import-not-at-top
 
   base = load_config(args.config, args.override)
   if args.batch_size:
@@ -550,7 +550,7 @@ def run_train(args: argparse.Namespace) -> int:
                                 repeats=2 * args.repeats, min_time_s=1.0)
 
   # Host input pipeline: gather a batch and hand it to the devices.
-  batches = input_pipeline.train_batches(images, batch_size, args.seed)
+  batches = data.train_batches(images, batch_size, args.seed)
   next(batches)
   n = 50
   start = time.perf_counter()
@@ -619,18 +619,18 @@ def _time_monitor(config, model, state, args) -> tuple[float, str]:
   The config's dataset when it is prepared here, else random uint8 images
   and labels (the cost does not depend on content).
   """
-  from otclr_jax import input_pipeline, monitor  # pylint: disable=g-import-not-at-top
+  from otclr_jax import data, monitor  # pylint: disable=g-import-not-at-top
   try:
-    splits = [input_pipeline.load_split(config.dataset, split,
-                                        config.image_size,
-                                        config.data_dir or None,
-                                        download=False)
+    splits = [data.load_split(config.dataset, split,
+                              config.image_size,
+                              config.data_dir or None,
+                              download=False)
               for split in ('train', 'test')]
     source = config.dataset
   except Exception:  # pylint: disable=broad-except
     rng = np.random.default_rng(args.seed)
     shape = (config.image_size, config.image_size, 3)
-    splits = [input_pipeline.Split(
+    splits = [data.Split(
         rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
         rng.integers(0, 10, num, dtype=np.int32), 10,
         [str(c) for c in range(10)])

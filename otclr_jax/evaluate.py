@@ -95,8 +95,8 @@ from ml_collections import config_flags
 import numpy as np
 
 from otclr_jax import checkpoint
+from otclr_jax import data
 from otclr_jax import fileio
-from otclr_jax import input_pipeline
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import tables
@@ -201,7 +201,7 @@ class Evaluation(NamedTuple):
   """
   results: dict[str, Any]
   views: view_quality.ViewEmbeddings
-  test: input_pipeline.Split
+  test: data.Split
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -265,9 +265,9 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   sections = [(f'step{step}', 'linear'), ('init', 'random_init')]
   bn_images = 0
   if recompute_bn:
-    clean = input_pipeline.load_split(config.dataset, 'train',
-                                      config.image_size,
-                                      config.data_dir or None).images
+    clean = data.load_split(config.dataset, 'train',
+                            config.image_size,
+                            config.data_dir or None).images
     if len(clean) > clusters.MAX_BN_IMAGES:
       clean = clean[np.sort(np.random.default_rng(clusters.BN_SEED).choice(
           len(clean), clusters.MAX_BN_IMAGES, replace=False))]
@@ -317,8 +317,8 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
         else test_h,
         num_classes)
 
-  test = input_pipeline.load_split(views_dataset, 'test', config.image_size,
-                                   config.data_dir or None)
+  test = data.load_split(views_dataset, 'test', config.image_size,
+                         config.data_dir or None)
   num_view_images = min(num_view_images, len(test.images))
   views = view_quality.view_embeddings(config, model, restored, test.images,
                           num_images=num_view_images, batch_size=batch_size)

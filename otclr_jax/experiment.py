@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from otclr_jax import checkpoint
-from otclr_jax import input_pipeline
+from otclr_jax import data
 from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax import ot
@@ -86,8 +86,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _require(isinstance(c.dataset, str) and c.dataset, 'dataset',
            'must name a dataset', c.dataset)
   _require(_is_int(c.image_size)
-           and c.image_size >= input_pipeline.MIN_IMAGE_SIZE, 'image_size',
-           f'must be an integer >= {input_pipeline.MIN_IMAGE_SIZE}',
+           and c.image_size >= data.MIN_IMAGE_SIZE, 'image_size',
+           f'must be an integer >= {data.MIN_IMAGE_SIZE}',
            c.image_size)
   _require(_is_int(c.batch_size) and c.batch_size >= 2, 'batch_size',
            'must be an integer >= 2 (contrastive losses need negatives)',
@@ -287,7 +287,7 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   Args:
     config: a validated config.
     steps_per_epoch: updates per epoch of the pretraining set
-      (`input_pipeline.steps_per_epoch`).
+      (`data.steps_per_epoch`).
   """
   method_name, views = views_lib.resolve(config)
   method = methods.get(method_name)

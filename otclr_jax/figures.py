@@ -76,12 +76,12 @@ import threadpoolctl
 
 from otclr_jax import augment
 from otclr_jax import config_files
+from otclr_jax import data
 from otclr_jax import evaluate
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
-from otclr_jax import input_pipeline
 from otclr_jax import ot
 from otclr_jax import tables
 
@@ -594,7 +594,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   return fig
 
 
-def draw_tsne(views: view_quality.ViewEmbeddings, test: input_pipeline.Split,
+def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
               out: str | os.PathLike[str], *,
               view_rows: dict[str, dict[str, Any]] | None = None,
               table_note: str = '', title: str | None = None,
@@ -672,8 +672,8 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
   if n < 2:
     raise ValueError(f'need at least 2 images, got n = {n}.')
   model, variables, step = evaluate.restore(config, workdir, step)
-  test = input_pipeline.load_split(dataset, 'test', config.image_size,
-                                   config.data_dir or None)
+  test = data.load_split(dataset, 'test', config.image_size,
+                         config.data_dir or None)
   views = view_quality.view_embeddings(config, model, variables, test.images,
                                    num_images=n,
                                    batch_size=int(config.eval.batch_size))
@@ -878,8 +878,8 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
     raise ValueError(f'--index must lie in [0, {len(preds[0].labels)}), got '
                      f'{index}.')
   config = runs[0][1]
-  test = input_pipeline.load_split(dataset, 'test', preds[0].image_size,
-                                   config.data_dir or None)
+  test = data.load_split(dataset, 'test', preds[0].image_size,
+                         config.data_dir or None)
   true_label = int(preds[0].labels[index])
   if int(test.labels[index]) != true_label:
     raise ValueError(f'the cached features of {dataset} do not match its test '
@@ -1050,7 +1050,7 @@ def _add_curves_parser(subparsers) -> None:
 
 def report_single(config: ml_collections.ConfigDict, workdir: str, *,
                   results: dict[str, Any], views: view_quality.ViewEmbeddings,
-                  test: input_pipeline.Split) -> list[str]:
+                  test: data.Split) -> list[str]:
   """t-SNE and training curves of a run, from an evaluation in progress.
 
   `otclr_jax.main` calls this with the view embeddings the evaluation has

@@ -23,9 +23,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from otclr_jax import data
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import knn
-from otclr_jax import input_pipeline
 
 # Picks the held-out images; fixed so curves of different runs compare.
 SEED = 0
@@ -33,7 +33,7 @@ SEED = 0
 BATCH_SIZE = 256
 
 
-def _subset(split: input_pipeline.Split, num: int,
+def _subset(split: data.Split, num: int,
             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
   keep = np.sort(rng.choice(len(split.images), min(num, len(split.images)),
                             replace=False))
@@ -48,8 +48,8 @@ class KnnMonitor:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model,
-               train_split: input_pipeline.Split | None = None,
-               test_split: input_pipeline.Split | None = None):
+               train_split: data.Split | None = None,
+               test_split: data.Split | None = None):
     """Draws the subset and builds the jitted encoder.
 
     Args:
@@ -60,7 +60,7 @@ class KnnMonitor:
         avoid reading it twice; loaded here when None.
       test_split: its test split; loaded here when None.
     """
-    load = lambda split: input_pipeline.load_split(
+    load = lambda split: data.load_split(
         config.dataset, split, config.image_size, config.data_dir or None)
     train_split = load('train') if train_split is None else train_split
     test_split = load('test') if test_split is None else test_split

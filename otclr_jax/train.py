@@ -28,10 +28,10 @@ import ml_collections
 import numpy as np
 
 from otclr_jax import checkpoint
+from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import export
 from otclr_jax import fileio
-from otclr_jax import input_pipeline
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 
@@ -391,9 +391,10 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
            make_monitor) -> RunResult:
   """The body of `train`, with the workdir locked and the config checked."""
   main = jax.process_index() == 0
-  data = input_pipeline.load_split(config.dataset, 'train', config.image_size,
-                                   config.data_dir or None)
-  spe = input_pipeline.steps_per_epoch(len(data.images), config.batch_size)
+  train_data = data.load_split(config.dataset, 'train', config.image_size,
+                               config.data_dir or None)
+  spe = data.steps_per_epoch(len(train_data.images), config.batch_size,
+                             f'{config.dataset}/train')
   run = experiment.setup(config, spe)
   total = run.total_steps
   check_total(stored, total, spe, workdir)
@@ -420,12 +421,12 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
       '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
       'batch %d over %d device(s); %.2fM pretraining parameters (network and '
       'its targets).', run.title, run.method.name, run.views, config.dataset,
-      len(data.images), spe, total, config.batch_size, mesh.size,
+      len(train_data.images), spe, total, config.batch_size, mesh.size,
       experiment.pretraining_params(state) / 1e6)
 
   step_fn = experiment.jit_train_step(config, run, mesh)
-  batches: Iterator[np.ndarray] = input_pipeline.train_batches(
-      data.images, config.batch_size, config.seed, start_step=start)
+  batches: Iterator[np.ndarray] = data.train_batches(
+      train_data.images, config.batch_size, config.seed, start_step=start)
   logger = None
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   window: list[dict[str, float]] = []
@@ -463,7 +464,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   knn_monitor = None
   try:
     if experiment.monitor_enabled(config) and make_monitor is not None:
-      knn_monitor = make_monitor(config, run.model, data)
+      knn_monitor = make_monitor(config, run.model, train_data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:
       while step < total:

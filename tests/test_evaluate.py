@@ -22,6 +22,7 @@ from otclr_jax.evaluation import probe
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
+from tests.folder_trees import save_image
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
@@ -451,6 +452,21 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
     assert again[section] == first[section]
   with np.load(torn) as f:
     assert f['features'].shape == (200, 512)
+
+
+def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
+  root = str(tmp_path / 'tree')
+  pixels = np.zeros((8, 8, 3), np.uint8)
+  for split in ('train', 'test'):
+    for cls in ('bee', 'cow'):
+      save_image(root, split, cls, '0.png', pixels)
+  config = _eval_config(str(tmp_path / 'data'))
+  before = features._cache_settings(config, 'folder:' + root)
+  assert features._cache_settings(config, 'folder:' + root) == before
+  # 'ant' sorts first and shifts every label: cached features must not be
+  # reused with their old labels.
+  save_image(root, 'test', 'ant', '0.png', pixels)
+  assert features._cache_settings(config, 'folder:' + root) != before
 
 
 def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,

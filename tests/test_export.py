@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from configs import default
+from otclr_jax import data
 from otclr_jax import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax import export
-from otclr_jax import input_pipeline
 from otclr_jax import models
 from otclr_jax import train
 from tests.tiny import tiny_config
@@ -93,9 +93,9 @@ def _evaluate_features(config, workdir, step, images):
 
 
 def _test_images(config):
-  data = input_pipeline.load_split('digits', 'test', config.image_size,
-                                   config.data_dir)
-  return data.images[:16]  # uint8 [16, 8, 8, 3]
+  test = data.load_split('digits', 'test', config.image_size,
+                         config.data_dir)
+  return test.images[:16]  # uint8 [16, 8, 8, 3]
 
 
 @jax.jit

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from otclr_jax import data
 from otclr_jax import experiment
-from otclr_jax import input_pipeline
 from otclr_jax import methods
 from otclr_jax import step as step_lib
 from tests.tiny import tiny_config
@@ -30,7 +30,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def images(data_dir):
-  return input_pipeline.load_split('digits', 'train', 8, data_dir).images
+  return data.load_split('digits', 'train', 8, data_dir).images
 
 
 def method_config(data_dir, method, views, **overrides):
@@ -193,11 +193,11 @@ def test_targets_follow_the_online_network_by_ema(data_dir, images):
 def test_four_devices_match_one_for_every_method(data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np
-      from otclr_jax import experiment, input_pipeline, methods
+      from otclr_jax import data, experiment, methods
       from tests.test_step import build, method_config
       assert jax.device_count() == 4
-      images = input_pipeline.load_split('digits', 'train', 8,
-                                         {data_dir!r}).images[:16]
+      images = data.load_split('digits', 'train', 8,
+                               {data_dir!r}).images[:16]
       for name in methods.NAMES:
         config = method_config({data_dir!r}, name, 'augment')
         out = []

@@ -17,8 +17,8 @@ import pytest
 
 from otclr_jax import checkpoint
 from otclr_jax import config_files
+from otclr_jax import data
 from otclr_jax import experiment
-from otclr_jax import input_pipeline
 from otclr_jax import losses
 from otclr_jax import main
 from otclr_jax import ot
@@ -91,7 +91,7 @@ def test_checkpointed_resume_keeps_every_method_state(tmp_path, data_dir,
 
 def _sigterm_after_two_batches(monkeypatch):
   """Makes the input pipeline send this process SIGTERM while yielding batch 2."""
-  real = input_pipeline.train_batches
+  real = data.train_batches
 
   def batches_then_sigterm(*args, **kwargs):
     for i, batch in enumerate(real(*args, **kwargs)):
@@ -99,7 +99,7 @@ def _sigterm_after_two_batches(monkeypatch):
         os.kill(os.getpid(), signal.SIGTERM)
       yield batch
 
-  monkeypatch.setattr(input_pipeline, 'train_batches', batches_then_sigterm)
+  monkeypatch.setattr(data, 'train_batches', batches_then_sigterm)
 
 
 def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):

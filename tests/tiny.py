@@ -4,7 +4,7 @@ import numpy as np
 
 from configs import default
 from otclr_jax import config_files
-from otclr_jax import input_pipeline
+from otclr_jax import data
 
 
 def tiny_config(data_dir, **overrides):
@@ -35,14 +35,14 @@ def tiny_config(data_dir, **overrides):
 
 
 def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):
-  """Makes `input_pipeline.load_split` return the first images of each class."""
-  load = input_pipeline.load_split
+  """Makes `data.load_split` return the first images of each class."""
+  load = data.load_split
 
   def small(name, split, image_size, data_dir=None, **kwargs):
-    data = load(name, split, image_size, data_dir, **kwargs)
+    full = load(name, split, image_size, data_dir, **kwargs)
     per_class = train_per_class if split == 'train' else test_per_class
-    keep = np.sort(np.concatenate([np.flatnonzero(data.labels == c)[:per_class]
-                                   for c in range(data.num_classes)]))
-    return data._replace(images=data.images[keep], labels=data.labels[keep])
+    keep = np.sort(np.concatenate([np.flatnonzero(full.labels == c)[:per_class]
+                                   for c in range(full.num_classes)]))
+    return full._replace(images=full.images[keep], labels=full.labels[keep])
 
-  monkeypatch.setattr(input_pipeline, 'load_split', small)
+  monkeypatch.setattr(data, 'load_split', small)

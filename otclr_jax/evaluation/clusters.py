@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from otclr_jax import input_pipeline
+from otclr_jax import data
 from otclr_jax import metrics
 from otclr_jax import models
 from otclr_jax.evaluation import features
@@ -184,7 +184,7 @@ def recompute_batch_stats(model, variables: dict[str, Any],
     return found
 
   sums: dict[str, list[np.ndarray]] = {}
-  for batch in input_pipeline.eval_batches(images, batch_size):
+  for batch in data.eval_batches(images, batch_size):
     n = float(len(batch))
     for path, (mean, var) in jax.device_get(
         moments(variables, jnp.asarray(batch))).items():

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import fileio
-from otclr_jax import input_pipeline
 
 
 _SPLITS = ('train', 'test')
@@ -32,15 +32,15 @@ _LOG_EVERY_SECONDS = 30.0
 
 
 def check_dataset_name(name: Any) -> str:
-  """Returns `name` if `input_pipeline.load_split` knows it, else raises."""
+  """Returns `name` if `data.load_split` knows it, else raises."""
   if isinstance(name, str) and (
-      name == 'digits' or name in input_pipeline.TFDS_SPLITS or
-      (name.startswith(input_pipeline.FOLDER_PREFIX)
-       and len(name) > len(input_pipeline.FOLDER_PREFIX))):
+      name == 'digits' or name in data.TFDS_SPLITS or
+      (name.startswith(data.FOLDER_PREFIX)
+       and len(name) > len(data.FOLDER_PREFIX))):
     return name
   raise ValueError(
       f'unknown evaluation dataset {name!r} in config.eval.datasets; expected '
-      f'one of {input_pipeline.known_datasets()}.')
+      f'one of {data.known_datasets()}.')
 
 
 def dataset_key(name: str) -> str:
@@ -51,10 +51,10 @@ def dataset_key(name: str) -> str:
   with the same base name do not share a cache file.
   """
   name = check_dataset_name(name)
-  if not name.startswith(input_pipeline.FOLDER_PREFIX):
+  if not name.startswith(data.FOLDER_PREFIX):
     return name
   root = os.path.abspath(os.path.expanduser(
-      name[len(input_pipeline.FOLDER_PREFIX):]))
+      name[len(data.FOLDER_PREFIX):]))
   base = re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(root)) or 'root'
   return f'folder-{base}-{hashlib.sha256(root.encode()).hexdigest()[:16]}'
 
@@ -124,7 +124,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
   parts = []
   start = last_log = time.perf_counter()
   done = 0
-  for batch in input_pipeline.eval_batches(images, batch_size):
+  for batch in data.eval_batches(images, batch_size):
     parts.append(encoder(variables, pad_rows(batch, batch_size))[:len(batch)])
     done += len(batch)
     now = time.perf_counter()
@@ -159,10 +159,14 @@ def variables_fingerprint(variables: Any) -> str:
 def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
   """The settings a feature cache depends on besides the weights (JSON).
 
-  Not `data_dir`: where the same dataset is stored does not change it.
+  Not `data_dir`: where the same dataset is stored does not change it. The
+  splits' sources are (`data.describe_source`: a folder tree's class list and
+  files), so features and labels of a changed tree are recomputed.
   """
+  sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
-                     'model': config.model.to_dict()}, sort_keys=True)
+                     'model': config.model.to_dict(), 'sources': sources},
+                    sort_keys=True)
 
 
 def _load_cached(path: str, name: str, image_size: int,
@@ -297,20 +301,21 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
   settings = _cache_settings(config, name)
   weights = {tag: variables_fingerprint(v) for tag, v in variables.items()}
   for split in _SPLITS:
-    data = None
+    split_data = None
     for tag, tag_variables in variables.items():
       path = _cache_path(workdir, tag, name, split)
       cached = _load_cached(path, name, config.image_size, weights[tag],
                             settings)
       if cached is None:
-        if data is None:
-          data = input_pipeline.load_split(name, split, config.image_size,
-                                           config.data_dir or None)
-        feats = extract_features(encoder, tag_variables, data.images,
+        if split_data is None:
+          split_data = data.load_split(name, split, config.image_size,
+                                       config.data_dir or None)
+        feats = extract_features(encoder, tag_variables, split_data.images,
                                  config.eval.batch_size,
                                  what=f'{tag} features {name}/{split}')
         check_finite_features(feats, workdir, tag, name, split)
-        cached = (feats, data.labels.astype(np.int32), data.num_classes)
+        cached = (feats, split_data.labels.astype(np.int32),
+                  split_data.num_classes)
         _save_cached(path, name, config.image_size, *cached,
                      weights=weights[tag], settings=settings)
       else:

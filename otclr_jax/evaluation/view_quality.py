@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from otclr_jax import data
 from otclr_jax import experiment
-from otclr_jax import input_pipeline
 from otclr_jax import metrics
 from otclr_jax import views as views_lib
 from otclr_jax.evaluation import clusters
@@ -101,8 +101,8 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   batch_size = min(batch_size, n)
   key = jax.random.key(seed)
   parts, l2_sum, rms_sum = [], 0.0, 0.0
-  for index, batch in enumerate(input_pipeline.eval_batches(images,
-                                                            batch_size)):
+  for index, batch in enumerate(data.eval_batches(images,
+                                                  batch_size)):
     real = len(batch)
     zs, (o1, o2, s1, s2) = batch_views(variables,
                                        features.pad_rows(batch, batch_size),
