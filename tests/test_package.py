@@ -57,6 +57,9 @@ def test_wheel_holds_the_package_only(wheel):
   assert 'otclr_jax' in tops
   assert not tops & {'configs', 'launch', 'tests'}, tops
   assert 'otclr_jax/ot.py' in names and 'otclr_jax/export.py' in names
+  # Every subpackage ships, or `otclr_jax.train` cannot import from a wheel.
+  for package in ('data', 'evaluation', 'methods'):
+    assert f'otclr_jax/{package}/__init__.py' in names, package
   metadata = zipfile.ZipFile(wheel).read(
       next(n for n in names if n.endswith('METADATA'))).decode()
   for requirement in ('jax<0.13,>=0.10.2', 'ott-jax', 'numpy'):

@@ -1,0 +1,200 @@
+"""Deterministic batches of a split held in host memory.
+
+`train_batches` is endless; epoch e visits the examples in the order
+`np.random.default_rng([seed, e]).permutation(N)` and drops the last partial
+batch, so any step can be reproduced (resumption from `start_step`). A small
+background thread gathers a few batches ahead. `eval_batches` yields every
+example once in order; its last batch is smaller, not padded. Batches are
+uint8 on the host; augmentation and the cast to float happen on the
+accelerator.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+from otclr_jax.data import types
+
+
+def steps_per_epoch(num_examples: int, batch_size: int,
+                    what: str = 'the dataset') -> int:
+  """Number of full batches in one epoch (the last partial batch is dropped).
+
+  Args:
+    num_examples: N, the number of training examples.
+    batch_size: B, examples per batch, 1 <= B <= N.
+    what: names the split in the error, e.g. 'digits/train'.
+
+  Returns:
+    N // B.
+
+  Raises:
+    BatchSizeError: B > N.
+  """
+  num_examples = _check_int(num_examples, 'num_examples', 1)
+  batch_size = _check_int(batch_size, 'batch_size', 1)
+  if batch_size > num_examples:
+    raise types.BatchSizeError(
+        f'batch_size={batch_size} is larger than {what} '
+        f'({num_examples} examples); use a smaller batch_size.')
+  return num_examples // batch_size
+
+
+def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+  """Example order of one training epoch.
+
+  Args:
+    num_examples: N.
+    seed: non-negative run seed.
+    epoch: non-negative epoch index.
+
+  Returns:
+    int64 [N], `np.random.default_rng([seed, epoch]).permutation(N)`.
+  """
+  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def train_batches(images: np.ndarray,
+                  batch_size: int,
+                  seed: int,
+                  start_step: int = 0,
+                  *,
+                  prefetch: int = 2) -> Iterator[np.ndarray]:
+  """Endless training batches, deterministic given the seed.
+
+  Epoch e visits the examples in the order `epoch_permutation(N, seed, e)`,
+  cut into N // B batches; the last partial batch is dropped. Step t is batch
+  t % (N // B) of epoch t // (N // B), so an iterator started at `start_step`
+  yields exactly what an uninterrupted one yields from that step on.
+
+  Args:
+    images: [N, ...] array, normally uint8 [N, S, S, 3].
+    batch_size: B, 1 <= B <= N.
+    seed: non-negative integer.
+    start_step: first global step to produce (e.g. the restored step).
+    prefetch: number of batches a background thread gathers ahead; 0 gathers
+      in the caller's thread. The batches are the same either way. The thread
+      gathers while the caller waits on the device (GIL released); with no
+      such wait it only adds queue overhead (0.38 vs 0.27 ms per 256 x 32 px
+      batch on 2 CPU cores), with a 2 ms wait it saves ~0.1 ms at 32 px and
+      ~0.8 ms at 96 px per step.
+
+  Returns:
+    An iterator of arrays [B, ...] with the dtype of `images`.
+  """
+  images = _check_images(images)
+  spe = steps_per_epoch(len(images), batch_size)
+  seed = _check_int(seed, 'seed', 0)
+  start_step = _check_int(start_step, 'start_step', 0)
+  prefetch = _check_int(prefetch, 'prefetch', 0)
+  batches = _train_batch_generator(images, batch_size, seed, start_step, spe)
+  if prefetch:
+    return _Prefetcher(batches, prefetch)
+  return batches
+
+
+def eval_batches(images: np.ndarray,
+                 batch_size: int) -> Iterator[np.ndarray]:
+  """All examples once, in order, in batches of B.
+
+  The last batch is smaller when B does not divide N (no padding): one extra
+  compilation of a jitted evaluation function for that shape.
+
+  Args:
+    images: [N, ...] array.
+    batch_size: B >= 1 (may exceed N: one batch of N).
+
+  Returns:
+    An iterator of views [B, ...] of `images`, the last [N % B, ...] if
+    nonzero.
+  """
+  images = _check_images(images)
+  batch_size = _check_int(batch_size, 'batch_size', 1)
+  return (images[i:i + batch_size] for i in range(0, len(images), batch_size))
+
+
+def _check_int(value: Any, what: str, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f'{what} must be an integer, got {value!r}.')
+  if value < minimum:
+    raise ValueError(f'{what} must be >= {minimum}, got {value}.')
+  return int(value)
+
+
+def _check_images(images: Any) -> np.ndarray:
+  if not isinstance(images, np.ndarray) or images.ndim < 1:
+    raise ValueError(
+        'images must be a NumPy array [N, ...] (e.g. Split.images), got '
+        f'{type(images).__name__}.')
+  return images
+
+
+def _train_batch_generator(images: np.ndarray, batch_size: int, seed: int,
+                           start_step: int, spe: int) -> Iterator[np.ndarray]:
+  epoch, first = divmod(start_step, spe)
+  while True:
+    order = epoch_permutation(len(images), seed, epoch)
+    for i in range(first, spe):
+      yield images[order[i * batch_size:(i + 1) * batch_size]]
+    first = 0
+    epoch += 1
+
+
+class _Prefetcher:
+  """Runs an iterator in a daemon thread, `size` items ahead of the reader.
+
+  The thread holds no reference to this object, so dropping the iterator
+  (or calling `close`) stops the thread.
+  """
+
+  _DONE = object()
+
+  def __init__(self, iterator: Iterator[Any], size: int):
+    self._queue = queue.Queue(maxsize=size)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(
+        target=_Prefetcher._fill, args=(iterator, self._queue, self._stop),
+        daemon=True)
+    self._thread.start()
+
+  @staticmethod
+  def _fill(iterator: Iterator[Any], q: queue.Queue,
+            stop: threading.Event) -> None:
+    def put(entry) -> bool:
+      while not stop.is_set():
+        try:
+          q.put(entry, timeout=0.1)
+          return True
+        except queue.Full:
+          continue
+      return False
+
+    try:
+      for item in iterator:
+        if not put((item, None)):
+          return
+      put((_Prefetcher._DONE, None))
+    except Exception as e:  # pylint: disable=broad-except
+      put((_Prefetcher._DONE, e))
+
+  def __iter__(self) -> '_Prefetcher':
+    return self
+
+  def __next__(self) -> Any:
+    item, error = self._queue.get()
+    if item is _Prefetcher._DONE:
+      self._stop.set()
+      if error is not None:
+        raise error
+      raise StopIteration
+    return item
+
+  def close(self) -> None:
+    self._stop.set()
+
+  def __del__(self):
+    self._stop.set()
