@@ -35,6 +35,7 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
+from otclr_jax import data
 from otclr_jax import evaluate
 from otclr_jax import experiment
 from otclr_jax import rundir
@@ -120,6 +121,23 @@ def make_monitor(config, model, train_split):
   return monitor.KnnMonitor(config, model, train_split)
 
 
+def check_evaluation_data(config) -> None:
+  """Checks every dataset evaluation will read, before hours of pretraining.
+
+  Raises:
+    data.NotEvaluableError: a dataset of `config.eval.datasets` is missing,
+      lacks a train or test split, has one class, or has test classes that
+      train lacks (the message names it).
+  """
+  names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
+  for name in dict.fromkeys(n for n in names if n):
+    found = data.check_evaluable(name, config.image_size,
+                                 config.data_dir or None)
+    logging.info('Evaluation dataset %s: %d train / %d test images, %d '
+                 'classes.', name, found.num_train, found.num_test,
+                 found.num_classes)
+
+
 def _unwritable_path(error: BaseException) -> str | None:
   """The path a permission or read-only-filesystem error names, else None."""
   if isinstance(error, OSError) and error.errno in (
@@ -149,6 +167,8 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       experiment.adopt_run_config(config, workdir, overridden)
     experiment.validate_config(config)
     if config.mode == 'train':
+      if config.eval.at_end:
+        check_evaluation_data(config)
       result = train.train(config, workdir, make_monitor=make_monitor)
       if result.status != 'finished':
         return rundir.EXIT_STOPPED
@@ -156,7 +176,8 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         return 0
     evaluate_and_draw(config, workdir)
     return 0
-  except (experiment.ConfigError, rundir.CorruptFileError) as e:
+  except (experiment.ConfigError, rundir.CorruptFileError,
+          data.DataError) as e:
     raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
   except (train.DivergedError, features.NonFiniteError) as e:
     logging.error('%s', e)

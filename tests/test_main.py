@@ -6,12 +6,14 @@ import os
 import shutil
 
 from absl import app
+import numpy as np
 import pytest
 
 from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import train
+from tests.folder_trees import save_image
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
@@ -149,4 +151,42 @@ def test_unwritable_workdir_is_a_usage_error(tmp_path, data_dir, monkeypatch):
   with pytest.raises(app.UsageError, match='Cannot write .*Permission '
                      'denied') as info:
     main.run(_config(data_dir), workdir)
+  assert info.value.exitcode == 2
+
+
+def _one_class_tree(root):
+  rng = np.random.default_rng(0)
+  for split in ('train', 'test'):
+    for i in range(3):
+      save_image(root, split, 'only', f'{i}.png',
+                 rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize('name, message', [
+    ('folder:{tmp}/absent', 'absent'),
+    ('folder:{tmp}/one_class', 'class'),
+    ('cifar11', 'cifar11'),
+])
+def test_evaluation_datasets_are_checked_before_training(tmp_path, data_dir,
+                                                         name, message):
+  _one_class_tree(str(tmp_path / 'one_class'))
+  workdir = str(tmp_path / 'run')
+  config = _config(data_dir, **{'eval.at_end': True})
+  config.eval.datasets = ('digits', name.format(tmp=tmp_path))
+  with pytest.raises(app.UsageError, match=message) as info:
+    main.run(config, workdir)
+  assert info.value.exitcode == 2
+  assert not os.path.exists(workdir)  # nothing was trained
+
+
+def test_data_errors_are_usage_errors(tmp_path, data_dir):
+  with pytest.raises(app.UsageError, match=r'batch_size=2048 is larger than '
+                     r'digits/train') as info:
+    main.run(_config(data_dir, batch_size=2048), str(tmp_path / 'a'))
+  assert info.value.exitcode == 2
+  _one_class_tree(str(tmp_path / 'tree'))
+  shutil.rmtree(tmp_path / 'tree' / 'train')
+  config = _config(data_dir, dataset=f'folder:{tmp_path}/tree')
+  with pytest.raises(app.UsageError, match='train') as info:
+    main.run(config, str(tmp_path / 'b'))
   assert info.value.exitcode == 2
