@@ -19,10 +19,10 @@ any config key:
 `hyper.sweep(key, values)` is one axis, `hyper.fixed(key, value)` one value,
 `hyper.product(parts)` their Cartesian product (the first part outermost:
 seed first, and an interrupted sweep already holds whole comparisons for its
-first seeds), `hyper.zipit(parts)` parts side by side. A run is named after
-the keys whose values differ between runs, in order, e.g.
-`seed=0,batch_size=256,method=simclr`, and lives in DIR/<name>. Sweeping
-`config.ot.epsilon` needs no change here.
+first seeds), `hyper.zipit(parts)` parts side by side. A run is named after its
+`hyper.sweep` keys, in order, e.g. `seed=0,batch_size=256,method=simclr`, and
+lives in DIR/<name>; adding a value to an axis keeps the other runs' names.
+Sweeping `config.ot.epsilon` needs no change here.
 
     python -m launch.sweep --config=launch/sweeps/cifar10_paper.py \
         --workdir=DIR [--config.data_dir=/data/tfds]
@@ -55,26 +55,21 @@ finished runs only and lists every other run (unfinished, diverged, no
 status.json, unreadable results.json) under "Not averaged". Children get
 SIGTERM when the sweep process dies, even by SIGKILL (Linux
 `PR_SET_PDEATHSIG`; elsewhere they share the sweep's process group, so kill
-the group). Progress comes from each run's status.json and metrics.jsonl.
+the group). Progress comes from each run's status.json and metrics.jsonl
+(launch/run_state.py); the summary is launch/summary.py's, the SLURM array
+launch/slurm.py's.
 
 Exit statuses: 0 every run finished; 1 a run failed (or, with
 --aggregate_only, a results.json is unreadable); 2 a bad flag, sweep file or
 run config (checked before any run starts), or a rerun with other settings;
 73 another sweep holds DIR (`rundir.SWEEP_LOCK_FILE`); 75 stopped by
 SIGTERM/SIGINT or a preempted run: rerun the same command to resume.
-
-SLURM: a job array written as a plain sbatch file, not submitit. submitit
-(1.5.4 with cloudpickle: about 1 MB, 0.15 s to import) pickles a Python
-callable and requeues through its own checkpoint protocol; our runs are
-command lines whose trainer already checkpoints on SIGTERM and exits 75, so
-the array needs only `--signal`, `--requeue` and a trap, readable in the file.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import glob
 import itertools
 import json
 import os
@@ -90,11 +85,13 @@ from typing import Any, Callable, Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from launch import run_state
+from launch import slurm
+from launch import summary
 from otclr_jax import config_files
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join('eval', 'results.json')
 _WIDTH = 150  # characters of the live progress line
 
 # A launcher runs one command (argv list) with cwd=REPO, appending its output
@@ -106,6 +103,10 @@ Launcher = Callable[[Sequence[str], str], int]
 # The `hyper` helpers a sweep file's get_hyper receives.
 
 
+class _FixedKey(str):
+  """A key set by `hyper.fixed`: part of every run, not of the run names."""
+
+
 def _sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
   if isinstance(values, (str, bytes)) or not list(values):
     raise ValueError(f'hyper.sweep({key!r}, ...) needs a non-empty list of '
@@ -114,20 +115,29 @@ def _sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def _fixed(key: str, value: Any) -> list[dict[str, Any]]:
-  return [{key: value}]
+  return [{_FixedKey(key): value}]
+
+
+def _merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  merged = {}
+  for d in dicts:
+    for key, value in d.items():
+      if key in merged:
+        raise ValueError(f'{key} is set by two parts of one hyper.product or '
+                         'hyper.zipit; set it once.')
+      merged[key] = value
+  return merged
 
 
 def _product(parts: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-  return [dict(itertools.chain.from_iterable(d.items() for d in combo))
-          for combo in itertools.product(*parts)]
+  return [_merge(combo) for combo in itertools.product(*parts)]
 
 
 def _zipit(parts: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
   if len({len(p) for p in parts}) > 1:
     raise ValueError('hyper.zipit needs parts of equal length, got '
                      f'{[len(p) for p in parts]}.')
-  return [dict(itertools.chain.from_iterable(d.items() for d in row))
-          for row in zip(*parts)]
+  return [_merge(row) for row in zip(*parts)]
 
 
 HYPER = types.SimpleNamespace(sweep=_sweep, fixed=_fixed, product=_product,
@@ -140,7 +150,7 @@ class Run:
 
   Attributes:
     index: position in the sweep, 0-based (the SLURM array task id).
-    name: `key=value,...` of the keys whose values differ between runs.
+    name: `key=value,...` of the keys `hyper.sweep` sets ('base' if none).
     workdir: `DIR/<name>`, absolute.
     overrides: `(key, value)` of this run, keys without `config.`, in order.
   """
@@ -172,12 +182,12 @@ class Sweep:
   def runs(self, workdir: str) -> list[Run]:
     """The runs under `workdir`, in the order of get_hyper."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    varying = [k for k in dict.fromkeys(k for h in self.hypers for k in h)
-               if len({repr(h.get(k)) for h in self.hypers}) > 1]
+    named = [k for k in dict.fromkeys(k for h in self.hypers for k in h)
+             if not isinstance(k, _FixedKey)]
     runs = []
     for index, hyper in enumerate(self.hypers):
       name = ','.join(f'{k[len("config."):]}={_safe(hyper.get(k))}'
-                      for k in varying) or 'base'
+                      for k in named) or 'base'
       overrides = tuple((k[len('config.'):], v) for k, v in hyper.items())
       runs.append(Run(index, name, os.path.join(workdir, name), overrides))
     return runs
@@ -193,21 +203,24 @@ def _safe(value: Any) -> str:
   return text.strip('-') if isinstance(value, str) else text
 
 
-def load_sweep(path: str, config, cli_flags: Sequence[str] = ()) -> Sweep:
+def load_sweep(path: str, cli_flags: Sequence[str] = (),
+               config=None) -> Sweep:
   """Reads a sweep file's runs and checks every run's config.
 
   Args:
     path: the sweep file (with `get_config` and `get_hyper`).
-    config: its base config, as `--config` (with `cli_flags`) loaded it.
-    cli_flags: the `--config.a.b=v` flags of the command line.
+    cli_flags: `--config.a.b=v` flags for every run (the command line's).
+    config: the base config as `--config` loaded it, `cli_flags` applied;
+      None loads `get_config()` and applies them here (same parser).
 
   Returns:
     The sweep.
 
   Raises:
-    ValueError: no get_hyper, a key without `config.`, an unknown field, a
-      value of the wrong type, a config training refuses (an unknown method),
-      or two runs of one name. The message names the run.
+    ValueError: no get_hyper, a key without `config.`, a key set twice, an
+      unknown field, a value of the wrong type, a config training refuses
+      (an unknown method), or two runs of one name. The message names the
+      run.
   """
   path = os.path.abspath(os.path.expanduser(path))
   module = types.ModuleType('_sweep')
@@ -216,8 +229,10 @@ def load_sweep(path: str, config, cli_flags: Sequence[str] = ()) -> Sweep:
     sys.path.insert(0, REPO)
   with open(path) as f:
     exec(compile(f.read(), path, 'exec'), module.__dict__)  # pylint: disable=exec-used
-  if not hasattr(module, 'get_hyper'):
-    raise ValueError(f'{path} defines no get_hyper(hyper).')
+  if not hasattr(module, 'get_hyper') or not hasattr(module, 'get_config'):
+    raise ValueError(f'{path} defines no get_config() and get_hyper(hyper).')
+  if config is None:
+    config = config_files.apply_overrides(module.get_config(), cli_flags)
   hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
   for hyper in hypers:
     for key in hyper:
@@ -232,8 +247,8 @@ def load_sweep(path: str, config, cli_flags: Sequence[str] = ()) -> Sweep:
   runs = sweep.runs(REPO)
   names = [r.name for r in runs]
   if not runs or len(set(names)) != len(names):
-    raise ValueError(f'{path}: get_hyper gives the runs {names}; each needs a '
-                     'distinct name (remove repeated values).')
+    raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
+                     'remove repeated values.')
   # Lazily: the check needs the model code, the rest of this module does not.
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
   for run in runs:
@@ -245,7 +260,7 @@ def load_sweep(path: str, config, cli_flags: Sequence[str] = ()) -> Sweep:
 
 
 # ----------------------------------------------------------------------------
-# Commands and run state.
+# Commands.
 
 
 def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
@@ -256,160 +271,6 @@ def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
   if mode == 'eval':
     argv.append('--config.mode=eval')
   return argv
-
-
-def latest_checkpoint_step(workdir: str) -> int | None:
-  # Orbax names complete checkpoints by their step alone; in-flight saves
-  # carry a suffix and must not count.
-  directory = os.path.join(workdir, 'checkpoints')
-  steps = [int(d) for d in os.listdir(directory)
-           if d.isdigit()] if os.path.isdir(directory) else []
-  return max(steps) if steps else None
-
-
-def _records(workdir: str) -> list[dict]:
-  """The complete records of metrics.jsonl (a torn last line is skipped)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
-    return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue  # A crash or a full disk tore it.
-  return records
-
-
-def final_step(config, workdir: str) -> int | None:
-  """Number of steps the run trains for, or None if not known yet.
-
-  With `total_steps > 0` that is the config's; otherwise it is
-  `num_epochs * steps_per_epoch` (as training computes it), where
-  steps_per_epoch is read off metrics.jsonl (`step / epoch`) rather than by
-  loading the dataset.
-  """
-  if config.total_steps > 0:
-    return int(config.total_steps)
-  for record in reversed(_records(workdir)):
-    if record.get('epoch'):
-      return int(config.num_epochs * round(record['step'] / record['epoch']))
-  return None
-
-
-def read_results(workdir: str) -> dict | None:
-  """DIR/<run>/eval/results.json, or None if absent.
-
-  Raises:
-    ValueError: the file is not valid JSON (the message names it).
-  """
-  path = os.path.join(workdir, RESULTS)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f'{path} is not valid JSON ({e}).') from e
-
-
-def identity_conflict(config, workdir: str) -> str | None:
-  """Why the run in `workdir` is not the run `config` describes, or None.
-
-  Compares the config that training stored (`rundir.CONFIG_FILE`) with this
-  invocation's on every result-changing setting. A run directory that holds
-  checkpoints or results but no stored config cannot be identified and is a
-  conflict too: its numbers could come from any settings.
-  """
-  try:
-    stored = rundir.read_config(workdir)
-  except ValueError as e:
-    return str(e)
-  if stored is None:
-    if (latest_checkpoint_step(workdir) is not None
-        or os.path.exists(os.path.join(workdir, RESULTS))):
-      return (f'it holds checkpoints or results but no '
-              f'{rundir.CONFIG_FILE} recording the settings that produced '
-              'them')
-    return None
-  new = config.to_dict()
-  names = rundir.result_changing_diff(stored, new)
-  return (f'it was run with other settings: '
-          f'{rundir.describe_diff(stored, new, names)}' if names else None)
-
-
-def _eval_config_conflict(config, workdir: str) -> str | None:
-  """Why results.json does not belong to `config`'s evaluation, or None."""
-  path = os.path.join(workdir, 'eval', 'config.json')
-  try:
-    with open(path) as f:
-      stored = json.load(f)
-  except FileNotFoundError:
-    return f'no {path} records how it was evaluated'
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    return f'{path} is not valid JSON ({e})'
-  new = json.loads(json.dumps(config.to_dict()))
-  names = rundir.result_changing_diff(stored, new)
-  # Evaluation settings change the reported numbers (not the training).
-  flat_stored, flat_new = rundir.flatten(stored), rundir.flatten(new)
-  names += sorted(n for n in set(flat_stored) | set(flat_new)
-                  if n.startswith('eval.') and n != 'eval.figures'
-                  and flat_stored.get(n) != flat_new.get(n))
-  return (f'it was evaluated with other settings: '
-          f'{rundir.describe_diff(stored, new, names)}' if names else None)
-
-
-def stale_results_reason(config, workdir: str) -> str | None:
-  """Why existing results.json may not be reported for `config`, or None."""
-  try:
-    results = read_results(workdir)
-  except ValueError as e:
-    return str(e)
-  if results is None:
-    return None
-  total = final_step(config, workdir)
-  if total is None or results.get('step') != total:
-    return f'its results are for step {results.get("step")}, not {total}'
-  return _eval_config_conflict(config, workdir)
-
-
-def is_trained(config, workdir: str) -> bool:
-  """Whether training reached the run's final step (status.json says so)."""
-  total = final_step(config, workdir)
-  if total is None:
-    return False
-  try:
-    status = rundir.read_status(workdir)
-  except ValueError:
-    return False  # A damaged status.json: training rewrites it.
-  if status is not None:
-    return status.get('state') == 'finished' and status.get('step') == total
-  latest = latest_checkpoint_step(workdir)
-  return latest is not None and latest >= total
-
-
-def is_finished(config, workdir: str) -> bool:
-  """Whether the run trained to its end and its results belong to `config`."""
-  return (is_trained(config, workdir)
-          and os.path.exists(os.path.join(workdir, RESULTS))
-          and stale_results_reason(config, workdir) is None)
-
-
-def progress_line(workdir: str) -> str | None:
-  """'step 120/2000, loss 3.2100' from metrics.jsonl and status.json."""
-  records = _records(workdir)
-  if not records:
-    return None
-  last = records[-1]
-  try:
-    total = (rundir.read_status(workdir) or {}).get('total_steps')
-  except ValueError:
-    total = None
-  line = f'step {last.get("step")}' + (f'/{total}' if total else '')
-  if isinstance(last.get('loss'), (int, float)):
-    line += f', loss {last["loss"]:.4f}'
-  return line
 
 
 # ----------------------------------------------------------------------------
@@ -467,7 +328,7 @@ class SubprocessLauncher:
     return code
 
   def _show_progress(self, workdir: str, shown: str | None) -> str | None:
-    line = progress_line(workdir)
+    line = run_state.progress_line(workdir)
     if line and line != shown:
       self._show(f'{self.prefix}{line}')
       return line
@@ -543,7 +404,7 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   """
   config = sweep.run_config(run)
   head = f'[{run.index + 1}/{total}] {run.name}'
-  if is_finished(config, run.workdir):
+  if run_state.is_finished(config, run.workdir):
     print(f'{head}: finished, skipped', flush=True)
     return Outcome(run, 'finished')
   train_cmd, eval_cmd = command(sweep, run, 'train'), command(sweep, run, 'eval')
@@ -554,11 +415,12 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   start = time.time()
   if hasattr(launcher, 'prefix'):
     launcher.prefix = f'{head}: '
-  at = lambda: latest_checkpoint_step(run.workdir)
-  if is_trained(config, run.workdir):
-    stale = stale_results_reason(config, run.workdir)
+  at = lambda: run_state.latest_checkpoint_step(run.workdir)
+  if run_state.is_trained(config, run.workdir):
+    stale = run_state.stale_results_reason(config, run.workdir)
     print(f'{head}: trained, evaluating'
-          + (f' again ({RESULTS}: {stale})' if stale else ''), flush=True)
+          + (f' again ({run_state.RESULTS}: {stale})' if stale else ''),
+          flush=True)
   else:
     print(f'{head}: training' + (f' (resuming from step {at()})' if at() else '')
           + f', log {os.path.join(run.workdir, "train.log")}', flush=True)
@@ -576,13 +438,13 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     if stop() is not None:
       return _report(head, Outcome(run, 'interrupted',
                                    f'stopped at step {at()}; rerun to resume'))
-    final = final_step(config, run.workdir)
-    if not is_trained(config, run.workdir) and final is not None:
+    final = run_state.final_step(config, run.workdir)
+    if not run_state.is_trained(config, run.workdir) and final is not None:
       return _report(head, Outcome(
           run, 'failed', f'training exited at step {at()} of {final}, see '
           f'{run.workdir}/train.log'))
     # Training may evaluate at its end itself (config.eval.at_end).
-    if is_finished(config, run.workdir):
+    if run_state.is_finished(config, run.workdir):
       return _report(head, Outcome(run, 'done', _elapsed(start)))
     print(f'{head}: evaluating, log {os.path.join(run.workdir, "eval.log")}',
           flush=True)
@@ -592,11 +454,12 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   if code != 0:
     return _report(head, Outcome(run, 'failed', f'evaluation exited {code}, '
                                  f'see {run.workdir}/eval.log'))
-  if not is_finished(config, run.workdir):
+  if not run_state.is_finished(config, run.workdir):
+    why = run_state.stale_results_reason(config, run.workdir)
     return _report(head, Outcome(
-        run, 'failed', f'evaluation wrote no usable {RESULTS} for step '
-        f'{final_step(config, run.workdir)} '
-        f'({stale_results_reason(config, run.workdir) or "none written"})'))
+        run, 'failed', f'evaluation wrote no usable {run_state.RESULTS} for '
+        f'step {run_state.final_step(config, run.workdir)} '
+        f'({why or "none written"})'))
   return _report(head, Outcome(run, 'done', _elapsed(start)))
 
 
@@ -622,7 +485,7 @@ def check_identities(sweep: Sweep, runs: Sequence[Run]) -> None:
     RunConflictError: naming every conflicting run directory and setting.
   """
   conflicts = [f'  {run.workdir}: {why}' for run in runs
-               if (why := identity_conflict(sweep.run_config(run),
+               if (why := run_state.identity_conflict(sweep.run_config(run),
                                             run.workdir))]
   if conflicts:
     raise RunConflictError(
@@ -714,7 +577,7 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int, workdir: str,
   for outcome in failed:
     print(f'  FAILED {outcome.run.name}: {outcome.detail}', flush=True)
   if aggregate:
-    aggregate_dir(workdir)
+    summary.aggregate_dir(workdir)
   return 1 if failed or len(outcomes) < len(selected) else 0
 
 
@@ -749,76 +612,6 @@ def _check_run_list(runs: Sequence[Run], workdir: str) -> None:
 # SLURM.
 
 
-def slurm_script(task_argv: Sequence[str], workdir: str,
-                 run_names: Sequence[str], *, job_name: str,
-                 partition: str = '', gres: str = 'gpu:1',
-                 time_limit: str = '24:00:00', cpus_per_task: int = 8,
-                 mem: str = '64G', max_parallel: int = 0,
-                 grace_seconds: int = 180) -> str:
-  """The text of a SLURM job array running each run as one task.
-
-  The batch shell gets SIGTERM `grace_seconds` before the time limit (and on
-  preemption); it passes it on, training checkpoints and stops, and the task
-  requeues itself to resume from that checkpoint.
-
-  Args:
-    task_argv: the `launch.sweep` command of a task, without --only_index.
-    workdir: the sweep directory DIR.
-    run_names: the runs' names, in array-index order.
-    job_name, partition, gres, time_limit, cpus_per_task, mem: the
-      `#SBATCH` settings of each task; an empty partition or gres is left out.
-    max_parallel: at most this many tasks at once; 0 for no limit.
-    grace_seconds: how long before the time limit the SIGTERM comes.
-
-  Returns:
-    The script.
-  """
-  if not run_names:
-    raise ValueError('A SLURM array needs at least one run.')
-  array = f'0-{len(run_names) - 1}' + (f'%{max_parallel}' if max_parallel
-                                        else '')
-  lines = ['#!/bin/bash',
-           f'#SBATCH --job-name={job_name}',
-           f'#SBATCH --array={array}',
-           f'#SBATCH --output={workdir}/slurm/%A_%a.out',
-           '#SBATCH --open-mode=append',
-           '#SBATCH --ntasks=1',
-           f'#SBATCH --cpus-per-task={cpus_per_task}',
-           f'#SBATCH --mem={mem}',
-           f'#SBATCH --time={time_limit}',
-           '#SBATCH --requeue',
-           f'#SBATCH --signal=B:TERM@{grace_seconds}']
-  lines += [f'#SBATCH --gres={gres}'] if gres else []
-  lines += [f'#SBATCH --partition={partition}'] if partition else []
-  lines += [
-      '',
-      '# One run per array task: train (resuming from its latest checkpoint),',
-      '# then evaluate. Written by launch/sweep.py; the run list is runs.json.',
-      '# Afterwards tabulate with',
-      f'#   python -m launch.sweep --workdir={workdir} --aggregate_only',
-      '# Array index -> run:',
-      *(f'#   {i}: {name}' for i, name in enumerate(run_names)),
-      'set -u',
-      f'cd {shlex.quote(REPO)}',
-      '',
-      'requeue() {',
-      '  echo "SIGTERM: checkpointing, then requeueing task '
-      '${SLURM_ARRAY_TASK_ID}."',
-      '  kill -TERM "$child" 2>/dev/null',
-      '  wait "$child"',
-      '  scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
-      '  exit 0',
-      '}',
-      'trap requeue TERM',
-      '',
-      f'{shlex.join(task_argv)} --only_index="$SLURM_ARRAY_TASK_ID" &',
-      'child=$!',
-      'wait "$child"',
-      'exit $?',
-      '']
-  return '\n'.join(lines)
-
-
 def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   """Writes DIR/runs.json and DIR/sweep.sbatch; returns the script's path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -829,112 +622,10 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
           f'--workdir={workdir}', *sweep.flags]
   path = os.path.join(workdir, 'sweep.sbatch')
   with open(path, 'w') as f:
-    f.write(slurm_script(task, workdir, [r.name for r in runs], **kwargs))
+    f.write(slurm.slurm_script(task, REPO, workdir, [r.name for r in runs],
+                               **kwargs))
   os.chmod(path, 0o755)
   return path
-
-
-# ----------------------------------------------------------------------------
-# Aggregation.
-
-
-@dataclasses.dataclass
-class Collected:
-  """The results under a sweep directory, sorted into trusted and not.
-
-  Attributes:
-    results: results dicts of finished runs (averaged in the summary).
-    excluded: (run directory, reason) of every other run with a results.json:
-      unfinished, diverged, stopped, without status.json, or unreadable.
-    unreadable: how many of `excluded` had a results.json that failed to read.
-  """
-  results: list[dict]
-  excluded: list[tuple[str, str]]
-  unreadable: int = 0
-
-
-def _why_not_averaged(run_dir: str, results: dict) -> str | None:
-  """Why a run's results must not enter a mean, or None if it finished."""
-  try:
-    status = rundir.read_status(run_dir)
-  except ValueError as e:
-    return str(e)
-  if status is None:
-    return f'no {rundir.STATUS_FILE}: cannot tell whether training finished'
-  state, step = status.get('state'), status.get('step')
-  total = status.get('total_steps')
-  if state != 'finished' or step != total:
-    return f'training {state} at step {step} of {total}'
-  if results.get('step') != total:
-    return f'results are for step {results.get("step")}, not the final {total}'
-  return None
-
-
-def collect_results(workdir: str) -> Collected:
-  """Every DIR/*/eval/results.json, in run-name order, sorted by trust."""
-  collected = Collected([], [])
-  for path in sorted(glob.glob(os.path.join(workdir, '*', RESULTS))):
-    run_dir = os.path.dirname(os.path.dirname(path))
-    try:
-      results = read_results(run_dir)
-      if not isinstance(results, dict):
-        raise ValueError(f'{path} holds {type(results).__name__}, not a '
-                         'results object.')
-    except (OSError, ValueError) as e:
-      collected.excluded.append((run_dir, f'unreadable: {e}'))
-      collected.unreadable += 1
-      continue
-    why = _why_not_averaged(run_dir, results)
-    if why is None:
-      collected.results.append(results)
-    else:
-      collected.excluded.append((run_dir, why))
-  return collected
-
-
-def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
-  if not excluded:
-    return ''
-  if fmt == 'markdown':
-    lines = ['', '## Not averaged', '',
-             *(f'- `{os.path.basename(d)}`: {why}' for d, why in excluded)]
-  else:
-    lines = ['', '% Not averaged:',
-             *(f'%   {os.path.basename(d)}: {why}' for d, why in excluded)]
-  return '\n'.join(lines) + '\n'
-
-
-def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json} from the runs' results; returns the Markdown.
-
-  Grouping by (pretrain_dataset, batch_size, method) into mean ± std, with a
-  random-init floor row, and the rendering are otclr_jax.tables' (`aggregate`
-  -> summary.json, `render_report` -> summary.md / summary.tex). Only
-  finished runs are averaged; every other run with a results.json (see
-  `collect_results`) is listed under "Not averaged" in summary.md /
-  summary.tex and on the console.
-  """
-  from otclr_jax import tables  # pylint: disable=g-import-not-at-top
-  collected = collect_results(workdir)
-  results, excluded = collected.results, collected.excluded
-  for run_dir, why in excluded:
-    print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
-  if not results and not excluded:
-    print(f'No {RESULTS} under {workdir}/*/ yet; nothing to tabulate.')
-    return None
-  markdown = (tables.render_report(results, 'markdown') if results else
-              'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
-  latex = (tables.render_report(results, 'latex') if results else
-           '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  with open(os.path.join(workdir, 'summary.md'), 'w') as f:
-    f.write(markdown)
-  with open(os.path.join(workdir, 'summary.tex'), 'w') as f:
-    f.write(latex)
-  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(tables.aggregate(results) if results else [], f, indent=1)
-  print(f'{len(results)} finished runs tabulated ({len(excluded)} not '
-        f'averaged) in {workdir}/summary.{{md,tex,json}}:\n\n{markdown}')
-  return markdown
 
 
 # ----------------------------------------------------------------------------
@@ -1002,8 +693,8 @@ def _main(argv: Sequence[str]) -> int:
     if not os.path.isdir(workdir):
       return _fail(2, f'--aggregate_only: sweep directory {workdir} does not '
                    'exist (a typo?); nothing was tabulated.')
-    aggregate_dir(workdir)
-    unreadable = collect_results(workdir).unreadable
+    summary.aggregate_dir(workdir)
+    unreadable = summary.collect_results(workdir).unreadable
     if unreadable:
       return _fail(1, f'{unreadable} results.json file(s) under {workdir} '
                    'could not be read (named above); the summary leaves them '
@@ -1014,7 +705,7 @@ def _main(argv: Sequence[str]) -> int:
   cli_flags = [a for a in argv[1:] if a.startswith('--config.')]
   try:
     sweep = load_sweep(config_flags.get_config_filename(fv['config']),
-                       fv.config, cli_flags)
+                       cli_flags, fv.config)
   except (OSError, ValueError) as e:
     return _fail(2, f'Sweep refused: {e}')
   if fv.slurm:
