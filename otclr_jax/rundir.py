@@ -20,7 +20,8 @@ Exit statuses of `python -m otclr_jax.main` (sysexits.h values where one fits):
   1   anything else (status.json says "failed").
 
 The other tools (the sweep, figures, export) keep the same statuses: 2 for a
-usage error, 73 for a directory another process holds, 75 when SIGTERM or
+usage error, 73 for a directory another process holds or an output path
+that cannot be written (`EXIT_CANT_CREATE`), 75 when SIGTERM or
 SIGINT stops them (`stop_on_signals`), each with one line and no traceback.
 """
 
@@ -41,6 +42,8 @@ from otclr_jax import fileio
 EXIT_STOPPED = 75
 EXIT_DIVERGED = 65
 EXIT_LOCKED = 73
+# EX_CANTCREAT too: an output the user named cannot be written (read-only).
+EXIT_CANT_CREATE = 73
 
 CONFIG_FILE = 'config.json'
 STATUS_FILE = 'status.json'
