@@ -68,7 +68,6 @@ SIGTERM/SIGINT or a preempted run: rerun the same command to resume.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import itertools
 import json
@@ -76,7 +75,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -85,6 +83,7 @@ from typing import Any, Callable, Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from launch import launcher as launcher_lib
 from launch import run_state
 from launch import slurm
 from launch import summary
@@ -92,10 +91,9 @@ from otclr_jax import config_files
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WIDTH = 150  # characters of the live progress line
 
 # A launcher runs one command (argv list) with cwd=REPO, appending its output
-# to the log file, and returns the exit status.
+# to the log file, and returns the exit status (launcher.SubprocessLauncher).
 Launcher = Callable[[Sequence[str], str], int]
 
 
@@ -277,100 +275,6 @@ def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
 # Local execution.
 
 
-class SubprocessLauncher:
-  """Runs commands one at a time, output to a log file, progress to the console.
-
-  SIGTERM/SIGINT received by the sweep are passed on to the running command
-  (training then checkpoints and exits) and recorded in `stop_signal` so that
-  the sweep stops instead of evaluating a half-trained run.
-  """
-
-  def __init__(self, poll_seconds: float | None = None):
-    self.interactive = sys.stdout.isatty()
-    self.poll_seconds = poll_seconds or (5.0 if self.interactive else 600.0)
-    self.stop_signal = None
-    self.prefix = ''
-    self._proc = None
-
-  def install_signal_handlers(self) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self._handle)
-
-  def _handle(self, signum, _):
-    self.stop_signal = signum
-    print(f'\nReceived {signal.Signals(signum).name}: stopping the current '
-          'command (training saves a checkpoint first).', flush=True)
-    if self._proc is not None and self._proc.poll() is None:
-      self._proc.send_signal(signum)
-
-  def __call__(self, argv: Sequence[str], log_path: str) -> int:
-    workdir = os.path.dirname(log_path)
-    os.makedirs(workdir, exist_ok=True)
-    with open(log_path, 'a') as log:
-      log.write(f'\n$ {shlex.join(argv)}\n')
-      log.flush()
-      self._proc = subprocess.Popen(list(argv), cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent(os.getpid()))
-      shown = None
-      while True:
-        try:
-          code = self._proc.wait(timeout=self.poll_seconds)
-          break
-        except subprocess.TimeoutExpired:
-          shown = self._show_progress(workdir, shown)
-      # A command can end between polls: its last progress still shows.
-      shown = self._show_progress(workdir, shown)
-      self._proc = None
-    if shown and self.interactive:
-      self._show('')
-    return code
-
-  def _show_progress(self, workdir: str, shown: str | None) -> str | None:
-    line = run_state.progress_line(workdir)
-    if line and line != shown:
-      self._show(f'{self.prefix}{line}')
-      return line
-    return shown
-
-  def _show(self, text: str) -> None:
-    # On a terminal one line is rewritten in place; a log file (SLURM) gets
-    # one line per poll.
-    if self.interactive:
-      print('\r' + text[:_WIDTH].ljust(_WIDTH), end='\r', flush=True)
-    else:
-      print(text, flush=True)
-
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-  """A `preexec_fn` making the child get SIGTERM when the sweep dies.
-
-  A sweep killed by SIGKILL cannot pass a signal on, and its trainer would
-  run on as an orphan (and a rerun would start a second one). On Linux the
-  kernel sends the child SIGTERM when its parent dies (`PR_SET_PDEATHSIG`),
-  so training checkpoints and exits. Elsewhere None: the child stays in the
-  sweep's process group, so killing the group ends both.
-  """
-  if not sys.platform.startswith('linux'):
-    return None
-  try:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-  except (OSError, AttributeError):
-    return None
-
-  def set_death_signal():
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    # The parent may have died between fork and prctl.
-    if os.getppid() != parent_pid:
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  return set_death_signal
-
-
 @dataclasses.dataclass
 class Outcome:
   """What became of one run in this invocation.
@@ -425,6 +329,10 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     print(f'{head}: training' + (f' (resuming from step {at()})' if at() else '')
           + f', log {os.path.join(run.workdir, "train.log")}', flush=True)
     code = launcher(train_cmd, os.path.join(run.workdir, 'train.log'))
+    # A command killed by the sweep's signal exits non-zero: no failure.
+    if stop() is not None:
+      return _report(head, Outcome(run, 'interrupted',
+                                   f'stopped at step {at()}; rerun to resume'))
     if code == rundir.EXIT_STOPPED:
       # Preempted: a good checkpoint, not a finished run; the sweep stops so
       # that a requeue resumes it.
@@ -435,9 +343,6 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
           code == rundir.EXIT_DIVERGED) else ''
       return _report(head, Outcome(run, 'failed', f'training exited {code}'
                                    f'{why}, see {run.workdir}/train.log'))
-    if stop() is not None:
-      return _report(head, Outcome(run, 'interrupted',
-                                   f'stopped at step {at()}; rerun to resume'))
     final = run_state.final_step(config, run.workdir)
     if not run_state.is_trained(config, run.workdir) and final is not None:
       return _report(head, Outcome(
@@ -537,7 +442,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
       run_one(sweep, run, launcher, total=len(runs), dry_run=True)
     return 0
   if launcher is None:
-    launcher = SubprocessLauncher()
+    launcher = launcher_lib.SubprocessLauncher(REPO)
     launcher.install_signal_handlers()
   if only_index is not None:
     return _run_all(sweep, selected, len(runs), workdir, launcher,
@@ -555,7 +460,6 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int, workdir: str,
   for run in selected:
     if stop() is None:
       outcomes.append(run_one(sweep, run, launcher, total=total, stop=stop))
-    # A command killed by the signal exits non-zero: not a failure of the run.
     if stop() is not None or outcomes[-1].status == 'interrupted':
       name = signal.Signals(stop() or signal.SIGTERM).name
       print(f'Sweep {sweep.name} stopped by {name}; rerun the same command '
