@@ -1,4 +1,4 @@
-"""What a sweep reads off a run directory: how far it got and whether to trust it.
+"""What a sweep reads off a run directory: how far it got, whether to trust it.
 
 Training stores the run's resolved config in `config.json` and keeps
 `status.json` current; evaluation writes `eval/results.json` and

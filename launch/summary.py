@@ -86,7 +86,7 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 
 
 def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json} from the runs' results; returns the Markdown.
+  """Writes DIR/summary.{md,tex,json}; returns the Markdown.
 
   Grouping by (pretrain_dataset, batch_size, method) into mean ± std, with a
   random-init floor row, and the rendering are otclr_jax.tables' (`aggregate`
@@ -100,7 +100,8 @@ def aggregate_dir(workdir: str) -> str | None:
   for run_dir, why in excluded:
     print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
   if not results and not excluded:
-    print(f'No {run_state.RESULTS} under {workdir}/*/ yet; nothing to tabulate.')
+    print(f'No {run_state.RESULTS} under {workdir}/*/ yet; nothing to '
+          'tabulate.')
     return None
   markdown = (tables.render_report(results, 'markdown') if results else
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')

@@ -225,13 +225,18 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   module.__file__ = path
   if REPO not in sys.path:  # Sweep files import `configs.X`.
     sys.path.insert(0, REPO)
-  with open(path) as f:
-    exec(compile(f.read(), path, 'exec'), module.__dict__)  # pylint: disable=exec-used
-  if not hasattr(module, 'get_hyper') or not hasattr(module, 'get_config'):
-    raise ValueError(f'{path} defines no get_config() and get_hyper(hyper).')
-  if config is None:
-    config = config_files.apply_overrides(module.get_config(), cli_flags)
-  hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
+  try:
+    with open(path) as f:
+      code = compile(f.read(), path, 'exec')
+    exec(code, module.__dict__)  # pylint: disable=exec-used
+    if not hasattr(module, 'get_hyper') or not hasattr(module, 'get_config'):
+      raise ValueError('it defines no get_config() and get_hyper(hyper)')
+    if config is None:
+      config = config_files.apply_overrides(module.get_config(), cli_flags)
+    hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
+  except Exception as e:  # pylint: disable=broad-except
+    # Any mistake in the sweep file is refused in one line, before any run.
+    raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
   for hyper in hypers:
     for key in hyper:
       if not key.startswith('config.'):
@@ -262,7 +267,7 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
 
 
 def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
-  """The `python -m otclr_jax.main ...` argv of one run; cwd is the repo root."""
+  """The `python -m otclr_jax.main ...` argv of one run; cwd is the repo."""
   argv = [sys.executable, '-m', 'otclr_jax.main', f'--config={sweep.path}',
           f'--workdir={run.workdir}', *sweep.flags]
   argv += [config_files.override_flag(o) for o in run.overrides]
@@ -311,7 +316,8 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   if run_state.is_finished(config, run.workdir):
     print(f'{head}: finished, skipped', flush=True)
     return Outcome(run, 'finished')
-  train_cmd, eval_cmd = command(sweep, run, 'train'), command(sweep, run, 'eval')
+  train_cmd = command(sweep, run, 'train')
+  eval_cmd = command(sweep, run, 'eval')
   if dry_run:
     print(f'{head}:\n  {shlex.join(train_cmd)}\n  {shlex.join(eval_cmd)}',
           flush=True)
@@ -326,8 +332,8 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
           + (f' again ({run_state.RESULTS}: {stale})' if stale else ''),
           flush=True)
   else:
-    print(f'{head}: training' + (f' (resuming from step {at()})' if at() else '')
-          + f', log {os.path.join(run.workdir, "train.log")}', flush=True)
+    resumed = f' (resuming from step {at()})' if at() else ''
+    print(f'{head}: training{resumed}, log {os.path.join(run.workdir, "train.log")}', flush=True)
     code = launcher(train_cmd, os.path.join(run.workdir, 'train.log'))
     # A command killed by the sweep's signal exits non-zero: no failure.
     if stop() is not None:

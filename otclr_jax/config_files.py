@@ -146,7 +146,7 @@ def set_field(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
 
 
 class UsageError(ValueError):
-  """A bad command line: an unknown flag or field, a bad value, a missing flag."""
+  """A bad command line: an unknown flag or field, or a bad value."""
 
 
 def parse_flags(
@@ -172,7 +172,8 @@ def parse_flags(
     when `--help` was asked for (the help is printed).
 
   Raises:
-    UsageError: one line naming the bad flag, field or value.
+    UsageError: one line naming the bad flag, field or value, or why the
+      config file failed to load.
   """
   argv = list(argv)
   flag_values = flags.FlagValues()
@@ -185,8 +186,12 @@ def parse_flags(
     config = flag_values[FLAG].value if FLAG in flag_values else None
     if config is not None:
       config.keys()  # A config file that failed to load says so when read.
-  except (flags.Error, AttributeError, KeyError, OSError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    # Also a config file that fails to load (a SyntaxError, get_config
+    # raising): the user's input, refused in one line.
     detail = str(e.args[0]) if e.args else str(e)
+    if not isinstance(e, (flags.Error, AttributeError, KeyError, OSError)):
+      detail = f'{type(e).__name__}: {e}'
     detail = detail.replace('\\n', ' ').replace("\\'", "'")
     if isinstance(e, OSError):
       detail = detail.splitlines()[-1].strip()

@@ -122,7 +122,7 @@ def write_config(workdir: str, config: dict[str, Any]) -> None:
 
 
 def flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
-  """A nested dict as {dotted name: leaf}: `{'ot': {'beta': 1}}` -> `{'ot.beta': 1}`."""
+  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`."""
   flat = {}
   for key, value in tree.items():
     name = f'{prefix}{key}'

@@ -1,4 +1,4 @@
-"""Tests of the sweep launcher: grid, commands, SLURM script, resuming, tables."""
+"""Tests of the sweep launcher: runs, commands, SLURM, resuming, tables."""
 
 import glob
 import json
@@ -37,7 +37,7 @@ TINY = {
 
 
 def write_sweep(path, axes, fixed=None, base=None, config='digits'):
-  """A sweep file: `base` set in get_config, the product of `axes` and `fixed`."""
+  """A sweep file: `base` set in get_config, `axes` x `fixed` in get_hyper."""
   body = [f'  config.{k} = {v!r}' for k, v in {**TINY, **(base or {})}.items()]
   parts = [f'      hyper.sweep({"config." + k!r}, {v!r}),'
            for k, v in axes.items()]
@@ -57,6 +57,10 @@ def tiny_grid(methods=('otclr',), seeds=(0,)):
 
 def flags_of(argv):
   return dict(a[2:].split('=', 1) for a in argv if a.startswith('--'))
+
+
+def aggregate_only(workdir):
+  return sweep_lib.main(['sweep', f'--workdir={workdir}', '--aggregate_only'])
 
 
 def sweep_file(name):
@@ -166,6 +170,21 @@ def test_an_invalid_run_config_is_refused_in_one_line_before_anything_runs(
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and 'nosuch' in err and 'Traceback' not in err
   assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize('text', [
+    'def get_config(:\n',  # not Python
+    'from configs import digits\n'
+    'def get_config():\n  return digits.get_config()\n'
+    'def get_hyper(hyper):\n  return hyper.sweep("config.seed", 3)\n',
+])
+def test_a_broken_sweep_file_is_refused_in_one_line(tmp_path, capsys, text):
+  (tmp_path / 's.py').write_text(text)
+  assert sweep_lib.main(['sweep', f'--config={tmp_path / "s.py"}',
+                         f'--workdir={tmp_path / "out"}']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+  assert not os.path.exists(tmp_path / 'out')
 
 
 def test_override_typos_fail_with_a_suggestion_before_anything_runs(
@@ -536,7 +555,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
           {'state': 'finished', 'step': 10, 'total_steps': 10}))
   # Not a run: no eval/results.json.
   os.makedirs(tmp_path / 'slurm')
-  assert sweep_lib.main(['sweep', f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
 
   rows = json.load(open(tmp_path / 'summary.json'))
   by_key = {(r['method'], r['batch_size']): r for r in rows}
@@ -556,7 +575,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
 
 
 def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
-  assert sweep_lib.main(['sweep', f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
   assert os.listdir(tmp_path) == []
 
 
@@ -684,7 +703,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
                {'state': 'diverged', 'step': 6, 'total_steps': 100})
   _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
                {'state': 'stopped', 'step': 50, 'total_steps': 100})
-  assert sweep_lib.main(['sweep', f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
   (row,) = json.load(open(tmp_path / 'summary.json'))
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
@@ -698,7 +717,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
 
 def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   missing = str(tmp_path / 'typo')
-  assert sweep_lib.main(['sweep', f'--workdir={missing}', '--aggregate_only']) == 2
+  assert aggregate_only(missing) == 2
   assert f'{missing} does not exist' in capsys.readouterr().err
   assert not os.path.exists(missing)
 
@@ -710,7 +729,7 @@ def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
                {'state': 'finished', 'step': 100, 'total_steps': 100})
   broken = tmp_path / 'digits_otclr_b16_s1' / 'eval' / 'results.json'
   broken.write_text(broken.read_text()[:40])
-  assert sweep_lib.main(['sweep', f'--workdir={tmp_path}', '--aggregate_only']) == 1
+  assert aggregate_only(tmp_path) == 1
   err = capsys.readouterr().err
   assert str(broken) in err
   (row,) = json.load(open(tmp_path / 'summary.json'))
@@ -752,7 +771,8 @@ def test_children_die_with_a_killed_sweep(tmp_path):
   (tmp_path / 'sleeper.py').write_text(_SLEEPER)
   pid_file = tmp_path / 'child.pid'
   parent = subprocess.Popen(
-      [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'), str(pid_file),
+      [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'),
+       str(pid_file),
        str(tmp_path / 'run' / 'train.log')], cwd=REPO)
   deadline = time.time() + 60
   while not (pid_file.exists() and pid_file.read_text()):

@@ -1,4 +1,4 @@
-"""What every figure shares: writing PNG + PDF, and a run's config and results."""
+"""What every figure shares: PNG + PDF output, a run's config and results."""
 
 from __future__ import annotations
 

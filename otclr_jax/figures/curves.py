@@ -1,4 +1,4 @@
-"""Training curves: metrics.jsonl of one or more runs, one panel per quantity."""
+"""Training curves: metrics.jsonl of runs, one panel per logged quantity."""
 
 from __future__ import annotations
 

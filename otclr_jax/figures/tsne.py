@@ -78,8 +78,8 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
   """Mean silhouette of each class's view embeddings, per generator.
 
   Silhouette of the 2n view embeddings (z or h as `views.embedding` says,
-  Euclidean on the l2-normalised rows) with the TRUE labels as clusters, averaged over the views of each
-  class; NaN for a class without views.
+  Euclidean on the l2-normalised rows) with the TRUE labels as clusters,
+  averaged over the views of each class; NaN for a class without views.
 
   Returns:
     {'simclr': [num_classes], 'otclr': [num_classes]}.
