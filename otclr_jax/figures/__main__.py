@@ -79,11 +79,10 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
   # Imported here: the figures load JAX and the models, --help needs neither.
   from otclr_jax.figures import common  # pylint: disable=g-import-not-at-top
   workdirs = [os.path.expanduser(w) for w in fv.workdir]
-  needs = {'tsne': 1, 'report': 1, 'top5': None, 'curves': None}
-  if figure in needs and (not workdirs or len(workdirs) > (needs[figure]
-                                                           or len(workdirs))):
-    count = 'one --workdir' if needs[figure] else 'at least one --workdir'
-    raise config_files.UsageError(f'{figure} takes {count}.')
+  if figure in ('tsne', 'report') and len(workdirs) != 1:
+    raise config_files.UsageError(f'{figure} takes one --workdir.')
+  if figure in ('top5', 'curves') and not workdirs:
+    raise config_files.UsageError(f'{figure} takes at least one --workdir.')
   out = fv.out or (common.figures_dir(workdirs[0]) / f'{figure}.png'
                    if workdirs else None)
   if figure == 'interpolation':
@@ -97,7 +96,8 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
         seed=1 if fv.seed is None else fv.seed)
   elif figure == 'tsne':
     from otclr_jax.figures import tsne  # pylint: disable=g-import-not-at-top
-    config = fv.config or common.load_run_config(workdirs[0])
+    config = (fv.config if fv.config is not None
+              else common.load_run_config(workdirs[0]))
     tsne.tsne_for_run(workdirs[0], config, common.png_path(out),
                       step=fv.step, dataset=fv.dataset, num_images=fv.n,
                       perplexity=fv.perplexity, seed=fv.seed or 0,
