@@ -38,6 +38,7 @@ Sweeping `config.ot.epsilon` needs no change here.
         --signal=B:TERM@180, or preemption) training checkpoints and the task
         requeues itself.
     ... --dry_run            Prints the commands, runs nothing.
+    ... --stop_on_error      Stops at the first failed run.
     python -m launch.sweep --workdir=DIR --aggregate_only
         Only tabulates DIR/*/eval/results.json.
 
@@ -61,7 +62,8 @@ launch/slurm.py's.
 
 Exit statuses: 0 every run finished; 1 a run failed (or, with
 --aggregate_only, a results.json is unreadable); 2 a bad flag, sweep file or
-run config (checked before any run starts), or a rerun with other settings;
+run config (checked before any run starts), a rerun with other settings, or
+a missing DIR for --aggregate_only;
 73 another sweep holds DIR (`rundir.SWEEP_LOCK_FILE`); 75 stopped by
 SIGTERM/SIGINT or a preempted run: rerun the same command to resume.
 """
