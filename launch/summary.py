@@ -51,11 +51,30 @@ def _why_not_averaged(run_dir: str, results: dict) -> str | None:
   return None
 
 
+def _listed_runs(workdir: str) -> set[str] | None:
+  """The run names DIR/runs.json lists (the sweep's), or None without one."""
+  try:
+    with open(os.path.join(workdir, 'runs.json')) as f:
+      return {e['name'] for e in json.load(f)['runs']}
+  except FileNotFoundError:
+    return None
+
+
 def collect_results(workdir: str) -> Collected:
-  """Every DIR/*/eval/results.json, in run-name order, sorted by trust."""
+  """Every DIR/*/eval/results.json, in run-name order, sorted by trust.
+
+  With a DIR/runs.json, only the runs it lists are averaged: a run directory
+  of another sweep in DIR (other names, maybe the same settings) would count
+  a seed twice.
+  """
   collected = Collected([], [])
+  listed = _listed_runs(workdir)
   for path in sorted(glob.glob(os.path.join(workdir, '*', run_state.RESULTS))):
     run_dir = os.path.dirname(os.path.dirname(path))
+    if listed is not None and os.path.basename(run_dir) not in listed:
+      collected.excluded.append((run_dir, 'not a run of this sweep '
+                                 '(runs.json does not list it)'))
+      continue
     try:
       results = run_state.read_results(run_dir)
       if not isinstance(results, dict):

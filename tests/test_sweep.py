@@ -715,6 +715,20 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
   assert 'Not averaged' in open(tmp_path / 'summary.tex').read()
 
 
+def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
+  for name, top1 in (('seed=0,method=otclr', 84.7), ('old_name_s0', 10.0)):
+    _results_run(tmp_path, name, top1,
+                 {'state': 'finished', 'step': 100, 'total_steps': 100})
+  (tmp_path / 'runs.json').write_text(json.dumps(
+      {'runs': [{'name': 'seed=0,method=otclr'}]}))
+  assert aggregate_only(tmp_path) == 0
+  (row,) = json.load(open(tmp_path / 'summary.json'))
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+  assert 'old_name_s0`: not a run of this sweep' in open(
+      tmp_path / 'summary.md').read()
+
+
 def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   missing = str(tmp_path / 'typo')
   assert aggregate_only(missing) == 2
