@@ -1,13 +1,13 @@
-"""Config files and overrides outside absl flags: for tools (bench, figures,
-the sweep) and tests.
+"""Configs outside a command line: stored config.json files and overrides.
 
-`python -m otclr_jax.main` reads configs through `config_flags` on a locked
-config; tools load the same `get_config()` files here and apply overrides with
-the same parser (`ml_collections.config_flags`, locked), so every tool accepts
-the same spelling, `--config.ot.epsilon=0.1` (or the short `ot.epsilon=0.1`),
-and refuses what `main` refuses: an unknown field fails with a suggestion
-(`ot.epsilonn` -> "Did you mean "epsilon""), a value of the wrong type fails
-(`batch_size=1.5`), and booleans take `true`/`false`.
+Every tool reads its config through `config_flags` on a locked config
+(`--config=configs/X.py --config.ot.epsilon=0.1`). This module serves what has
+no command line of its own: loading a run's stored `config.json` (export,
+figures), resolving a sweep's runs exactly as `main` will resolve their
+command lines (`apply_overrides`, the same parser: an unknown field fails with
+a suggestion, `ot.epsilonn` -> "Did you mean "epsilon""; a value of the wrong
+type fails; booleans take `true`/`false`), and setting typed fields in tests
+(`set_field`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import difflib
 import importlib.util
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import flags
 import ml_collections
@@ -64,8 +64,8 @@ def override_flag(override: str | tuple[str, Any]) -> str:
   """One override as the flag `main` takes: `--config.<key>=<value>`.
 
   Args:
-    override: `'--config.ot.epsilon=0.1'`, the short `'ot.epsilon=0.1'`, or a
-      `(key, python_value)` pair such as `('ot.epsilon', 0.1)`.
+    override: `'--config.ot.epsilon=0.1'` or a `(key, python_value)` pair
+      such as `('ot.epsilon', 0.1)`.
 
   Returns:
     `'--config.ot.epsilon=0.1'`.
@@ -76,15 +76,11 @@ def override_flag(override: str | tuple[str, Any]) -> str:
   if isinstance(override, tuple):
     key, value = override
     return f'--{FLAG}.{key}={flag_value(value)}'
-  text = override
-  for prefix in (f'--{FLAG}.', f'-{FLAG}.'):
-    if text.startswith(prefix):
-      text = text[len(prefix):]
-      break
-  key, sep, value = text.partition('=')
-  if not sep or not key or key.startswith('-'):
+  prefix = f'--{FLAG}.'
+  key, sep, value = override[len(prefix):].partition('=')
+  if not override.startswith(prefix) or not sep or not key:
     raise ValueError(
-        f'A config override is --{FLAG}.key=value or key=value (e.g. '
+        f'A config override is --{FLAG}.key=value (e.g. '
         f'--{FLAG}.ot.epsilon=0.1), got {override!r}.')
   return f'--{FLAG}.{key}={value}'
 
@@ -97,8 +93,8 @@ def apply_overrides(
 
   Args:
     config: the base config (left unchanged).
-    overrides: strings `--config.a.b=v` or `a.b=v` (values parsed by the
-      field's type, as on `main`'s command line), or `(key, value)` pairs.
+    overrides: strings `--config.a.b=v` (values parsed by the field's type,
+      as on `main`'s command line), or `(key, value)` pairs.
 
   Returns:
     A new, locked ConfigDict.
@@ -149,16 +145,57 @@ def set_field(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
   node[leaf] = value
 
 
-def split_config_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-  """Separates `--config.a.b=v` overrides from a tool's other arguments.
+class UsageError(ValueError):
+  """A bad command line: an unknown flag or field, or a bad value."""
 
-  Lets a tool whose own `--config` names a file (bench, figures) take the
-  overrides in `main`'s spelling next to its argparse flags.
+
+def parse_flags(
+    argv: Sequence[str],
+    define: Callable[[flags.FlagValues, list[str]], None],
+    doc: str = '',
+) -> tuple[flags.FlagValues, list[str]] | None:
+  """Parses a tool's command line, absl style, on the tool's own FlagValues.
+
+  `define(flag_values, argv)` defines the tool's flags on a fresh
+  `FlagValues`, its config as `config_flags.DEFINE_config_file('config', ...,
+  flag_values=flag_values, lock_config=True, sys_argv=argv)`, so that
+  `--config.a.b=v` overrides parse as on `main`'s command line. A FlagValues
+  of its own lets several tools and `main` share one process (the tests).
+
+  Args:
+    argv: the command line, program name first (as `sys.argv`).
+    define: defines the flags.
+    doc: printed above the flags for `--help`.
 
   Returns:
-    `(other_args, overrides)`, each in the original order.
+    `(flag_values, positional arguments without the program name)`, or None
+    when `--help` was asked for (the help is printed).
+
+  Raises:
+    UsageError: one line naming the bad flag, field or value, or why the
+      config file failed to load.
   """
-  rest, overrides = [], []
-  for arg in argv:
-    (overrides if arg.startswith(f'--{FLAG}.') else rest).append(arg)
-  return rest, overrides
+  argv = list(argv)
+  flag_values = flags.FlagValues()
+  define(flag_values, argv)
+  if any(a in ('-h', '--help', '-help') for a in argv[1:]):
+    print(f'{doc.strip()}\n\nFlags:\n{flag_values.get_help()}')
+    return None
+  try:
+    rest = flag_values(argv)
+    config = flag_values[FLAG].value if FLAG in flag_values else None
+    if config is not None:
+      config.keys()  # A config file that failed to load says so when read.
+  except Exception as e:  # pylint: disable=broad-except
+    # Also a config file that fails to load (a SyntaxError, get_config
+    # raising): the user's input, refused in one line.
+    detail = str(e.args[0]) if e.args else str(e)
+    if not isinstance(e, (flags.Error, AttributeError, KeyError, OSError)):
+      detail = f'{type(e).__name__}: {e}'
+    detail = detail.replace('\\n', ' ').replace("\\'", "'")
+    if isinstance(e, OSError):
+      detail = detail.splitlines()[-1].strip()
+    if len(detail) > 1 and detail[0] == detail[-1] == "'":
+      detail = f'unknown config field {detail[1:-1]}'
+    raise UsageError(' '.join(detail.split())) from None
+  return flag_values, rest[1:]

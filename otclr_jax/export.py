@@ -19,25 +19,29 @@ finishes; any checkpoint of a run is exported on demand with
     python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]
 
 (default step: the newest that restores; default out:
-`DIR/encoder/encoder_step<S>.msgpack`), using the run's stored config.json.
+`DIR/encoder/encoder_step<S>.msgpack`), using the run's stored config.json
+(so the command takes no --config: the run's settings are its own).
 """
 
 from __future__ import annotations
 
-import argparse
+import errno
 import functools
 import json
 import os
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
+from absl import flags
 from flax import serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from otclr_jax import config_files
 from otclr_jax import fileio
 from otclr_jax import models
+from otclr_jax import rundir
 
 FORMAT = 'otclr_jax.encoder'
 VERSION = 1
@@ -198,10 +202,8 @@ def export_checkpoint(workdir: str, step: int | None = None,
   """
   # Training-side modules (Orbax, the train step) load only for this command;
   # `load_encoder` users need none of them.
-  from otclr_jax import config_files  # pylint: disable=g-import-not-at-top
   from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
   from otclr_jax.evaluation import features  # pylint: disable=g-import-not-at-top
-  from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, rundir.CONFIG_FILE)
   if not os.path.exists(config_path):
     raise FileNotFoundError(
@@ -218,29 +220,61 @@ def export_checkpoint(workdir: str, step: int | None = None,
   return path, step
 
 
-def main(argv: list[str] | None = None) -> int:
-  """`python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]`."""
-  parser = argparse.ArgumentParser(
-      prog='python -m otclr_jax.export',
-      description="Export a run checkpoint's encoder (params + BatchNorm "
-      'statistics + model settings) for `export.load_encoder`.')
-  parser.add_argument('--workdir', required=True,
-                      help="the run's directory (config.json, checkpoints/)")
-  parser.add_argument('--step', type=int, default=None,
-                      help='checkpoint step (default: the newest that '
-                      'restores)')
-  parser.add_argument('--out', default=None,
-                      help='output file (default: '
-                      'WORKDIR/encoder/encoder_step<S>.msgpack)')
-  args = parser.parse_args(argv)
+def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
+  del argv  # No --config: the run's stored config.json is the config.
+  flags.DEFINE_string('workdir', None, "The run's directory (config.json, "
+                      'checkpoints/).', flag_values=fv)
+  flags.DEFINE_integer('step', None, 'Checkpoint step (default: the newest '
+                       'that restores).', flag_values=fv)
+  flags.DEFINE_string('out', None, 'Output file (default: '
+                      'WORKDIR/encoder/encoder_step<S>.msgpack).',
+                      flag_values=fv)
+
+
+def main(argv: Sequence[str]) -> int:
+  """`python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]`.
+
+  Exit statuses (otclr_jax/rundir.py): 0 exported; 1 no config.json or no
+  such checkpoint, or non-finite variables; 2 a bad flag; 73 the output
+  cannot be written (a read-only path); 75 stopped by SIGTERM/SIGINT
+  (nothing half-written). Each failure is one line on stderr.
+
+  Args:
+    argv: the command line, program name first.
+  """
+  out = None
   try:
-    path, step = export_checkpoint(args.workdir, args.step, args.out)
+    with rundir.stop_on_signals():
+      parsed = config_files.parse_flags(argv, _define_flags, __doc__)
+      if parsed is None:
+        return 0
+      fv, rest = parsed
+      if rest or not fv.workdir:
+        raise config_files.UsageError(
+            'usage: python -m otclr_jax.export --workdir=DIR [--step=S] '
+            '[--out=PATH]')
+      out = os.path.expanduser(fv.out) if fv.out else None
+      path, step = export_checkpoint(os.path.expanduser(fv.workdir), fv.step,
+                                     out)
+  except config_files.UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  except rundir.StopRequested as e:
+    print(f'Export stopped by {e.name}; nothing was written.',
+          file=sys.stderr)
+    return rundir.EXIT_STOPPED
   except (FileNotFoundError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
+  except OSError as e:
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+      raise
+    print(f'error: {e.strerror}: {e.filename or out} (--out must be a '
+          'writable path).', file=sys.stderr)
+    return rundir.EXIT_CANT_CREATE
   print(f'Exported the encoder of step {step} to {path}')
   return 0
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  sys.exit(main(sys.argv))

@@ -8,16 +8,17 @@ Training, evaluation and figures do not import each other. Any config field
 can be overridden, e.g. `--config.ot.epsilon=0.1`; `--config.method=moco
 --config.views=ot` picks the objective and the view generator.
 
-Exit statuses (otclr_jax/rundir.py; DIR/status.json says the same):
+Exit statuses (otclr_jax/rundir.py, docs/operations.md):
   0   finished (training reached total_steps; evaluation done if asked).
-  2   bad flag or config field, or a resume whose result-changing settings
-      differ from DIR/config.json (the message names each field).
+  2   bad flag or config field; a resume, or an evaluation flag, that
+      contradicts the run stored in DIR (the message names each field); a
+      corrupt DIR/config.json; a dataset or batch size that cannot work.
   65  diverged: non-finite loss, gradient or state; the newest checkpoint
       (named in the message) is finite. Also evaluation refusing a checkpoint
       whose variables or features are not finite (nothing is written).
-  73  DIR is locked by another running process.
-  75  stopped early (SIGTERM/SIGINT preemption); rerun the same command to
-      resume.
+  73  DIR is locked by another running process, or cannot be written.
+  75  stopped early by SIGTERM/SIGINT (training checkpoints first); rerun the
+      same command to resume.
   1   any other error, e.g. a full disk (the last line names the path).
 """
 
@@ -150,9 +151,9 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
   Expected failures end in one error line (no traceback): a diverged run, a
-  locked workdir, a full disk. Config errors (a bad field, a flag that
-  contradicts the run being evaluated, a corrupt config.json, a workdir that
-  cannot be written) raise `app.UsageError` (status 2).
+  locked or unwritable workdir, a full disk. Config errors (a bad field, a
+  flag that contradicts the run being evaluated, a corrupt config.json, a
+  dataset or batch size that cannot work) raise `app.UsageError` (status 2).
 
   Args:
     config: the run's config.
@@ -174,8 +175,13 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         return rundir.EXIT_STOPPED
       if not config.eval.at_end:
         return 0
-    evaluate_and_draw(config, workdir)
+    with rundir.stop_on_signals():
+      evaluate_and_draw(config, workdir)
     return 0
+  except rundir.StopRequested as e:
+    logging.error('%s during evaluation: stopped with nothing half-written; '
+                  'rerun the same command to evaluate %s.', e.name, workdir)
+    return rundir.EXIT_STOPPED
   except (experiment.ConfigError, rundir.CorruptFileError,
           data.DataError) as e:
     raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
@@ -188,10 +194,10 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   except Exception as e:  # pylint: disable=broad-except
     path = _unwritable_path(e)
     if path is not None:
-      raise app.UsageError(
-          f'Cannot write {path} ({os.strerror(e.errno)}); --workdir '
-          f'{workdir} and the data directory must be writable by this user.',
-          exitcode=EXIT_USAGE) from e
+      logging.error('Cannot write %s (%s): --workdir %s must be a directory '
+                    'this user can write.', path, os.strerror(e.errno),
+                    workdir)
+      return rundir.EXIT_CANT_CREATE
     where = disk_full_path(e, workdir)
     if where is None:
       raise

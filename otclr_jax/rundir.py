@@ -18,6 +18,11 @@ Exit statuses of `python -m otclr_jax.main` (sysexits.h values where one fits):
       preemption or `stop_after_steps`); the checkpoint is good and rerunning
       the same command resumes.
   1   anything else (status.json says "failed").
+
+The other tools (the sweep, figures, export) keep the same statuses: 2 for a
+usage error, 73 for a directory another process holds or an output path
+that cannot be written (`EXIT_CANT_CREATE`), 75 when SIGTERM or
+SIGINT stops them (`stop_on_signals`), each with one line and no traceback.
 """
 
 from __future__ import annotations
@@ -28,18 +33,23 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from otclr_jax import fileio
 
 EXIT_STOPPED = 75
 EXIT_DIVERGED = 65
 EXIT_LOCKED = 73
+# EX_CANTCREAT too: an output the user named cannot be written (read-only).
+EXIT_CANT_CREATE = 73
 
 CONFIG_FILE = 'config.json'
 STATUS_FILE = 'status.json'
 LOCK_FILE = '.lock'
+# A sweep directory's lock: one sweep at a time launches into it.
+SWEEP_LOCK_FILE = '.sweep.lock'
 # Evaluation writes eval/ under its own lock, so a run can be evaluated from
 # its read-only checkpoints while it trains, but never by two writers at once.
 EVAL_LOCK_FILE = '.eval.lock'
@@ -117,12 +127,13 @@ def write_config(workdir: str, config: dict[str, Any]) -> None:
                     json.dumps(config, indent=1, sort_keys=True) + '\n')
 
 
-def _flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`."""
   flat = {}
   for key, value in tree.items():
     name = f'{prefix}{key}'
     if isinstance(value, dict):
-      flat.update(_flatten(value, name + '.'))
+      flat.update(flatten(value, name + '.'))
     else:
       flat[name] = value
   return flat
@@ -152,8 +163,8 @@ def result_changing_diff(stored: dict[str, Any],
   Returns:
     The differing names, sorted.
   """
-  stored = _flatten(json.loads(json.dumps(stored)))
-  new = _flatten(json.loads(json.dumps(new)))
+  stored = flatten(json.loads(json.dumps(stored)))
+  new = flatten(json.loads(json.dumps(new)))
   missing = object()
   return sorted(
       name for name in set(stored) | set(new)
@@ -164,8 +175,8 @@ def result_changing_diff(stored: dict[str, Any],
 def describe_diff(stored: dict[str, Any], new: dict[str, Any],
                   names: list[str]) -> str:
   """`'method: 'otclr' -> 'simclr'; seed: 0 -> 1'` for the names given."""
-  stored = _flatten(json.loads(json.dumps(stored)))
-  new = _flatten(json.loads(json.dumps(new)))
+  stored = flatten(json.loads(json.dumps(stored)))
+  new = flatten(json.loads(json.dumps(new)))
   show = lambda d, n: repr(d[n]) if n in d else '(absent)'
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
 
@@ -213,8 +224,8 @@ def adopt_stored(config: Any, stored: dict[str, Any],
       message names each such flag.
   """
   new = config.to_dict()
-  flat_stored = _flatten(json.loads(json.dumps(stored)))
-  flat_new = _flatten(json.loads(json.dumps(new)))
+  flat_stored = flatten(json.loads(json.dumps(stored)))
+  flat_new = flatten(json.loads(json.dumps(new)))
   # A field this code no longer has cannot be set; one the stored run lacks
   # keeps this invocation's value (it did not exist when the run was trained).
   names = sorted(
@@ -318,3 +329,60 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
       os.ftruncate(fd, 0)
   finally:
     os.close(fd)  # closing the last descriptor releases the flock
+
+
+class StopRequested(BaseException):
+  """SIGTERM or SIGINT arrived inside `stop_on_signals`.
+
+  A BaseException, like KeyboardInterrupt, so that `except Exception` blocks
+  (a figure failure logged and skipped, say) do not swallow the stop.
+
+  Attributes:
+    signum: the signal's number.
+  """
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+  @property
+  def name(self) -> str:
+    """'SIGTERM' or 'SIGINT'."""
+    return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[None]:
+  """Turns SIGTERM and SIGINT into `StopRequested` inside the block.
+
+  A tool wraps its work in this and ends with `EXIT_STOPPED` and one line on
+  `StopRequested`, instead of dying silently with 143 (SIGTERM) or with a
+  KeyboardInterrupt traceback and 130 (SIGINT):
+
+      try:
+        with rundir.stop_on_signals():
+          do_the_work()
+      except rundir.StopRequested as e:
+        print(f'Stopped by {e.name}; rerun to finish.', file=sys.stderr)
+        return rundir.EXIT_STOPPED
+
+  The exception is raised in the main thread between two Python bytecodes,
+  so a file being written through `fileio` is either complete or absent. The
+  previous handlers are restored when the block exits. Must be entered in the
+  main thread (Python delivers signals there only).
+
+  Args:
+    signals: the signals to turn into `StopRequested`.
+  """
+
+  def handle(signum, _):
+    raise StopRequested(signum)
+
+  previous = {s: signal.signal(s, handle) for s in signals}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)

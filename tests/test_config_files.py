@@ -2,6 +2,8 @@
 
 import json
 
+from absl import flags
+from ml_collections import config_flags
 import pytest
 
 from otclr_jax import config_files
@@ -17,18 +19,20 @@ def test_load_py_and_json_agree(tmp_path):
   assert again.to_dict() == config.to_dict()
 
 
-@pytest.mark.parametrize('text', ['--config.ot.epsilon=0.1', 'ot.epsilon=0.1'])
-def test_both_spellings(text):
+@pytest.mark.parametrize('override', ['--config.ot.epsilon=0.1',
+                                      ('ot.epsilon', 0.1)])
+def test_flag_and_pair(override):
   config = config_files.apply_overrides(
-      config_files.load('configs/default.py'), [text])
+      config_files.load('configs/default.py'), [override])
   assert config.ot.epsilon == 0.1
 
 
 def test_apply_overrides_parses_by_field_type():
   base = config_files.load('configs/default.py')
   config = config_files.apply_overrides(base, [
-      '--config.ot.learn_alpha=true', 'eval.at_end=False', 'ot.beta=1',
-      'method=simclr', "eval.datasets=('cifar10','digits')",
+      '--config.ot.learn_alpha=true', '--config.eval.at_end=False',
+      '--config.ot.beta=1', '--config.method=simclr',
+      "--config.eval.datasets=('cifar10','digits')",
       ('batch_size', 512), ('ot.alpha', 0.25), ('eval.figures', False)])
   assert config.ot.learn_alpha is True
   assert config.eval.at_end is False
@@ -42,11 +46,11 @@ def test_apply_overrides_parses_by_field_type():
 
 
 @pytest.mark.parametrize('text, match', [
-    ('ot.epsilonn=0.1', 'Did you mean "epsilon"'),
+    ('--config.ot.epsilonn=0.1', 'Did you mean "epsilon"'),
     ('--config.ott.epsilon=0.1', 'Did you mean "ot"'),
-    ('batch_size=1.5', 'batch_size'),
-    ('ot.epsilon=abc', 'ot.epsilon'),
-    ('ot.learn_alpha=yes', 'learn_alpha'),
+    ('--config.batch_size=1.5', 'batch_size'),
+    ('--config.ot.epsilon=abc', 'ot.epsilon'),
+    ('--config.ot.learn_alpha=yes', 'learn_alpha'),
 ])
 def test_typos_and_bad_types_fail(text, match):
   with pytest.raises(ValueError, match=match):
@@ -58,14 +62,15 @@ def test_overrides_of_a_json_config(tmp_path):
   path = tmp_path / 'config.json'
   path.write_text(json.dumps(config_files.load('configs/digits.py').to_dict()))
   config = config_files.apply_overrides(
-      config_files.load(str(path)), ["eval.datasets=('digits',)"])
+      config_files.load(str(path)), ["--config.eval.datasets=('digits',)"])
   assert config.eval.datasets == ('digits',)
   with pytest.raises(ValueError, match='Did you mean'):
     config_files.apply_overrides(config_files.load(str(path)),
-                                 ['ot.epsilonn=0.1'])
+                                 ['--config.ot.epsilonn=0.1'])
 
 
-@pytest.mark.parametrize('bad', ['ot.epsilon', '=3', '--seed=3'])
+@pytest.mark.parametrize('bad', ['--config.ot.epsilon', '--config.=3',
+                                 '--seed=3', 'ot.epsilon=0.1'])
 def test_malformed_override(bad):
   with pytest.raises(ValueError, match='key=value'):
     config_files.override_flag(bad)
@@ -76,7 +81,8 @@ def test_override_flag_is_what_main_takes():
       '--config.ot.learn_alpha=true')
   assert config_files.override_flag(('eval.datasets', ['a'])) == (
       "--config.eval.datasets=('a',)")
-  assert config_files.override_flag('ot.alpha=0.3') == '--config.ot.alpha=0.3'
+  assert config_files.override_flag('--config.ot.alpha=0.3') == (
+      '--config.ot.alpha=0.3')
 
 
 def test_set_field_refuses_unknown_keys():
@@ -92,3 +98,32 @@ def test_set_field_refuses_unknown_keys():
 def test_missing_file():
   with pytest.raises(FileNotFoundError):
     config_files.load('configs/nope.py')
+
+
+def _define(flag_values, argv):
+  config_flags.DEFINE_config_file('config', None, 'config',
+                                  flag_values=flag_values, lock_config=True,
+                                  sys_argv=argv)
+  flags.DEFINE_string('workdir', None, 'dir', flag_values=flag_values)
+
+
+def test_parse_flags_reads_config_and_overrides_like_main():
+  fv, rest = config_files.parse_flags(
+      ['tool', '--config=configs/digits.py', '--config.ot.epsilon=0.2',
+       '--workdir=w', 'extra'], _define)
+  assert fv.config.ot.epsilon == 0.2 and fv.config.is_locked
+  assert fv.workdir == 'w' and rest == ['extra']
+  assert config_files.parse_flags(['tool', '--help'], _define) is None
+
+
+@pytest.mark.parametrize('argv, match', [
+    (['--config=configs/digits.py', '--config.ot.epsilonn=0.1'],
+     'Did you mean "epsilon"'),
+    (['--config=configs/digits.py', '--config.batch_size=1.5'], 'batch_size'),
+    (['--config=configs/nope.py'], 'nope.py'),
+    (['--worktree=x'], 'worktree'),
+])
+def test_parse_flags_fails_in_one_line(argv, match):
+  with pytest.raises(config_files.UsageError, match=match) as e:
+    config_files.parse_flags(['tool', *argv], _define)
+  assert '\n' not in str(e.value)

@@ -1,6 +1,10 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +17,11 @@ from otclr_jax import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax import export
 from otclr_jax import models
+from otclr_jax import rundir
 from otclr_jax import train
 from tests.tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
@@ -127,7 +134,7 @@ def test_stopped_run_exports_nothing(tmp_path):
 
 def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
   config, workdir = finished_run
-  assert export.main([f'--workdir={workdir}', '--step=2']) == 0
+  assert export.main(['export', f'--workdir={workdir}', '--step=2']) == 0
   path = export.encoder_path(workdir, 2)
   assert path in capsys.readouterr().out
   images = _test_images(config)
@@ -139,9 +146,62 @@ def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
                                                       images))
   assert export.load_encoder_config(path)['step'] == 2
   out = str(tmp_path / 'mine.msgpack')
-  assert export.main([f'--workdir={workdir}', f'--out={out}']) == 0
+  assert export.main(['export', f'--workdir={workdir}', f'--out={out}']) == 0
   assert export.load_encoder_config(out)['step'] == 4
-  assert export.main([f'--workdir={workdir}', '--step=3']) == 1
+  assert export.main(['export', f'--workdir={workdir}', '--step=3']) == 1
   assert 'No checkpoint for step 3' in capsys.readouterr().err
-  assert export.main([f'--workdir={tmp_path}']) == 1
+  assert export.main(['export', f'--workdir={tmp_path}']) == 1
   assert 'config.json does not exist' in capsys.readouterr().err
+  assert export.main(['export', '--workdir']) == 2
+  assert export.main(['export', f'--workdir={workdir}', '--out=a', 'b']) == 2
+  assert 'Traceback' not in capsys.readouterr().err
+
+
+def test_tilde_in_paths_is_the_home_directory(finished_run, tmp_path,
+                                              monkeypatch, capsys):
+  _, workdir = finished_run
+  monkeypatch.setenv('HOME', str(tmp_path))
+  monkeypatch.chdir(tmp_path)
+  os.symlink(workdir, tmp_path / 'run')
+  assert export.main(['export', '--workdir=~/run', '--out=~/e.msgpack']) == 0
+  assert export.load_encoder_config(str(tmp_path / 'e.msgpack'))['step'] == 4
+  assert not (tmp_path / '~').exists()
+
+
+def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
+                                                    capsys):
+  _, workdir = finished_run
+  locked = tmp_path / 'ro'
+  locked.mkdir()
+  locked.chmod(0o555)
+  # Root writes through file modes; sysfs refuses it too.
+  out = ('/sys/otclr_export_test' if os.geteuid() == 0 else str(locked))
+  try:
+    code = export.main(['export', f'--workdir={workdir}',
+                        f'--out={out}/e.msgpack'])
+  finally:
+    locked.chmod(0o755)
+  err = capsys.readouterr().err
+  assert code == rundir.EXIT_CANT_CREATE, err
+  assert err.count('\n') == 1 and out in err
+  assert 'Traceback' not in err and os.listdir(locked) == []
+
+
+_SIGNALLED_EXPORT = textwrap.dedent("""
+    import os, signal, sys, time
+    from otclr_jax import export
+    def export_checkpoint(*_):
+      os.kill(os.getpid(), int(sys.argv[1]))
+      time.sleep(30)
+    export.export_checkpoint = export_checkpoint
+    sys.exit(export.main(['export', '--workdir=/nonexistent']))
+""")
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_export_with_75_and_one_line(signum):
+  done = subprocess.run([sys.executable, '-c', _SIGNALLED_EXPORT, str(signum)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode == rundir.EXIT_STOPPED, done.stderr
+  assert done.stderr.strip().splitlines() == [
+      f'Export stopped by {signal.Signals(signum).name}; nothing was written.']

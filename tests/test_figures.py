@@ -4,6 +4,10 @@ curves and report on tiny evaluated digits runs."""
 import json
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -17,9 +21,19 @@ from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
 from otclr_jax import figures
 from otclr_jax import main
+from otclr_jax import rundir
+from otclr_jax import tables
+from otclr_jax.figures import __main__ as figures_cli
+from otclr_jax.figures import common
+from otclr_jax.figures import curves
+from otclr_jax.figures import interpolation
+from otclr_jax.figures import top5
+from otclr_jax.figures import tsne
 from otclr_jax import train
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _figure_config(data_dir, **overrides):
@@ -43,10 +57,10 @@ def test_interpolation_figure_is_written(tmp_path):
   # Non-square, to go through the centre crop.
   Image.fromarray(rng.integers(0, 256, (20, 28, 3), np.uint8)).save(source)
   out = tmp_path / 'figs' / 'interp.png'
-  assert figures.main([
-      'interpolation', '--image', str(source), '--out', str(out), '--size',
-      '16', '--grid_size', '4', '--num_iters', '3', '--alphas', '0', '0.5',
-      '1']) == 0
+  assert figures_cli.main([
+      'figures', 'interpolation', '--image', str(source), '--out', str(out),
+      '--size', '16', '--grid_size', '4', '--num_iters', '3',
+      '--alphas=0,0.5,1']) == 0
   with Image.open(out) as png:
     width, height = png.size
     assert png.format == 'PNG'
@@ -56,10 +70,10 @@ def test_interpolation_figure_is_written(tmp_path):
   assert pdf.read_bytes()[:5] == b'%PDF-'
 
 
-def test_interpolation_rejects_bad_output_suffix(tmp_path):
-  with pytest.raises(ValueError, match='.png'):
-    figures.main(['interpolation', '--out', str(tmp_path / 'fig.jpg'),
-                  '--size', '16'])
+def test_interpolation_rejects_bad_output_suffix(tmp_path, capsys):
+  assert figures_cli.main(['figures', 'interpolation', '--out',
+                           str(tmp_path / 'fig.jpg'), '--size', '16']) == 1
+  assert '.png' in capsys.readouterr().err
 
 
 def test_rows_endpoints():
@@ -67,7 +81,7 @@ def test_rows_endpoints():
   x = rng.random((12, 12, 3)).astype(np.float32)
   xs = rng.random((12, 12, 3)).astype(np.float32)
   m = 4
-  linear, displaced = figures.interpolation_rows(x, xs, [0.0, 0.5, 1.0],
+  linear, displaced = interpolation.interpolation_rows(x, xs, [0.0, 0.5, 1.0],
                                                  grid_size=m)
   assert linear.shape == displaced.shape == (3, 12, 12, 3)
   np.testing.assert_allclose(linear[0], x, atol=1e-7)
@@ -87,7 +101,7 @@ def test_rows_endpoints():
 def test_ot_row_moves_mass_instead_of_ghosting():
   size = 16
   x, xs = _blob_image(size, 3.0), _blob_image(size, 12.0)
-  linear, displaced = figures.interpolation_rows(x, xs, [0.5])
+  linear, displaced = interpolation.interpolation_rows(x, xs, [0.5])
   profile_lin = linear[0, size // 2, :, 0]
   profile_ot = displaced[0, size // 2, :, 0]
   # Linear interpolation: two half-bright copies at the endpoints, dark between.
@@ -100,13 +114,13 @@ def test_ot_row_moves_mass_instead_of_ghosting():
 
 
 def test_load_default_image_and_strong_view():
-  x = figures.load_image(None, 24)
+  x = interpolation.load_image(None, 24)
   assert x.shape == (24, 24, 3) and x.dtype == np.float32
   assert 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.05
-  a = figures.strong_view(x, seed=3)
-  np.testing.assert_array_equal(a, figures.strong_view(x, seed=3))
+  a = interpolation.strong_view(x, seed=3)
+  np.testing.assert_array_equal(a, interpolation.strong_view(x, seed=3))
   assert a.shape == x.shape
-  assert np.abs(a - figures.strong_view(x, seed=4)).max() > 0.05
+  assert np.abs(a - interpolation.strong_view(x, seed=4)).max() > 0.05
 
 
 # ----------------------------------------------------------------------------
@@ -196,15 +210,15 @@ def test_missing_probe_says_to_evaluate(tmp_path):
   with pytest.raises(FileNotFoundError, match='run the evaluation first'):
     probe.load_probe(str(tmp_path / 'probe_step1_digits.npz'))
   with pytest.raises(FileNotFoundError, match='run the evaluation first'):
-    figures.main(['top5', '--workdirs', str(tmp_path), '--out',
-                  str(tmp_path / 'top5.png')])
+    top5.top5_for_runs([str(tmp_path)], str(tmp_path / 'top5.png'))
 
 
 def test_tsne_command(runs, tmp_path, monkeypatch):
   _small_digits(monkeypatch)
   out = tmp_path / 'tsne.png'
-  assert figures.main(['tsne', '--workdir', runs['simclr'], '--n', '12',
-                       '--perplexity', '5', '--out', str(out)]) == 0
+  assert figures_cli.main(['figures', 'tsne', '--workdir', runs['simclr'],
+                           '--n', '12', '--perplexity', '5', '--out',
+                           str(out)]) == 0
   _assert_png_and_pdf(out)
 
 
@@ -218,14 +232,14 @@ def test_tsne_points_and_classwise_silhouette():
                          for _ in range(2))
   views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
                                   0.1)
-  points = figures.tsne_points(views, perplexity=5)
+  points = tsne.tsne_points(views, perplexity=5)
   assert points['anchor'].shape == (n, 2)
   assert points['simclr'].shape == points['otclr'].shape == (2 * n, 2)
   np.testing.assert_array_equal(
-      points['otclr'], figures.tsne_points(views, perplexity=5)['otclr'])
+      points['otclr'], tsne.tsne_points(views, perplexity=5)['otclr'])
   with pytest.raises(ValueError, match='perplexity'):
-    figures.tsne_points(views, perplexity=5 * n)
-  sil = figures.classwise_silhouette(views, labels, 4)
+    tsne.tsne_points(views, perplexity=5 * n)
+  sil = tsne.classwise_silhouette(views, labels, 4)
   z = np.concatenate(views.otclr)
   reference = metrics.silhouette_samples(z, np.tile(labels, 2))
   np.testing.assert_allclose(sil['otclr'][:3],
@@ -236,30 +250,32 @@ def test_tsne_points_and_classwise_silhouette():
   assert np.all(sil['otclr'][:3] > sil['simclr'][:3])
 
 
-def test_top5_command(runs, tmp_path, monkeypatch):
+def test_top5_command(runs, tmp_path, monkeypatch, capsys):
   _small_digits(monkeypatch)
   out = tmp_path / 'top5.png'
-  assert figures.main(['top5', '--workdirs', runs['simclr'], runs['otclr'],
-                       '--index', '3', '--out', str(out)]) == 0
+  assert figures_cli.main(['figures', 'top5', '--workdir', runs['simclr'],
+                           '--workdir', runs['otclr'], '--index', '3',
+                           '--out', str(out)]) == 0
   _assert_png_and_pdf(out)
-  preds = [figures.probe_predictions(w, 'digits', json.loads(
+  preds = [top5.probe_predictions(w, 'digits', json.loads(
       (pathlib.Path(w) / 'eval' / 'results.json').read_text()), 8)
            for w in (runs['simclr'], runs['otclr'])]
   for p in preds:
     np.testing.assert_allclose(p.probs.sum(axis=1), 1.0, rtol=1e-9)
-  with pytest.raises(ValueError, match='--index'):
-    figures.main(['top5', '--workdirs', runs['otclr'], '--index', '60',
-                  '--out', str(out)])
+  capsys.readouterr()
+  assert figures_cli.main(['figures', 'top5', '--workdir', runs['otclr'],
+                           '--index', '60', '--out', str(out)]) == 1
+  assert '--index' in capsys.readouterr().err
 
 
 def test_pick_index_finds_first_disagreement():
   def preds(top):
     probs = np.full((len(top), 4), 0.1)
     probs[np.arange(len(top)), top] = 0.7
-    return figures.Predictions('run', probs, np.zeros(len(top), int), 8)
+    return top5.Predictions('run', probs, np.zeros(len(top), int), 8)
 
-  assert figures.pick_index([preds([0, 1, 2, 3]), preds([0, 1, 3, 2])]) == 2
-  assert figures.pick_index([preds([0, 1]), preds([0, 1])]) == 0
+  assert top5.pick_index([preds([0, 1, 2, 3]), preds([0, 1, 3, 2])]) == 2
+  assert top5.pick_index([preds([0, 1]), preds([0, 1])]) == 0
 
 
 def _write_metrics(workdir, records):
@@ -269,7 +285,7 @@ def _write_metrics(workdir, records):
       f.write(json.dumps(record) + '\n')
 
 
-def test_curves_command(tmp_path):
+def test_curves_command(tmp_path, capsys):
   base = dict(epoch=0.0, grad_norm=1.0, images_per_sec=100.0)
   _write_metrics(tmp_path / 'sim', [
       dict(base, step=s, loss=5.0 - s / 10, nce=5.0 - s / 10, top1=0.1,
@@ -278,66 +294,112 @@ def test_curves_command(tmp_path):
   _write_metrics(tmp_path / 'ot', [
       dict(base, step=s, loss=l, nce=l, top1=0.2, lr=0.1, sinkhorn=-1.0,
            alpha=0.5) for s, l in ((5, 4.0), (10, 9.0), (10, 3.5), (15, 3.0))])
-  m = figures.read_metrics(str(tmp_path / 'ot'))
+  m = curves.read_metrics(str(tmp_path / 'ot'))
   np.testing.assert_array_equal(m['step'], [5, 10, 15])
   np.testing.assert_array_equal(m['loss'], [4.0, 3.5, 3.0])
-  fig = figures.plot_curves({'sim': figures.read_metrics(
+  fig = curves.plot_curves({'sim': curves.read_metrics(
       str(tmp_path / 'sim')), 'ot': m})
   titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
   # Sinkhorn is logged by one run; a constant alpha is not a curve.
   assert any('Sinkhorn' in t for t in titles)
   assert not any('alpha' in t for t in titles)
   out = tmp_path / 'figs' / 'curves.png'
-  assert figures.main(['curves', '--workdirs', str(tmp_path / 'sim'),
-                       str(tmp_path / 'ot'), '--out', str(out)]) == 0
+  assert figures_cli.main(['figures', 'curves', '--workdir',
+                           str(tmp_path / 'sim'), '--workdir',
+                           str(tmp_path / 'ot'), '--out', str(out)]) == 0
   _assert_png_and_pdf(out)
-  assert figures.main(['curves', '--workdirs', str(tmp_path / 'sim')]) == 0
+  assert figures_cli.main(['figures', 'curves', '--workdir',
+                           str(tmp_path / 'sim')]) == 0
   _assert_png_and_pdf(tmp_path / 'sim' / 'eval' / 'figures' / 'curves.png')
   with pytest.raises(FileNotFoundError, match='metrics.jsonl'):
-    figures.main(['curves', '--workdirs', str(tmp_path / 'none')])
+    curves.curves_for_runs([str(tmp_path / 'none')], str(tmp_path / 'c.png'))
+  capsys.readouterr()
+  assert figures_cli.main(['figures', 'curves', '--workdir',
+                           str(tmp_path / 'none')]) == 1
+  err = capsys.readouterr().err
+  assert 'metrics.jsonl' in err and 'Traceback' not in err
 
 
 def test_report_draws_every_figure(runs, monkeypatch, capsys):
   _small_digits(monkeypatch)
   figs = pathlib.Path(runs['simclr']) / 'eval' / 'figures'
-  assert figures.main(['report', '--workdir', runs['simclr'], '--compare',
-                       runs['otclr'], '--n', '12', '--perplexity', '5']) == 0
+  assert figures_cli.main(['figures', 'report', '--workdir', runs['simclr'],
+                           '--compare', runs['otclr'], '--n', '12',
+                           '--perplexity', '5']) == 0
   for name in ('tsne.png', 'curves.png', 'top5.png'):
     _assert_png_and_pdf(figs / name)
   assert 'skipped' not in capsys.readouterr().out
 
 
-def test_load_run_config_from_file_and_overrides(tmp_path):
-  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'configs',
-                      'default.py')
-  config = figures.load_run_config(
-      str(tmp_path), path, ['method=simclr', 'ot.epsilon=0.1',
-                            "eval.datasets=('digits',)",
-                            'dataset=folder:/data/x'])
+def test_run_config_from_file_and_overrides(tmp_path, monkeypatch, capsys):
+  seen = []
+  monkeypatch.setattr(tsne, 'tsne_for_run',
+                      lambda workdir, config, out, **_: seen.append(config))
+  tsne_cli = ['figures', 'tsne', f'--workdir={tmp_path}']
+  assert figures_cli.main(tsne_cli + [
+      '--config=configs/default.py', '--config.method=simclr',
+      '--config.ot.epsilon=0.1', "--config.eval.datasets=('digits',)",
+      '--config.dataset=folder:/data/x']) == 0
+  config = seen.pop()
   assert (config.method, config.ot.epsilon, tuple(config.eval.datasets),
           config.dataset) == ('simclr', 0.1, ('digits',), 'folder:/data/x')
   (tmp_path / 'eval').mkdir()
   (tmp_path / 'eval' / 'config.json').write_text(config.to_json())
-  again = figures.load_run_config(str(tmp_path), None, ['ot.grid_size=8'])
-  assert (again.method, again.ot.grid_size) == ('simclr', 8)
+  assert figures_cli.main(tsne_cli) == 0
+  assert (seen[0].method, seen[0].ot.epsilon) == ('simclr', 0.1)
   with pytest.raises(FileNotFoundError, match='run the evaluation first'):
-    figures.load_run_config(str(tmp_path / 'other'))
-  with pytest.raises(ValueError, match='key=value'):
-    figures.load_run_config(str(tmp_path), None, ['method'])
-  # One parser with main: a typo fails with a suggestion instead of adding
-  # a field and leaving epsilon unchanged.
-  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
-    figures.load_run_config(str(tmp_path), None, ['ot.epsilonn=0.1'])
+    common.load_run_config(str(tmp_path / 'other'))
+  capsys.readouterr()
+  # Overrides need the config file they apply to.
+  assert figures_cli.main(tsne_cli + ['--config.ot.grid_size=8']) == 2
+  assert 'config.ot.grid_size' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('override', [['--set', 'ot.epsilonn=0.1'],
-                                      ['--config.ot.epsilonn=0.1']])
-def test_cli_overrides_refuse_typos(tmp_path, override):
+def test_cli_overrides_refuse_typos(tmp_path, capsys):
   (tmp_path / 'eval').mkdir()
   (tmp_path / 'eval' / 'config.json').write_text(
       config_files.load('configs/digits.py').to_json())
-  with pytest.raises(ValueError, match='Did you mean "epsilon"'):
-    figures.main(['tsne', '--workdir', str(tmp_path)] + override)
+  # One parser with main: a typo fails with a suggestion instead of adding
+  # a field and leaving epsilon unchanged.
+  assert figures_cli.main(['figures', 'tsne', f'--workdir={tmp_path}',
+                           '--config=configs/digits.py',
+                           '--config.ot.epsilonn=0.1']) == 2
+  err = capsys.readouterr().err
+  assert 'Did you mean "epsilon"' in err and 'Traceback' not in err
+  assert figures_cli.main(['figures', 'nosuch', f'--workdir={tmp_path}']) == 2
+  assert figures_cli.main(['figures', 'tsne']) == 2
+
+
+_SIGNALLED_FIGURES = textwrap.dedent("""
+    import os, signal, sys, time
+    from otclr_jax.figures import __main__ as cli
+    from otclr_jax.figures import curves
+    def curves_for_runs(*_):
+      os.kill(os.getpid(), int(sys.argv[1]))
+      time.sleep(30)
+    curves.curves_for_runs = curves_for_runs
+    sys.exit(cli.main(['figures', 'curves', '--workdir=/nonexistent']))
+""")
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_figures_with_75_and_one_line(signum):
+  done = subprocess.run([sys.executable, '-c', _SIGNALLED_FIGURES,
+                         str(signum)], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert done.returncode == rundir.EXIT_STOPPED, done.stderr
+  assert done.stderr.strip().splitlines() == [
+      f'Figures stopped by {signal.Signals(signum).name}; rerun to draw them.']
+
+
+def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):
+  monkeypatch.setenv('HOME', str(tmp_path))
+  monkeypatch.chdir(tmp_path)
+  _write_metrics(tmp_path / 'run', [dict(step=1, loss=2.0)])
+  assert figures_cli.main(['figures', 'curves', '--workdir=~/run',
+                           '--out=~/c.png']) == 0
+  _assert_png_and_pdf(tmp_path / 'c.png')
+  assert not (tmp_path / '~').exists()
 
 
 def test_density_level_matches_gaussian_hdr():
@@ -345,12 +407,12 @@ def test_density_level_matches_gaussian_hdr():
   # radius^2 = 2 ln 2, where the density is exp(-ln 2) / (2 pi) = 1 / (4 pi).
   xy = np.random.default_rng(0).normal(size=(20000, 2))
   pdf = np.exp(-0.5 * np.sum(xy**2, axis=1)) / (2 * np.pi)
-  assert figures.density_level(pdf, 0.5) == pytest.approx(1 / (4 * np.pi),
+  assert tsne.density_level(pdf, 0.5) == pytest.approx(1 / (4 * np.pi),
                                                           rel=0.02)
-  assert np.mean(pdf >= figures.density_level(pdf, 0.8)) == pytest.approx(
+  assert np.mean(pdf >= tsne.density_level(pdf, 0.8)) == pytest.approx(
       0.8, abs=1e-3)
   with pytest.raises(ValueError, match='mass'):
-    figures.density_level(pdf, 1.0)
+    tsne.density_level(pdf, 1.0)
 
 
 @pytest.mark.parametrize('num_classes', [2, 5])
@@ -361,11 +423,11 @@ def test_plot_tsne_panels(num_classes):
   points = {'anchor': rng.normal(size=(n, 2)),
             'simclr': rng.normal(size=(2 * n, 2)),
             'otclr': rng.normal(size=(2 * n, 2))}
-  rows = {g: {k: 0.5 for k, _, _ in figures.tables.VIEW_METRICS +
-              figures.tables.CLUSTER_METRICS} for g in ('simclr', 'otclr')}
+  rows = {g: {k: 0.5 for k, _, _ in tables.VIEW_METRICS +
+              tables.CLUSTER_METRICS} for g in ('simclr', 'otclr')}
   sil = {'simclr': np.zeros(num_classes), 'otclr': np.full(num_classes, 0.1)}
   names = [f'kind{c}' for c in range(num_classes)]
-  fig = figures.plot_tsne(points, labels, names, view_rows=rows,
+  fig = tsne.plot_tsne(points, labels, names, view_rows=rows,
                           silhouettes=sil, max_classes=4)
   titles = [ax.get_title() for ax in fig.axes]
   shown = min(num_classes, 4)
@@ -374,4 +436,4 @@ def test_plot_tsne_panels(num_classes):
   assert any('silhouette' in t for t in titles)
   assert any('P = OTCLR' in t for t in titles)
   with pytest.raises(ValueError, match='labels'):
-    figures.plot_tsne(points, labels[:-1], names)
+    tsne.plot_tsne(points, labels[:-1], names)

@@ -2,8 +2,11 @@
 
 import errno
 import json
+import logging
 import os
+import re
 import shutil
+import signal
 
 from absl import app
 import numpy as np
@@ -13,6 +16,7 @@ from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import train
+from otclr_jax.evaluation import features
 from tests.folder_trees import save_image
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
@@ -139,7 +143,8 @@ def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
   assert not os.path.exists(tmp_path / '~')
 
 
-def test_unwritable_workdir_is_a_usage_error(tmp_path, data_dir, monkeypatch):
+def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
+                                             caplog):
   workdir = str(tmp_path / 'locked' / 'run')
   os.makedirs(os.path.dirname(workdir))
   if os.geteuid() == 0:  # root writes through any mode bits
@@ -148,10 +153,9 @@ def test_unwritable_workdir_is_a_usage_error(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(rundir.os, 'makedirs', refuse)
   else:
     os.chmod(os.path.dirname(workdir), 0o555)
-  with pytest.raises(app.UsageError, match='Cannot write .*Permission '
-                     'denied') as info:
-    main.run(_config(data_dir), workdir)
-  assert info.value.exitcode == 2
+  with caplog.at_level(logging.ERROR):
+    assert main.run(_config(data_dir), workdir) == rundir.EXIT_CANT_CREATE
+  assert re.search('Cannot write .*Permission denied', caplog.text)
 
 
 def _one_class_tree(root):
@@ -190,3 +194,22 @@ def test_data_errors_are_usage_errors(tmp_path, data_dir):
   with pytest.raises(app.UsageError, match='train') as info:
     main.run(config, str(tmp_path / 'b'))
   assert info.value.exitcode == 2
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
+                                                  data_dir, monkeypatch,
+                                                  caplog, signum):
+  workdir = _copy(moco_run, tmp_path)
+  real = features.extract_features
+
+  def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signum)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(features, 'extract_features', interrupted)
+  with caplog.at_level(logging.ERROR):
+    assert main.run(_config(data_dir, mode='eval'), workdir) == (
+        rundir.EXIT_STOPPED)
+  assert f'{signal.Signals(signum).name} during evaluation' in caplog.text
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))

@@ -1,9 +1,11 @@
 """Tests of otclr_jax.rundir: stored files, config diffs and the workdir lock."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -83,3 +85,17 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
     assert workdir in result.stdout
   assert 'FREE' in other().stdout
   assert not rundir.is_locked(workdir)
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_stop_on_signals_raises_and_restores_the_handlers(signum):
+  before = signal.getsignal(signum)
+  with pytest.raises(rundir.StopRequested) as stopped:
+    with rundir.stop_on_signals():
+      os.kill(os.getpid(), signum)
+      time.sleep(5)  # The handler raises before this ends.
+  assert stopped.value.signum == signum
+  assert stopped.value.name == signal.Signals(signum).name
+  assert signal.getsignal(signum) is before
+  # Not an Exception: `except Exception` blocks do not swallow a stop.
+  assert not isinstance(stopped.value, Exception)

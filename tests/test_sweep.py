@@ -1,6 +1,6 @@
-"""Tests of the sweep launcher: grid, commands, SLURM script, resuming, tables."""
+"""Tests of the sweep launcher: runs, commands, SLURM, resuming, tables."""
 
-import importlib.util
+import glob
 import json
 import os
 import shlex
@@ -14,11 +14,17 @@ import time
 import numpy as np
 import pytest
 
+from launch import launcher as launcher_lib
+from launch import run_state
+from launch import slurm
 from launch import sweep as sweep_lib
+from otclr_jax import config_files
+from otclr_jax import experiment
+from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY_OVERRIDES = {
+TINY = {
     'image_size': 8,
     'total_steps': 2,
     'log_every_steps': 1,
@@ -26,35 +32,54 @@ TINY_OVERRIDES = {
     'model.proj_hidden_dim': 32,
     'model.proj_dim': 16,
     'ot.grid_size': 4,
+    'batch_size': 16,
 }
 
 
-def write_sweep(path, grid, overrides=None, config='configs/digits.py'):
-  spec = {'config': config, 'grid': grid}
-  if overrides is not None:
-    spec['overrides'] = overrides
-  path.write_text(f'def get_sweep():\n  return {spec!r}\n')
+def write_sweep(path, axes, fixed=None, base=None, config='digits'):
+  """A sweep file: `base` set in get_config, `axes` x `fixed` in get_hyper."""
+  body = [f'  config.{k} = {v!r}' for k, v in {**TINY, **(base or {})}.items()]
+  parts = [f'      hyper.sweep({"config." + k!r}, {v!r}),'
+           for k, v in axes.items()]
+  parts += [f'      hyper.fixed({"config." + k!r}, {v!r}),'
+            for k, v in (fixed or {}).items()]
+  path.write_text('\n'.join([
+      f'from configs import {config}', '', '', 'def get_config():',
+      f'  config = {config}.get_config()', *body, '  return config', '', '',
+      'def get_hyper(hyper):', '  return hyper.product([', *parts, '  ])',
+      '']))
   return str(path)
 
 
 def tiny_grid(methods=('otclr',), seeds=(0,)):
-  return {'method': list(methods), 'batch_size': [16], 'seed': list(seeds),
-          'dataset': ['digits']}
+  return {'seed': list(seeds), 'method': list(methods)}
 
 
 def flags_of(argv):
   return dict(a[2:].split('=', 1) for a in argv if a.startswith('--'))
 
 
+def aggregate_only(workdir):
+  return sweep_lib.main(['sweep', f'--workdir={workdir}', '--aggregate_only'])
+
+
+def sweep_file(name):
+  return os.path.join(REPO, 'launch', 'sweeps', f'{name}.py')
+
+
+def overrides(run):
+  return dict(run.overrides)
+
+
 # ----------------------------------------------------------------------------
-# Grid and commands.
+# Runs and commands.
 
 
 def test_paper_sweep_expands_to_named_runs_and_commands(tmp_path, capsys):
-  sweep = sweep_lib.load_sweep('cifar10_paper')
+  sweep = sweep_lib.load_sweep(sweep_file('cifar10_paper'))
   runs = sweep.runs(str(tmp_path))
-  expected = [f'cifar10_{m}_b{b}_s{s}' for s in (0, 1, 2) for b in (256, 512)
-              for m in ('simclr', 'otclr')]
+  expected = [f'seed={s},batch_size={b},method={m}' for s in (0, 1, 2)
+              for b in (256, 512) for m in ('simclr', 'otclr')]
   assert [r.name for r in runs] == expected
   assert [r.index for r in runs] == list(range(12))
 
@@ -66,47 +91,100 @@ def test_paper_sweep_expands_to_named_runs_and_commands(tmp_path, capsys):
   for run, train, evaluate in zip(runs, commands[::2], commands[1::2]):
     assert train[:3] == [sys.executable, '-m', 'otclr_jax.main']
     flags = flags_of(train)
+    values = overrides(run)
     assert flags == {
-        'config': 'configs/cifar10.py',
+        'config': sweep_file('cifar10_paper'),
         'workdir': os.path.join(str(tmp_path), run.name),
-        'config.method': run.method, 'config.batch_size': str(run.batch_size),
-        'config.seed': str(run.seed), 'config.dataset': 'cifar10'}
+        'config.method': values['method'],
+        'config.batch_size': str(values['batch_size']),
+        'config.seed': str(values['seed'])}
     assert flags_of(evaluate) == {**flags, 'config.mode': 'eval'}
+    # The command's config is the run's: what training will store.
+    config = sweep.run_config(run)
+    assert (config.dataset, config.method, config.batch_size, config.seed) == (
+        'cifar10', values['method'], values['batch_size'], values['seed'])
   # A dry run leaves no trace.
   assert os.listdir(tmp_path) == []
 
 
+def test_any_config_key_can_be_swept(tmp_path):
+  path = write_sweep(tmp_path / 's.py', {'ot.epsilon': [0.05, 0.1],
+                                         'model.proj_dim': [16, 32]})
+  runs = sweep_lib.load_sweep(path).runs(str(tmp_path / 'out'))
+  assert [r.name for r in runs] == [
+      'ot.epsilon=0.05,model.proj_dim=16', 'ot.epsilon=0.05,model.proj_dim=32',
+      'ot.epsilon=0.1,model.proj_dim=16', 'ot.epsilon=0.1,model.proj_dim=32']
+  sweep = sweep_lib.load_sweep(path)
+  assert sweep.run_config(runs[3]).ot.epsilon == 0.1
+  assert sweep.run_config(runs[3]).model.proj_dim == 32
+
+
 def test_overrides_reach_the_command_line_with_config_flag_syntax(tmp_path):
   path = write_sweep(tmp_path / 's.py', tiny_grid(), {
-      **TINY_OVERRIDES, 'data_dir': '/d', 'ot.learn_alpha': True,
+      'data_dir': '/d', 'ot.learn_alpha': True,
       'eval.datasets': ('digits', 'cifar10')})
-  sweep = sweep_lib.load_sweep(path, {'ot.epsilon': 0.1})
+  sweep = sweep_lib.load_sweep(path, ['--config.ot.epsilon=0.1'])
   (run,) = sweep.runs(str(tmp_path / 'out'))
-  assert run.name == 'digits_otclr_b16_s0'
+  assert run.name == 'seed=0,method=otclr'
   flags = flags_of(sweep_lib.command(sweep, run, 'train'))
-  assert flags['config.ot.grid_size'] == '4'
   assert flags['config.data_dir'] == '/d'
   assert flags['config.ot.learn_alpha'] == 'true'
   assert flags['config.eval.datasets'] == "('digits', 'cifar10')"
   assert flags['config.ot.epsilon'] == '0.1'
+  assert sweep.run_config(run).ot.epsilon == 0.1
 
 
-@pytest.mark.parametrize('grid, overrides, message', [
-    ({'method': ['otclr'], 'seed': [0], 'dataset': ['digits']}, None,
-     'exactly the axes'),
+@pytest.mark.parametrize('axes, fixed, message', [
     ({**tiny_grid(), 'seed': []}, None, 'non-empty list'),
     (tiny_grid(), {'ot.no_such_field': 1},
      r's\.py \(run .*\): Bad config override .*no_such_field'),
     (tiny_grid(), {'total_steps': 'many'},
      r'total_steps=many: invalid literal for int'),
     (tiny_grid(), {'total_steps': 1.5}, r'total_steps=1\.5: invalid literal'),
-    (tiny_grid(), {'seed': 3}, 'grid axis'),
+    (tiny_grid(), {'seed': 3}, 'set by two parts'),
     ({**tiny_grid(), 'seed': [0, 0]}, None, 'duplicate run names'),
+    ({'method': ['simclr', 'nosuch']}, None,
+     r'run method=nosuch\): config\.method must be one of'),
 ])
-def test_bad_sweep_files_are_rejected(tmp_path, grid, overrides, message):
-  path = write_sweep(tmp_path / 's.py', grid, overrides)
+def test_bad_sweep_files_are_rejected(tmp_path, axes, fixed, message):
+  path = write_sweep(tmp_path / 's.py', axes, fixed)
   with pytest.raises(ValueError, match=message):
     sweep_lib.load_sweep(path)
+
+
+def test_keys_need_the_config_prefix(tmp_path):
+  path = tmp_path / 's.py'
+  path.write_text('from configs import digits\n'
+                  'def get_config():\n  return digits.get_config()\n'
+                  'def get_hyper(hyper):\n'
+                  '  return hyper.sweep("seed", [0, 1])\n')
+  with pytest.raises(ValueError, match='config.<field>'):
+    sweep_lib.load_sweep(str(path))
+
+
+def test_an_invalid_run_config_is_refused_in_one_line_before_anything_runs(
+    tmp_path, capsys):
+  path = write_sweep(tmp_path / 's.py', {'method': ['simclr', 'nosuch']})
+  out = str(tmp_path / 'out')
+  assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={out}']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'nosuch' in err and 'Traceback' not in err
+  assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize('text', [
+    'def get_config(:\n',  # not Python
+    'from configs import digits\n'
+    'def get_config():\n  return digits.get_config()\n'
+    'def get_hyper(hyper):\n  return hyper.sweep("config.seed", 3)\n',
+])
+def test_a_broken_sweep_file_is_refused_in_one_line(tmp_path, capsys, text):
+  (tmp_path / 's.py').write_text(text)
+  assert sweep_lib.main(['sweep', f'--config={tmp_path / "s.py"}',
+                         f'--workdir={tmp_path / "out"}']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+  assert not os.path.exists(tmp_path / 'out')
 
 
 def test_override_typos_fail_with_a_suggestion_before_anything_runs(
@@ -116,27 +194,46 @@ def test_override_typos_fail_with_a_suggestion_before_anything_runs(
   with pytest.raises(ValueError, match='Did you mean "epsilon"'):
     sweep_lib.load_sweep(path)
   out = str(tmp_path / 'out')
-  assert sweep_lib.main([path, f'--workdir={out}']) == 2
+  assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={out}']) == 2
   assert 'Did you mean "epsilon"' in capsys.readouterr().err
-  good = write_sweep(tmp_path / 'good.py', tiny_grid(), TINY_OVERRIDES)
-  for override in ('ot.epsilonn=0.1', '--config.ot.epsilonn=0.1'):
-    assert sweep_lib.main([good, f'--workdir={out}',
-                           f'--override={override}']) == 2
-    assert 'Did you mean "epsilon"' in capsys.readouterr().err
-  assert sweep_lib.main([good, f'--workdir={out}', '--override=epsilon']) == 2
-  assert 'key=value' in capsys.readouterr().err
+  good = write_sweep(tmp_path / 'good.py', tiny_grid())
+  assert sweep_lib.main(['sweep', f'--config={good}', f'--workdir={out}',
+                         '--config.ot.epsilonn=0.1']) == 2
+  assert 'Did you mean "epsilon"' in capsys.readouterr().err
+  for other in ('--override=ot.epsilon=0.1', '--config.ot.epsilon'):
+    assert sweep_lib.main(['sweep', f'--config={good}', f'--workdir={out}',
+                           other]) == 2
+    assert 'Traceback' not in capsys.readouterr().err
+  # A swept key set on the command line too would be ambiguous.
+  assert sweep_lib.main(['sweep', f'--config={good}', f'--workdir={out}',
+                         '--config.seed=3']) == 2
+  assert 'sweeps config.seed' in capsys.readouterr().err
   assert not os.path.exists(out)
   # main's spelling is accepted and reaches the command line.
-  sweep = sweep_lib.load_sweep(good, dict(
-      [sweep_lib.parse_override('--config.ot.epsilon=0.2')]))
+  sweep = sweep_lib.load_sweep(good, ['--config.ot.epsilon=0.2'])
   (run,) = sweep.runs(out)
   assert flags_of(sweep_lib.command(sweep, run, 'train'))[
       'config.ot.epsilon'] == '0.2'
 
 
 def test_folder_datasets_get_a_single_path_component():
-  assert sweep_lib.run_name('folder:/data/my pets', 'simclr', 64, 1) == (
-      'folder-data-my-pets_simclr_b64_s1')
+  hypers = sweep_lib.HYPER.product([
+      sweep_lib.HYPER.sweep('config.dataset', ['folder:/data/my pets']),
+      sweep_lib.HYPER.sweep('config.seed', [1]),
+      sweep_lib.HYPER.fixed('config.batch_size', 64)])
+  (run,) = sweep_lib.Sweep('/s.py', None, (), tuple(hypers)).runs('/w')
+  assert run.name == 'dataset=folder-data-my-pets,seed=1'
+  assert run.workdir == '/w/dataset=folder-data-my-pets,seed=1'
+
+
+def test_tilde_in_workdir_is_the_home_directory(tmp_path, monkeypatch):
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.chdir(tmp_path)
+  path = write_sweep(tmp_path / 's.py', tiny_grid())
+  assert sweep_lib.main(['sweep', f'--config={path}', '--workdir=~/sw',
+                         '--slurm']) == 0
+  assert (tmp_path / 'home' / 'sw' / 'sweep.sbatch').exists()
+  assert not (tmp_path / '~').exists()
 
 
 # ----------------------------------------------------------------------------
@@ -145,9 +242,9 @@ def test_folder_datasets_get_a_single_path_component():
 
 def test_slurm_script_has_one_task_per_run(tmp_path):
   workdir = str(tmp_path / 'sweep')
-  code = sweep_lib.main(['cifar10_paper', f'--workdir={workdir}', '--slurm',
-                         '--partition=gpu', '--time=02:00:00',
-                         '--override=data_dir=/tfds'])
+  code = sweep_lib.main(['sweep', f'--config={sweep_file("cifar10_paper")}',
+                         f'--workdir={workdir}', '--slurm', '--partition=gpu',
+                         '--time=02:00:00', '--config.data_dir=/tfds'])
   assert code == 0
   script = open(os.path.join(workdir, 'sweep.sbatch')).read()
   header = [l for l in script.splitlines() if l.startswith('#SBATCH')]
@@ -162,39 +259,45 @@ def test_slurm_script_has_one_task_per_run(tmp_path):
              if 'launch.sweep' in l and not l.startswith('#')]
   argv = shlex.split(task.rstrip(' &'))
   assert argv[:4] == [sys.executable, '-m', 'launch.sweep',
-                      os.path.join(REPO, 'launch', 'sweeps', 'cifar10_paper.py')]
+                      f'--config={sweep_file("cifar10_paper")}']
   assert f'--workdir={workdir}' in argv
-  assert '--override=data_dir=/tfds' in argv
+  assert '--config.data_dir=/tfds' in argv
   assert '--only_index=$SLURM_ARRAY_TASK_ID' in argv
   subprocess.run(['bash', '-n', os.path.join(workdir, 'sweep.sbatch')],
                  check=True)
 
   listed = json.load(open(os.path.join(workdir, 'runs.json')))['runs']
-  runs = sweep_lib.load_sweep('cifar10_paper').runs(workdir)
+  runs = sweep_lib.load_sweep(sweep_file('cifar10_paper')).runs(workdir)
   assert [e['name'] for e in listed] == [r.name for r in runs]
   assert [e['index'] for e in listed] == list(range(12))
   assert '--config.data_dir=/tfds' in listed[5]['train']
   assert listed[5]['eval'].endswith('--config.mode=eval')
 
 
-# A stand-in for train.py: reports progress like absl, and on SIGTERM saves
-# (here: writes a file) and exits 0.
+# A stand-in for training: reports progress in its workdir's metrics.jsonl
+# and status.json (argv[3], if given), and on SIGTERM saves (here: writes a
+# file) and exits 0.
 _CHILD = textwrap.dedent("""
-    import signal, sys, time
+    import json, os, signal, sys, time
     def stop(*_):
       open(sys.argv[1], 'w').write('stopped')
       sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
-    print('I1121 05:55:39.739 1 train.py:323] step 1/2 [###] 50%', flush=True)
+    if len(sys.argv) > 3:
+      with open(os.path.join(sys.argv[3], 'status.json'), 'w') as f:
+        json.dump({'state': 'running', 'step': 1, 'total_steps': 2}, f)
+      with open(os.path.join(sys.argv[3], 'metrics.jsonl'), 'w') as f:
+        f.write(json.dumps({'step': 1, 'loss': 2.5}) + '\\n')
+    print('a log line that is not progress', flush=True)
     open(sys.argv[2], 'w').write('ready')
     time.sleep(60)
     sys.exit(3)
 """)
 
 
-def _when_ready(path, action):
+def _when_ready(path, action, timeout=30):
   def wait():
-    deadline = time.time() + 30
+    deadline = time.time() + timeout
     while not os.path.exists(path) and time.time() < deadline:
       time.sleep(0.05)
     action()
@@ -211,8 +314,8 @@ def test_slurm_task_passes_sigterm_on_and_requeues_itself(tmp_path):
   (bin_dir / 'scontrol').chmod(0o755)
   (tmp_path / 'child.py').write_text(_CHILD)
   stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
-  script = sweep_lib.slurm_script('/s.py', str(tmp_path), ['a', 'b'],
-                                  job_name='t')
+  script = slurm.slurm_script(['python', '-m', 'launch.sweep'], REPO,
+                             str(tmp_path), ['a', 'b'], job_name='t')
   fake = shlex.join([sys.executable, str(tmp_path / 'child.py'), str(stopped),
                      str(ready)])
   script = '\n'.join(fake + ' &' if line.endswith(' &') else line
@@ -233,26 +336,28 @@ def test_launcher_passes_a_stop_signal_on_and_shows_progress(tmp_path,
                                                              capsys):
   (tmp_path / 'child.py').write_text(_CHILD)
   stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
-  launcher = sweep_lib.SubprocessLauncher(poll_seconds=0.05)
+  launcher = launcher_lib.SubprocessLauncher(REPO, poll_seconds=0.05)
   launcher.prefix = '[1/1] run: '
   thread = _when_ready(str(ready),
                        lambda: launcher._handle(signal.SIGTERM, None))
+  (tmp_path / 'run').mkdir()
   code = launcher([sys.executable, str(tmp_path / 'child.py'), str(stopped),
-                   str(ready)], str(tmp_path / 'run' / 'train.log'))
+                   str(ready), str(tmp_path / 'run')],
+                  str(tmp_path / 'run' / 'train.log'))
   thread.join()
   assert code == 0
   assert stopped.read_text() == 'stopped'
   assert launcher.stop_signal == signal.SIGTERM
-  assert 'step 1/2 [###] 50%' in open(tmp_path / 'run' / 'train.log').read()
-  assert '[1/1] run: step 1/2 [###] 50%' in capsys.readouterr().out
+  assert 'not progress' in open(tmp_path / 'run' / 'train.log').read()
+  # Progress comes from metrics.jsonl and status.json, not the log text.
+  assert '[1/1] run: step 1/2, loss 2.5000' in capsys.readouterr().out
 
 
 def test_array_task_refuses_a_changed_sweep_file(tmp_path):
-  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)), TINY_OVERRIDES)
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)))
   workdir = str(tmp_path / 'out')
-  sweep_lib.write_slurm(sweep_lib.load_sweep(path), path, workdir,
-                        job_name='t')
-  write_sweep(tmp_path / 's.py', tiny_grid(seeds=(1, 2)), TINY_OVERRIDES)
+  sweep_lib.write_slurm(sweep_lib.load_sweep(path), workdir, job_name='t')
+  write_sweep(tmp_path / 's.py', tiny_grid(seeds=(1, 2)))
   with pytest.raises(ValueError, match='sweep file changed'):
     sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir, only_index=0,
                         launcher=FakeLauncher())
@@ -264,12 +369,9 @@ def test_array_task_refuses_a_changed_sweep_file(tmp_path):
 
 def resolved_config(argv):
   """The ConfigDict a `python -m otclr_jax.main` argv would run."""
-  flags = flags_of(argv)
-  config = sweep_lib.base_config(sweep_lib.Sweep('fake', flags['config'], {},
-                                                 {}))
-  return sweep_lib.apply_overrides(config, [
-      sweep_lib.parse_override(f'{k[len("config."):]}={v}')
-      for k, v in flags.items() if k.startswith('config.')])
+  return config_files.apply_overrides(
+      config_files.load(flags_of(argv)['config']),
+      [a for a in argv if a.startswith('--config.')])
 
 
 def write_run_files(workdir, config, *, state='finished', step=None,
@@ -340,15 +442,14 @@ def fake_results(workdir, step):
 
 @pytest.fixture
 def four_runs(tmp_path):
-  path = write_sweep(tmp_path / 's.py', tiny_grid(('simclr', 'otclr'), (0, 1)),
-                     TINY_OVERRIDES)
+  path = write_sweep(tmp_path / 's.py', tiny_grid(('simclr', 'otclr'), (0, 1)))
   sweep = sweep_lib.load_sweep(path)
   workdir = str(tmp_path / 'out')
   return sweep, workdir, [r.name for r in sweep.runs(workdir)]
 
 
 def _config_of(sweep, run):
-  return sweep_lib.apply_overrides(sweep_lib.base_config(sweep), run.overrides)
+  return sweep.run_config(run)
 
 
 def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs):
@@ -398,7 +499,7 @@ def test_a_signal_during_training_stops_without_evaluating(four_runs):
   launcher = FakeLauncher(stop_during=names[1], stop_at_step=1)
   code = sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False)
-  assert code == 128 + signal.SIGTERM
+  assert code == 75
   assert launcher.calls == [(names[0], 'train'), (names[0], 'eval'),
                             (names[1], 'train')]
 
@@ -414,23 +515,23 @@ def test_only_index_runs_one_run(four_runs):
 
 
 def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
-  config = sweep_lib.base_config(sweep_lib.load_sweep('cifar10_paper'))
-  config = sweep_lib.apply_overrides(config, [('num_epochs', 3)])
-  assert sweep_lib.final_step(config, str(tmp_path)) is None
+  config = config_files.apply_overrides(
+      config_files.load(sweep_file('cifar10_paper')), [('num_epochs', 3)])
+  assert run_state.final_step(config, str(tmp_path)) is None
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     for step in (50, 100):
       f.write(json.dumps({'step': step, 'epoch': step / 195}) + '\n')
     f.write('{"step": 150, "ep')  # torn by a crash
-  assert sweep_lib.final_step(config, str(tmp_path)) == 3 * 195
+  assert run_state.final_step(config, str(tmp_path)) == 3 * 195
   with open(tmp_path / 'status.json', 'w') as f:
     json.dump({'state': 'finished', 'step': 585, 'total_steps': 585}, f)
   with open(tmp_path / 'eval_config.json', 'w') as f:
     json.dump(config.to_dict(), f)
   fake_results(str(tmp_path), 100)
   os.replace(tmp_path / 'eval_config.json', tmp_path / 'eval' / 'config.json')
-  assert not sweep_lib.is_finished(config, str(tmp_path))
+  assert not run_state.is_finished(config, str(tmp_path))
   fake_results(str(tmp_path), 585)
-  assert sweep_lib.is_finished(config, str(tmp_path))
+  assert run_state.is_finished(config, str(tmp_path))
 
 
 # ----------------------------------------------------------------------------
@@ -442,7 +543,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
           ('otclr', 512): [61.5]}
   for (method, batch), values in top1.items():
     for seed, value in enumerate(values):
-      name = sweep_lib.run_name('cifar10', method, batch, seed)
+      name = f'method={method},batch_size={batch},seed={seed}'
       fake = {'step': 10, 'method': method, 'seed': seed, 'batch_size': batch,
               'pretrain_dataset': 'cifar10',
               'linear': {'cifar10': {'top1': value, 'top5': 90.0 + seed}},
@@ -454,7 +555,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
           {'state': 'finished', 'step': 10, 'total_steps': 10}))
   # Not a run: no eval/results.json.
   os.makedirs(tmp_path / 'slurm')
-  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
 
   rows = json.load(open(tmp_path / 'summary.json'))
   by_key = {(r['method'], r['batch_size']): r for r in rows}
@@ -474,7 +575,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
 
 
 def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
-  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
   assert os.listdir(tmp_path) == []
 
 
@@ -491,36 +592,29 @@ def _without_timing(path):
 
 @pytest.mark.slow  # two sweeps of train + eval subprocesses (~1 min)
 def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
-  overrides = {**TINY_OVERRIDES, 'data_dir': str(tmp_path / 'data')}
-  # Optional evaluation knobs, smallest settings, where the config has them.
-  base = sweep_lib.base_config(sweep_lib.load_sweep(
-      write_sweep(tmp_path / 's.py', tiny_grid(), overrides)))
-  for key, value in (('probe_steps', 50), ('num_view_images', 16)):
-    if key in base.eval:
-      overrides[f'eval.{key}'] = value
-  path = write_sweep(tmp_path / 's.py', tiny_grid(), overrides)
+  base = {'data_dir': str(tmp_path / 'data'), 'eval.probe_steps': 50,
+          'eval.num_view_images': 16}
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), base=base)
   sweep = sweep_lib.load_sweep(path)
-  evaluation = importlib.util.find_spec('otclr_jax.evaluate') is not None
   workdirs = [str(tmp_path / 'a'), str(tmp_path / 'b')]
   for workdir in workdirs:
     code = sweep_lib.run_sweep(sweep, workdir, aggregate=False,
-                               launcher=sweep_lib.SubprocessLauncher())
-    assert code == (0 if evaluation else 1), open(
-        os.path.join(workdir, 'digits_otclr_b16_s0', 'train.log')).read()[-3000:]
-  runs = [os.path.join(w, 'digits_otclr_b16_s0') for w in workdirs]
+                               launcher=launcher_lib.SubprocessLauncher(REPO))
+    assert code == 0, open(os.path.join(
+        workdir, 'seed=0,method=otclr', 'train.log')).read()[-3000:]
+  runs = [os.path.join(w, 'seed=0,method=otclr') for w in workdirs]
   first, second = (_without_timing(os.path.join(r, 'metrics.jsonl'))
                    for r in runs)
   assert [r['step'] for r in first] == [1, 2]
   assert all(np.isfinite(r['loss']) for r in first)
   assert first == second
-  if evaluation:
-    a, b = (json.load(open(os.path.join(r, 'eval', 'results.json')))
-            for r in runs)
-    assert a['step'] == 2
-    for section in ('linear', 'random_init', 'clusters', 'views'):
-      assert a[section] == b[section], section
-    for probe in ('linear', 'random_init'):
-      assert 0.0 <= a[probe]['digits']['top1'] <= 100.0
+  a, b = (json.load(open(os.path.join(r, 'eval', 'results.json')))
+          for r in runs)
+  assert a['step'] == 2
+  for section in ('linear', 'random_init', 'clusters', 'views'):
+    assert a[section] == b[section], section
+  for probe in ('linear', 'random_init'):
+    assert 0.0 <= a[probe]['digits']['top1'] <= 100.0
 
 
 # ----------------------------------------------------------------------------
@@ -529,27 +623,27 @@ def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
 
 def test_rerun_with_other_settings_is_refused_and_runs_json_kept(tmp_path,
                                                                  capsys):
-  path = write_sweep(tmp_path / 's.py', tiny_grid(), {**TINY_OVERRIDES,
-                                                      'ot.epsilon': 0.5})
+  path = write_sweep(tmp_path / 's.py', tiny_grid(), base={'ot.epsilon': 0.5})
   workdir = str(tmp_path / 'out')
   assert sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
                              launcher=FakeLauncher(), aggregate=False) == 0
   runs_json = open(os.path.join(workdir, 'runs.json')).read()
   launcher = FakeLauncher()
-  changed = sweep_lib.load_sweep(path, {'ot.epsilon': 0.1})
+  changed = sweep_lib.load_sweep(path, ['--config.ot.epsilon=0.1'])
   with pytest.raises(sweep_lib.RunConflictError,
-                     match=r'digits_otclr_b16_s0: .*ot\.epsilon: 0\.5 -> 0\.1'):
+                     match=r'seed=0,method=otclr: .*ot\.epsilon: 0\.5 -> 0\.1'):
     sweep_lib.run_sweep(changed, workdir, launcher=launcher, aggregate=False)
   assert launcher.calls == []
   assert open(os.path.join(workdir, 'runs.json')).read() == runs_json
   capsys.readouterr()
-  assert sweep_lib.main([path, f'--workdir={workdir}',
-                         '--override=ot.epsilon=0.1']) == 2
+  assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
+                         '--config.ot.epsilon=0.1']) == 2
   err = capsys.readouterr().err
   assert 'refused' in err and 'ot.epsilon' in err
   # Settings that do not change the result are no conflict.
   again = FakeLauncher()
-  assert sweep_lib.run_sweep(sweep_lib.load_sweep(path, {'log_every_steps': 2}),
+  assert sweep_lib.run_sweep(sweep_lib.load_sweep(
+      path, ['--config.log_every_steps=2']),
                              workdir, launcher=again, aggregate=False) == 0
   assert again.calls == []
 
@@ -564,17 +658,16 @@ def test_results_without_a_stored_config_are_refused(four_runs):
 
 
 def test_other_evaluation_settings_are_evaluated_again(tmp_path, capsys):
-  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)),
-                     TINY_OVERRIDES)
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)))
   workdir = str(tmp_path / 'out')
   sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
                       launcher=FakeLauncher(), aggregate=False)
   launcher = FakeLauncher()
   capsys.readouterr()
   assert sweep_lib.run_sweep(
-      sweep_lib.load_sweep(path, {'eval.probe_steps': 7}), workdir,
+      sweep_lib.load_sweep(path, ['--config.eval.probe_steps=7']), workdir,
       launcher=launcher, aggregate=False) == 0
-  names = ['digits_otclr_b16_s0', 'digits_otclr_b16_s1']
+  names = ['seed=0,method=otclr', 'seed=1,method=otclr']
   assert launcher.calls == [(n, 'eval') for n in names]
   assert 'eval.probe_steps: 500 -> 7' in capsys.readouterr().out
 
@@ -610,7 +703,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
                {'state': 'diverged', 'step': 6, 'total_steps': 100})
   _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
                {'state': 'stopped', 'step': 50, 'total_steps': 100})
-  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 0
+  assert aggregate_only(tmp_path) == 0
   (row,) = json.load(open(tmp_path / 'summary.json'))
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
@@ -622,9 +715,23 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
   assert 'Not averaged' in open(tmp_path / 'summary.tex').read()
 
 
+def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
+  for name, top1 in (('seed=0,method=otclr', 84.7), ('old_name_s0', 10.0)):
+    _results_run(tmp_path, name, top1,
+                 {'state': 'finished', 'step': 100, 'total_steps': 100})
+  (tmp_path / 'runs.json').write_text(json.dumps(
+      {'runs': [{'name': 'seed=0,method=otclr'}]}))
+  assert aggregate_only(tmp_path) == 0
+  (row,) = json.load(open(tmp_path / 'summary.json'))
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+  assert 'old_name_s0`: not a run of this sweep' in open(
+      tmp_path / 'summary.md').read()
+
+
 def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   missing = str(tmp_path / 'typo')
-  assert sweep_lib.main([f'--workdir={missing}', '--aggregate_only']) == 2
+  assert aggregate_only(missing) == 2
   assert f'{missing} does not exist' in capsys.readouterr().err
   assert not os.path.exists(missing)
 
@@ -636,7 +743,7 @@ def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
                {'state': 'finished', 'step': 100, 'total_steps': 100})
   broken = tmp_path / 'digits_otclr_b16_s1' / 'eval' / 'results.json'
   broken.write_text(broken.read_text()[:40])
-  assert sweep_lib.main([f'--workdir={tmp_path}', '--aggregate_only']) == 1
+  assert aggregate_only(tmp_path) == 1
   err = capsys.readouterr().err
   assert str(broken) in err
   (row,) = json.load(open(tmp_path / 'summary.json'))
@@ -652,8 +759,9 @@ _SLEEPER = textwrap.dedent("""
 
 _SWEEP_PROCESS = textwrap.dedent("""
     import sys
-    from launch import sweep
-    sweep.SubprocessLauncher(poll_seconds=0.1)(
+    import os
+    from launch import launcher
+    launcher.SubprocessLauncher(os.getcwd(), poll_seconds=0.1)(
         [sys.executable, sys.argv[1], sys.argv[2]], sys.argv[3])
 """)
 
@@ -677,7 +785,8 @@ def test_children_die_with_a_killed_sweep(tmp_path):
   (tmp_path / 'sleeper.py').write_text(_SLEEPER)
   pid_file = tmp_path / 'child.pid'
   parent = subprocess.Popen(
-      [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'), str(pid_file),
+      [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'),
+       str(pid_file),
        str(tmp_path / 'run' / 'train.log')], cwd=REPO)
   deadline = time.time() + 60
   while not (pid_file.exists() and pid_file.read_text()):
@@ -711,16 +820,15 @@ def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
 
 
 def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
-  sweep = sweep_lib.load_sweep(os.path.join(REPO, 'launch', 'sweeps',
-                                            'digits_methods.py'))
+  # The fake launcher writes its files at config.total_steps (0: epochs).
+  sweep = sweep_lib.load_sweep(sweep_file('digits_methods'),
+                               ['--config.total_steps=20'])
   workdir = str(tmp_path / 'out')
   runs = sweep.runs(workdir)
-  assert [(r.method, r.views) for r in runs] == [
+  assert [(overrides(r)['method'], overrides(r)['views']) for r in runs] == [
       (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
       for v in ('augment', 'ot')]
-  assert runs[3].name == 'digits_moco-ot_b128_s0'
-  # The fake launcher writes its files at config.total_steps (0: epochs).
-  sweep.overrides['total_steps'] = 20
+  assert runs[3].name == 'method=moco,views=ot'
   launcher = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
@@ -729,19 +837,82 @@ def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
   # Each run's command asks for its views; the run's stored config has them.
   for run in runs:
     stored = json.load(open(os.path.join(run.workdir, 'config.json')))
-    assert (stored['method'], stored['views']) == (run.method, run.views)
-  # A sweep file without the axis keeps its run names (views '').
-  assert all(r.views == '' and '-' not in r.name.split('_')[1]
-             for r in sweep_lib.load_sweep(os.path.join(
-                 REPO, 'launch', 'sweeps', 'digits_smoke.py')).runs(workdir))
+    assert (stored['method'], stored['views']) == (
+        overrides(run)['method'], overrides(run)['views'])
+  # A sweep file without the axis runs the config's views ('').
+  smoke = sweep_lib.load_sweep(sweep_file('digits_smoke'))
+  assert all('views' not in r.name and smoke.run_config(r).views == ''
+             for r in smoke.runs(workdir))
 
 
-@pytest.mark.parametrize('name', sweep_lib.list_sweeps())
+@pytest.mark.parametrize('name', sorted(
+    os.path.basename(p)[:-3] for p in glob.glob(
+        os.path.join(REPO, 'launch', 'sweeps', '[!_]*.py'))))
 def test_shipped_sweeps_give_valid_run_configs(name, tmp_path):
   # Every run a shipped sweep would launch passes training's whole-config
   # check, so a typo or an impossible combination fails here, not hours in.
-  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
-  sweep = sweep_lib.load_sweep(name)
-  base = sweep_lib.base_config(sweep)
+  sweep = sweep_lib.load_sweep(sweep_file(name))
   for run in sweep.runs(str(tmp_path)):
-    experiment.validate_config(sweep_lib.apply_overrides(base, run.overrides))
+    experiment.validate_config(sweep.run_config(run))
+
+
+# ----------------------------------------------------------------------------
+# One line and the documented status, never a traceback.
+
+
+_HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from otclr_jax import rundir
+    with rundir.lock(sys.argv[1], rundir.SWEEP_LOCK_FILE):
+      print('locked', flush=True)
+      time.sleep(60)
+""")
+
+
+def test_a_second_sweep_on_one_directory_is_refused_with_73(tmp_path, capsys):
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)))
+  workdir = str(tmp_path / 'out')
+  holder = subprocess.Popen([sys.executable, '-c', _HOLD_LOCK, workdir],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    assert sweep_lib.main(['sweep', f'--config={path}',
+                           f'--workdir={workdir}']) == rundir.EXIT_LOCKED
+  finally:
+    holder.kill()
+    holder.wait()
+  captured = capsys.readouterr()
+  assert captured.err.count('\n') == 1 and 'in use by process' in captured.err
+  assert 'FAILED' not in captured.out + captured.err
+  assert not os.path.exists(os.path.join(workdir, 'runs.json'))
+
+
+# Runs a sweep whose "training" sleeps until signalled.
+_SLEEPY_SWEEP = textwrap.dedent("""
+    import sys
+    from launch import sweep
+    ready = sys.argv[3]
+    sweep.command = lambda *_: [sys.executable, '-c',
+        f'import time; open({ready!r}, "w").write("x"); time.sleep(60)']
+    sys.exit(sweep.main(['sweep', f'--config={sys.argv[1]}',
+                         f'--workdir={sys.argv[2]}']))
+""")
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_sweep_with_75_and_one_line(tmp_path, signum):
+  path = write_sweep(tmp_path / 's.py', tiny_grid())
+  ready = tmp_path / 'ready'
+  sweep = subprocess.Popen(
+      [sys.executable, '-c', _SLEEPY_SWEEP, path, str(tmp_path / 'out'),
+       str(ready)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
+  # Loading the sweep imports the model code: slow on a busy machine.
+  _when_ready(str(ready), lambda: sweep.send_signal(signum), 300).join()
+  out, err = sweep.communicate(timeout=60)
+  assert sweep.returncode == rundir.EXIT_STOPPED, (out, err)
+  assert ready.exists() and 'Traceback' not in err
+  assert err.strip().splitlines() == [
+      f'Sweep s stopped by {signal.Signals(signum).name}; rerun the same '
+      'command to resume.']
+  assert 'FAILED' not in out

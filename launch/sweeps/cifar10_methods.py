@@ -5,18 +5,19 @@ augmentations and with the OT views of those augmentations, at the paper's
 setting of configs/cifar10.py (20 epochs, batch 256); 8 runs of one seed.
 Rows are named as the paper names them ("BYOL", "BYOL + OT views", "OTCLR").
 
-    python -m launch.sweep cifar10_methods --workdir=runs/cifar10_methods
+    python -m launch.sweep --config=launch/sweeps/cifar10_methods.py \
+        --workdir=runs/cifar10_methods
 """
 
+from configs import cifar10
 
-def get_sweep():
-  return {
-      'config': 'configs/cifar10.py',
-      'grid': {
-          'method': ['simclr', 'moco', 'byol', 'dino'],
-          'views': ['augment', 'ot'],
-          'batch_size': [256],
-          'seed': [0],
-          'dataset': ['cifar10'],
-      },
-  }
+
+def get_config():
+  return cifar10.get_config()
+
+
+def get_hyper(hyper):
+  return hyper.product([
+      hyper.sweep('config.method', ['simclr', 'moco', 'byol', 'dino']),
+      hyper.sweep('config.views', ['augment', 'ot']),
+  ])

@@ -2,17 +2,20 @@
 
 Every run uses the paper's setting of configs/cifar10.py unchanged; 12 runs.
 
-    python -m launch.sweep cifar10_paper --workdir=runs/cifar10_paper
+    python -m launch.sweep --config=launch/sweeps/cifar10_paper.py \
+        --workdir=runs/cifar10_paper
 """
 
+from configs import cifar10
 
-def get_sweep():
-  return {
-      'config': 'configs/cifar10.py',
-      'grid': {
-          'method': ['simclr', 'otclr'],
-          'batch_size': [256, 512],
-          'seed': [0, 1, 2],
-          'dataset': ['cifar10'],
-      },
-  }
+
+def get_config():
+  return cifar10.get_config()
+
+
+def get_hyper(hyper):
+  return hyper.product([
+      hyper.sweep('config.seed', [0, 1, 2]),
+      hyper.sweep('config.batch_size', [256, 512]),
+      hyper.sweep('config.method', ['simclr', 'otclr']),
+  ])

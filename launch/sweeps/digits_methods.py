@@ -5,19 +5,19 @@ Eight runs of the embedded default (`configs/digits.py`: 12 epochs at batch
 command, so the table's rows compare with its random-init floor. About five
 minutes per run on an idle 2-core CPU.
 
-    python -m launch.sweep digits_methods --workdir=runs/digits_methods
+    python -m launch.sweep --config=launch/sweeps/digits_methods.py \
+        --workdir=runs/digits_methods
 """
 
+from configs import digits
 
-def get_sweep():
-  return {
-      'config': 'configs/digits.py',
-      'grid': {
-          'method': ['simclr', 'moco', 'byol', 'dino'],
-          'views': ['augment', 'ot'],
-          'batch_size': [128],
-          'seed': [0],
-          'dataset': ['digits'],
-      },
-      'overrides': {},
-  }
+
+def get_config():
+  return digits.get_config()
+
+
+def get_hyper(hyper):
+  return hyper.product([
+      hyper.sweep('config.method', ['simclr', 'moco', 'byol', 'dino']),
+      hyper.sweep('config.views', ['augment', 'ot']),
+  ])

@@ -3,26 +3,28 @@
 Four runs of 20 steps on 8 x 8 digits with a small head and OT grid; minutes
 in all. The numbers only show that everything runs end to end.
 
-    python -m launch.sweep digits_smoke --workdir=/tmp/digits_smoke
+    python -m launch.sweep --config=launch/sweeps/digits_smoke.py \
+        --workdir=/tmp/digits_smoke
 """
 
+from configs import digits
 
-def get_sweep():
-  return {
-      'config': 'configs/digits.py',
-      'grid': {
-          'method': ['simclr', 'otclr'],
-          'batch_size': [64],
-          'seed': [0, 1],
-          'dataset': ['digits'],
-      },
-      'overrides': {
-          'image_size': 8,
-          'total_steps': 20,
-          'log_every_steps': 5,
-          'checkpoint_every_steps': 10,
-          'model.proj_hidden_dim': 64,
-          'model.proj_dim': 32,
-          'ot.grid_size': 4,
-      },
-  }
+
+def get_config():
+  config = digits.get_config()
+  config.batch_size = 64
+  config.image_size = 8
+  config.total_steps = 20
+  config.log_every_steps = 5
+  config.checkpoint_every_steps = 10
+  config.model.proj_hidden_dim = 64
+  config.model.proj_dim = 32
+  config.ot.grid_size = 4
+  return config
+
+
+def get_hyper(hyper):
+  return hyper.product([
+      hyper.sweep('config.seed', [0, 1]),
+      hyper.sweep('config.method', ['simclr', 'otclr']),
+  ])

@@ -1,0 +1,173 @@
+"""What a sweep reads off a run directory: how far it got, whether to trust it.
+
+Training stores the run's resolved config in `config.json` and keeps
+`status.json` current; evaluation writes `eval/results.json` and
+`eval/config.json` (otclr_jax/rundir.py). A run is finished when status.json
+says "finished" at its final step and its results are for that step, made
+with this sweep's evaluation settings; a run directory made with other
+result-changing settings is a conflict (`identity_conflict`). Nothing here
+parses log text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from otclr_jax import rundir
+
+RESULTS = os.path.join('eval', 'results.json')
+
+
+def latest_checkpoint_step(workdir: str) -> int | None:
+  # Orbax names complete checkpoints by their step alone; in-flight saves
+  # carry a suffix and must not count.
+  directory = os.path.join(workdir, 'checkpoints')
+  steps = [int(d) for d in os.listdir(directory)
+           if d.isdigit()] if os.path.isdir(directory) else []
+  return max(steps) if steps else None
+
+
+def _records(workdir: str) -> list[dict]:
+  """The complete records of metrics.jsonl (a torn last line is skipped)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue  # A crash or a full disk tore it.
+  return records
+
+
+def final_step(config, workdir: str) -> int | None:
+  """Number of steps the run trains for, or None if not known yet.
+
+  With `total_steps > 0` that is the config's; otherwise it is
+  `num_epochs * steps_per_epoch` (as training computes it), where
+  steps_per_epoch is read off metrics.jsonl (`step / epoch`) rather than by
+  loading the dataset.
+  """
+  if config.total_steps > 0:
+    return int(config.total_steps)
+  for record in reversed(_records(workdir)):
+    if record.get('epoch'):
+      return int(config.num_epochs * round(record['step'] / record['epoch']))
+  return None
+
+
+def read_results(workdir: str) -> dict | None:
+  """DIR/<run>/eval/results.json, or None if absent.
+
+  Raises:
+    ValueError: the file is not valid JSON (the message names it).
+  """
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path} is not valid JSON ({e}).') from e
+
+
+def identity_conflict(config, workdir: str) -> str | None:
+  """Why the run in `workdir` is not the run `config` describes, or None.
+
+  Compares the config that training stored (`rundir.CONFIG_FILE`) with this
+  invocation's on every result-changing setting. A run directory that holds
+  checkpoints or results but no stored config cannot be identified and is a
+  conflict too: its numbers could come from any settings.
+  """
+  try:
+    stored = rundir.read_config(workdir)
+  except ValueError as e:
+    return str(e)
+  if stored is None:
+    if (latest_checkpoint_step(workdir) is not None
+        or os.path.exists(os.path.join(workdir, RESULTS))):
+      return (f'it holds checkpoints or results but no '
+              f'{rundir.CONFIG_FILE} recording the settings that produced '
+              'them')
+    return None
+  new = config.to_dict()
+  names = rundir.result_changing_diff(stored, new)
+  return (f'it was run with other settings: '
+          f'{rundir.describe_diff(stored, new, names)}' if names else None)
+
+
+def _eval_config_conflict(config, workdir: str) -> str | None:
+  """Why results.json does not belong to `config`'s evaluation, or None."""
+  path = os.path.join(workdir, 'eval', 'config.json')
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+  except FileNotFoundError:
+    return f'no {path} records how it was evaluated'
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    return f'{path} is not valid JSON ({e})'
+  new = json.loads(json.dumps(config.to_dict()))
+  names = rundir.result_changing_diff(stored, new)
+  # Evaluation settings change the reported numbers (not the training).
+  flat_stored, flat_new = rundir.flatten(stored), rundir.flatten(new)
+  names += sorted(n for n in set(flat_stored) | set(flat_new)
+                  if n.startswith('eval.') and n != 'eval.figures'
+                  and flat_stored.get(n) != flat_new.get(n))
+  return (f'it was evaluated with other settings: '
+          f'{rundir.describe_diff(stored, new, names)}' if names else None)
+
+
+def stale_results_reason(config, workdir: str) -> str | None:
+  """Why existing results.json may not be reported for `config`, or None."""
+  try:
+    results = read_results(workdir)
+  except ValueError as e:
+    return str(e)
+  if results is None:
+    return None
+  total = final_step(config, workdir)
+  if total is None or results.get('step') != total:
+    return f'its results are for step {results.get("step")}, not {total}'
+  return _eval_config_conflict(config, workdir)
+
+
+def is_trained(config, workdir: str) -> bool:
+  """Whether training reached the run's final step (status.json says so)."""
+  total = final_step(config, workdir)
+  if total is None:
+    return False
+  try:
+    status = rundir.read_status(workdir)
+  except ValueError:
+    return False  # A damaged status.json: training rewrites it.
+  if status is not None:
+    return status.get('state') == 'finished' and status.get('step') == total
+  latest = latest_checkpoint_step(workdir)
+  return latest is not None and latest >= total
+
+
+def is_finished(config, workdir: str) -> bool:
+  """Whether the run trained to its end and its results belong to `config`."""
+  return (is_trained(config, workdir)
+          and os.path.exists(os.path.join(workdir, RESULTS))
+          and stale_results_reason(config, workdir) is None)
+
+
+def progress_line(workdir: str) -> str | None:
+  """'step 120/2000, loss 3.2100' from metrics.jsonl and status.json."""
+  records = _records(workdir)
+  if not records:
+    return None
+  last = records[-1]
+  try:
+    total = (rundir.read_status(workdir) or {}).get('total_steps')
+  except ValueError:
+    total = None
+  line = f'step {last.get("step")}' + (f'/{total}' if total else '')
+  if isinstance(last.get('loss'), (int, float)):
+    line += f', loss {last["loss"]:.4f}'
+  return line

@@ -1,0 +1,126 @@
+"""Training curves: metrics.jsonl of runs, one panel per logged quantity."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Sequence
+
+from matplotlib import figure as mpl_figure
+from matplotlib import lines
+import numpy as np
+
+from otclr_jax.figures import common
+
+
+# (metrics.jsonl key, panel title); panels without data are left out.
+CURVES = (('loss', 'loss'),
+          ('top1', 'contrastive top-1'),
+          ('lr', 'learning rate'),
+          ('images_per_sec', 'images / s'),
+          ('monitor_knn_top1', 'kNN monitor top-1 (%)'),
+          ('sinkhorn', 'Sinkhorn regulariser'),
+          ('alpha', '$\\alpha$'))
+
+
+def read_metrics(workdir: str) -> dict[str, np.ndarray]:
+  """`<workdir>/metrics.jsonl` as {key: [T] float} with 'step' ascending.
+
+  A resumed run may log a step twice; the later record wins. Keys missing
+  from a record are NaN there.
+
+  Raises:
+    FileNotFoundError: no metrics.jsonl.
+  """
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'No {path}; pretrain first (`python -m '
+                            f'otclr_jax.main --config=... --workdir={workdir}`).')
+  records = {}
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        record = json.loads(line)
+        records[int(record['step'])] = record
+  if not records:
+    raise ValueError(f'{path} holds no records yet.')
+  steps = sorted(records)
+  keys = sorted({k for r in records.values() for k in r})
+  return {k: np.array([_float(records[s].get(k)) for s in steps])
+          for k in keys}
+
+
+def _float(value: Any) -> float:
+  return np.nan if value is None else float(value)
+
+
+def plot_curves(runs: dict[str, dict[str, np.ndarray]],
+                title: str | None = None) -> mpl_figure.Figure:
+  """One panel per logged quantity, one line per run.
+
+  Args:
+    runs: {run label: `read_metrics` output}.
+    title: figure title.
+  """
+  def logged(key, m):
+    values = m.get(key, np.array([np.nan]))
+    values = values[np.isfinite(values)]
+    # A fixed alpha is a setting, not a curve.
+    return len(values) > 0 and (key != 'alpha' or np.ptp(values) > 0)
+
+  panels = [(key, name) for key, name in CURVES
+            if any(logged(key, m) for m in runs.values())]
+  if not panels:
+    raise ValueError('no known quantity in the metrics '
+                     f'({[k for k, _ in CURVES]}).')
+  ncols = min(3, len(panels))
+  nrows = -(-len(panels) // ncols)
+  fig = mpl_figure.Figure(figsize=(3.6 * ncols, 2.7 * nrows + 0.5),
+                          layout='constrained')
+  axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+  colours = {label: f'C{i}' for i, label in enumerate(runs)}
+  for ax, (key, name) in zip(axes, panels):
+    for label, m in runs.items():
+      if key not in m:
+        continue
+      # Markers, so that a run with a single log step still shows; only the
+      # steps that logged the quantity (the monitor runs every N steps).
+      finite = np.isfinite(m[key])
+      ax.plot(m['step'][finite], m[key][finite], color=colours[label],
+              lw=1.2, marker='.', ms=3, label=label)
+      if (key == 'loss' and 'nce' in m
+          and not np.allclose(m['nce'], m['loss'], equal_nan=True)):
+        ax.plot(m['step'], m['nce'], color=colours[label], lw=1.0, ls='--')
+    if key == 'loss' and len(ax.get_lines()) > len(
+        [m for m in runs.values() if key in m]):
+      name = 'loss (solid), InfoNCE part (dashed)'
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel('step', fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+  for ax in axes[len(panels):]:
+    ax.axis('off')
+  handles = [lines.Line2D([], [], color=colours[label], label=label)
+             for label in runs]
+  fig.legend(handles=handles, loc='outside lower center', ncols=len(runs),
+             fontsize=8, frameon=False)
+  if title:
+    fig.suptitle(title, fontsize=10)
+  return fig
+
+
+def curves_for_runs(workdirs: Sequence[str],
+                    out: str | os.PathLike[str]) -> list[str]:
+  """Training-curve figure of runs, labelled by their directory names."""
+  if not workdirs:
+    raise ValueError('curves needs at least one --workdir run.')
+  runs = {}
+  for workdir in workdirs:
+    label = pathlib.Path(workdir).resolve().name
+    if label in runs:  # Two runs of the same name in different places.
+      label = str(pathlib.Path(workdir).resolve())
+    runs[label] = read_metrics(workdir)
+  return common.save_figure(plot_curves(runs, 'Pretraining (metrics.jsonl)'),
+                            out)
+

@@ -1,0 +1,98 @@
+"""Every figure a run supports, into `<workdir>/eval/figures/`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from otclr_jax import data
+from otclr_jax.evaluation import view_quality
+from otclr_jax.figures import common
+from otclr_jax.figures import curves
+from otclr_jax.figures import top5
+from otclr_jax.figures import tsne
+
+
+def report_single(config: ml_collections.ConfigDict, workdir: str, *,
+                  results: dict[str, Any], views: view_quality.ViewEmbeddings,
+                  test: data.Split) -> list[str]:
+  """t-SNE and training curves of a run, from an evaluation in progress.
+
+  `otclr_jax.main` calls this with the view embeddings the evaluation has
+  just measured, so the t-SNE shows exactly the views of the results' table.
+
+  Args:
+    config: the run's config.
+    workdir: the run's directory; figures go to `<workdir>/eval/figures/`.
+    results: the evaluation results (for the table and the step).
+    views: the embeddings behind `results['views']`.
+    test: the test split the views came from.
+
+  Returns:
+    The paths written.
+  """
+  out = common.figures_dir(workdir)
+  dataset = (results.get('protocol', {}).get('views_dataset')
+             or tsne.views_dataset(config))
+  paths = tsne.draw_tsne(
+      views, test, out / 'tsne.png', view_rows=results['views'],
+      table_note='metrics: eval/results.json',
+      title=tsne.figure_title(config, results['step'], dataset,
+                              len(views.indices)))
+  if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
+    paths += curves.curves_for_runs([workdir], out / 'curves.png')
+  return paths
+
+
+def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
+           compare: str | None = None, num_images: int | None = None,
+           perplexity: float = tsne.DEFAULT_PERPLEXITY,
+           max_classes: int = tsne.DEFAULT_MAX_CLASSES,
+           index: int | None = None) -> tuple[list[str], list[str]]:
+  """Draws tsne, curves and, with `compare`, top5 of the run(s).
+
+  A figure whose inputs are missing (no evaluation, no metrics) is skipped
+  with the reason; the others are drawn.
+
+  Args:
+    workdir: the evaluated run.
+    config: its config; None reads `<workdir>/eval/config.json`.
+    compare: a second run (e.g. the SimCLR baseline): curves of both and the
+      top-5 figure.
+    num_images: t-SNE images; default `config.eval.num_view_images`.
+    perplexity: t-SNE perplexity.
+    max_classes: at most this many t-SNE class panels.
+    index: top-5 test image; default the first the runs disagree on.
+
+  Returns:
+    `(paths written, 'figure: why' of each figure skipped)`.
+  """
+  out = common.figures_dir(workdir)
+  written, skipped = [], []
+
+  def attempt(name, draw):
+    try:
+      written.extend(draw())
+    except FileNotFoundError as e:  # Missing inputs: say which, go on.
+      skipped.append(f'{name}: {e}')
+
+  if config is None:
+    try:
+      config = common.load_run_config(workdir)
+    except FileNotFoundError as e:
+      skipped.append(f'tsne: {e}')
+  if config is not None:
+    attempt('tsne', lambda: tsne.tsne_for_run(
+        workdir, config, out / 'tsne.png', num_images=num_images,
+        perplexity=perplexity, max_classes=max_classes))
+  runs = [workdir] + ([compare] if compare else [])
+  attempt('curves', lambda: curves.curves_for_runs(runs, out / 'curves.png'))
+  if compare:
+    # The paper's order: the SimCLR baseline's panel first.
+    order = sorted(runs, key=lambda w: (common.load_results(w) or {}).get(
+        'method') != 'simclr')
+    attempt('top5', lambda: top5.top5_for_runs(order, out / 'top5.png',
+                                               index=index))
+  return written, skipped

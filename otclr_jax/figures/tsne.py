@@ -1,0 +1,389 @@
+"""The paper's class-wise t-SNE of the views.
+
+SimCLR views (blue circles), OTCLR views (green diamonds) and clean anchors
+(orange stars) of n test images, all embedded by ONE run's restored encoder
+(l2-normalised z by default, or h: config.eval.embedding, named in the
+title), made exactly as the evaluation's view metrics make them
+(`view_quality.view_embeddings`); one panel per class with each set's coverage
+shaded, a panel with the view metrics (P = OTCLR vs S = SimCLR, from
+eval/results.json when it describes these views) and one with the class-wise
+change of silhouette.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from matplotlib import figure as mpl_figure
+from matplotlib import lines
+from matplotlib import patches
+import ml_collections
+import numpy as np
+from scipy import stats
+from sklearn import manifold
+from sklearn import metrics as sk_metrics
+import threadpoolctl
+
+from otclr_jax import data
+from otclr_jax import evaluate
+from otclr_jax import tables
+from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import view_quality
+from otclr_jax.figures import common
+
+# The coverage region of a point set is its highest-density region holding
+# this share of the points, under a Gaussian KDE of the 2-d map: unlike a
+# hull, it shows where a set concentrates, and stray points do not paint it.
+COVERAGE_MASS = 0.5
+DEFAULT_PERPLEXITY = 30.0
+DEFAULT_MAX_CLASSES = 12
+
+
+def tsne_points(views: view_quality.ViewEmbeddings, *,
+                perplexity: float = DEFAULT_PERPLEXITY,
+                seed: int = 0) -> dict[str, np.ndarray]:
+  """Joint 2-d t-SNE of the anchors and both generators' views.
+
+  The 5n embeddings (anchors, SimCLR pair, OTCLR pair; l2-normalised, so the
+  Euclidean distance is a function of the cosine) are embedded together, so
+  the three sets share one map.
+
+  Args:
+    views: `view_quality.view_embeddings` of n images.
+    perplexity: t-SNE perplexity, below 5n.
+    seed: `random_state` of the t-SNE.
+
+  Returns:
+    {'anchor': [n, 2], 'simclr': [2n, 2], 'otclr': [2n, 2]}; view rows are
+    [first views; second views], in image order.
+  """
+  n = len(views.anchors)
+  points = np.concatenate([views.anchors, *views.simclr, *views.otclr])
+  if not 0 < perplexity < len(points):
+    raise ValueError(f'perplexity must lie in (0, {len(points)}) for 5 x {n} '
+                     f'points, got {perplexity}.')
+  # One thread: scikit-learn's OpenMP gradient spins on its barriers when
+  # the cores are busy (e.g. with JAX's threads) and then runs tens of times
+  # slower than serially.
+  with threadpoolctl.threadpool_limits(limits=1):
+    xy = manifold.TSNE(n_components=2, perplexity=perplexity, init='pca',
+                       random_state=seed).fit_transform(
+                           points.astype(np.float64))
+  return {'anchor': xy[:n], 'simclr': xy[n:3 * n], 'otclr': xy[3 * n:]}
+
+
+def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
+                         num_classes: int) -> dict[str, np.ndarray]:
+  """Mean silhouette of each class's view embeddings, per generator.
+
+  Silhouette of the 2n view embeddings (z or h as `views.embedding` says,
+  Euclidean on the l2-normalised rows) with the TRUE labels as clusters,
+  averaged over the views of each class; NaN for a class without views.
+
+  Returns:
+    {'simclr': [num_classes], 'otclr': [num_classes]}.
+  """
+  labels = np.asarray(labels)
+  both = np.concatenate([labels, labels])
+  out = {}
+  for generator in ('simclr', 'otclr'):
+    z = np.concatenate(getattr(views, generator))
+    if len(np.unique(both)) < 2:
+      out[generator] = np.full(num_classes, np.nan)
+      continue
+    values = sk_metrics.silhouette_samples(z, both)
+    out[generator] = np.array([values[both == c].mean() if np.any(both == c)
+                               else np.nan for c in range(num_classes)])
+  return out
+
+
+def density_level(density_at_points: np.ndarray, mass: float) -> float:
+  """Density threshold of the highest-density region holding `mass`.
+
+  The region {x: p(x) >= level} contains the share `mass` of the sample
+  points when `level` is the (1 - mass) quantile of the density at them
+  (Hyndman 1996, the sample estimate of an HDR).
+
+  Args:
+    density_at_points: [N] density at each sample point.
+    mass: share of the points inside, in (0, 1).
+  """
+  if not 0.0 < mass < 1.0:
+    raise ValueError(f'mass must lie in (0, 1), got {mass}.')
+  return float(np.quantile(density_at_points, 1.0 - mass))
+
+
+def _shade_coverage(ax, xy: np.ndarray, colour: str, lo: np.ndarray,
+                    hi: np.ndarray, mass: float = COVERAGE_MASS) -> None:
+  """Fills the KDE highest-density region of `xy` [N, 2] holding `mass`."""
+  if len(xy) < 4:
+    return
+  try:
+    kde = stats.gaussian_kde(xy.T)
+  except np.linalg.LinAlgError:  # Collinear points: no 2-d density.
+    return
+  level = density_level(kde(xy.T), mass)
+  gx, gy = np.meshgrid(np.linspace(lo[0], hi[0], 120),
+                       np.linspace(lo[1], hi[1], 120))
+  density = kde(np.stack([gx.ravel(), gy.ravel()])).reshape(gx.shape)
+  if density.max() <= level:
+    return
+  ax.contourf(gx, gy, density, levels=[level, density.max()], colors=[colour],
+              alpha=0.18)
+  ax.contour(gx, gy, density, levels=[level], colors=[colour],
+             linewidths=0.9)
+
+
+def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
+  """P (OTCLR) vs S (SimCLR) view metrics, the better one in bold."""
+  ax.axis('off')
+  cells, bold = [], []
+  for key, header, direction in tables.VIEW_METRICS + tables.CLUSTER_METRICS:
+    p, q = rows['otclr'].get(key), rows['simclr'].get(key)
+    arrow = '↑' if direction > 0 else '↓'
+    cells.append([f'{header} {arrow}', _fmt(p), _fmt(q)])
+    # SimCLR views are their own strong endpoints: pixel L2 is 0 by
+    # construction, not better.
+    if p is None or q is None or p == q or key == 'pixel_l2':
+      bold.append(None)
+    else:
+      bold.append(1 if (p - q) * direction > 0 else 2)
+  table = ax.table(cellText=cells, colLabels=['', 'P', 'S'], loc='upper center',
+                   cellLoc='right', colLoc='right', colWidths=[0.5, 0.25, 0.25])
+  table.auto_set_font_size(False)
+  table.set_fontsize(7)
+  table.scale(1.0, 1.15)
+  for (r, c), cell in table.get_celld().items():
+    cell.set_linewidth(0.3)
+    if r >= 1 and bold[r - 1] == c:
+      cell.get_text().set_fontweight('bold')
+  ax.set_title('P = OTCLR views, S = SimCLR views', fontsize=8)
+  ax.text(0.5, -0.02, note, transform=ax.transAxes, ha='center', va='top',
+          fontsize=6, wrap=True)
+
+
+def _count(name: str, count: int) -> str:
+  return f'{name} ({count} image{"" if count == 1 else "s"})'
+
+
+def _fmt(value: Any) -> str:
+  return '–' if value is None else f'{value:.4f}'
+
+
+def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
+              class_names: Sequence[str], *,
+              thumbnails: dict[int, np.ndarray] | None = None,
+              view_rows: dict[str, dict[str, Any]] | None = None,
+              silhouettes: dict[str, np.ndarray] | None = None,
+              table_note: str = '', title: str | None = None,
+              max_classes: int = DEFAULT_MAX_CLASSES) -> mpl_figure.Figure:
+  """Class-wise t-SNE panels of the views, with the paper's insets as panels.
+
+  One panel per class (the first `max_classes` classes): every point of the
+  map in light grey for context, then this class's SimCLR views (blue
+  circles), OTCLR views (green diamonds) and clean anchors (orange stars),
+  each set's coverage shaded (the KDE region holding half of its points),
+  and a representative image of the class in the corner. Extra panels: the
+  view-metric table (P vs S) and the class-wise change of silhouette (P - S).
+
+  Args:
+    points: `tsne_points` output.
+    labels: int [n], the anchors' classes.
+    class_names: [K] names.
+    thumbnails: {class: image [S, S, 3] uint8} for the corner insets.
+    view_rows: the results' 'views' section, {'simclr': {...}, 'otclr': {...}}.
+    silhouettes: `classwise_silhouette` output.
+    table_note: small print under the table (where its numbers come from).
+    title: figure title.
+    max_classes: at most this many class panels.
+
+  Returns:
+    The figure.
+  """
+  labels = np.asarray(labels)
+  n = len(labels)
+  if points['anchor'].shape != (n, 2) or points['simclr'].shape != (2 * n, 2):
+    raise ValueError(f'points do not match {n} labels: '
+                     f'{ {k: v.shape for k, v in points.items()} }.')
+  classes = [c for c in range(len(class_names)) if np.any(labels == c)]
+  classes = classes[:max_classes]
+  extra = [p for p in ('table', 'silhouette')
+           if (view_rows if p == 'table' else silhouettes) is not None]
+  total = len(classes) + len(extra)
+  ncols = 4 if total <= 16 else int(np.ceil(np.sqrt(total)))
+  nrows = -(-total // ncols)
+  fig = mpl_figure.Figure(figsize=(3.0 * ncols, 3.0 * nrows + 0.6),
+                          layout='constrained')
+  grid = fig.add_gridspec(nrows, ncols)
+  # The extra panels go down the first column, so that the silhouette
+  # panel's class labels widen the figure's margin, not a gap between maps.
+  first = [0, ncols][:len(extra)] if nrows > 1 else list(range(len(extra)))
+  order = first + [i for i in range(total) if i not in first]
+  cells = [grid[i // ncols, i % ncols] for i in order]
+  every = np.concatenate([points['anchor'], points['simclr'], points['otclr']])
+  pad = 0.05 * (every.max(axis=0) - every.min(axis=0))
+  lo, hi = every.min(axis=0) - pad, every.max(axis=0) + pad
+  both = np.concatenate([labels, labels])
+
+  extra_cells = dict(zip(extra, cells))
+  cell = iter(cells[len(extra):])
+  if 'table' in extra:
+    _view_table(fig.add_subplot(extra_cells['table']), view_rows, table_note)
+  for c in classes:
+    ax = fig.add_subplot(next(cell))
+    ax.scatter(every[:, 0], every[:, 1], s=1.5, color='0.85', lw=0,
+               rasterized=True)
+    for kind, xy in (('simclr', points['simclr'][both == c]),
+                     ('otclr', points['otclr'][both == c]),
+                     ('anchor', points['anchor'][labels == c])):
+      style = common.VIEW_STYLES[kind]
+      _shade_coverage(ax, xy, style['color'], lo, hi)
+      big = kind == 'anchor'
+      ax.scatter(xy[:, 0], xy[:, 1], s=28 if big else 7,
+                 marker=style['marker'], color=style['color'],
+                 alpha=1.0 if big else 0.6, lw=0.3 if big else 0,
+                 ec='black' if big else None, zorder=3 if big else 2)
+    ax.set_xlim(lo[0], hi[0])
+    ax.set_ylim(lo[1], hi[1])
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(_count(class_names[c], int(np.sum(labels == c))),
+                 fontsize=9)
+    if thumbnails and c in thumbnails:
+      inset = ax.inset_axes([0.76, 0.76, 0.22, 0.22])
+      inset.imshow(thumbnails[c], interpolation='nearest')
+      inset.set_xticks([])
+      inset.set_yticks([])
+  if 'silhouette' in extra:
+    ax = fig.add_subplot(extra_cells['silhouette'])
+    delta = silhouettes['otclr'] - silhouettes['simclr']
+    shown = [c for c in range(len(class_names)) if np.isfinite(delta[c])]
+    shown = shown[:max(max_classes, 1)]
+    values = np.array([delta[c] for c in shown])
+    ax.barh(np.arange(len(shown)), values,
+            color=[common.VIEW_STYLES['otclr' if v > 0 else 'simclr']['color']
+                   for v in values])
+    ax.set_yticks(np.arange(len(shown)),
+                  [class_names[c] for c in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0.0, color='black', lw=0.6)
+    ax.tick_params(axis='x', labelsize=7)
+    ax.set_title('class-wise $\\Delta$ silhouette (P $-$ S)', fontsize=8)
+    ax.set_xlabel('view silhouette, true classes', fontsize=7)
+  handles = [lines.Line2D([], [], ls='', marker=s['marker'], color=s['color'],
+                          mec='black' if k == 'anchor' else s['color'],
+                          mew=0.3, ms=9 if k == 'anchor' else 5,
+                          label=s['label'])
+             for k, s in common.VIEW_STYLES.items()]
+  handles.append(patches.Patch(color='0.5', alpha=0.3,
+                               label=f'coverage: {COVERAGE_MASS:.0%} '
+                                     'highest-density region (KDE)'))
+  fig.legend(handles=handles, loc='outside lower center', ncols=4,
+             fontsize=8, frameon=False)
+  if title:
+    fig.suptitle(title, fontsize=10)
+  return fig
+
+
+def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
+              out: str | os.PathLike[str], *,
+              view_rows: dict[str, dict[str, Any]] | None = None,
+              table_note: str = '', title: str | None = None,
+              perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
+              max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
+  """t-SNE figure of `views` (of images `test.images[views.indices]`).
+
+  Args:
+    views: `view_quality.view_embeddings` output on `test.images`.
+    test: the test split the views were made from.
+    out: output PNG (a PDF is written beside it).
+    view_rows: P vs S metrics for the table; None computes them from `views`
+      (`view_quality.summarise_views`).
+    table_note: where the table's numbers come from.
+    title: figure title.
+    perplexity: t-SNE perplexity; lowered to (5n - 1) / 3 for small n.
+    seed: t-SNE seed.
+    max_classes: at most this many class panels.
+
+  Returns:
+    The paths written.
+  """
+  labels = test.labels[views.indices]
+  if view_rows is None:
+    view_rows = view_quality.summarise_views(views, test.num_classes)
+  points = tsne_points(views, perplexity=min(
+      perplexity, (5 * len(labels) - 1) / 3), seed=seed)
+  thumbnails = {}
+  for row, label in zip(views.indices, labels):
+    thumbnails.setdefault(int(label), test.images[row])
+  fig = plot_tsne(points, labels, test.class_names, thumbnails=thumbnails,
+                  view_rows=view_rows,
+                  silhouettes=classwise_silhouette(views, labels,
+                                                   test.num_classes),
+                  table_note=table_note, title=title, max_classes=max_classes)
+  return common.save_figure(fig, out)
+
+
+def views_dataset(config: ml_collections.ConfigDict) -> str:
+  """The test split the evaluation makes its views from."""
+  return config.eval.views_dataset or tuple(config.eval.datasets)[0]
+
+
+def figure_title(config, step: int, dataset: str, n: int) -> str:
+  """What the figure shows: n images of `dataset`, the network and its step."""
+  embedding = clusters.embedding_of(config)
+  return (f'Views of {n} {tables.dataset_name(dataset)} test images, '
+          f'embedded by the {tables.method_name(config.method)} network '
+          f'(step {step}; {clusters.EMBEDDINGS[embedding]}); joint t-SNE of '
+          f'anchors and both view pairs')
+
+
+def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
+                 out: str | os.PathLike[str], *, step: int | None = None,
+                 dataset: str | None = None, num_images: int | None = None,
+                 perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
+                 max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
+  """Restores a run's encoder, makes the views as evaluation does, draws.
+
+  Args:
+    workdir: the run's directory.
+    config: the run's config.
+    out: output PNG.
+    step: checkpoint step; None for the latest.
+    dataset: test split to use; default the run's views dataset.
+    num_images: n; default `config.eval.num_view_images`, so that the views
+      and the table are those of the evaluation.
+    perplexity: t-SNE perplexity.
+    seed: t-SNE seed.
+    max_classes: at most this many class panels.
+
+  Returns:
+    The paths written.
+  """
+  dataset = dataset or views_dataset(config)
+  n = int(num_images or config.eval.num_view_images)
+  if n < 2:
+    raise ValueError(f'need at least 2 images, got n = {n}.')
+  model, variables, step = evaluate.restore(config, workdir, step)
+  test = data.load_split(dataset, 'test', config.image_size,
+                                   config.data_dir or None)
+  views = view_quality.view_embeddings(config, model, variables, test.images,
+                                       num_images=n,
+                                       batch_size=int(config.eval.batch_size))
+  results = common.load_results(workdir)
+  protocol = (results or {}).get('protocol', {})
+  if (results and results.get('views') and results.get('step') == step
+      and protocol.get('views_dataset') == dataset
+      and protocol.get('views_num_images') == len(views.indices)
+      and protocol.get('embedding', 'h') == views.embedding
+      and protocol.get('views_seed', view_quality.VIEWS_SEED)
+      == view_quality.VIEWS_SEED):
+    rows, note = results['views'], 'metrics: eval/results.json'
+  else:
+    rows, note = None, 'metrics: computed on these views'
+  return draw_tsne(views, test, out, view_rows=rows, table_note=note,
+                   title=figure_title(config, step, dataset,
+                                      len(views.indices)),
+                   perplexity=perplexity, seed=seed, max_classes=max_classes)
+
