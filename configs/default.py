@@ -97,6 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Also probe with BatchNorm statistics re-estimated on clean train images.
   config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
+  # What evaluation measures, in this order (otclr_jax/evaluation/evaluate.py).
+  config.eval.evaluators = ('probe', 'knn', 'clusters', 'views')
   config.eval.figures = True  # t-SNE and training curves after evaluating.
   # Each method's own settings block (config.moco, config.byol, config.dino;
   # defaults and their sources in otclr_jax/methods/<name>.py).

@@ -619,7 +619,8 @@ def _time_monitor(config, model, state, args) -> tuple[float, str]:
   The config's dataset when it is prepared here, else random uint8 images
   and labels (the cost does not depend on content).
   """
-  from otclr_jax import input_pipeline, monitor  # pylint: disable=g-import-not-at-top
+  from otclr_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
   try:
     splits = [input_pipeline.load_split(config.dataset, split,
                                         config.image_size,

@@ -76,8 +76,8 @@ import threadpoolctl
 
 from otclr_jax import augment
 from otclr_jax import config_files
-from otclr_jax import evaluate
 from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
@@ -307,8 +307,8 @@ def load_run_config(workdir: str, config_path: str | None = None,
     if not os.path.exists(config_path):
       raise FileNotFoundError(
           f'No {config_path}; run the evaluation first (`python -m '
-          f'otclr_jax.evaluate --config=configs/<config>.py --workdir='
-          f'{workdir}` writes it), or pass the run\'s --config and --set '
+          f'otclr_jax.main --config=configs/<config>.py --workdir='
+          f'{workdir} --config.mode=eval` writes it), or pass the run\'s --config and --set '
           'overrides.')
   return config_files.apply_overrides(config_files.load(config_path),
                                       overrides)
@@ -861,8 +861,8 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
     if results is None:
       raise FileNotFoundError(
           f'{workdir} has no eval/results.json; run the evaluation first: '
-          f'`python -m otclr_jax.evaluate --config=configs/<config>.py '
-          f'--workdir={workdir}`.')
+          f'`python -m otclr_jax.main --config=configs/<config>.py '
+          f'--workdir={workdir} --config.mode=eval`.')
     runs.append((results, load_run_config(workdir)))
   dataset = dataset or _common_dataset(runs)
   preds = [probe_predictions(w, dataset, results, int(results['image_size']))

@@ -34,10 +34,10 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
-from otclr_jax import evaluate
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -115,7 +115,7 @@ def evaluate_and_draw(config, workdir: str,
 
 def make_monitor(config, model, train_split):
   """The kNN monitor training logs (`config.monitor`), built from evaluation's parts."""
-  from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
   return monitor.KnnMonitor(config, model, train_split)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from otclr_jax import evaluate
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax import export
 from otclr_jax import input_pipeline

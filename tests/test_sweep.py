@@ -500,7 +500,8 @@ def test_same_seed_gives_the_same_numbers_on_the_cpu(tmp_path):
       overrides[f'eval.{key}'] = value
   path = write_sweep(tmp_path / 's.py', tiny_grid(), overrides)
   sweep = sweep_lib.load_sweep(path)
-  evaluation = importlib.util.find_spec('otclr_jax.evaluate') is not None
+  evaluation = (importlib.util.find_spec('otclr_jax.evaluation.evaluate')
+                is not None)
   workdirs = [str(tmp_path / 'a'), str(tmp_path / 'b')]
   for workdir in workdirs:
     code = sweep_lib.run_sweep(sweep, workdir, aggregate=False,
