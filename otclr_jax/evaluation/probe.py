@@ -77,36 +77,53 @@ def _moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return mean, np.where(std > 0, std, 1.0)
 
 
-def _standardiser(x: np.ndarray):
-  mean, std = _moments(x)
-  return lambda y: ((y - mean) / std).astype(np.float32)
-
-
 def _matmul(a, b):
   # Full float32 products: TF32 noise would perturb the line search and the
   # kNN ranking differently on different accelerators.
   return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=('max_steps',))
-def _fit_probe(x, y, weights, l2, init, *, max_steps):
-  """Weighted softmax regression by L-BFGS from `init`.
+def _eigenbasis(x: jax.Array, weights: jax.Array):
+  """Eigenvalues [D] and eigenvectors [D, D] of x's weighted second moment.
 
-  Returns ({'w', 'b'}, L-BFGS steps taken).
-
-  Stops when the gradient norm falls to `PROBE_TOLERANCE` times its norm at
-  zero weights (the L2 term vanishes there, so the reference is the same for
-  every lambda) or after `max_steps` iterations.
+  Float64 on the host: the smallest eigenvalues set the preconditioner.
   """
+  moment = np.asarray(_matmul((x * weights[:, None]).T, x), np.float64)
+  eigenvalues, vectors = np.linalg.eigh(moment / float(jnp.sum(weights)))
+  return (jnp.asarray(np.maximum(eigenvalues, 0.0), jnp.float32),
+          jnp.asarray(vectors, jnp.float32))
 
+
+@functools.partial(jax.jit, static_argnames=('max_steps',))
+def _fit_probe(x, y, weights, l2, eigenvalues, init, *, max_steps):
+  """Weighted softmax regression by preconditioned L-BFGS from `init`.
+
+  `x` [N, D] holds the features in the eigenbasis of their second moment
+  (an orthogonal change of basis, which leaves ||W||^2 unchanged), with
+  `eigenvalues` [D]. L-BFGS runs on W' = W * sqrt(eigenvalue + l2) row by
+  row, in which the penalised loss's curvature is nearly uniform, so it
+  converges in tens of steps where the raw problem can take thousands.
+
+  Returns:
+    ({'w' [D, C] in the eigenbasis, 'b' [C]}, L-BFGS steps taken). Stops
+    when the gradient norm falls to `PROBE_TOLERANCE` times its norm at
+    zero weights, or after `max_steps` iterations.
+  """
   total = jnp.sum(weights)
+  # Directions without variance carry no gradient; the floor only keeps
+  # their scale finite at l2 = 0.
+  floor = 1e-8 * jnp.max(eigenvalues)
+  scale = jax.lax.rsqrt(jnp.maximum(eigenvalues, floor) + l2)[:, None]
 
   def loss(p):
-    logits = _matmul(x, p['w']) + p['b']
+    w = scale * p['w']
+    logits = _matmul(x, w) + p['b']
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    return jnp.sum(weights * ce) / total + 0.5 * l2 * jnp.sum(p['w']**2)
+    return jnp.sum(weights * ce) / total + 0.5 * l2 * jnp.sum(w**2)
 
-  reference = otu.tree_norm(jax.grad(loss)(jax.tree.map(jnp.zeros_like, init)))
+  start = {'w': init['w'] / scale, 'b': init['b']}
+  reference = otu.tree_norm(jax.grad(loss)(jax.tree.map(jnp.zeros_like,
+                                                        start)))
   opt = optax.lbfgs()
   value_and_grad = optax.value_and_grad_from_state(loss)
 
@@ -125,8 +142,10 @@ def _fit_probe(x, y, weights, l2, init, *, max_steps):
     return (count == 0) | ((count < max_steps)
                            & (grad_norm > PROBE_TOLERANCE * reference))
 
-  params, state = jax.lax.while_loop(keep_going, step, (init, opt.init(init)))
-  return params, otu.tree_get(state, 'count')
+  params, state = jax.lax.while_loop(keep_going, step,
+                                     (start, opt.init(start)))
+  return ({'w': scale * params['w'], 'b': params['b']},
+          otu.tree_get(state, 'count'))
 
 
 @jax.jit
@@ -274,6 +293,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   # refit share one compiled fit.
   x, y = jnp.asarray(scale(train_x)), jnp.asarray(train_y)
   weights = jnp.asarray(~held, jnp.float32)
+  eigenvalues, basis = _eigenbasis(x, weights)
+  x = _matmul(x, basis)
   params = {'w': jnp.zeros((train_x.shape[1], num_classes), jnp.float32),
             'b': jnp.zeros((num_classes,), jnp.float32)}
   # The regularisation path, strongest penalty first: each fit starts from
@@ -281,7 +302,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   candidates, solutions = [], {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
     l2 = float(l2_grid[index])
-    params, steps = fit(x, y, weights, jnp.float32(l2), params)
+    params, steps = fit(x, y, weights, jnp.float32(l2), eigenvalues, params)
     if not all(np.isfinite(v).all() for v in jax.device_get(params).values()):
       # A diverged fit restarts the path from zero and ranks last.
       params = jax.tree.map(jnp.zeros_like, params)
@@ -299,13 +320,18 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   mean, std = _moments(train_x)
   scale = lambda v: ((v - mean) / std).astype(np.float32)
   # Warm start: the selected probe rewritten for the full split's
-  # standardisation, so that it computes the same logits.
+  # standardisation and eigenbasis, so that it computes the same logits.
   w, b = (np.asarray(v, np.float64) for v in jax.device_get(
-      (solutions[index]['w'], solutions[index]['b'])))
-  init = {'w': jnp.asarray((std / fit_std)[:, None] * w, jnp.float32),
+      (_matmul(basis, solutions[index]['w']), solutions[index]['b'])))
+  x = jnp.asarray(scale(train_x))
+  weights = jnp.ones(len(train_y), jnp.float32)
+  eigenvalues, basis = _eigenbasis(x, weights)
+  init = {'w': _matmul(basis.T,
+                       jnp.asarray((std / fit_std)[:, None] * w, jnp.float32)),
           'b': jnp.asarray(b + ((mean - fit_mean) / fit_std) @ w, jnp.float32)}
-  params, _ = fit(jnp.asarray(scale(train_x)), y,
-                  jnp.ones(len(train_y), jnp.float32), jnp.float32(best), init)
+  params, _ = fit(_matmul(x, basis), y, weights, jnp.float32(best),
+                  eigenvalues, init)
+  params = {'w': _matmul(basis, params['w']), 'b': params['b']}
   top1, top5, _ = jax.device_get(
       _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
   row = {'top1': 100.0 * float(np.mean(top1)),
