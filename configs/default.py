@@ -76,10 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
 
-  # kNN monitor during pretraining (otclr_jax/monitor.py): every every_steps
-  # optimiser steps (0: off; a multiple of log_every_steps), kNN top-1 of
-  # num_test test images against num_train labelled train images, logged as
-  # monitor_knn_top1. Never changes the run's result.
+  # kNN monitor during pretraining (otclr_jax/evaluation/monitor.py): every
+  # every_steps optimiser steps (0: off; a multiple of log_every_steps), kNN
+  # top-1 of num_test test images against num_train labelled train images,
+  # logged as monitor_knn_top1. Never changes the run's result.
   config.monitor = ml_collections.ConfigDict()
   config.monitor.every_steps = 500  # 10 x log_every_steps
   config.monitor.num_train = 1000

@@ -533,7 +533,7 @@ def run_train(args: argparse.Namespace) -> int:
   eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
                        repeats=2 * args.repeats)
 
-  # The kNN monitor (otclr_jax/monitor.py) as training calls it.
+  # The kNN monitor (otclr_jax/evaluation/monitor.py) as training calls it.
   monitor_ms, monitor_images = _time_monitor(base, model, state, args)
 
   # The OT views of a whole batch (both views), as the OTCLR step makes them.

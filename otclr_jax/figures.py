@@ -23,7 +23,7 @@ Subcommands:
   curves          Training curves (metrics.jsonl) of one or more runs.
   report          Every figure a run supports, into `<workdir>/eval/figures/`:
                   tsne, curves (with `--compare`, of both runs) and, with
-                  `--compare`, top5. `otclr_jax.evaluate` draws the tsne and
+                  `--compare`, top5. `otclr_jax.main` draws the tsne and
                   curves figures itself at the end (`report_single`).
 
 Commands that restore an encoder read the run's config from
@@ -294,7 +294,7 @@ def load_run_config(workdir: str, config_path: str | None = None,
     workdir: the run's directory.
     config_path: a config file (`configs/X.py` with `get_config()`, or a JSON
       dump); None reads `<workdir>/eval/config.json`, which
-      `otclr_jax.evaluate` writes.
+      `otclr_jax.evaluation.evaluate` writes.
     overrides: `key=value` or `--config.key=value` strings applied on top
       with the training command line's parser (`config_files.apply_overrides`:
       values parsed by the field's type, unknown fields refused).
