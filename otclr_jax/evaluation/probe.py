@@ -166,6 +166,47 @@ def _scores(params, x, y):
   return top1, rank < 5, ce
 
 
+def _l2_path(fit, x, y, weights, held, eigenvalues, l2_grid, params):
+  """Fits every lambda of `l2_grid` and picks one on the held-out rows.
+
+  The regularisation path runs strongest penalty first: each fit starts from
+  the previous solution (the first from `params`), which is close to its own.
+
+  Args:
+    fit: `_fit_probe` with its static arguments bound.
+    x: float32 [N, D] standardised train features in their eigenbasis.
+    y: int32 [N] labels.
+    weights: float32 [N], 0 on the held-out rows.
+    held: bool [N], the held-out rows.
+    eigenvalues: [D], of the fitted rows' second moment.
+    l2_grid: the candidate lambdas.
+    params: zero {'w' [D, C], 'b' [C]}.
+
+  Returns:
+    (the chosen lambda, its held-out top-1 in [0, 1], its params). The best
+    held-out top-1 wins, then the lower held-out cross-entropy, then the
+    first in `l2_grid`; a diverged fit (non-finite weights) ranks last.
+  """
+  zeros, candidates, solutions = params, [], {}
+  for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
+    l2 = float(l2_grid[index])
+    params, steps = fit(x, y, weights, jnp.float32(l2), eigenvalues, params)
+    if not all(np.isfinite(v).all() for v in jax.device_get(params).values()):
+      # The path restarts from zero after a diverged fit.
+      params = zeros
+      val_top1, val_ce = 0.0, math.inf
+    else:
+      top1, _, ce = jax.device_get(_scores(params, x, y))
+      val_top1, val_ce = float(np.mean(top1[held])), float(np.mean(ce[held]))
+    logging.info('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
+                 'L-BFGS steps)', l2, 100 * val_top1, val_ce, int(steps))
+    candidates.append((-val_top1, val_ce if math.isfinite(val_ce) else math.inf,
+                       index))
+    solutions[index] = params
+  neg_val_top1, _, index = min(candidates)
+  return float(l2_grid[index]), -neg_val_top1, solutions[index]
+
+
 class Probe(NamedTuple):
   """A fitted linear probe: `logits = ((h - mean) / std) @ w + b`.
 
@@ -295,34 +336,17 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   weights = jnp.asarray(~held, jnp.float32)
   eigenvalues, basis = _eigenbasis(x, weights)
   x = _matmul(x, basis)
-  params = {'w': jnp.zeros((train_x.shape[1], num_classes), jnp.float32),
-            'b': jnp.zeros((num_classes,), jnp.float32)}
-  # The regularisation path, strongest penalty first: each fit starts from
-  # the previous solution, which is close to its own.
-  candidates, solutions = [], {}
-  for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
-    l2 = float(l2_grid[index])
-    params, steps = fit(x, y, weights, jnp.float32(l2), eigenvalues, params)
-    if not all(np.isfinite(v).all() for v in jax.device_get(params).values()):
-      # A diverged fit restarts the path from zero and ranks last.
-      params = jax.tree.map(jnp.zeros_like, params)
-      val_top1, val_ce = 0.0, math.inf
-    else:
-      top1, _, ce = jax.device_get(_scores(params, x, y))
-      val_top1, val_ce = float(np.mean(top1[held])), float(np.mean(ce[held]))
-    logging.info('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
-                 'L-BFGS steps)', l2, 100 * val_top1, val_ce, int(steps))
-    candidates.append((-val_top1, val_ce if math.isfinite(val_ce) else math.inf,
-                       index, l2))
-    solutions[index] = params
-  neg_val_top1, _, index, best = min(candidates)
+  best, val_top1, selected = _l2_path(
+      fit, x, y, weights, held, eigenvalues, l2_grid,
+      {'w': jnp.zeros((x.shape[1], num_classes), jnp.float32),
+       'b': jnp.zeros((num_classes,), jnp.float32)})
 
   mean, std = _moments(train_x)
   scale = lambda v: ((v - mean) / std).astype(np.float32)
   # Warm start: the selected probe rewritten for the full split's
   # standardisation and eigenbasis, so that it computes the same logits.
   w, b = (np.asarray(v, np.float64) for v in jax.device_get(
-      (_matmul(basis, solutions[index]['w']), solutions[index]['b'])))
+      (_matmul(basis, selected['w']), selected['b'])))
   x = jnp.asarray(scale(train_x))
   weights = jnp.ones(len(train_y), jnp.float32)
   eigenvalues, basis = _eigenbasis(x, weights)
@@ -336,7 +360,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
       _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
   row = {'top1': 100.0 * float(np.mean(top1)),
          'top5': 100.0 * float(np.mean(top5)),
-         'weight_decay': best, 'val_top1': -100.0 * neg_val_top1,
+         'weight_decay': best, 'val_top1': 100.0 * val_top1,
          'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
   if not return_probe:
     return row
