@@ -191,6 +191,7 @@ class Context:
     variables: its restored variables ({'params', 'batch_stats'}, and
       'alpha_logit' for a learnt alpha).
     datasets: `config.eval.datasets`.
+    weights: the checkpoint's `features.variables_fingerprint`.
     encoders: {results row: (feature cache tag, network variables)}: 'linear'
       (the checkpoint), 'random_init' and, with `config.eval.recompute_bn`,
       'linear_clean_bn'.
@@ -261,6 +262,7 @@ class Context:
 
   @property
   def views_dataset(self) -> str:
+    """`config.eval.views_dataset`, or the first evaluation dataset."""
     return self.config.eval.views_dataset or self.datasets[0]
 
   def view_embeddings(self) -> tuple[view_quality.ViewEmbeddings,
