@@ -1,8 +1,8 @@
 """Markdown and LaTeX tables from evaluation results, in the paper's layouts.
 
 Pure Python (no JAX). Every function takes a list of results dicts as written
-by `otclr_jax.evaluation.evaluate` (`<workdir>/eval/results.json`, one per run) and
-returns a string; `fmt` is 'markdown' or 'latex'.
+by `otclr_jax.evaluation.evaluate` (`<workdir>/eval/results.json`, one per
+run) and returns a string; `fmt` is 'markdown' or 'latex'.
 
 Runs sharing (pretrain_dataset, batch_size, method) are one row: each number is
 the mean over the runs (usually seeds) and, with n > 1 runs, the sample
