@@ -76,10 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
 
-  # kNN monitor during pretraining (otclr_jax/monitor.py): every every_steps
-  # optimiser steps (0: off; a multiple of log_every_steps), kNN top-1 of
-  # num_test test images against num_train labelled train images, logged as
-  # monitor_knn_top1. Never changes the run's result.
+  # kNN monitor during pretraining (otclr_jax/evaluation/monitor.py): every
+  # every_steps optimiser steps (0: off; a multiple of log_every_steps), kNN
+  # top-1 of num_test test images against num_train labelled train images,
+  # logged as monitor_knn_top1. Never changes the run's result.
   config.monitor = ml_collections.ConfigDict()
   config.monitor.every_steps = 500  # 10 x log_every_steps
   config.monitor.num_train = 1000
@@ -97,6 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Also probe with BatchNorm statistics re-estimated on clean train images.
   config.eval.recompute_bn = False
   config.eval.views_dataset = ''  # '' = the first of eval.datasets.
+  # What evaluation measures, in this order (otclr_jax/evaluation/evaluate.py).
+  config.eval.evaluators = ('probe', 'knn', 'clusters', 'views')
   config.eval.figures = True  # t-SNE and training curves after evaluating.
   # Each method's own settings block (config.moco, config.byol, config.dino;
   # defaults and their sources in otclr_jax/methods/<name>.py).

@@ -533,7 +533,7 @@ def run_train(args: argparse.Namespace) -> int:
   eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
                        repeats=2 * args.repeats)
 
-  # The kNN monitor (otclr_jax/monitor.py) as training calls it.
+  # The kNN monitor (otclr_jax/evaluation/monitor.py) as training calls it.
   monitor_ms, monitor_images = _time_monitor(base, model, state, args)
 
   # The OT views of a whole batch (both views), as the OTCLR step makes them.
@@ -619,7 +619,8 @@ def _time_monitor(config, model, state, args) -> tuple[float, str]:
   The config's dataset when it is prepared here, else random uint8 images
   and labels (the cost does not depend on content).
   """
-  from otclr_jax import data, monitor  # pylint: disable=g-import-not-at-top
+  from otclr_jax import data  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
   try:
     splits = [data.load_split(config.dataset, split,
                               config.image_size,

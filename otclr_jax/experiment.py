@@ -176,7 +176,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the kNN monitor runs (otclr_jax/monitor.py; `config.monitor`)."""
+  """Whether the kNN monitor runs (`config.monitor`).
+
+  The monitor is otclr_jax/evaluation/monitor.py.
+  """
   return 'monitor' in config and config.monitor.every_steps > 0
 
 

@@ -202,7 +202,7 @@ def export_checkpoint(workdir: str, step: int | None = None,
   """
   # Training-side modules (Orbax, the train step) load only for this command;
   # `load_encoder` users need none of them.
-  from otclr_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
   from otclr_jax.evaluation import features  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, rundir.CONFIG_FILE)
   if not os.path.exists(config_path):

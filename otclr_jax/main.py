@@ -37,10 +37,10 @@ from ml_collections import config_flags
 
 from otclr_jax import checkpoint
 from otclr_jax import data
-from otclr_jax import evaluate
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -118,7 +118,7 @@ def evaluate_and_draw(config, workdir: str,
 
 def make_monitor(config, model, train_split):
   """The kNN monitor training logs (`config.monitor`), built from evaluation's parts."""
-  from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
   return monitor.KnnMonitor(config, model, train_split)
 
 
@@ -126,10 +126,15 @@ def check_evaluation_data(config) -> None:
   """Checks every dataset evaluation will read, before hours of pretraining.
 
   Raises:
+    ConfigError: an `eval.*` setting that evaluation would refuse.
     data.NotEvaluableError: a dataset of `config.eval.datasets` is missing,
       lacks a train or test split, has one class, or has test classes that
       train lacks (the message names it).
   """
+  try:
+    evaluate.check_config(config)
+  except ValueError as e:
+    raise experiment.ConfigError(str(e)) from e
   names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
   for name in dict.fromkeys(n for n in names if n):
     found = data.check_evaluable(name, config.image_size,

@@ -1,8 +1,8 @@
 """Markdown and LaTeX tables from evaluation results, in the paper's layouts.
 
 Pure Python (no JAX). Every function takes a list of results dicts as written
-by `otclr_jax.evaluate` (`<workdir>/eval/results.json`, one per run) and
-returns a string; `fmt` is 'markdown' or 'latex'.
+by `otclr_jax.evaluation.evaluate` (`<workdir>/eval/results.json`, one per
+run) and returns a string; `fmt` is 'markdown' or 'latex'.
 
 Runs sharing (pretrain_dataset, batch_size, method) are one row: each number is
 the mean over the runs (usually seeds) and, with n > 1 runs, the sample
@@ -139,7 +139,7 @@ def _run_key(result: dict[str, Any]) -> tuple[str, int, str]:
              if k not in result]
   if missing:
     raise ValueError(f'results dict lacks {missing}; expected the output of '
-                     'otclr_jax.evaluate.')
+                     'otclr_jax.evaluation.evaluate.')
   return (str(result['pretrain_dataset']), int(result['batch_size']),
           run_id(result))
 
@@ -153,7 +153,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Groups runs by (pretrain_dataset, batch_size, `run_id`).
 
   Args:
-    results: results dicts of `otclr_jax.evaluate`, one per run.
+    results: results dicts of `otclr_jax.evaluation.evaluate`, one per run.
 
   Returns:
     One dict per group, sorted by pretraining dataset, batch size (descending)

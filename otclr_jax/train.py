@@ -39,7 +39,7 @@ from otclr_jax import step as step_lib
 # finite *after* the update. Popped before logging; a checkpoint is only
 # written when every step up to it was finite.
 _FINITE = 'state_finite'
-# Logged by the kNN monitor (otclr_jax/monitor.py) on its steps.
+# Logged by the kNN monitor (otclr_jax/evaluation/monitor.py) on its steps.
 MONITOR_METRIC = 'monitor_knn_top1'
 
 class DivergedError(FloatingPointError):

@@ -1,4 +1,4 @@
-"""Tests of the evaluation: linear probe, kNN, and `evaluate` on a tiny run."""
+"""Tests of `evaluation.evaluate` on a tiny run: restore, cache, results."""
 
 import json
 import os
@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 from otclr_jax import checkpoint
-from otclr_jax import evaluate
+from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
-from otclr_jax.evaluation import knn
-from otclr_jax.evaluation import probe
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
@@ -27,122 +26,8 @@ from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
 
-def _blobs(num_classes, per_class, dim, seed, spread=0.3, noise_seed=None):
-  """Gaussian blobs: centres drawn from `seed`, noise from `noise_seed`."""
-  centres = 3.0 * np.random.default_rng(seed).normal(size=(num_classes, dim))
-  rng = np.random.default_rng(seed if noise_seed is None else noise_seed + 1000)
-  labels = np.repeat(np.arange(num_classes), per_class)
-  x = centres[labels] + spread * rng.normal(size=(len(labels), dim))
-  order = rng.permutation(len(labels))
-  return x[order].astype(np.float32), labels[order].astype(np.int32)
-
-
-# ----------------------------------------------------------------------------
-# Linear probe.
-
-
-def test_probe_separates_blobs():
-  train_x, train_y = _blobs(6, 40, 16, seed=0)
-  test_x, test_y = _blobs(6, 15, 16, seed=0, noise_seed=1)
-  result = probe.linear_probe(train_x, train_y, test_x, test_y, 6,
-                                 max_steps=50)
-  assert result['top1'] == pytest.approx(100.0)
-  assert result['top5'] == pytest.approx(100.0)
-  assert result['val_top1'] == pytest.approx(100.0)
-  assert result['weight_decay'] in probe.L2_GRID
-  assert (result['num_train'], result['num_test']) == (240, 90)
-
-
-def test_scores_top1_top5_match_numpy_count():
-  rng = np.random.default_rng(0)
-  for num_classes in (3, 9):
-    x = rng.normal(size=(64, 5)).astype(np.float32)
-    y = rng.integers(0, num_classes, size=64).astype(np.int32)
-    params = {'w': rng.normal(size=(5, num_classes)).astype(np.float32),
-              'b': rng.normal(size=num_classes).astype(np.float32)}
-    top1, top5, ce = (np.asarray(a) for a in probe._scores(
-        params, jnp.asarray(x), jnp.asarray(y)))
-    logits = x.astype(np.float64) @ params['w'] + params['b']
-    np.testing.assert_array_equal(top1, logits.argmax(1) == y)
-    # Label among the five largest logits (all of them with < 5 classes).
-    top5_ref = [y[i] in np.argsort(-logits[i])[:5] for i in range(64)]
-    np.testing.assert_array_equal(top5, top5_ref)
-    if num_classes < 5:
-      assert top5.all()
-    else:
-      assert 0 < top5.mean() < 1
-    log_z = np.log(np.exp(logits).sum(1))
-    np.testing.assert_allclose(ce, log_z - logits[np.arange(64), y],
-                               rtol=1e-5, atol=1e-5)
-
-
-def test_regularisation_choice_never_reads_test():
-  # Overlapping blobs with few examples per dimension: test accuracy depends
-  # on lambda, and a selection that peeked at the test labels would pick a
-  # different lambda once they are shuffled.
-  train_x, train_y = _blobs(4, 30, 64, seed=2, spread=10.0)
-  test_x, test_y = _blobs(4, 25, 64, seed=2, spread=10.0, noise_seed=3)
-  first = probe.linear_probe(train_x, train_y, test_x, test_y, 4,
-                                max_steps=40)
-  shuffled = probe.linear_probe(
-      train_x, train_y, test_x, np.random.default_rng(0).permutation(test_y),
-      4, max_steps=40)
-  garbage = probe.linear_probe(train_x, train_y,
-                                  np.full_like(test_x, 1e3), test_y, 4,
-                                  max_steps=40)
-  for other in (shuffled, garbage):
-    assert other['weight_decay'] == first['weight_decay']
-    assert other['val_top1'] == first['val_top1']
-
-
-def test_stratified_holdout():
-  labels = np.repeat([0, 1, 2, 3], [30, 11, 2, 1])
-  held = probe.stratified_holdout(labels, 0.1, seed=0)
-  np.testing.assert_array_equal(
-      [held[labels == c].sum() for c in range(4)], [3, 1, 1, 0])
-  np.testing.assert_array_equal(held, probe.stratified_holdout(labels))
-  assert not np.array_equal(held, probe.stratified_holdout(labels, seed=1))
-  with pytest.raises(ValueError, match='fraction'):
-    probe.stratified_holdout(labels, 1.0)
-
-
-def test_probe_rejects_bad_labels():
-  x, y = _blobs(3, 5, 4, seed=0)
-  with pytest.raises(ValueError, match='labels'):
-    probe.linear_probe(x, y, x, np.full_like(y, -1), 3)
-
-
-# ----------------------------------------------------------------------------
-# kNN.
-
-
-def _knn_reference(train_x, train_y, test_x, num_classes, k, temperature):
-  norm = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)
-  sim = norm(test_x.astype(np.float64)) @ norm(train_x.astype(np.float64)).T
-  k = min(k, len(train_x))
-  pred = []
-  for row in sim:
-    nearest = np.argsort(-row)[:k]
-    votes = np.zeros(num_classes)
-    np.add.at(votes, train_y[nearest], np.exp(row[nearest] / temperature))
-    pred.append(votes.argmax())
-  return np.asarray(pred)
-
-
-@pytest.mark.parametrize('k', [7, 200])
-def test_knn_matches_numpy(monkeypatch, k):
-  # A tiny slab bound forces several chunks and a padded last chunk.
-  monkeypatch.setattr(knn, 'KNN_MAX_SLAB', 60 * 8)
-  rng = np.random.default_rng(k)
-  train_x = rng.normal(size=(60, 8)).astype(np.float32)
-  train_y = rng.integers(0, 5, size=60).astype(np.int32)
-  test_x = rng.normal(size=(21, 8)).astype(np.float32)
-  test_y = rng.integers(0, 5, size=21).astype(np.int32)
-  ref = _knn_reference(train_x, train_y, test_x, 5, k, 0.07)
-  acc = knn.knn_top1(train_x, train_y, test_x, test_y, 5, k=k)
-  assert acc == pytest.approx(100.0 * np.mean(ref == test_y), abs=1e-9)
-  # Predicting the test points' own labels from themselves: a sanity anchor.
-  assert knn.knn_top1(test_x, test_y, test_x, test_y, 5, k=1) == 100.0
+def _evaluate(config, workdir, step=None):
+  return evaluate.evaluate_run(config, workdir, step).results
 
 
 # ----------------------------------------------------------------------------
@@ -178,14 +63,14 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   config.eval.recompute_bn = True
 
   with pytest.raises(FileNotFoundError, match='pretrain first'):
-    evaluate.evaluate(config, workdir)
+    _evaluate(config, workdir)
   assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
 
-  train.pretrain(config, workdir, stop_after_steps=2)
+  train.train(config, workdir, stop_after_steps=2)
   with pytest.raises(ValueError, match=r'available steps: \[2\]'):
-    evaluate.evaluate(config, workdir, step=3)
+    _evaluate(config, workdir, step=3)
   _small_digits(monkeypatch)
-  results = evaluate.evaluate(config, workdir)
+  results = _evaluate(config, workdir)
 
   with open(os.path.join(workdir, 'eval', 'results.json')) as f:
     assert json.load(f) == results
@@ -241,7 +126,7 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
     raise AssertionError('features were recomputed instead of read')
 
   monkeypatch.setattr(features, 'extract_features', fail)
-  again = evaluate.evaluate(config, workdir)
+  again = _evaluate(config, workdir)
   for section in ('linear', 'random_init', 'clusters', 'views',
                   'linear_clean_bn'):
     assert again[section] == results[section]
@@ -251,11 +136,11 @@ def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
   config = tiny_config(data_dir)
   config.eval.datasets = ('digits', 'mnist')
   with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
-    evaluate.evaluate(config, str(tmp_path))
+    _evaluate(config, str(tmp_path))
   config.eval.datasets = ('digits',)
   (tmp_path / 'checkpoints').mkdir()
   with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
-    evaluate.evaluate(config, str(tmp_path))
+    _evaluate(config, str(tmp_path))
 
 
 # ----------------------------------------------------------------------------
@@ -376,7 +261,7 @@ def _eval_config(data_dir, **overrides):
 def trained_run(tmp_path_factory, data_dir):
   """A tiny run trained to step 2 (seed 0, otclr); tests copy it."""
   workdir = str(tmp_path_factory.mktemp('trained') / 'run')
-  train.pretrain(_eval_config(data_dir), workdir,
+  train.train(_eval_config(data_dir), workdir,
                  stop_after_steps=2)
   return workdir
 
@@ -395,18 +280,18 @@ def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
   workdir = _copy_run(trained_run, tmp_path)
   _small_digits(monkeypatch)
   config_a = _eval_config(data_dir)
-  first = evaluate.evaluate(config_a, workdir)
+  first = _evaluate(config_a, workdir)
   features_a = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
   for entry in os.listdir(workdir):
     if entry != 'eval':
       path = os.path.join(workdir, entry)
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   config_b = _eval_config(data_dir, seed=1, method='simclr')
-  train.pretrain(config_b, workdir, stop_after_steps=2)
+  train.train(config_b, workdir, stop_after_steps=2)
   warnings = []
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
-  second = evaluate.evaluate(config_b, workdir)
+  second = _evaluate(config_b, workdir)
   features_b = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
   assert second['step'] == first['step'] == 2
   assert (second['method'], second['seed']) == ('simclr', 1)
@@ -424,7 +309,7 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
   workdir = _copy_run(trained_run, tmp_path)
   _small_digits(monkeypatch)
   config = _eval_config(data_dir)
-  first = evaluate.evaluate(config, workdir)
+  first = _evaluate(config, workdir)
   feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
   changed = os.path.join(feature_dir, 'step2', 'digits_test.npz')
@@ -443,7 +328,7 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
       lambda *a, **k: calls.append(k['what']) or extract(*a, **k))
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
-  again = evaluate.evaluate(config, workdir)
+  again = _evaluate(config, workdir)
   assert sorted(calls) == ['init features digits/train',
                            'step2 features digits/test']
   assert any(changed in w and 'other model settings' in w for w in warnings)
@@ -484,7 +369,7 @@ def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
   monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: checkpoint step 2 .*non-finite'):
-    evaluate.evaluate(_eval_config(data_dir), workdir)
+    _evaluate(_eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
   # The command line ends in one error line and the data-error status.
   config = _eval_config(data_dir)
@@ -508,7 +393,7 @@ def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
   monkeypatch.setattr(features, 'extract_features', nan_features)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: the step2 encoder .* on digits/train'):
-    evaluate.evaluate(_eval_config(data_dir), workdir)
+    _evaluate(_eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
@@ -516,7 +401,7 @@ def test_restore_falls_back_past_a_truncated_newest_checkpoint(
     tmp_path, data_dir, caplog):
   config = _eval_config(data_dir, method='simclr')
   workdir = tmp_path / 'run'
-  train.pretrain(config, str(workdir))  # checkpoints 2 and 4
+  train.train(config, str(workdir))  # checkpoints 2 and 4
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
   # What a crash mid-write leaves: the newest checkpoint's data cut short.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
@@ -539,14 +424,48 @@ def test_restore_falls_back_past_a_truncated_newest_checkpoint(
     evaluate.restore(config, str(workdir), step=4)
 
 
+def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
+    tmp_path, data_dir, monkeypatch, caplog):
+  # A run still training with keep_checkpoints=1: evaluation lists [2], and
+  # while it reads 2 the run saves 4 and deletes 2.
+  config = _eval_config(data_dir, method='simclr')
+  workdir = tmp_path / 'run'
+  train.train(config, str(workdir))  # checkpoints 2 and 4
+  _, expected, _ = evaluate.restore(config, str(workdir), step=4)
+  aside = tmp_path / 'newer'
+  (workdir / 'checkpoints' / '4').rename(aside)
+  read = experiment.restore_variables
+  calls = []
+
+  def rotating(config, workdir_, step):
+    calls.append(step)
+    if step == 2:
+      aside.rename(workdir / 'checkpoints' / '4')
+      shutil.rmtree(workdir / 'checkpoints' / '2')
+    return read(config, workdir_, step)
+
+  monkeypatch.setattr(experiment, 'restore_variables', rotating)
+  caplog.set_level('INFO')
+  _, restored, step = evaluate.restore(config, str(workdir))
+  assert (step, calls) == (4, [2, 4])
+  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
+                  jax.tree_util.tree_leaves(jax.device_get(restored))):
+    np.testing.assert_array_equal(a, b)
+  assert any('deleted while being read' in r.getMessage()
+             for r in caplog.records)
+  # An explicit step that is gone stays an error.
+  with pytest.raises(ValueError, match=r'available steps: \[4\]'):
+    evaluate.restore(config, str(workdir), step=2)
+
+
 def test_command_line_takes_the_eval_lock(tmp_path):
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with rundir.lock(workdir, rundir.EVAL_LOCK_FILE):
     proc = subprocess.run(
-        [sys.executable, '-m', 'otclr_jax.evaluate',
-         '--config=configs/digits.py', f'--workdir={workdir}'],
+        [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
+         f'--workdir={workdir}', '--config.mode=eval'],
         cwd=repo, capture_output=True, text=True, timeout=120)
   assert proc.returncode == rundir.EXIT_LOCKED, proc.stderr[-2000:]
   assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
@@ -564,7 +483,7 @@ def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
                            'dino.num_prototypes': 32})
   workdir = str(tmp_path / 'run')
   train.train(config, workdir)
-  results = evaluate.evaluate(config, workdir)
+  results = _evaluate(config, workdir)
   title = {'moco': 'MoCo', 'byol': 'BYOL', 'dino': 'DINO'}[method]
   assert results['title'] == f'{title} + OT views'
   assert results['view_generator'] == 'ot'

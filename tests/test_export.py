@@ -13,7 +13,7 @@ import pytest
 
 from configs import default
 from otclr_jax import data
-from otclr_jax import evaluate
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax import export
 from otclr_jax import models

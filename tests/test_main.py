@@ -213,3 +213,13 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
         rundir.EXIT_STOPPED)
   assert f'{signal.Signals(signum).name} during evaluation' in caplog.text
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
+
+
+def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir):
+  workdir = str(tmp_path / 'run')
+  config = _config(data_dir, **{'eval.at_end': True})
+  config.eval.evaluators = ('probe', 'knnn')
+  with pytest.raises(app.UsageError, match='evaluators') as info:
+    main.run(config, workdir)
+  assert info.value.exitcode == 2
+  assert not os.path.exists(workdir)

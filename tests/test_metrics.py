@@ -1,4 +1,4 @@
-"""Tests for otclr_jax.metrics against sklearn, NumPy and closed forms."""
+"""Tests for otclr_jax.evaluation.metrics against sklearn, NumPy and closed forms."""
 
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sklearn import metrics as sk_metrics
 
-from otclr_jax import metrics
+from otclr_jax.evaluation import metrics
 
 RTOL = 1e-4
 ATOL = 1e-5

@@ -1,7 +1,9 @@
-"""Evaluation of frozen encoders: one module per evaluator.
+"""Evaluation of frozen encoders: one module per job.
 
-`features` (extraction and cache), `probe` (linear probe), `knn`, `clusters`
-(cluster metrics, the head that makes z), `view_quality` (both view
-generators embedded by one network). `otclr_jax.evaluate` runs them on a
-checkpoint; none of them imports training or figures.
+`evaluate` restores a checkpoint and runs the evaluators the config names;
+each evaluator module (`probe`, `knn`, `clusters`, `view_quality`) has an
+`evaluate(ctx)` that yields (key path, value) pairs. `features` extracts and
+caches encoder features, `metrics` holds the cluster and view metrics and
+`monitor` the kNN monitor that training runs. None of them imports training
+or figures.
 """

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from typing import Any, Iterator
 
 from absl import logging
 import flax.linen as nn
@@ -13,10 +14,9 @@ import ml_collections
 import numpy as np
 
 from otclr_jax import data
-from otclr_jax import metrics
 from otclr_jax import models
 from otclr_jax.evaluation import features
-from otclr_jax.evaluation import knn
+from otclr_jax.evaluation import metrics
 
 MAX_CLUSTER_POINTS = 10_000
 CLUSTER_SEED = 0
@@ -72,7 +72,7 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
   Returns:
     The four metrics (None where undefined) and 'num_points'.
   """
-  z = knn._l2_normalise(test_x)
+  z = features.l2_normalise(test_x)
   if len(z) > max_points:
     keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points,
                                                       replace=False))
@@ -82,6 +82,32 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
   out = safe_cluster_metrics(z, num_classes)
   out['num_points'] = int(len(z))
   return out
+
+
+def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
+  """The clusters evaluator: cluster metrics of the test embeddings.
+
+  The embedding is `config.eval.embedding`: z, the run's head applied to the
+  cached test features h (`project`), or h itself.
+
+  Args:
+    ctx: the evaluation's `evaluate.Context`.
+
+  Yields:
+    `(('clusters', dataset), metrics)` (`feature_cluster_metrics`) for every
+    dataset, and the seed under `('protocol', 'cluster_seed')`.
+  """
+  embedding = embedding_of(ctx.config)
+  trained = ctx.encoders['linear'][1]
+  for name in ctx.datasets:
+    start = time.perf_counter()
+    feats, num_classes = ctx.features(name)
+    test_h = feats['linear']['test'][0]
+    z = project(ctx.model, trained, test_h) if embedding == 'z' else test_h
+    yield ('clusters', name), feature_cluster_metrics(z, num_classes)
+    logging.info('clusters %s: %s embedding [%.1f s]', name, embedding,
+                 time.perf_counter() - start)
+  yield ('protocol', 'cluster_seed'), CLUSTER_SEED
 
 
 def embedding_of(config: ml_collections.ConfigDict) -> str:

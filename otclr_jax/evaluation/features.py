@@ -66,6 +66,12 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)])
 
 
+def l2_normalise(x: np.ndarray) -> np.ndarray:
+  """Rows of float [N, D] scaled to unit norm, float32 (zero rows stay zero)."""
+  x = np.asarray(x, np.float32)
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
 class Encoder:
   """The frozen encoder: features of uint8 images, BatchNorm in inference mode.
 
@@ -266,8 +272,9 @@ def load_features(workdir: str, step: int, name: str, split: str,
   if cached is None:
     raise FileNotFoundError(
         f'No cached {name}/{split} features of step {step} at {image_size} px '
-        f'({path}); run the evaluation first: `python -m otclr_jax.evaluate '
-        f'--config=configs/<config>.py --workdir={workdir}`.')
+        f'({path}); run the evaluation first: `python -m otclr_jax.main '
+        f'--config=configs/<config>.py --workdir={workdir} '
+        '--config.mode=eval`.')
   return cached[0], cached[1]
 
 

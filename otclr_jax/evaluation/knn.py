@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import time
+from typing import Any, Iterator
+
+from absl import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from otclr_jax.evaluation import features
-from otclr_jax.evaluation import probe
 
 KNN_K = 200
 KNN_TEMPERATURE = 0.07
@@ -17,16 +20,14 @@ KNN_TEMPERATURE = 0.07
 KNN_MAX_SLAB = 2**26
 
 
-def _l2_normalise(x):
-  x = np.asarray(x, np.float32)
-  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
 @functools.partial(jax.jit, static_argnames=('k', 'num_classes'))
 def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
                  num_classes):
   def chunk(rows):
-    sim, idx = jax.lax.top_k(probe._matmul(rows, train_z.T), k)
+    # Full float32 products: TF32 noise would change the ranking on some
+    # accelerators.
+    sim, idx = jax.lax.top_k(
+        jnp.matmul(rows, train_z.T, precision=jax.lax.Precision.HIGHEST), k)
     weights = jnp.exp(sim / temperature)
     votes = jax.vmap(lambda l, w: jnp.zeros(num_classes).at[l].add(w))(
         train_y[idx], weights)
@@ -60,7 +61,8 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   if k < 1 or temperature <= 0:
     raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '
                      f'{temperature}.')
-  train_z, test_z = _l2_normalise(train_x), _l2_normalise(test_x)
+  train_z = features.l2_normalise(train_x)
+  test_z = features.l2_normalise(test_x)
   num_test = len(test_z)
   if num_test == 0 or len(train_z) == 0:
     raise ValueError('kNN needs at least one train and one test row.')
@@ -73,3 +75,25 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                       k=min(k, len(train_z)), num_classes=num_classes)
   pred = np.asarray(pred).reshape(-1)[:num_test]
   return 100.0 * float(np.mean(pred == np.asarray(test_y)))
+
+
+def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
+  """The kNN evaluator: weighted kNN top-1 of every encoder on every dataset.
+
+  Args:
+    ctx: the evaluation's `evaluate.Context`.
+
+  Yields:
+    `((row, dataset, 'knn_top1'), percent)` for the rows of `ctx.encoders`,
+    and the kNN settings under `('protocol', ...)`.
+  """
+  for name in ctx.datasets:
+    feats, num_classes = ctx.features(name)
+    for row_name, by_split in feats.items():
+      start = time.perf_counter()
+      top1 = knn_top1(*by_split['train'], *by_split['test'], num_classes)
+      logging.info('%s %s: kNN top-1 %.2f%% [%.1f s]', row_name, name, top1,
+                   time.perf_counter() - start)
+      yield (row_name, name, 'knn_top1'), top1
+  yield ('protocol', 'knn_k'), KNN_K
+  yield ('protocol', 'knn_temperature'), KNN_TEMPERATURE

@@ -8,7 +8,10 @@ network, so the two rows differ only in how the views were made.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+import time
+from typing import Any, Iterator, NamedTuple
+
+from absl import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +20,10 @@ import numpy as np
 
 from otclr_jax import data
 from otclr_jax import experiment
-from otclr_jax import metrics
 from otclr_jax import views as views_lib
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import features
+from otclr_jax.evaluation import metrics
 
 VIEWS_SEED = 0
 
@@ -121,7 +124,14 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
 
 def summarise_views(views: ViewEmbeddings,
                     num_classes: int) -> dict[str, Any]:
-  """The view-quality metrics of `view_embeddings` (see `view_metrics`)."""
+  """The view-quality metrics of `view_embeddings`, per generator.
+
+  Returns:
+    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
+    anchor_distance, pixel_l2, pixel_rms and the four cluster metrics of the
+    2n view embeddings [z1; z2] (K-means with K = num_classes), all in the
+    embedding `views.embedding` names.
+  """
   out = {}
   # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
   for generator, (z1, z2), pix, rms in (
@@ -138,30 +148,22 @@ def summarise_views(views: ViewEmbeddings,
   return out
 
 
-def view_metrics(config: ml_collections.ConfigDict, model,
-                 variables: dict[str, Any], images: np.ndarray,
-                 num_classes: int, *, num_images: int, batch_size: int,
-                 seed: int = VIEWS_SEED) -> dict[str, Any]:
-  """View-quality metrics of the SimCLR and OTCLR generators, one encoder.
-
-  The views and embeddings are those of `view_embeddings` (same arguments).
+def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
+  """The views evaluator: both generators' view quality, one network.
 
   Args:
-    config: the run's config.
-    model: the run's network.
-    variables: as for `view_embeddings`.
-    images: uint8 [N, S, S, 3] test images.
-    num_classes: K for the cluster metrics of the view embeddings.
-    num_images: n, at most N.
-    batch_size: images per device call.
-    seed: selection and augmentation seed.
+    ctx: the evaluation's `evaluate.Context`; its `view_embeddings` holds the
+      embeddings afterwards (for the figures).
 
-  Returns:
-    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
-    anchor_distance, pixel_l2, pixel_rms and the four cluster metrics of the
-    2n view embeddings [z1; z2] (K-means with K = num_classes), all in the
-    embedding `config.eval.embedding` names.
+  Yields:
+    `(('views',), {'simclr': {...}, 'otclr': {...}})` (`summarise_views`)
+    and the views' settings under `('protocol', ...)`.
   """
-  return summarise_views(
-      view_embeddings(config, model, variables, images, num_images=num_images,
-                      batch_size=batch_size, seed=seed), num_classes)
+  start = time.perf_counter()
+  views, test = ctx.view_embeddings()
+  yield ('views',), summarise_views(views, test.num_classes)
+  logging.info('views %s: %d images [%.1f s]', ctx.views_dataset,
+               len(views.indices), time.perf_counter() - start)
+  yield ('protocol', 'views_dataset'), ctx.views_dataset
+  yield ('protocol', 'views_num_images'), len(views.indices)
+  yield ('protocol', 'views_seed'), VIEWS_SEED

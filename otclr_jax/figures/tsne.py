@@ -26,9 +26,9 @@ from sklearn import metrics as sk_metrics
 import threadpoolctl
 
 from otclr_jax import data
-from otclr_jax import evaluate
 from otclr_jax import tables
 from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import view_quality
 from otclr_jax.figures import common
 

@@ -1,4 +1,4 @@
-"""A kNN monitor of representation quality during pretraining (`config.monitor`).
+"""A kNN monitor of representation quality in pretraining (`config.monitor`).
 
 Every `config.monitor.every_steps` optimiser steps (0 disables it; a multiple
 of `config.log_every_steps`), training embeds a fixed held-out subset with the
@@ -55,7 +55,7 @@ class KnnMonitor:
     Args:
       config: the run's config (`monitor.num_train`, `monitor.num_test`,
         `dataset`, `image_size`, `data_dir`).
-      model: the run's `SimCLRNet`.
+      model: the run's network (`experiment.create_model`).
       train_split: the already loaded train split of `config.dataset`, to
         avoid reading it twice; loaded here when None.
       test_split: its test split; loaded here when None.

@@ -1,0 +1,387 @@
+"""Evaluation of a pretrained run's checkpoint (docs/method.md section 7).
+
+`python -m otclr_jax.main --config=configs/X.py --workdir=DIR
+--config.mode=eval` (which holds DIR's eval lock and then draws the figures)
+calls `evaluate_run`. It restores the network's params and BatchNorm
+statistics of a checkpoint of DIR (partial restoration: the optimiser's and
+the method's extra state are not read) into a `Context`, then runs the
+evaluators `config.eval.evaluators` names, in that order. An evaluator is a
+function `evaluate(ctx)` that yields `(key path, value)` pairs, each stored
+at that path of the results dict:
+
+- `probe` (`probe.evaluate`): linear probe top-1 / top-5 of frozen 512-d
+  encoder features `h` on every dataset in `config.eval.datasets`, with its
+  L2 strength chosen on held-out TRAIN data; rows `linear` (the checkpoint),
+  `random_init` (the untrained encoder, initialised from the run's seed as
+  pretraining initialises it) and, with `config.eval.recompute_bn`,
+  `linear_clean_bn` (BatchNorm statistics re-estimated on at most
+  `clusters.MAX_BN_IMAGES` clean train images of the pretraining dataset).
+- `knn` (`knn.evaluate`): weighted kNN top-1 of the same features, in the
+  same rows.
+- `clusters` (`clusters.evaluate`): K-means cluster metrics of the
+  l2-normalised test embeddings, `config.eval.embedding` 'z' (projection
+  head of h) or 'h'.
+- `views` (`view_quality.evaluate`): view quality of both view generators'
+  pairs of `config.eval.num_view_images` test images of
+  `config.eval.views_dataset`, embedded by the same restored network.
+
+Features are extracted once per encoder, dataset and split (BatchNorm in
+inference mode, no augmentation, images at `config.image_size`) and cached in
+`DIR/eval/features/` bound to the weights (`features.dataset_features`); a
+checkpoint with non-finite variables or features is refused
+(`features.NonFiniteError`) before anything is written.
+
+Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
+of docs/method.md section 11, with a `protocol` entry recording the
+settings), `tables.md` and `tables.tex` (`otclr_jax.tables`), the probe of
+each dataset (`probe.save_probe`) and `config.json`, the run's config; the
+probe table is printed to stdout. This module does not import the figures;
+`main.py` draws them from the returned `Evaluation`.
+
+The checkpoint directory is opened read-only, so a run that is still training
+can be evaluated without disturbing its saves; a checkpoint that the run's
+rotation deletes while it is being read is replaced by the newest one then
+listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Iterator, NamedTuple
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from otclr_jax import checkpoint
+from otclr_jax import data
+from otclr_jax import experiment
+from otclr_jax import fileio
+from otclr_jax import tables
+from otclr_jax import views as views_lib
+from otclr_jax.evaluation import clusters
+from otclr_jax.evaluation import features
+from otclr_jax.evaluation import knn
+from otclr_jax.evaluation import probe
+from otclr_jax.evaluation import view_quality
+
+# `config.eval.evaluators` names these; each yields (key path, value) pairs.
+Evaluator = Callable[[Any], Iterator[tuple[tuple[str, ...], Any]]]
+EVALUATORS: dict[str, Evaluator] = {
+    'probe': probe.evaluate,
+    'knn': knn.evaluate,
+    'clusters': clusters.evaluate,
+    'views': view_quality.evaluate,
+}
+# How often a newest checkpoint may vanish under a read (a training run
+# rotating its checkpoints) before evaluation gives up.
+MAX_LISTINGS = 10
+
+
+def checkpoint_path(workdir: str, step: int) -> str:
+  """`<workdir>/checkpoints/<step>`, absolute."""
+  return os.path.join(os.path.abspath(workdir), 'checkpoints', str(int(step)))
+
+
+def _list_steps(workdir: str) -> list[int]:
+  ckpt = checkpoint.Checkpointer(workdir, read_only=True)
+  try:
+    return sorted(ckpt.all_steps(), reverse=True)
+  finally:
+    ckpt.close()
+
+
+def restore(config: ml_collections.ConfigDict, workdir: str,
+            step: int | None = None):
+  """The run's network, restored variables and step.
+
+  With `step` None, the newest checkpoint that restores: newer ones that do
+  not (truncated, incomplete) are skipped with a warning naming each, and
+  when the one being read disappears (a run still training rotated it away,
+  e.g. `keep_checkpoints=1`), the checkpoints are listed again.
+
+  Returns:
+    `(model, variables, step)`: `variables` the network's {'params',
+    'batch_stats'} (and 'alpha_logit' for a learnt alpha) of the checkpoint,
+    read by partial restoration (`experiment.restore_variables`).
+
+  Raises:
+    FileNotFoundError: `workdir` holds no checkpoint.
+    ValueError: no checkpoint for `step`.
+    RuntimeError: no checkpoint restores.
+  """
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  how = ('pretrain first, e.g. `python -m otclr_jax.main '
+         '--config=configs/<config>.py --workdir=' + workdir + '`')
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'No checkpoints in {workdir} ({directory} does '
+                            f'not exist); {how}.')
+  model = experiment.create_model(config)
+  if step is not None:
+    steps = _list_steps(workdir)
+    if step not in steps:
+      raise ValueError(f'No checkpoint for step {step} in {directory}; '
+                       f'available steps: {sorted(steps)}.')
+    return model, experiment.restore_variables(config, workdir, step), step
+  # Read-only: a damaged checkpoint is left where it is and a training run
+  # there is undisturbed.
+  failures = {}
+  for _ in range(MAX_LISTINGS):
+    steps = [s for s in _list_steps(workdir) if s not in failures]
+    if not steps and not failures:
+      raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
+    vanished = False
+    for candidate in steps:
+      try:
+        return (model, experiment.restore_variables(config, workdir, candidate),
+                int(candidate))
+      except Exception as e:  # pylint: disable=broad-except
+        if not os.path.isdir(checkpoint_path(workdir, candidate)):
+          logging.info('Checkpoint %s was deleted while being read (a run '
+                       'rotating its checkpoints); listing them again.',
+                       checkpoint_path(workdir, candidate))
+          vanished = True
+          break
+        failures[candidate] = checkpoint.describe_error(e)
+        logging.warning('Skipping checkpoint %s: %s',
+                        checkpoint_path(workdir, candidate),
+                        failures[candidate])
+    if not vanished:
+      break
+  reasons = '; '.join(f'step {s}: {why}' for s, why in failures.items())
+  raise RuntimeError(f'No checkpoint in {directory} restores '
+                     f'({reasons or "each was deleted while being read"}).')
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError on an evaluation setting that cannot work."""
+  datasets = tuple(config.eval.datasets)
+  if not datasets:
+    raise ValueError('config.eval.datasets is empty; name at least one '
+                     'dataset, e.g. --config.eval.datasets=cifar10,')
+  if len(set(datasets)) != len(datasets):
+    raise ValueError(f'config.eval.datasets repeats a name: {datasets}.')
+  for name in datasets:
+    features.check_dataset_name(name)
+  features.check_dataset_name(config.eval.views_dataset or datasets[0])
+  if min(int(config.eval.batch_size), int(config.eval.probe_steps),
+         int(config.eval.num_view_images)) < 1:
+    raise ValueError('config.eval.batch_size, probe_steps and num_view_images '
+                     'must be >= 1.')
+  unknown = [n for n in config.eval.evaluators if n not in EVALUATORS]
+  if unknown or not config.eval.evaluators:
+    raise ValueError(f'config.eval.evaluators must name some of '
+                     f'{tuple(EVALUATORS)}, got '
+                     f'{tuple(config.eval.evaluators)}.')
+  clusters.embedding_of(config)
+
+
+class Context:
+  """What the evaluators share: the restored checkpoint, encoders and data.
+
+  Attributes:
+    config: the run's config.
+    workdir: the run's directory.
+    step: the evaluated checkpoint's step.
+    model: the run's network.
+    variables: its restored variables ({'params', 'batch_stats'}, and
+      'alpha_logit' for a learnt alpha).
+    datasets: `config.eval.datasets`.
+    weights: the checkpoint's `features.variables_fingerprint`.
+    encoders: {results row: (feature cache tag, network variables)}: 'linear'
+      (the checkpoint), 'random_init' and, with `config.eval.recompute_bn`,
+      'linear_clean_bn'.
+    bn_images: clean images that re-estimated the BatchNorm statistics (0
+      without `recompute_bn`).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               step: int | None = None):
+    check_config(config)
+    self.config = config
+    self.workdir = workdir
+    self.datasets = tuple(config.eval.datasets)
+    self.model, self.variables, self.step = restore(config, workdir, step)
+    logging.info('Evaluating %s (step %d) on %s',
+                 checkpoint_path(workdir, self.step), self.step,
+                 ', '.join(self.datasets))
+    trained = {'params': self.variables['params'],
+               'batch_stats': self.variables['batch_stats']}
+    # A diverged run can leave NaN/inf weights or BatchNorm statistics; their
+    # features give chance-level numbers that look like results.
+    features.check_finite_variables(trained, workdir, self.step)
+    self.weights = features.variables_fingerprint(trained)
+    self.encoders = {
+        'linear': (f'step{self.step}', trained),
+        'random_init': ('init', experiment.initial_variables(config))}
+    self.bn_images = 0
+    if config.eval.recompute_bn:
+      self.encoders['linear_clean_bn'] = (f'step{self.step}_cleanbn',
+                                          self._clean_bn(trained))
+    self._encoder = features.Encoder(self.model)
+    self._features = {}
+    self._views = None
+
+  def _clean_bn(self, trained: dict[str, Any]) -> dict[str, Any]:
+    """`trained` with BatchNorm statistics of clean pretraining images."""
+    clean = self.split(self.config.dataset, 'train').images
+    if len(clean) > clusters.MAX_BN_IMAGES:
+      clean = clean[np.sort(np.random.default_rng(clusters.BN_SEED).choice(
+          len(clean), clusters.MAX_BN_IMAGES, replace=False))]
+    self.bn_images = len(clean)
+    logging.info('Recomputing BatchNorm statistics on %d clean %s train '
+                 'images.', self.bn_images, self.config.dataset)
+    return {'params': trained['params'],
+            'batch_stats': clusters.recompute_batch_stats(
+                self.model, trained, clean, int(self.config.eval.batch_size))}
+
+  def split(self, name: str, split: str) -> data.Split:
+    """A split of a dataset at the run's image size."""
+    return data.load_split(name, split, self.config.image_size,
+                           self.config.data_dir or None)
+
+  def features(self, name: str):
+    """Features of dataset `name` for every encoder, extracted once.
+
+    Returns:
+      `({row: {split: (features float32 [N, 512], labels int32 [N])}},
+      num_classes)` with the rows of `encoders`.
+    """
+    if name not in self._features:
+      by_tag, num_classes = features.dataset_features(
+          self.config, self.workdir, name, self._encoder,
+          {tag: v for tag, v in self.encoders.values()})
+      self._features[name] = (
+          {row: by_tag[tag] for row, (tag, _) in self.encoders.items()},
+          num_classes)
+    return self._features[name]
+
+  @property
+  def views_dataset(self) -> str:
+    """`config.eval.views_dataset`, or the first evaluation dataset."""
+    return self.config.eval.views_dataset or self.datasets[0]
+
+  def view_embeddings(self) -> tuple[view_quality.ViewEmbeddings,
+                                     data.Split]:
+    """Both generators' view embeddings of the views dataset's test split."""
+    if self._views is None:
+      test = self.split(self.views_dataset, 'test')
+      views = view_quality.view_embeddings(
+          self.config, self.model, self.variables, test.images,
+          num_images=int(self.config.eval.num_view_images),
+          batch_size=int(self.config.eval.batch_size))
+      self._views = (views, test)
+    return self._views
+
+
+class Evaluation(NamedTuple):
+  """What `evaluate_run` computed: the results and what the figures draw.
+
+  Attributes:
+    results: the results dict written to `workdir/eval/results.json`.
+    views: the view embeddings of the view-quality metrics (None when the
+      `views` evaluator did not run).
+    test: the test split they were drawn from (None likewise).
+  """
+  results: dict[str, Any]
+  views: view_quality.ViewEmbeddings | None
+  test: data.Split | None
+
+
+def _json_safe(tree: Any) -> Any:
+  """Python scalars, non-finite floats as None (e.g. from a diverged run)."""
+  if isinstance(tree, dict):
+    return {k: _json_safe(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_json_safe(v) for v in tree]
+  if isinstance(tree, (bool, str)) or tree is None:
+    return tree
+  if isinstance(tree, (int, np.integer)):
+    return int(tree)
+  value = float(tree)
+  return value if math.isfinite(value) else None
+
+
+def _hardware() -> str:
+  devices = jax.devices()
+  return (f'{len(devices)} x {devices[0].device_kind} '
+          f'({devices[0].platform}, {jax.process_count()} process(es))')
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
+                 step: int | None = None) -> Evaluation:
+  """Evaluates a checkpoint of the run in `workdir` (see the module docstring).
+
+  Args:
+    config: the run's config; `config.eval` chooses datasets and evaluators.
+    workdir: the run's directory, holding checkpoints/.
+    step: checkpoint step; None for the newest that restores.
+
+  Returns:
+    An `Evaluation`; its results are also written to
+    `workdir/eval/results.json`.
+
+  Raises:
+    FileNotFoundError: `workdir` holds no checkpoint.
+    ValueError: an unknown dataset or evaluator, a missing step, or a bad
+      config.
+  """
+  experiment.validate_config(config)
+  start = time.perf_counter()
+  ctx = Context(config, workdir, step)
+  results: dict[str, Any] = {
+      'step': ctx.step, 'checkpoint': checkpoint_path(workdir, ctx.step),
+      'method': config.method, 'view_generator': views_lib.resolve(config)[1],
+      'title': experiment.title_of(config),
+      'seed': int(config.seed), 'batch_size': int(config.batch_size),
+      'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
+      'hardware': _hardware(),
+      'protocol': {
+          'embedding': clusters.embedding_of(config),
+          'embedding_desc': clusters.EMBEDDINGS[clusters.embedding_of(config)],
+          'recompute_bn': bool(config.eval.recompute_bn),
+          'bn_images': ctx.bn_images,
+          'alpha': experiment.alpha_of(config, ctx.variables),
+          'evaluators': list(config.eval.evaluators)}}
+  for name in config.eval.evaluators:
+    t0 = time.perf_counter()
+    for path, value in EVALUATORS[name](ctx):
+      _put(results, path, value)
+    logging.info('Evaluator %s done in %.1f s.', name,
+                 time.perf_counter() - t0)
+  results['protocol']['seconds'] = time.perf_counter() - start
+  results = _json_safe(results)
+  write_results(results, workdir)
+  # The figure commands rebuild the encoder and find the data from this.
+  fileio.write_text(os.path.join(workdir, 'eval', 'config.json'),
+                    config.to_json(indent=2) + '\n')
+  if 'linear' in results:
+    print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
+  logging.info('Evaluation of step %d done in %.1f s; results in %s',
+               ctx.step, time.perf_counter() - start,
+               os.path.join(workdir, 'eval'))
+  views, test = ctx.view_embeddings() if 'views' in config.eval.evaluators \
+      else (None, None)
+  return Evaluation(results, views, test)
+
+
+def write_results(results: dict[str, Any], workdir: str) -> None:
+  """Writes results.json, results_step<S>.json, tables.md and tables.tex."""
+  out_dir = os.path.join(workdir, 'eval')
+  os.makedirs(out_dir, exist_ok=True)
+  text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
+  for name in ('results.json', f'results_step{results["step"]}.json'):
+    fileio.write_text(os.path.join(out_dir, name), text)
+  for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
+    report = tables.render_report([results], fmt=fmt)
+    fileio.write_text(os.path.join(out_dir, f'tables.{ext}'), report)
