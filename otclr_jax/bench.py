@@ -1,48 +1,32 @@
-"""Benchmarks: `python -m otclr_jax.bench <subcommand> [flags]`.
+"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet> [flags]`.
 
-Subcommands:
-  ot   Milliseconds per batch of the whole OT view generator (docs/method.md
-       sections 2-5: resize to the grid, Sinkhorn, displacement splat,
-       reconstruction) for our `ot.ot_views` (default core) against ott-jax's
-       dense solver and POT, plus `ot_views` with its other Sinkhorn core and
-       a per-stage breakdown of `ot_views`, with the ratios between them.
-       Before timing, every implementation's views are compared with
-       `ot_views` (max abs pixel difference): the rows compute the same thing.
-       Flags: --batch_sizes, --repeats, --min_time_s, --image_size,
-       --grid_size, --num_iters, --epsilon, --alpha, --seed.
-
+  ot   ms per batch of the OT view generator (docs/method.md sections 2-5):
+       our `ot.ot_views` (row (c), default core) against ott-jax's dense
+       solver (a), POT (b), `ot_views` with its other Sinkhorn core and each
+       stage of `ot_views` (d: the public pieces of `otclr_jax.ot` it runs),
+       with their ratios. Every implementation's views are first compared
+       with (c)'s (max abs pixel difference): the rows compute the same thing.
   train --config=configs/X.py
-       The complexity table (`tables.complexity_table`) of every method of
-       `methods.NAMES` with both view generators, and of OTCLR once per
-       Sinkhorn core: parameters, forward GFLOPs per image pair (XLA cost
-       analysis), median step time and image pairs/s, the steps alternated
-       in one process after a warm-up; the linear-evaluation forward. Then
-       each step's achieved GFLOP/s next to this machine's float32 matmul
-       peak (a large jitted matmul timed in the same run), the OT/augment
-       step-time ratio per method, the OT views' share of the OTCLR step, the
-       host input pipeline's batches/s next to the step's, and the kNN
-       monitor's ms per call with its share of the steps between two calls.
-
+       `tables.complexity_table` of every method of `methods.NAMES` with both
+       view generators, and of OTCLR per Sinkhorn core: parameters, forward
+       GFLOPs per image pair (XLA cost analysis), median step time and pairs/s
+       (steps alternated in one process after a warm-up), and the linear
+       evaluation's forward. Then each step's GFLOP/s beside this machine's
+       float32 matmul peak (timed in the same run), the OT/augment step-time
+       ratio per method, the OT views' share of the OTCLR step, the input
+       pipeline's batches/s over the step's, and the kNN monitor's cost.
   resnet --config=configs/X.py
-       The encoder alone: ResNet-18 forward + backward (training-mode
-       BatchNorm) on random images at `config.batch_size`, once per
-       `--conv_impls` (`model.conv_impl`), alternated, with GFLOP/s, the
-       ratio to 'xla' and the matmul peak; with --per_layer, each
-       convolution of the network timed under 'xla' and 'matmul' and the
-       choice of 'auto'. `launch/bench_torch.py` times PyTorch's.
+       ResNet-18 forward + backward (training-mode BatchNorm) at
+       `config.batch_size` per `--conv_impls` value of `model.conv_impl`,
+       alternated, with GFLOP/s and ratios; `--per_layer` times every
+       convolution under 'xla' and 'matmul' beside the choice of 'auto'.
+       `launch/bench_torch.py` times PyTorch's ResNet-18 the same way.
 
-Every tool of the project takes config overrides as `--config.a.b=v` (for
-example `--config.batch_size=256 --config.model.conv_impl=matmul`); the
-config is locked, so a typo fails with a suggestion. Timings are medians;
-the benchmark prints ratios and never judges them against targets.
-
-POT is a test-only dependency. It is imported lazily with its TensorFlow,
-PyTorch, CuPy and JAX backends disabled (otherwise its import probes, and
-loads, every installed array library); without POT the POT row is skipped.
-
-The per-stage breakdown calls the public pieces of `otclr_jax.ot` that
-`ot_views` itself runs (`sinkhorn_scalings`, `displace_from_scalings`), so the
-stages time exactly the code of row (c).
+Config fields are overridden as `--config.a.b=v` on a locked config (a typo
+fails with a suggestion). The benchmark prints medians and ratios; it judges
+no targets. POT, a test-only dependency, is imported lazily with its
+TensorFlow, PyTorch, CuPy and JAX backends disabled (its import would
+otherwise load every installed array library); without POT row (b) is skipped.
 """
 
 from __future__ import annotations
@@ -416,21 +400,25 @@ def matmul_peak_gflops(size: int = PEAK_MATMUL_SIZE, repeats: int = 3
   return 2.0 * size ** 3 / ms / 1e6
 
 
-def _train_images(config, num: int, seed: int) -> tuple[np.ndarray, str]:
-  """Training images for the pipeline timing and where they come from.
+def _splits(config, num_train: int, seed: int):
+  """Train and test `Split`s of the config's dataset and its name.
 
-  The config's dataset if it is prepared here, else random uint8 (the
-  gathering cost does not depend on content).
+  Random uint8 images and labels (`num_train` and `monitor.num_test`) when
+  the dataset is not prepared here: gathering and embedding cost the same.
   """
   from otclr_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   try:
-    return input_pipeline.load_split(config.dataset, 'train', config.image_size,
-                                     config.data_dir or None,
-                                     download=False).images, config.dataset
+    return [input_pipeline.load_split(config.dataset, split, config.image_size,
+                                      config.data_dir or None, download=False)
+            for split in ('train', 'test')], config.dataset
   except Exception:  # pylint: disable=broad-except
     rng = np.random.default_rng(seed)
-    shape = (num, config.image_size, config.image_size, 3)
-    return rng.integers(0, 256, shape, dtype=np.uint8), 'random uint8'
+    shape = (config.image_size, config.image_size, 3)
+    return [input_pipeline.Split(
+        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
+        rng.integers(0, 10, num, dtype=np.int32), 10,
+        [str(c) for c in range(10)])
+            for num in (num_train, config.monitor.num_test)], 'random uint8'
 
 
 @dataclasses.dataclass
@@ -513,7 +501,9 @@ def run_train(base, fv: flags.FlagValues) -> int:
 
   batch_size, size = base.batch_size, base.image_size
   mesh = experiment.make_mesh()
-  images, source = _train_images(base, max(4 * batch_size, 1024), fv.seed)
+  splits, source = _splits(
+      base, max(4 * batch_size, 1024, base.monitor.num_train), fv.seed)
+  images = splits[0].images
   host_batch = images[:batch_size]
   batch = experiment.global_batch(host_batch, mesh)
   key = jax.device_put(jax.random.key(fv.seed),
@@ -558,7 +548,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
   eval_flops = _flops(eval_compiled)
   eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
                        repeats=2 * fv.repeats)
-  monitor_ms, monitor_images = _time_monitor(base, model, state, fv.seed,
+  monitor_ms, monitor_images = _time_monitor(base, model, state, splits,
                                              fv.repeats)
   views_ms = _time_views(base, clean, fv.repeats)
   pipeline_per_s = _pipeline_per_s(images, batch_size, fv.seed, mesh)
@@ -606,40 +596,19 @@ def run_train(base, fv: flags.FlagValues) -> int:
                   f'{100 * monitor_ms / (every * otclr_ms):.3f}% of '
                   f'{every} OTCLR steps' if every > 0 else
                   'off (config.monitor.every_steps=0)')
-  print(f'kNN monitor ({monitor_images}): {monitor_ms:.1f} ms per call; '
-        f'{monitor_text}')
+  print(f'kNN monitor ({monitor_images} of {source}): {monitor_ms:.1f} ms '
+        f'per call; {monitor_text}')
   return 0
 
 
-def _time_monitor(config, model, state, seed: int, repeats: int
+def _time_monitor(config, model, state, splits, repeats: int
                   ) -> tuple[float, str]:
-  """Median ms of one kNN monitor call, and which images it embeds.
-
-  The config's dataset when it is prepared here, else random uint8 images
-  and labels (the cost does not depend on content).
-  """
-  from otclr_jax import input_pipeline, monitor  # pylint: disable=g-import-not-at-top
-  try:
-    splits = [input_pipeline.load_split(config.dataset, split,
-                                        config.image_size,
-                                        config.data_dir or None,
-                                        download=False)
-              for split in ('train', 'test')]
-    source = config.dataset
-  except Exception:  # pylint: disable=broad-except
-    rng = np.random.default_rng(seed)
-    shape = (config.image_size, config.image_size, 3)
-    splits = [input_pipeline.Split(
-        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
-        rng.integers(0, 10, num, dtype=np.int32), 10,
-        [str(c) for c in range(10)])
-              for num in (config.monitor.num_train, config.monitor.num_test)]
-    source = 'random uint8'
+  """Median ms of one kNN monitor call (otclr_jax/monitor.py) on `splits`."""
+  from otclr_jax import monitor  # pylint: disable=g-import-not-at-top
   knn = monitor.KnnMonitor(config, model, *splits)
   knn(state)  # compiles
-  ms, _ = time_ms(knn, state, repeats=repeats)
-  return ms, (f'{len(knn.train_images)} train / {len(knn.test_images)} test '
-              f'images of {source}')
+  return time_ms(knn, state, repeats=repeats)[0], (
+      f'{len(knn.train_images)} train / {len(knn.test_images)} test images')
 
 
 # ----------------------------------------------------------------------------
