@@ -116,11 +116,14 @@ def _check_plain_conv(x_shape, kernel_shape, kwargs: dict[str, Any]) -> None:
 
 
 # Largest output map (Ho * Wo pixels) on which `auto` picks `conv_matmul` on
-# CPU. Measured per layer of ResNet-18 at batch 256, forward + backward on a
-# 2-core x86 CPU (`python -m otclr_jax.bench resnet --per_layer`): on 4 x 4
-# and smaller outputs the matmul is 1.2-100x faster; on 8 x 8 and larger,
-# XLA's convolution is as fast or faster and needs no 9x patch copy.
-CONV_MATMUL_MAX_OUT_PIXELS = 16
+# CPU: every convolution of ResNet-18 with the imagenet stem at 32 x 32 (the
+# stem's output is 16 x 16). Measured at batch 256 on a 2-core x86 CPU
+# (`python -m otclr_jax.bench resnet --per_layer`): the matmul is 1.2-100x
+# faster on outputs of 4 x 4 and smaller, as fast as XLA on 8 x 8 and 16 x 16
+# alone and 5-10% faster inside the network (no layout changes between
+# convolutions). Larger maps keep XLA's convolution, which is good there and
+# needs no copy of the input per kernel tap.
+CONV_MATMUL_MAX_OUT_PIXELS = 16 * 16
 
 
 def matmul_is_faster(x_shape: Sequence[int], kernel_shape: Sequence[int],

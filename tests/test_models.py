@@ -316,12 +316,12 @@ def test_auto_conv_picks_matmul_on_small_cpu_maps_only():
         lambda x, k: conv(x, k, (1, 1), ((1, 1), (1, 1)),
                           dimension_numbers=NHWC))(x, kernel))
   assert jax.default_backend() == 'cpu'
-  # A 4 x 4 output is the largest `auto` hands to the matmul.
-  assert models.CONV_MATMUL_MAX_OUT_PIXELS == 16
-  for size in (1, 2, 4):
+  # A 16 x 16 output is the largest `auto` hands to the matmul.
+  assert models.CONV_MATMUL_MAX_OUT_PIXELS == 16 * 16
+  for size in (1, 2, 16):
     small = ops(size)
     assert 'dot_general' in small and 'conv_general_dilated' not in small
-  large = ops(5)
+  large = ops(17)
   assert 'conv_general_dilated' in large and 'dot_general' not in large
 
 
