@@ -19,6 +19,11 @@ stride-2 layers asymmetrically on even sizes). Convolutions have no bias
 (BatchNorm follows) and use He-normal initialisation with fan-out, like
 torchvision.
 
+Convolutions run as XLA's ``lax.conv`` or as ``conv_matmul`` (shifted views
+and one GEMM), chosen by ``conv_impl``; ``'auto'`` takes the matmul on CPU for
+small maps, where XLA:CPU's convolution is slow. The parameters are the same
+under every choice.
+
 BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
 epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
 global, so the batch statistics are those of the global batch without any
