@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.stem = 'imagenet'  # 7x7/2 conv + max-pool, as in the paper.
+  # Convolutions: 'xla' (lax.conv), 'matmul' (shifts + one GEMM, fast on
+  # small maps on CPU) or 'auto' (per layer on CPU, XLA's on GPU/TPU); the
+  # parameters are the same, so checkpoints load under any (models.py).
+  config.model.conv_impl = 'auto'
   # 512-512-128: the paper's 23.01M MoCo pretraining parameters are two
   # copies of (ResNet-18 11,176,512 + this head 328,832) = 23,010,688; the head
   # is 512*512 (no bias) + 2*512 (BatchNorm) + 512*128 + 128 = 328,832.

@@ -1,75 +1,68 @@
-"""Benchmarks: `python -m otclr_jax.bench <subcommand> [flags]`.
+"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet> [flags]`.
 
-Subcommands:
-  ot   Milliseconds per batch of the whole OT view generator (docs/method.md
-       sections 2-5: resize to the grid, Sinkhorn, displacement splat,
-       reconstruction) for our `ot.ot_views` (default core) against ott-jax's
-       dense solver and POT, plus `ot_views` with its other Sinkhorn core and
-       a per-stage breakdown of `ot_views`. Before timing, every
-       implementation's views are compared with `ot_views` (max abs pixel
-       difference): the rows compute the same thing.
+  ot   ms per batch of the OT view generator (docs/method.md sections 2-5):
+       our `ot.ot_views` (row (c), default core) against ott-jax's dense
+       solver (a), POT (b), `ot_views` with its other Sinkhorn core and each
+       stage of `ot_views` (d: the public pieces of `otclr_jax.ot` it runs),
+       with their ratios. Every implementation's views are first compared
+       with (c)'s (max abs pixel difference): the rows compute the same thing.
+  train --config=configs/X.py
+       `tables.complexity_table` of every method of `methods.NAMES` with both
+       view generators, and of OTCLR per Sinkhorn core: parameters, forward
+       GFLOPs per image pair (XLA cost analysis), median step time and pairs/s
+       (steps alternated in one process after a warm-up), and the linear
+       evaluation's forward. Then each step's GFLOP/s beside this machine's
+       float32 matmul peak (timed in the same run), the OT/augment step-time
+       ratio per method, the OT views' share of the OTCLR step, the input
+       pipeline's batches/s over the step's, and the kNN monitor's cost.
+  resnet --config=configs/X.py
+       ResNet-18 forward + backward (training-mode BatchNorm) at
+       `config.batch_size` per `--conv_impls` value of `model.conv_impl`,
+       alternated, with GFLOP/s and ratios; `--per_layer` times every
+       convolution under 'xla' and 'matmul' beside the choice of 'auto'.
+       `launch/bench_torch.py` times PyTorch's ResNet-18 the same way.
 
-  train
-       The paper's complexity table for SimCLR and OTCLR on a config: parameters,
-       GFLOPs per image pair (XLA cost analysis of the compiled step and of the
-       forward pass), median step time and image pairs/s with the steps
-       alternated in one process after a warm-up, the OTCLR/SimCLR ratio; the
-       OTCLR step and the OT views once per Sinkhorn core (`ot.core`: 'ott'
-       and 'separable'), with their ratio; the same for the linear-evaluation
-       forward; the OT views' share of the step; the host input
-       pipeline's batches/s next to the step's; and the kNN monitor's ms per
-       call with its share of the `config.monitor.every_steps` steps between
-       two calls.
-
-Config overrides use `main`'s spelling and parser (`config_files`):
-`--config.ot.epsilon=0.1` or `--override ot.epsilon=0.1`; a typo fails with a
-suggestion.
-
-Each subcommand registers its own argparse sub-parser in `build_parser`; a new
-one adds an `_add_<name>_parser` function there.
-
-POT is a test-only dependency. It is imported lazily with its TensorFlow,
-PyTorch, CuPy and JAX backends disabled (otherwise its import probes, and
-loads, every installed array library); without POT the POT row is skipped.
-
-The per-stage breakdown calls the public pieces of `otclr_jax.ot` that
-`ot_views` itself runs (`sinkhorn_scalings`, `displace_from_scalings`), so the
-stages time exactly the code of row (c).
+Config fields are overridden as `--config.a.b=v` on a locked config (a typo
+fails with a suggestion). The benchmark prints medians and ratios; it judges
+no targets. POT, a test-only dependency, is imported lazily with its
+TensorFlow, PyTorch, CuPy and JAX backends disabled (its import would
+otherwise load every installed array library); without POT row (b) is skipped.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib
-import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+from absl import app
+from absl import flags
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 
 from ott.geometry import geometry
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
 
-from otclr_jax import config_files
+from otclr_jax import models
 from otclr_jax import ot
+
+COMMANDS = ('ot', 'train', 'resnet')
 
 # Max abs pixel difference (images in [0, 1]) tolerated between an
 # implementation and `ot_views`: a quarter of an 8-bit grey level. Float32
 # lse-mode and float64 POT iterates differ from ours by far less than this.
 VIEW_ATOL = 1e-3
 
-# Targets from the issue for `ot_views` on the 2-core CPU.
-TARGET_SPEEDUP_OTT_DENSE = 50.0
-TARGET_SPEEDUP_POT = 20.0
-TARGET_MS_PER_64_IMAGES = 10.0
+# Side of the square float32 matmul that measures the machine's peak.
+PEAK_MATMUL_SIZE = 2048
 
 
 # ----------------------------------------------------------------------------
@@ -311,18 +304,19 @@ def _ratio_row(label: str, num: Row, den: Row) -> Row:
              unit='x')
 
 
-def run_ot(args: argparse.Namespace) -> int:
+def run_ot(fv: flags.FlagValues) -> int:
   """The `ot` subcommand. Returns 1 if an implementation disagrees with (c)."""
-  s = OTSettings(args.grid_size, args.epsilon, args.num_iters, args.alpha)
-  if args.repeats < 1:
-    raise ValueError(f'--repeats must be >= 1, got {args.repeats}.')
-  if args.min_time_s < 0:
-    raise ValueError(f'--min_time_s must be >= 0, got {args.min_time_s}.')
-  if not args.batch_sizes or min(args.batch_sizes) < 1:
-    raise ValueError(f'--batch_sizes must be >= 1, got {args.batch_sizes}.')
-  if args.grid_size > args.image_size:
+  s = OTSettings(fv.grid_size, fv.epsilon, fv.num_iters, fv.alpha)
+  batch_sizes = [int(b) for b in fv.batch_sizes]
+  if fv.repeats < 1:
+    raise ValueError(f'--repeats must be >= 1, got {fv.repeats}.')
+  if fv.min_time_s < 0:
+    raise ValueError(f'--min_time_s must be >= 0, got {fv.min_time_s}.')
+  if not batch_sizes or min(batch_sizes) < 1:
+    raise ValueError(f'--batch_sizes must be >= 1, got {batch_sizes}.')
+  if fv.grid_size > fv.image_size:
     raise ValueError(
-        f'--grid_size {args.grid_size} exceeds --image_size {args.image_size}.')
+        f'--grid_size {fv.grid_size} exceeds --image_size {fv.image_size}.')
   pot = import_pot()
 
   impls = {
@@ -335,11 +329,12 @@ def run_ot(args: argparse.Namespace) -> int:
   stages = make_stages(s)
 
   print(f'devices: {jax.devices()}')
-  print(f'OT view generator: {args.image_size}x{args.image_size}x3 images, '
+  print(f'OT view generator: {fv.image_size}x{fv.image_size}x3 images, '
         f'm={s.grid_size}, T={s.num_iters}, eps={s.epsilon:g}, '
-        f'alpha={s.alpha:g}, (c) core={ot.DEFAULT_CORE}. ms per batch: median (min) over at least '
-        f'{args.repeats} calls and {args.min_time_s:g} s per row, after one '
-        'warm-up call, block_until_ready.')
+        f'alpha={s.alpha:g}, (c) core={ot.DEFAULT_CORE}. ms per batch: '
+        f'median (min) over at least {fv.repeats} calls and '
+        f'{fv.min_time_s:g} s per row, after one warm-up call, '
+        'block_until_ready.')
   if pot is None:
     print('note: POT is not installed (pip install pot); row (b) skipped.')
   else:
@@ -352,8 +347,8 @@ def run_ot(args: argparse.Namespace) -> int:
       'reconstruct (upsample, clip)')]
   stage_sum = Row('  (d) sum of stages')
   all_ok = True
-  for batch_size in args.batch_sizes:
-    x, x_strong = _bench_images(batch_size, args.image_size, args.seed)
+  for batch_size in batch_sizes:
+    x, x_strong = _bench_images(batch_size, fv.image_size, fv.seed)
     # The warm-up call compiles; its output is checked against (c).
     outputs = {k: np.asarray(fn(x, x_strong)) for k, (_, fn) in impls.items()}
     text, ok = _check_views(outputs)
@@ -362,8 +357,8 @@ def run_ot(args: argparse.Namespace) -> int:
           f'{text}')
     for k, (_, fn) in impls.items():
       rows[k].values[batch_size], rows[k].minima[batch_size] = time_ms(
-          fn, x, x_strong, repeats=args.repeats, min_time_s=args.min_time_s)
-    timings = _time_stages(stages, x, x_strong, args.repeats, args.min_time_s)
+          fn, x, x_strong, repeats=fv.repeats, min_time_s=fv.min_time_s)
+    timings = _time_stages(stages, x, x_strong, fv.repeats, fv.min_time_s)
     for row, (median, minimum) in zip(stage_rows, timings):
       row.values[batch_size], row.minima[batch_size] = median, minimum
     stage_sum.values[batch_size] = sum(t[0] for t in timings)
@@ -376,24 +371,9 @@ def run_ot(args: argparse.Namespace) -> int:
   table.append(_ratio_row(f'ratio core={other}/(c)', rows['core'], rows['c']))
   c = rows['c']
   table.append(Row('(c) ms per 64 images',
-                   {b: c.values[b] * 64 / b for b in args.batch_sizes},
-                   {b: c.minima[b] * 64 / b for b in args.batch_sizes}))
-  print(format_table(args.batch_sizes, table))
-
-  print('targets (on medians):')
-  for k, target in (('a', TARGET_SPEEDUP_OTT_DENSE),
-                    ('b', TARGET_SPEEDUP_POT)):
-    if k not in rows:
-      print(f'  (c) >= {target:g}x faster than ({k}): not measured')
-      continue
-    ratios = [rows[k].values[b] / c.values[b] for b in args.batch_sizes]
-    met = 'MET' if min(ratios) >= target else 'MISSED'
-    print(f'  (c) >= {target:g}x faster than ({k}): {met} '
-          f"({', '.join(f'{r:.1f}x' for r in ratios)})")
-  per64 = [c.values[b] * 64 / b for b in args.batch_sizes]
-  met = 'MET' if max(per64) < TARGET_MS_PER_64_IMAGES else 'MISSED'
-  print(f'  (c) < {TARGET_MS_PER_64_IMAGES:g} ms per 64 images: {met} '
-        f"({', '.join(f'{v:.2f} ms' for v in per64)})")
+                   {b: c.values[b] * 64 / b for b in batch_sizes},
+                   {b: c.minima[b] * 64 / b for b in batch_sizes}))
+  print(format_table(batch_sizes, table))
   if not all_ok:
     print(f'ERROR: an implementation differs from (c) by more than '
           f'{VIEW_ATOL:g}; the timings do not compare like with like.')
@@ -401,39 +381,7 @@ def run_ot(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Command line.
-
-
-def _add_ot_parser(subparsers) -> None:
-  p = subparsers.add_parser(
-      'ot', help='time the OT view generator against ott-jax and POT',
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--batch_sizes', type=int, nargs='+', default=[64, 256],
-                 help='images per batch (each has 3 channels)')
-  p.add_argument('--repeats', type=int, default=7,
-                 help='minimum timed calls per row; the median is printed')
-  p.add_argument('--min_time_s', type=float, default=2.0,
-                 help='fast rows repeat until this many seconds have passed')
-  p.add_argument('--image_size', type=int, default=32, help='H = W in pixels')
-  p.add_argument('--grid_size', type=int, default=16, help='m')
-  p.add_argument('--num_iters', type=int, default=20, help='Sinkhorn T')
-  p.add_argument('--epsilon', type=float, default=0.05)
-  p.add_argument('--alpha', type=float, default=0.5)
-  p.add_argument('--seed', type=int, default=0, help='seed of the images')
-  p.set_defaults(func=run_ot)
-
-
-# ----------------------------------------------------------------------------
 # train: the complexity table.
-
-TARGET_STEP_RATIO = 1.02  # OT views vs augmentations, same method (issue 10)
-TARGET_PIPELINE_OVER_STEP = 3.0
-TARGET_OT_SHARE = 0.02
-
-
-def load_config(path: str, overrides: Sequence[str] = ()):
-  """A config file with overrides (`--config.a.b=v` or `a.b=v`), as `main`."""
-  return config_files.apply_overrides(config_files.load(path), overrides)
 
 
 def _flops(compiled) -> float:
@@ -443,103 +391,84 @@ def _flops(compiled) -> float:
   return float(analysis.get('flops', float('nan')))
 
 
-def _train_images(config, num: int, seed: int) -> np.ndarray:
-  """Training images for the pipeline timing: the config's dataset if it is
-  prepared here, else random uint8 (gathering cost does not depend on content)."""
+def matmul_peak_gflops(size: int = PEAK_MATMUL_SIZE, repeats: int = 3
+                       ) -> float:
+  """GFLOP/s of a jitted float32 [size, size] x [size, size] matmul, now."""
+  a = jnp.asarray(np.random.default_rng(0).random((size, size), np.float32))
+  matmul = jax.jit(jnp.dot).lower(a, a).compile()
+  ms, _ = time_ms(matmul, a, a, repeats=repeats)
+  return 2.0 * size ** 3 / ms / 1e6
+
+
+def _splits(config, num_train: int, seed: int):
+  """Train and test `Split`s of the config's dataset and its name.
+
+  Random uint8 images and labels (`num_train` and `monitor.num_test`) when
+  the dataset is not prepared here: gathering and embedding cost the same.
+  """
   from otclr_jax import data  # pylint: disable=g-import-not-at-top
   try:
-    return data.load_split(config.dataset, 'train', config.image_size,
-                           config.data_dir or None,
-                           download=False).images, config.dataset
+    return [data.load_split(config.dataset, split, config.image_size,
+                            config.data_dir or None, download=False)
+            for split in ('train', 'test')], config.dataset
   except Exception:  # pylint: disable=broad-except
     rng = np.random.default_rng(seed)
-    shape = (num, config.image_size, config.image_size, 3)
-    return rng.integers(0, 256, shape, dtype=np.uint8), 'random uint8'
+    shape = (config.image_size, config.image_size, 3)
+    return [data.Split(
+        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
+        rng.integers(0, 10, num, dtype=np.int32), 10,
+        [str(c) for c in range(10)])
+            for num in (num_train, config.monitor.num_test)], 'random uint8'
 
 
-def run_train(args: argparse.Namespace) -> int:
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from otclr_jax import data, experiment, methods  # pylint: disable=g-import-not-at-top
+@dataclasses.dataclass
+class Variant:
+  """One compiled training step of the `train` table."""
+  title: str  # the run's, e.g. 'OTCLR'
+  step: Any
+  state: Any
+  step_flops: float
+  fwd_flops: float
+  params_m: float
+  eval_params_m: float
+  times: list[float] = dataclasses.field(default_factory=list)
+  label: str = ''  # the table's: the title, with the core where it varies
 
-  base = load_config(args.config, args.override)
-  if args.batch_size:
-    base.batch_size = args.batch_size
-  batch_size, size = base.batch_size, base.image_size
-  mesh = experiment.make_mesh()
-  replicated = NamedSharding(mesh, PartitionSpec())
-  images, source = _train_images(base, max(4 * batch_size, 1024), args.seed)
-  host_batch = images[:batch_size]
-  batch = experiment.global_batch(host_batch, mesh)
-  key = jax.device_put(jax.random.key(args.seed), replicated)
+  @property
+  def ms(self) -> float:
+    return 1e3 * statistics.median(self.times)
 
-  # Every method with both view generators (default Sinkhorn core), then
-  # OTCLR (SimCLR + OT views) with the other core.
-  cores = (ot.DEFAULT_CORE, _other_core())
-  variants = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
-              for m in methods.NAMES for v in ('augment', 'ot')}
-  variants[f'simclr/ot/{cores[1]}'] = ('simclr', 'ot', cores[1])
-  otclr = 'simclr/ot'
-  steps, states, flops, fwd_flops, titles = {}, {}, {}, {}, {}
-  params_m, eval_params_m = {}, {}
-  for name, (method, views, core) in variants.items():
-    config = base.copy_and_resolve_references()
-    config.method, config.views, config.ot.core = method, views, core
-    run = experiment.setup(config, steps_per_epoch=100)
-    state = experiment.initial_state(config, run, mesh)
-    step = experiment.jit_train_step(config, run, mesh)
-    compiled = step.lower(state, batch, key).compile()
-    flops[name] = _flops(compiled)
-    steps[name], states[name] = compiled, state
-    titles[name] = run.title
-    # Both views of the batch: the forward FLOPs of B image pairs through the
-    # trained network. XLA counts only multiply-adds on real pixels, not on a
-    # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
-    # stage) is much of the naive count that papers quote.
-    views_in = jnp.zeros((2 * batch_size, size, size, 3), jnp.float32)
-    variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
-    fwd_flops[name] = _flops(jax.jit(
-        lambda v, x, model=run.model: model.apply(v, x, train=False)).lower(
-            variables, views_in).compile())
-    # Pretraining: the trained network and its targets (MoCo: query + key
-    # encoders with heads, the paper's 23.01M); evaluation: the encoder.
-    params_m[name] = experiment.pretraining_params(state) / 1e6
-    eval_params_m[name] = experiment.count_params(
-        state.params['net']['encoder']) / 1e6
-    print(f'compiled {name} step', flush=True)
 
-  times = {name: [] for name in variants}
-  for name in variants:  # warm-up
-    states[name], metrics = steps[name](states[name], batch, key)
-    jax.block_until_ready(metrics)
-  for _ in range(args.repeats):
-    for name in variants:  # alternated, so drifts in machine load hit all
-      start = time.perf_counter()
-      states[name], metrics = steps[name](states[name], batch, key)
-      jax.block_until_ready(metrics)
-      times[name].append(time.perf_counter() - start)
-  step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+def _compile_variant(config, batch, key, mesh) -> Variant:
+  """Compiles `config`'s step; counts its FLOPs and parameters."""
+  from otclr_jax import experiment, step as step_lib  # pylint: disable=g-import-not-at-top
+  run = experiment.setup(config, steps_per_epoch=100)
+  state = experiment.initial_state(config, run, mesh)
+  step = step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  compiled = step.lower(state, batch, key).compile()
+  # Both views of the batch: the forward FLOPs of B image pairs through the
+  # trained network. XLA counts only multiply-adds on real pixels, not on a
+  # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
+  # stage) is much of the naive count that papers quote.
+  views_in = jnp.zeros((2 * batch.shape[0],) + batch.shape[1:], jnp.float32)
+  variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+  fwd = jax.jit(lambda v, x: run.model.apply(v, x, train=False))
+  # Pretraining: the trained network and its targets (MoCo: query + key
+  # encoders with heads, the paper's 23.01M); evaluation: the encoder.
+  return Variant(
+      run.title, compiled, state, _flops(compiled),
+      _flops(fwd.lower(variables, views_in).compile()),
+      experiment.pretraining_params(state) / 1e6,
+      experiment.count_params(state.params['net']['encoder']) / 1e6)
 
-  # Linear evaluation: the frozen encoder's forward pass on clean images.
-  config = base.copy_and_resolve_references()
-  config.method, config.views = 'simclr', 'ot'
-  model = experiment.create_model(config)
-  state = states[otclr]
-  encoder_vars = {'params': state.params['net'],
-                  'batch_stats': state.batch_stats}
-  encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
-  clean = jnp.asarray(host_batch, jnp.float32) / 255.0
-  eval_compiled = encode.lower(encoder_vars, clean).compile()
-  eval_flops = _flops(eval_compiled)
-  eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
-                       repeats=2 * args.repeats)
 
-  # The kNN monitor (otclr_jax/evaluation/monitor.py) as training calls it.
-  monitor_ms, monitor_images = _time_monitor(base, model, state, args)
-
-  # The OT views of a whole batch (both views), as the OTCLR step makes them.
+def _time_views(base, clean, repeats: int) -> dict[str, float]:
+  """Median ms of both OT views of a batch, as the OTCLR step makes them."""
   otc = base.ot
   views_ms = {}
-  for core in cores:
+  for core in ot.CORES:
     views_fn = jax.jit(functools.partial(
         lambda x, s1, s2, core: (
             ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon,
@@ -547,141 +476,319 @@ def run_train(args: argparse.Namespace) -> int:
             ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon,
                         otc.num_iters, core)), core=core))
     views_ms[core], _ = time_ms(views_fn, clean, clean[::-1], clean,
-                                repeats=2 * args.repeats, min_time_s=1.0)
+                                repeats=2 * repeats, min_time_s=1.0)
+  return views_ms
 
-  # Host input pipeline: gather a batch and hand it to the devices.
-  batches = data.train_batches(images, batch_size, args.seed)
+
+def _pipeline_per_s(images, batch_size: int, seed: int, mesh) -> float:
+  """Host input pipeline: batches gathered and handed to the devices per s."""
+  from otclr_jax import data, experiment  # pylint: disable=g-import-not-at-top
+  batches = data.train_batches(images, batch_size, seed)
   next(batches)
   n = 50
   start = time.perf_counter()
   for _ in range(n):
     jax.block_until_ready(experiment.global_batch(next(batches), mesh))
-  pipeline_per_s = n / (time.perf_counter() - start)
+  per_s = n / (time.perf_counter() - start)
   getattr(batches, 'close', lambda: None)()
+  return per_s
+
+
+def run_train(base, fv: flags.FlagValues) -> int:
+  """The `train` subcommand: prints the complexity table and the ratios."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from otclr_jax import experiment, methods, tables  # pylint: disable=g-import-not-at-top
+
+  batch_size, size = base.batch_size, base.image_size
+  mesh = experiment.make_mesh()
+  splits, source = _splits(
+      base, max(4 * batch_size, 1024, base.monitor.num_train), fv.seed)
+  images = splits[0].images
+  host_batch = images[:batch_size]
+  batch = experiment.global_batch(host_batch, mesh)
+  key = jax.device_put(jax.random.key(fv.seed),
+                       NamedSharding(mesh, PartitionSpec()))
+
+  # Every method with both view generators (default Sinkhorn core), then
+  # OTCLR (SimCLR + OT views) with the other core.
+  other = _other_core()
+  settings = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
+              for m in methods.NAMES for v in ('augment', 'ot')}
+  settings[f'simclr/ot/{other}'] = ('simclr', 'ot', other)
+  otclr = 'simclr/ot'
+  variants = {}
+  for name, (method, views, core) in settings.items():
+    config = base.copy_and_resolve_references()
+    config.method, config.views, config.ot.core = method, views, core
+    v = variants[name] = _compile_variant(config, batch, key, mesh)
+    v.label = v.title + (f' core={core}' if name.startswith(otclr) else '')
+    print(f'compiled {name} step', flush=True)
+
+  for v in variants.values():  # warm-up
+    v.state, metrics = v.step(v.state, batch, key)
+    jax.block_until_ready(metrics)
+  for _ in range(fv.repeats):
+    for v in variants.values():  # alternated, so drifts in load hit all
+      start = time.perf_counter()
+      v.state, metrics = v.step(v.state, batch, key)
+      jax.block_until_ready(metrics)
+      v.times.append(time.perf_counter() - start)
+  peak = matmul_peak_gflops()
+
+  # Linear evaluation: the frozen encoder's forward pass on clean images.
+  config = base.copy_and_resolve_references()
+  config.method, config.views = 'simclr', 'ot'
+  model = experiment.create_model(config)
+  state = variants[otclr].state
+  encoder_vars = {'params': state.params['net'],
+                  'batch_stats': state.batch_stats}
+  encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
+  clean = jnp.asarray(host_batch, jnp.float32) / 255.0
+  eval_compiled = encode.lower(encoder_vars, clean).compile()
+  eval_flops = _flops(eval_compiled)
+  eval_ms, _ = time_ms(eval_compiled, encoder_vars, clean,
+                       repeats=2 * fv.repeats)
+  monitor_ms, monitor_images = _time_monitor(base, model, state, splits,
+                                             fv.repeats)
+  views_ms = _time_views(base, clean, fv.repeats)
+  pipeline_per_s = _pipeline_per_s(images, batch_size, fv.seed, mesh)
 
   device = jax.devices()[0]
-  print(f'\nconfig {args.config}, batch {batch_size}, {size}x{size}, dtype '
-        f'{base.dtype}, {len(jax.devices())} x {device.device_kind} '
-        f'({device.platform}); median of {args.repeats} alternated steps; '
-        f'default core {ot.DEFAULT_CORE}')
-  print('| Stage | Method | Params (M) | GFLOPs fwd / pair | GFLOPs step / pair '
-        '| Step (ms) | Thrpt. (pairs/s) |')
-  print('|---|---|---|---|---|---|---|')
-  for name in variants:
-    ms = step_ms[name]
-    label = titles[name]
-    if name.count('/') == 2 or name == otclr:
-      label += f' core={variants[name][2]}'
-    print(f'| Pretraining | {label} | {params_m[name]:.2f} | '
-          f'{fwd_flops[name] / batch_size / 1e9:.3f} '
-          f'| {flops[name] / batch_size / 1e9:.3f} | {ms:.1f} '
-          f'| {1e3 * batch_size / ms:,.0f} |')
-  for method in methods.NAMES:
-    # Same frozen encoder with either views: they exist only in pretraining.
-    print(f'| Linear eval. | {titles[method + "/augment"]} | '
-          f'{eval_params_m[method + "/augment"]:.2f} | '
-          f'{eval_flops / batch_size / 1e9:.3f} / image | - | {eval_ms:.1f} '
-          f'| {1e3 * batch_size / eval_ms:,.0f} images/s |')
-  pipe_ratio = pipeline_per_s / (1e3 / step_ms[otclr])
+  print(f'\nbatch {batch_size}, {size}x{size}, dtype {base.dtype}, conv_impl '
+        f'{base.model.conv_impl}, {len(jax.devices())} x '
+        f'{device.device_kind} ({device.platform}); median of {fv.repeats} '
+        f'alternated steps; GFLOPs per image pair, forward')
+  rows = [dict(stage='Pretraining', method=v.label, params_m=v.params_m,
+               gflops=v.fwd_flops / batch_size / 1e9, step_ms=v.ms,
+               throughput=1e3 * batch_size / v.ms)
+          for v in variants.values()]
+  # Same frozen encoder with either views: they exist only in pretraining.
+  rows += [dict(stage='Linear eval.', method=variants[f'{m}/augment'].title,
+                params_m=variants[f'{m}/augment'].eval_params_m,
+                gflops=eval_flops / batch_size / 1e9, step_ms=eval_ms,
+                throughput=1e3 * batch_size / eval_ms)
+           for m in methods.NAMES]
+  print(tables.complexity_table(rows))
+  print(f'\nfloat32 matmul peak ({PEAK_MATMUL_SIZE}^2, same run): '
+        f'{peak:.1f} GFLOP/s. Achieved (XLA cost analysis of the step / '
+        'median step time):')
+  for v in variants.values():
+    gflop_s = v.step_flops / v.ms / 1e6
+    print(f'  {v.label}: {gflop_s:.1f} GFLOP/s = {gflop_s / peak:.2f} x peak')
   print()
-  for method in methods.NAMES:
-    r = step_ms[f'{method}/ot'] / step_ms[f'{method}/augment']
-    print(f'{titles[method + "/ot"]} / {titles[method + "/augment"]} step '
-          f'time: {r:.3f} (target <= {TARGET_STEP_RATIO}: '
-          f'{"met" if r <= TARGET_STEP_RATIO else "MISSED"})')
-  other = cores[1]
+  for m in methods.NAMES:
+    ot_v, aug_v = variants[f'{m}/ot'], variants[f'{m}/augment']
+    print(f'{ot_v.title} / {aug_v.title} step time: {ot_v.ms / aug_v.ms:.3f}')
   print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
-        f'{step_ms[f"{otclr}/{other}"] / step_ms[otclr]:.3f}')
-  for core in cores:
-    share = views_ms[core] / step_ms[
-        otclr if core == ot.DEFAULT_CORE else f'{otclr}/{core}']
+        f'{variants[f"{otclr}/{other}"].ms / variants[otclr].ms:.3f}')
+  for core in ot.CORES:
+    step_ms = variants[otclr if core == ot.DEFAULT_CORE
+                       else f'{otclr}/{core}'].ms
     print(f'OT views core={core} (2 x {batch_size} images): '
-          f'{views_ms[core]:.1f} ms = {100 * share:.2f}% of the OTCLR step '
-          f'(target < {100 * TARGET_OT_SHARE:.0f}%: '
-          f'{"met" if share < TARGET_OT_SHARE else "MISSED"})')
+          f'{views_ms[core]:.1f} ms = {100 * views_ms[core] / step_ms:.2f}% '
+          'of the OTCLR step')
+  otclr_ms = variants[otclr].ms
   print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
-        f'{1e3 / step_ms[otclr]:.2f} steps/s = {pipe_ratio:,.0f}x (target >= '
-        f'{TARGET_PIPELINE_OVER_STEP:.0f}x: '
-        f'{"met" if pipe_ratio >= TARGET_PIPELINE_OVER_STEP else "MISSED"})')
+        f'{1e3 / otclr_ms:.2f} steps/s = '
+        f'{pipeline_per_s * otclr_ms / 1e3:,.0f}x')
   every = base.monitor.every_steps
   monitor_text = (f'every {every} steps: {monitor_ms:.1f} ms = '
-                  f'{100 * monitor_ms / (every * step_ms[otclr]):.3f}% of '
+                  f'{100 * monitor_ms / (every * otclr_ms):.3f}% of '
                   f'{every} OTCLR steps' if every > 0 else
                   'off (config.monitor.every_steps=0)')
-  print(f'kNN monitor ({monitor_images}): {monitor_ms:.1f} ms per call; '
-        f'{monitor_text}')
+  print(f'kNN monitor ({monitor_images} of {source}): {monitor_ms:.1f} ms '
+        f'per call; {monitor_text}')
   return 0
 
 
-def _time_monitor(config, model, state, args) -> tuple[float, str]:
-  """Median ms of one kNN monitor call, and which images it embeds.
-
-  The config's dataset when it is prepared here, else random uint8 images
-  and labels (the cost does not depend on content).
-  """
-  from otclr_jax import data  # pylint: disable=g-import-not-at-top
+def _time_monitor(config, model, state, splits, repeats: int
+                  ) -> tuple[float, str]:
+  """Median ms of one kNN monitor call (otclr_jax/evaluation/monitor.py) on `splits`."""
   from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
-  try:
-    splits = [data.load_split(config.dataset, split,
-                              config.image_size,
-                              config.data_dir or None,
-                              download=False)
-              for split in ('train', 'test')]
-    source = config.dataset
-  except Exception:  # pylint: disable=broad-except
-    rng = np.random.default_rng(args.seed)
-    shape = (config.image_size, config.image_size, 3)
-    splits = [data.Split(
-        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
-        rng.integers(0, 10, num, dtype=np.int32), 10,
-        [str(c) for c in range(10)])
-              for num in (config.monitor.num_train, config.monitor.num_test)]
-    source = 'random uint8'
   knn = monitor.KnnMonitor(config, model, *splits)
   knn(state)  # compiles
-  ms, _ = time_ms(knn, state, repeats=args.repeats)
-  return ms, (f'{len(knn.train_images)} train / {len(knn.test_images)} test '
-              f'images of {source}')
+  return time_ms(knn, state, repeats=repeats)[0], (
+      f'{len(knn.train_images)} train / {len(knn.test_images)} test images')
 
 
-def _add_train_parser(subparsers) -> None:
-  p = subparsers.add_parser(
-      'train', help="the paper's complexity table for SimCLR vs OTCLR",
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--config', required=True, help='configs/X.py')
-  p.add_argument('--batch_size', type=int, default=0,
-                 help='override config.batch_size (0 keeps it)')
-  p.add_argument('--override', nargs='*', default=[],
-                 help='config overrides as on the training command line: '
-                 'a.b=value or --config.a.b=value, e.g. dtype=bfloat16 (the '
-                 'flags --config.a.b=value also work directly)')
-  p.add_argument('--repeats', type=int, default=5,
-                 help='timed steps per method, alternated')
-  p.add_argument('--seed', type=int, default=0)
-  p.set_defaults(func=run_train)
+# ----------------------------------------------------------------------------
+# resnet: the encoder's forward + backward per convolution implementation.
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog='python -m otclr_jax.bench', description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  subparsers = parser.add_subparsers(dest='command', required=True)
-  _add_ot_parser(subparsers)
-  _add_train_parser(subparsers)
-  return parser
+def _encoder_step(config, impl: str, x: jax.Array):
+  """Compiled ResNet-18 forward + backward at `x`, its variables, its FLOPs."""
+  model = models.ResNet18(stem=config.model.stem, conv_impl=impl,
+                          dtype=jnp.dtype(config.dtype))
+
+  def loss(params, batch_stats, x):
+    h, updates = model.apply({'params': params, 'batch_stats': batch_stats},
+                             x, train=True, mutable=['batch_stats'])
+    return jnp.mean(jnp.square(h)), updates['batch_stats']
+
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(0), x)
+  args = (variables['params'], variables['batch_stats'], x)
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  compiled = step.lower(*args).compile()
+  return compiled, args, _flops(compiled)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  argv, overrides = config_files.split_config_flags(argv)
-  args = build_parser().parse_args(argv)
-  if overrides:
-    if not hasattr(args, 'override'):
-      raise ValueError(f'{args.command} takes no config overrides, got '
-                       f'{overrides}.')
-    args.override = list(args.override) + overrides
-  return args.func(args)
+def _conv_layers(config) -> dict[tuple[Any, ...], int]:
+  """Each distinct convolution of ResNet-18 and how often it occurs.
+
+  Keys are (input shape, kernel shape, strides, padding), read from the
+  traced forward pass with `lax.conv`.
+  """
+  model = models.ResNet18(stem=config.model.stem, conv_impl='xla')
+  x = jax.ShapeDtypeStruct(
+      (config.batch_size, config.image_size, config.image_size, 3),
+      jnp.float32)
+  variables = jax.eval_shape(functools.partial(model.init, train=False),
+                             jax.random.key(0), x)
+  jaxpr = jax.make_jaxpr(functools.partial(model.apply, train=False))(
+      variables, x)
+  layers = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'conv_general_dilated':
+      key = (eqn.invars[0].aval.shape, eqn.invars[1].aval.shape,
+             tuple(eqn.params['window_strides']),
+             tuple(map(tuple, eqn.params['padding'])))
+      layers[key] = layers.get(key, 0) + 1
+  return layers
+
+
+def _conv_step(impl: str, x_shape, kernel_shape, strides, padding):
+  """Jitted forward + both gradients of one convolution, and its inputs."""
+  conv = models.conv_function(impl)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal(x_shape, np.float32))
+  kernel = jnp.asarray(rng.standard_normal(kernel_shape, np.float32))
+
+  def loss(x, kernel):
+    y = conv(x, kernel, strides, padding, dimension_numbers=(
+        jax.lax.conv_dimension_numbers(x_shape, kernel_shape,
+                                       ('NHWC', 'HWIO', 'NHWC'))))
+    return jnp.sum(jnp.square(y))
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1))), (x, kernel)
+
+
+def _print_layers(config, repeats: int) -> None:
+  """Per convolution: fwd+bwd ms under 'xla' and 'matmul', and 'auto'."""
+  print('\nper convolution, forward + backward (dx, dkernel), median ms:')
+  print('| input | kernel | stride | count | xla | matmul | xla / matmul '
+        '| auto on CPU |')
+  print('|---|---|---|---|---|---|---|---|')
+  for (x_shape, k_shape, strides, padding), count in _conv_layers(
+      config).items():
+    ms = {}
+    for impl in ('xla', 'matmul'):
+      fn, args = _conv_step(impl, x_shape, k_shape, strides, padding)
+      jax.block_until_ready(fn(*args))
+      ms[impl], _ = time_ms(fn, *args, repeats=repeats)
+    auto = ('matmul' if models.matmul_is_faster(x_shape, k_shape, strides)
+            else 'xla')
+    print(f'| {list(x_shape)} | {list(k_shape)} | {strides[0]} | {count} '
+          f'| {ms["xla"]:.1f} | {ms["matmul"]:.1f} '
+          f'| {ms["xla"] / ms["matmul"]:.2f} | {auto} |')
+
+
+def run_resnet(config, fv: flags.FlagValues) -> int:
+  """The `resnet` subcommand: ResNet-18 fwd+bwd per `model.conv_impl`."""
+  impls = list(fv.conv_impls)
+  for impl in impls:
+    models.conv_function(impl)
+  rng = np.random.default_rng(fv.seed)
+  b, size = config.batch_size, config.image_size
+  x = jnp.asarray(rng.random((b, size, size, 3), np.float32))
+  steps = {impl: _encoder_step(config, impl, x) for impl in impls}
+  # One FLOP count for every row: XLA's, of the convolutions as lax.conv.
+  flops = (steps['xla'] if 'xla' in steps
+           else _encoder_step(config, 'xla', x))[2]
+  for compiled, args, _ in steps.values():
+    jax.block_until_ready(compiled(*args))  # warm-up
+  times = {impl: [] for impl in impls}
+  for _ in range(fv.repeats):
+    for impl, (compiled, args, _) in steps.items():  # alternated
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times[impl].append(time.perf_counter() - start)
+  peak = matmul_peak_gflops()
+  device = jax.devices()[0]
+  print(f'ResNet-18 ({config.model.stem} stem) forward + backward, batch {b}, '
+        f'{size}x{size}, {config.dtype}, {device.device_kind} '
+        f'({device.platform}); median (min) of {fv.repeats} alternated steps; '
+        f'{flops / 1e9:.1f} GFLOP per step (XLA cost analysis, lax.conv); '
+        f'float32 matmul peak {peak:.1f} GFLOP/s')
+  ref = statistics.median(times[impls[0]])
+  for impl in impls:
+    med = statistics.median(times[impl])
+    gflop_s = flops / med / 1e9
+    print(f'  conv_impl={impl}: {1e3 * med:.1f} ms '
+          f'({1e3 * min(times[impl]):.1f}), {gflop_s:.1f} GFLOP/s = '
+          f'{gflop_s / peak:.2f} x peak, {med / ref:.2f} x {impls[0]}')
+  if fv.per_layer:
+    _print_layers(config, fv.repeats)
+  return 0
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
+                 sys_argv: Sequence[str] | None = None) -> None:
+  """Defines the benchmark's flags on `flag_values`.
+
+  Args:
+    flag_values: where to define them (tests pass a fresh `FlagValues`).
+    sys_argv: the command line whose `--config.a.b=v` overrides
+      `config_flags` registers (default `sys.argv`).
+  """
+  fv = dict(flag_values=flag_values)
+  config_flags.DEFINE_config_file(
+      'config', None, 'Config file (train, resnet); override fields as '
+      '--config.a.b=v.', lock_config=True, sys_argv=sys_argv, **fv)
+  flags.DEFINE_integer('repeats', 5, 'Timed calls per row (ot: at least); '
+                       'the median is printed.', **fv)
+  flags.DEFINE_integer('seed', 0, 'Seed of the images.', **fv)
+  flags.DEFINE_list('batch_sizes', ['64', '256'], 'ot: images per batch '
+                    '(each has 3 channels).', **fv)
+  flags.DEFINE_float('min_time_s', 2.0, 'ot: fast rows repeat until this '
+                     'many seconds have passed.', **fv)
+  flags.DEFINE_integer('image_size', 32, 'ot: H = W in pixels.', **fv)
+  flags.DEFINE_integer('grid_size', 16, 'ot: grid side m.', **fv)
+  flags.DEFINE_integer('num_iters', 20, 'ot: Sinkhorn iterations T.', **fv)
+  flags.DEFINE_float('epsilon', 0.05, 'ot: entropic regularisation.', **fv)
+  flags.DEFINE_float('alpha', 0.5, 'ot: interpolation weight.', **fv)
+  flags.DEFINE_list('conv_impls', ['xla', 'matmul', 'auto'], 'resnet: '
+                    'model.conv_impl values to time; ratios are to the '
+                    'first.', **fv)
+  flags.DEFINE_bool('per_layer', False, 'resnet: also time every '
+                    'convolution under xla and matmul.', **fv)
+
+
+def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
+         ) -> int:
+  """Runs the subcommand `argv[1]` with the parsed `flag_values`."""
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(
+        f'Expected one subcommand of {COMMANDS}, got {list(argv[1:])}.')
+  command = argv[1]
+  if command == 'ot':
+    return run_ot(flag_values)
+  config = flag_values.config
+  if config is None:
+    raise app.UsageError(f'{command} needs --config=configs/X.py.')
+  return (run_train if command == 'train' else run_resnet)(config,
+                                                           flag_values)
+
+
+def run() -> None:
+  """`python -m otclr_jax.bench <ot|train|resnet> [flags]`."""
+  define_flags()
+  app.run(lambda argv: sys.exit(main(argv)))
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  run()

@@ -8,9 +8,8 @@ the method's post-update hook (EMA targets). Everything a resumed run needs,
 the method's extra state included, is in `TrainState`; randomness is
 ``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.
 
-For ``simclr`` with ``augment`` or ``ot`` views it computes exactly what the
-project's SimCLR/OTCLR step computed before methods were plug-ins (pinned in
-tests/test_step.py).
+For ``simclr`` with ``augment`` or ``ot`` views its first steps' metrics are
+pinned bit for bit in tests/test_step.py.
 """
 
 from __future__ import annotations

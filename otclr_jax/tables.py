@@ -72,8 +72,8 @@ FLOOR_LABEL = 'Random init'
 # on augmented views, versus statistics re-estimated on clean train images.
 BN_STORED_LABEL = ' (BN: stored)'
 BN_CLEAN_LABEL = ' (BN: clean train)'
-# `protocol.embedding` of evaluate; results written before the field existed
-# used the backbone features h.
+# `protocol.embedding` of evaluate; a result without the field used the
+# backbone features h.
 EMBEDDING_NAMES = {'z': 'z, l2-normalised projection output',
                    'h': 'h, l2-normalised backbone features'}
 

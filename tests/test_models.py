@@ -229,3 +229,132 @@ def test_bad_input_rank_raises():
   model = models.ResNet18()
   with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
     model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
+
+
+# Convolutions as the model runs them: (H, C_in, C_out, kernel, stride,
+# padding). The 7x7/2 stem, 3x3 at strides 1 and 2 on even and odd maps
+# (down to the 1 x 1 map of the last stage), the 1x1/2 shortcut, and
+# flax's 'SAME' and 'VALID' spellings.
+CONV_CASES = [
+    (32, 3, 8, 7, 2, ((3, 3), (3, 3))),
+    (8, 4, 6, 3, 1, ((1, 1), (1, 1))),
+    (8, 4, 6, 3, 2, ((1, 1), (1, 1))),
+    (5, 4, 6, 3, 2, ((1, 1), (1, 1))),
+    (2, 8, 6, 3, 2, ((1, 1), (1, 1))),
+    (1, 8, 6, 3, 1, ((1, 1), (1, 1))),
+    (8, 4, 6, 1, 2, ((0, 0), (0, 0))),
+    (2, 8, 6, 1, 2, ((0, 0), (0, 0))),
+    (6, 4, 6, 3, 2, 'SAME'),
+    (7, 4, 6, 3, 1, 'VALID'),
+]
+
+
+NHWC = ('NHWC', 'HWIO', 'NHWC')
+
+
+def _conv_loss(conv, strides, padding, probe):
+  """Scalar whose gradients are the convolution's VJP of `probe`."""
+  def loss(x, kernel):
+    y = conv(x, kernel, (strides, strides), padding,
+             dimension_numbers=jax.lax.conv_dimension_numbers(
+                 x.shape, kernel.shape, ('NHWC', 'HWIO', 'NHWC')))
+    return jnp.sum(y * probe), y
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.mark.parametrize('size, cin, cout, k, strides, padding', CONV_CASES)
+def test_conv_matmul_equals_lax_conv_with_gradients(size, cin, cout, k,
+                                                    strides, padding):
+  kx, kk, kp = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (3, size, size, cin))
+  kernel = jax.random.normal(kk, (k, k, cin, cout))
+  out_shape = jax.eval_shape(
+      lambda: jax.lax.conv_general_dilated(
+          x, kernel, (strides, strides), padding,
+          dimension_numbers=('NHWC', 'HWIO', 'NHWC'))).shape
+  probe = jax.random.normal(kp, out_shape)
+  (_, y_ref), (dx_ref, dk_ref) = _conv_loss(
+      jax.lax.conv_general_dilated, strides, padding, probe)(x, kernel)
+  (_, y), (dx, dk) = _conv_loss(
+      models.conv_matmul, strides, padding, probe)(x, kernel)
+  assert y.shape == y_ref.shape == out_shape
+  # Sums of at most 7 * 7 * 8 float32 products of unit normals: the two
+  # orders of summation differ by float32 rounding, ~1e-6 of the scale.
+  for got, ref in ((y, y_ref), (dx, dx_ref), (dk, dk_ref)):
+    scale = float(jnp.max(jnp.abs(ref)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_conv_matmul_skips_taps_that_read_only_padding():
+  x = jnp.ones((2, 1, 1, 4))
+  kernel = jnp.ones((3, 3, 4, 5))
+  jaxpr = str(jax.make_jaxpr(
+      lambda x, k: models.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
+                                      dimension_numbers=NHWC))(x, kernel))
+  # One live tap (the centre): a [2, 4] x [4, 5] product, no concatenation.
+  assert 'concatenate' not in jaxpr
+  assert 'f32[2,4]' in jaxpr and 'f32[4,5]' in jaxpr
+
+
+def test_conv_matmul_rejects_dilation_and_groups():
+  x, kernel = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 2))
+  with pytest.raises(ValueError, match='undilated'):
+    models.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)),
+                       dimension_numbers=NHWC, rhs_dilation=(2, 2))
+  with pytest.raises(ValueError, match='ungrouped'):
+    models.conv_matmul(x, jnp.ones((3, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
+                       dimension_numbers=NHWC, feature_group_count=2)
+  with pytest.raises(ValueError, match='NHWC'):  # lax's default is NCHW
+    models.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)))
+
+
+def test_auto_conv_picks_matmul_on_small_cpu_maps_only():
+  conv = models.conv_function('auto')
+  def ops(size):
+    x, kernel = jnp.ones((1, size, size, 2)), jnp.ones((3, 3, 2, 2))
+    return str(jax.make_jaxpr(
+        lambda x, k: conv(x, k, (1, 1), ((1, 1), (1, 1)),
+                          dimension_numbers=NHWC))(x, kernel))
+  assert jax.default_backend() == 'cpu'
+  # A 16 x 16 output is the largest `auto` hands to the matmul.
+  assert models.CONV_MATMUL_MAX_OUT_PIXELS == 16 * 16
+  for size in (1, 2, 16):
+    small = ops(size)
+    assert 'dot_general' in small and 'conv_general_dilated' not in small
+  large = ops(17)
+  assert 'conv_general_dilated' in large and 'dot_general' not in large
+
+
+def test_unknown_conv_impl_raises():
+  with pytest.raises(ValueError, match='conv_impl'):
+    models.conv_function('cudnn')
+  with pytest.raises(ValueError, match='conv_impl'):
+    models.ResNet18(conv_impl='im2col')
+
+
+@pytest.mark.parametrize('stem', models.STEMS)
+def test_conv_impls_share_parameters_and_outputs(stem):
+  x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
+  nets = {impl: models.SimCLRNet(stem=stem, proj_hidden_dim=32, proj_dim=8,
+                                 conv_impl=impl)
+          for impl in ('xla', 'matmul')}
+  trees = {impl: _abstract_variables(net, x.shape)
+           for impl, net in nets.items()}
+  assert (jax.tree.structure(trees['xla'])
+          == jax.tree.structure(trees['matmul']))
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), trees['xla']) == (
+      jax.tree.map(lambda a: (a.shape, a.dtype), trees['matmul']))
+
+  variables = _numpy_variables(nets['xla'], x.shape)
+  # Eval mode: twenty layers of float32 rounding in another summation order.
+  evals = {impl: _jit_apply(net, False)(variables, x)
+           for impl, net in nets.items()}
+  for got, ref in zip(evals['matmul'], evals['xla']):
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+  # Train mode normalises by the statistics of 4 examples (of 1 pixel in the
+  # last stage), which amplifies the rounding differences tenfold.
+  trains = {impl: _jit_apply(net, True)(variables, x)
+            for impl, net in nets.items()}
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3,
+                                                       atol=1e-3),
+               trains['matmul'], trains['xla'])

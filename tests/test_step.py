@@ -71,10 +71,10 @@ def leaves(tree):
 
 
 # Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
-# step as it was before methods became plug-ins (train.train_step at commit
-# 656364d, `tiny_config` digits, batch images[:16], init key 0, train key 1,
-# 4 total steps, 2 per epoch), computed on this project's CPU build of XLA.
-# The generic step must reproduce them to the bit (atol 0).
+# step (train.train_step at commit 656364d, `tiny_config` digits, batch
+# images[:16], init key 0, train key 1, 4 total steps, 2 per epoch, lax.conv
+# convolutions), computed on this project's CPU build of XLA. The generic step
+# must reproduce them to the bit (atol 0).
 PINNED = {
     'augment': [
         {'grad_norm': '0x1.f63ffe0000000p+6', 'loss': '0x1.be3e680000000p+1'},
@@ -98,7 +98,8 @@ PINNED = {
 ])
 def test_simclr_reproduces_the_old_train_step_exactly(data_dir, images, name,
                                                       views, overrides):
-  config = method_config(data_dir, 'simclr', views, **overrides)
+  config = method_config(data_dir, 'simclr', views, **overrides,
+                         **{'model.conv_impl': 'xla'})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
   for pinned in PINNED[name]:
@@ -107,6 +108,22 @@ def test_simclr_reproduces_the_old_train_step_exactly(data_dir, images, name,
     assert got == pinned
   assert np.all(np.asarray(metrics['state_finite']))
   assert state.extra == {}
+
+
+@pytest.mark.parametrize('conv_impl', ['matmul', 'auto'])
+def test_every_conv_impl_reproduces_the_pinned_step(data_dir, images,
+                                                    conv_impl):
+  config = method_config(data_dir, 'simclr', 'ot',
+                         **{'model.conv_impl': conv_impl})
+  _, state, step, mesh = build(config)
+  batch = experiment.global_batch(images[:16], mesh)
+  for pinned in PINNED['ot']:
+    state, metrics = step(state, batch, jax.random.key(1))
+    # The same convolutions summed in another order: float32 rounding,
+    # through twenty BatchNorm layers at batch 16 and one SGD step.
+    for k, value in pinned.items():
+      np.testing.assert_allclose(float(np.asarray(metrics[k])),
+                                 float.fromhex(value), rtol=1e-4, atol=0)
 
 
 def test_otclr_alias_equals_simclr_with_ot_views(data_dir):

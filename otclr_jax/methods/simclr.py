@@ -23,7 +23,8 @@ def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
       stem=config.model.stem,
       proj_hidden_dim=config.model.proj_hidden_dim,
       proj_dim=config.model.proj_dim,
-      dtype=base.dtype_of(config))
+      dtype=base.dtype_of(config),
+      conv_impl=config.model.conv_impl)
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):

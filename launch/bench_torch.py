@@ -1,0 +1,100 @@
+"""PyTorch reference for `python -m otclr_jax.bench resnet`: torchvision's ResNet-18.
+
+Forward + backward of torchvision's ResNet-18 (the imagenet stem: 7x7/2 conv,
+3x3/2 max-pool; classifier included, as torchvision builds it) on random
+32 x 32 images, channels-last, in float32 on the CPU with a fixed thread
+count. Prints the median ms per step over `--steps` timed steps after
+`--warmup` untimed ones, and the achieved GFLOP/s of the convolutions and
+linear layer (multiply-adds on real pixels, as XLA's cost analysis counts
+them, so the number compares with `bench resnet`'s).
+
+PyTorch is not a dependency of the project; run this in a side environment:
+
+  python3 -m venv /work/venvs/torch
+  /work/venvs/torch/bin/pip install torch==2.14.1 torchvision==0.29.1
+  /work/venvs/torch/bin/python launch/bench_torch.py --batch_size=256
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torchvision
+
+
+def _real_taps(size: int, kernel: int, stride: int, pad: int) -> int:
+  """(output, kernel offset) pairs along one axis that read a real pixel."""
+  out = (size + 2 * pad - kernel) // stride + 1
+  return sum(pad <= i + stride * o < pad + size
+             for o in range(out) for i in range(kernel))
+
+
+def conv_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
+  """Forward FLOPs (2 per multiply-add) of every conv and linear layer.
+
+  Only multiply-adds on real pixels count, not on zero padding, as XLA's
+  cost analysis counts them (on the 1 x 1 maps of the last stage a 3 x 3
+  convolution has one real tap of nine).
+  """
+  total = 0.0
+
+  def hook(module, inputs, output):
+    nonlocal total
+    if isinstance(module, torch.nn.Conv2d):
+      (kh, kw), (sh, sw) = module.kernel_size, module.stride
+      (ph, pw), (h, w) = module.padding, inputs[0].shape[-2:]
+      total += (2.0 * output.shape[0] * module.in_channels
+                * module.out_channels * _real_taps(h, kh, sh, ph)
+                * _real_taps(w, kw, sw, pw))
+    elif isinstance(module, torch.nn.Linear):
+      total += 2.0 * output.numel() * module.in_features
+
+  handles = [m.register_forward_hook(hook) for m in model.modules()]
+  with torch.no_grad():
+    model(x)
+  for h in handles:
+    h.remove()
+  return total
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--batch_size', type=int, default=256)
+  parser.add_argument('--image_size', type=int, default=32)
+  parser.add_argument('--threads', type=int, default=2)
+  parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--warmup', type=int, default=2)
+  args = parser.parse_args()
+
+  torch.set_num_threads(args.threads)
+  torch.manual_seed(0)
+  model = torchvision.models.resnet18().to(memory_format=torch.channels_last)
+  model.train()
+  x = torch.rand(args.batch_size, 3, args.image_size, args.image_size
+                 ).to(memory_format=torch.channels_last)
+  flops = 3.0 * conv_flops(model, x)  # forward + two backward products
+
+  def step():
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+
+  for _ in range(args.warmup):
+    step()
+  times = []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  ms = 1e3 * statistics.median(times)
+  print(f'torch {torch.__version__} torchvision {torchvision.__version__}, '
+        f'{torch.get_num_threads()} threads; ResNet-18 fwd+bwd, batch '
+        f'{args.batch_size}, {args.image_size}x{args.image_size}, '
+        f'channels-last float32: median {ms:.1f} ms/step (min '
+        f'{1e3 * min(times):.1f}) over {args.steps} steps, '
+        f'{flops / ms / 1e6:.1f} GFLOP/s')
+
+
+if __name__ == '__main__':
+  main()
