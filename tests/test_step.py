@@ -73,8 +73,16 @@ def leaves(tree):
 # Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
 # step (train.train_step at commit 656364d, `tiny_config` digits, batch
 # images[:16], init key 0, train key 1, 4 total steps, 2 per epoch, lax.conv
-# convolutions), computed on this project's CPU build of XLA. The generic step
-# must reproduce them to the bit (atol 0).
+# convolutions), computed by XLA:CPU on an AVX-512 machine. They were
+# reproduced there to the bit; XLA's CPU kernels round differently on other
+# instruction sets, so the generic step must match them to float32 rounding:
+# the first step within RTOL_PINNED[0] (an AVX2-only CPU differs in the last
+# 1-12 units of the mantissa). The second starts from parameters that already
+# differ by that rounding, which one SGD step through BatchNorm at batch 16
+# amplifies (OT views: 6e-4 relative in grad_norm on that CPU), hence
+# RTOL_PINNED[1]; both stay far below what a change of the step's arithmetic
+# moves (a missing term, another key or another view).
+RTOL_PINNED = (1e-5, 2e-3)
 PINNED = {
     'augment': [
         {'grad_norm': '0x1.f63ffe0000000p+6', 'loss': '0x1.be3e680000000p+1'},
@@ -96,16 +104,18 @@ PINNED = {
     ('ot', 'ot', {}),
     ('ot_learn', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}),
 ])
-def test_simclr_reproduces_the_old_train_step_exactly(data_dir, images, name,
+def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
                                                       views, overrides):
   config = method_config(data_dir, 'simclr', views, **overrides,
                          **{'model.conv_impl': 'xla'})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
-  for pinned in PINNED[name]:
+  for pinned, rtol in zip(PINNED[name], RTOL_PINNED):
     state, metrics = step(state, batch, jax.random.key(1))
-    got = {k: float(np.asarray(metrics[k])).hex() for k in pinned}
-    assert got == pinned
+    for k, value in pinned.items():
+      np.testing.assert_allclose(float(np.asarray(metrics[k])),
+                                 float.fromhex(value), rtol=rtol, atol=0,
+                                 err_msg=k)
   assert np.all(np.asarray(metrics['state_finite']))
   assert state.extra == {}
 
