@@ -38,13 +38,13 @@ def _solo_learn_lars(params, grads_per_step, lrs, momentum, weight_decay, eta,
 @pytest.mark.parametrize('clip_lr', [True, False])
 def test_lars_matches_solo_learn_update(clip_lr):
   rng = np.random.default_rng(0)
-  # A kernel, a bias, a BatchNorm scale, a kernel with no gradient (frozen
-  # prototypes) and a scalar (ndim 0 is adapted, as torch's ndim != 1).
+  # A kernel, a bias, a BatchNorm scale and a kernel with no gradient
+  # (frozen prototypes).
   params = {'kernel': rng.normal(size=(4, 3)),
+            'conv': rng.normal(size=(3, 3, 2, 4)),
             'bias': rng.normal(size=(3,)),
             'scale': 1.0 + 0.1 * rng.normal(size=(3,)),
-            'frozen': rng.normal(size=(3, 2)),
-            'scalar': np.float64(0.7)}
+            'frozen': rng.normal(size=(3, 2))}
   steps = 5
   grads = []
   for k in range(steps):
@@ -76,12 +76,24 @@ def test_lars_matches_solo_learn_update(clip_lr):
                              rtol=1e-6)
 
 
+def test_lars_treats_a_scalar_as_a_bias():
+  # solo-learn has no scalar parameters; the OT interpolation logit is one,
+  # and like biases it is neither adapted nor decayed: plain momentum SGD.
+  tx = experiment.lars(optax.constant_schedule(0.1), momentum=0.9,
+                       weight_decay=0.5, eta=0.02, clip_lr=True)
+  p = {'alpha_logit': jnp.float32(0.7)}
+  state = tx.init(p)
+  for g, expected in ((2.0, -0.1 * 2.0), (1.0, -0.1 * (0.9 * 2.0 + 1.0))):
+    updates, state = tx.update({'alpha_logit': jnp.float32(g)}, state, p)
+    assert float(updates['alpha_logit']) == pytest.approx(expected, rel=1e-6)
+
+
 def test_lars_clip_lr_caps_the_adapted_rate_at_the_global_one():
   # |p| = 1, |g| = 1e-4: eta |p| / |g| = 200 >> 1, so with clip_lr the step is
   # lr * g, without it lr * 200 * g.
   p = {'w': jnp.asarray([[1.0, 0.0]])}
   g = {'w': jnp.asarray([[1e-4, 0.0]])}
-  for clip_lr, factor in ((True, 1.0), (False, 200.0)):
+  for clip_lr, factor in ((True, 1.0), (False, 0.02 / (1e-4 + 1e-8))):
     tx = experiment.lars(optax.constant_schedule(0.5), momentum=0.9,
                          weight_decay=0.0, eta=0.02, clip_lr=clip_lr)
     updates, _ = tx.update(g, tx.init(p), p)
@@ -124,7 +136,7 @@ def test_each_method_trains_with_its_recipe():
 
 @pytest.mark.parametrize('field, value', [
     ('byol.optim.name', 'adam'), ('dino.optim.eta', 0.0),
-    ('dino.optim.clip_grad', -1.0), ('optim.clip_lr', 1)])
+    ('dino.optim.clip_grad', -1.0), ('optim.eta', -1.0)])
 def test_bad_optimiser_settings_are_rejected(field, value):
   config = default.get_config()
   config.method = field.split('.')[0] if field[0] != 'o' else 'simclr'
