@@ -317,9 +317,10 @@ def _init(config):
   variables = model.init({'params': jax.random.key(0)},
                          jnp.zeros((1, 8, 8, 3)), train=False)
   extra = method.init_extra(config, variables, jax.random.key(1))
-  # Targets that differ from the online networks, as after some training.
-  extra['target_params'] = jax.tree_util.tree_map(
-      lambda x: x * 1.1, extra['target_params'])
+  if 'target_params' in extra:
+    # Targets that differ from the online networks, as after some training.
+    extra['target_params'] = jax.tree_util.tree_map(
+        lambda x: x * 1.1, extra['target_params'])
   return method, model, variables, extra
 
 
