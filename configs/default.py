@@ -60,14 +60,21 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss = ml_collections.ConfigDict()
   config.loss.temperature = 0.5
 
+  # The paper's optimiser (SGD, momentum 0.9, weight decay 1e-4), used by
+  # SimCLR/OTCLR and MoCo. BYOL and DINO train with their upstream recipes,
+  # config.byol.optim and config.dino.optim (same fields); warmup_epochs is
+  # this block's for every method.
   config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'sgd'  # or 'lars'.
+  config.optim.name = 'sgd'  # or 'lars' (solo-learn's, experiment.lars).
   # [decision] The paper gives no learning rate: SimCLR's linear scaling,
   # lr = base_lr * batch_size / 256, linear warmup then cosine decay to 0.
   config.optim.base_lr = 0.3
   config.optim.momentum = 0.9
   config.optim.weight_decay = 1e-4
   config.optim.warmup_epochs = 2.0
+  config.optim.eta = 0.02  # LARS trust coefficient (name='lars' only).
+  config.optim.clip_lr = True  # LARS: adapted rate at most the global one.
+  config.optim.clip_grad = 0.0  # per-parameter gradient-norm clip; 0: off.
 
   config.ot = ml_collections.ConfigDict()
   config.ot.grid_size = 16

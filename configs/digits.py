@@ -19,6 +19,11 @@ changed for 8 x 8 grey digits, as the ablation in the README measured:
   ~17,000 keys, so a 32,768-key queue would hold mostly its random initial
   vectors, and more keys than the 1,437 training images would put each image's
   own older keys among its negatives.
+- Nothing is set for the EMA targets: over the run's 132 steps MoCo, BYOL
+  and DINO start their momentum at ~0.933 instead of 0.99 / 0.99 / 0.9995,
+  fitted to the run's length (otclr_jax/methods/base.horizon_base_tau), and
+  BYOL and DINO train with their own optimisers (config.byol.optim,
+  config.dino.optim) under this config's warm-up of 1 epoch.
 """
 
 from configs import default

@@ -15,12 +15,12 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from absl import logging
-
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -42,6 +42,9 @@ from otclr_jax.methods import base
 # that entries flush to 0, the scalings a / (K v) overflow and the views and
 # the loss turn NaN at the first step.
 MIN_EPSILON = 1.0 / (126 * math.log(2))
+
+
+OPTIMIZERS = ('sgd', 'lars')
 
 
 class ConfigError(ValueError):
@@ -109,14 +112,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f'model.{field}', 'must be an integer >= 1', c.model[field])
   _require(_is_number(c.loss.temperature) and c.loss.temperature > 0,
            'loss.temperature', 'must be > 0', c.loss.temperature)
-  _require(c.optim.name in ('sgd', 'lars'), 'optim.name',
-           "must be 'sgd' or 'lars'", c.optim.name)
-  _require(_is_number(c.optim.base_lr) and c.optim.base_lr >= 0,
-           'optim.base_lr', 'must be >= 0', c.optim.base_lr)
-  _require(_is_number(c.optim.momentum) and 0 <= c.optim.momentum < 1,
-           'optim.momentum', 'must lie in [0, 1)', c.optim.momentum)
-  _require(_is_number(c.optim.weight_decay) and c.optim.weight_decay >= 0,
-           'optim.weight_decay', 'must be >= 0', c.optim.weight_decay)
+  _validate_optim(c.optim, 'optim')
+  method = views_lib.resolve(c)[0]
+  if 'optim' in c.get(method, {}):
+    _validate_optim(c[method].optim, f'{method}.optim')
   _require(_is_number(c.optim.warmup_epochs) and c.optim.warmup_epochs >= 0,
            'optim.warmup_epochs', 'must be >= 0', c.optim.warmup_epochs)
   _require(_is_int(c.ot.grid_size) and c.ot.grid_size >= 2, 'ot.grid_size',
@@ -175,6 +174,21 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            c.ot.core)
 
 
+def _validate_optim(opt: ml_collections.ConfigDict, path: str) -> None:
+  _require(opt.name in OPTIMIZERS, f'{path}.name',
+           f'must be one of {OPTIMIZERS}', opt.name)
+  for field, rule, ok in (
+      ('base_lr', 'must be >= 0', lambda v: v >= 0),
+      ('momentum', 'must lie in [0, 1)', lambda v: 0 <= v < 1),
+      ('weight_decay', 'must be >= 0', lambda v: v >= 0),
+      ('eta', 'must be > 0', lambda v: v > 0),
+      ('clip_grad', 'must be >= 0 (0: off)', lambda v: v >= 0)):
+    _require(_is_number(opt[field]) and ok(opt[field]), f'{path}.{field}',
+             rule, opt[field])
+  _require(isinstance(opt.clip_lr, bool), f'{path}.clip_lr',
+           'must be True or False', opt.clip_lr)
+
+
 def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
   """Whether the kNN monitor runs (`config.monitor`).
 
@@ -209,11 +223,26 @@ def total_steps_for(config: ml_collections.ConfigDict,
   return int(config.num_epochs * steps_per_epoch)
 
 
+def optim_settings(config: ml_collections.ConfigDict
+                   ) -> ml_collections.ConfigDict:
+  """The run's optimiser: its method's recipe, or the paper's `config.optim`.
+
+  A method whose block holds an ``optim`` sub-block (BYOL, DINO) trains with
+  it; the others (SimCLR, MoCo: the paper's rows) with ``config.optim``. The
+  learning-rate schedule's ``warmup_epochs`` is always ``config.optim``'s.
+  """
+  method = views_lib.resolve(config)[0]
+  block = config.get(method, None)
+  if block is not None and 'optim' in block:
+    return block.optim
+  return config.optim
+
+
 def learning_rate_schedule(config: ml_collections.ConfigDict,
                            steps_per_epoch: int,
                            total_steps: int) -> optax.Schedule:
   """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0."""
-  peak = config.optim.base_lr * config.batch_size / 256.0
+  peak = optim_settings(config).base_lr * config.batch_size / 256.0
   warmup = min(int(config.optim.warmup_epochs * steps_per_epoch),
                max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
@@ -227,16 +256,92 @@ def _decay_mask(params):
   return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
 
 
+class LarsState(NamedTuple):
+  count: jax.Array
+  momentum: Any
+
+
+def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
+         eta: float, clip_lr: bool, eps: float = 1e-8
+         ) -> optax.GradientTransformation:
+  """LARS as solo-learn's ``solo/utils/lars.py`` (with ``exclude_bias_n_norm``).
+
+  For a parameter p with gradient g at learning rate lr (`schedule`):
+  when p is a kernel (ndim > 1) and ``|p|, |g| > 0``,
+  ``r = eta |p| / (|g| + weight_decay |p| + eps)``, with ``clip_lr``
+  ``r = min(r / lr, 1)``, and ``d = r (g + weight_decay p)``; otherwise
+  (biases, BatchNorm, scalars, zero norms) ``d = g``, neither adapted nor
+  decayed. Then heavy-ball momentum without dampening, ``v <- momentum v +
+  d`` (``v_1 = d``), and ``p <- p - lr v``.
+
+  Args:
+    schedule: learning rate per step.
+    momentum: mu in [0, 1).
+    weight_decay: beta >= 0.
+    eta: trust coefficient.
+    clip_lr: clip the adapted rate at the global one.
+    eps: denominator guard.
+
+  Returns:
+    An optax transformation needing ``params`` in ``update``.
+  """
+  def init_fn(params):
+    return LarsState(count=jnp.zeros((), jnp.int32),
+                     momentum=jax.tree_util.tree_map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params):
+    lr = schedule(state.count)
+
+    def direction(g, p):
+      p_norm = jnp.linalg.norm(p)
+      g_norm = jnp.linalg.norm(g)
+      ratio = eta * p_norm / (g_norm + p_norm * weight_decay + eps)
+      if clip_lr:
+        # lr = 0 (the warm-up's first step) gives inf: the ratio is 1.
+        ratio = jnp.minimum(ratio / lr, 1.0)
+      adapt = (p.ndim > 1) & (p_norm > 0) & (g_norm > 0)
+      return jnp.where(adapt, ratio * (g + weight_decay * p), g)
+
+    d = jax.tree_util.tree_map(direction, updates, params)
+    buf = jax.tree_util.tree_map(lambda v, x: momentum * v + x,
+                                 state.momentum, d)
+    return (jax.tree_util.tree_map(lambda v: -lr * v, buf),
+            LarsState(count=state.count + 1, momentum=buf))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
+  """Scales each parameter's gradient to norm <= `max_norm` on its own.
+
+  DINO's ``utils.clip_gradients``: ``g <- g * min(1, max_norm / (|g| +
+  1e-6))`` per parameter tensor, not over the whole tree.
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    def clip(g):
+      coef = max_norm / (jnp.linalg.norm(g) + 1e-6)
+      return jnp.where(coef < 1, g * coef, g)
+    return jax.tree_util.tree_map(clip, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update_fn)
+
+
 def create_optimizer(config: ml_collections.ConfigDict,
                      schedule: optax.Schedule) -> optax.GradientTransformation:
-  opt = config.optim
+  """The run's optimiser (`optim_settings`), gradient clipping first if any."""
+  opt = optim_settings(config)
   if opt.name == 'lars':
-    return optax.lars(schedule, weight_decay=opt.weight_decay,
-                      weight_decay_mask=_decay_mask,
-                      trust_ratio_mask=_decay_mask, momentum=opt.momentum)
-  return optax.chain(
-      optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
-      optax.sgd(schedule, momentum=opt.momentum))
+    tx = lars(schedule, momentum=opt.momentum, weight_decay=opt.weight_decay,
+              eta=opt.eta, clip_lr=opt.clip_lr)
+  else:
+    tx = optax.chain(
+        optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
+        optax.sgd(schedule, momentum=opt.momentum))
+  if opt.clip_grad > 0:
+    tx = optax.chain(clip_per_parameter(opt.clip_grad), tx)
+  return tx
 
 
 def count_params(tree) -> int:
@@ -296,6 +401,12 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   method = methods.get(method_name)
   total = total_steps_for(config, steps_per_epoch)
   schedule = learning_rate_schedule(config, steps_per_epoch, total)
+  opt = optim_settings(config)
+  logging.info('Optimiser: %s', ', '.join(
+      f'{k}={v}' for k, v in sorted(opt.items())))
+  block = config.get(method_name, None)
+  if block is not None and 'base_tau' in block:
+    base.report_horizon(method_name, block, total)
   return Setup(method=method, views=views,
                title=methods.title(method_name, views),
                model=method.create_model(config), schedule=schedule,

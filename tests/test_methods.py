@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from otclr_jax import experiment
 from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax.methods import base
@@ -104,6 +105,7 @@ def test_dino_loss_and_centre_match_numpy():
 
 def test_dino_teacher_temperature_warms_up_linearly():
   config = ml_collections.ConfigDict({'dino': dino.default_config()})
+  config.dino.teacher_temp = 0.07
   config.dino.warmup_teacher_temp_epochs = 2.0
   for step, expected in ((0, 0.04), (5, 0.04 + 0.03 * 5 / 20), (20, 0.07),
                          (100, 0.07)):
@@ -167,6 +169,15 @@ def test_moco_parameter_count_is_the_papers():
 def test_byol_and_dino_targets_mirror_the_online_networks():
   config = methods.add_defaults(default.get_config())
   variables, extra = _shapes(methods.get('byol'), config)
+  # BYOL's own widths by default: 512 -> 4096 (no bias) + BN -> 256, then the
+  # predictor 256 -> 4096 + BN -> 256.
+  assert _count(variables['params']['head']) == (
+      512 * 4096 + 2 * 4096 + 4096 * 256 + 256)
+  assert _count(variables['params']['predictor']) == (
+      256 * 4096 + 2 * 4096 + 4096 * 256 + 256)
+  config.byol.proj_hidden_dim, config.byol.proj_dim = 512, 128
+  config.byol.pred_hidden_dim = 512
+  variables, extra = _shapes(methods.get('byol'), config)
   assert set(variables['params']) == {'encoder', 'head', 'predictor'}
   assert (jax.tree_util.tree_structure(extra['target_params'])
           == jax.tree_util.tree_structure(
@@ -183,7 +194,7 @@ def test_byol_and_dino_targets_mirror_the_online_networks():
 
 
 def test_dino_head_normalises_prototypes():
-  head = models.DINOHead(hidden_dim=8, bottleneck_dim=4, num_prototypes=5)
+  head = dino.DINOHead(hidden_dim=8, bottleneck_dim=4, num_prototypes=5)
   h = jax.random.normal(jax.random.key(0), (3, 6))
   variables = head.init(jax.random.key(1), h)
   scaled = jax.tree_util.tree_map(lambda x: x, variables)
@@ -200,6 +211,7 @@ def test_dino_head_normalises_prototypes():
 @pytest.mark.parametrize('field, value, match', [
     ('moco.queue_size', 8, 'queue_size'),
     ('byol.base_tau', 1.5, 'base_tau'),
+    ('dino.max_init_share', 0.0, 'max_init_share'),
 ])
 def test_bad_method_settings_are_rejected(field, value, match):
   config = methods.add_defaults(default.get_config())
@@ -219,3 +231,213 @@ def test_titles_name_rows_like_the_paper():
   assert methods.title('moco', 'augment') == 'MoCo'
   assert methods.title('moco', 'ot') == 'MoCo + OT views'
   assert methods.title('dino', 'ot') == 'DINO + OT views'
+
+
+# ----------------------------------------------------------------------------
+# Target horizons.
+
+
+def test_init_share_is_the_product_of_the_momenta():
+  # Constant momentum: tau^K.
+  assert base.init_share(0.99, 0.99, 132) == pytest.approx(0.99 ** 132)
+  taus = [float(base.cosine_momentum(k, 50, 0.9, 1.0)) for k in range(50)]
+  assert base.init_share(0.9, 1.0, 50) == pytest.approx(np.prod(taus),
+                                                          rel=1e-5)
+
+
+def test_horizon_lowers_the_momentum_of_short_runs_only():
+  # 132 steps (digits, 12 epochs at batch 128): BYOL's 0.99 leaves half the
+  # initialisation; the fitted start leaves exactly the allowed share.
+  assert base.init_share(0.99, 1.0, 132) > 0.5
+  start = base.horizon_base_tau(0.99, 1.0, 132, 0.01)
+  assert start < 0.99
+  assert base.init_share(start, 1.0, 132) == pytest.approx(0.01, rel=1e-6)
+  # The paper's 20 epochs of ImageNet-300 at batch 256 keep the configured
+  # momenta: 0.99 for MoCo, DINO's 0.9995.
+  steps = 20 * 300_000 // 256
+  assert base.horizon_base_tau(0.99, 0.999, steps, 0.01) == 0.99
+  assert base.horizon_base_tau(0.9995, 1.0, steps, 0.01) == 0.9995
+  # max_init_share = 1 keeps any momentum.
+  assert base.horizon_base_tau(0.99, 1.0, 132, 1.0) == 0.99
+
+
+def test_post_update_follows_the_fitted_schedule():
+  config = methods.add_defaults(default.get_config())
+  target = {'w': jnp.zeros(())}
+  online = {'w': jnp.ones(())}
+  extra = {'target_params': target}
+  for k in range(20):
+    extra = base.ema_targets('byol')(
+        config, extra, online, {}, base.Progress(jnp.int32(k), 20, 5))
+  # Target 0, online 1: the target holds 1 - (share of its init).
+  np.testing.assert_allclose(float(extra['target_params']['w']), 1 - 0.01,
+                             rtol=1e-4)
+
+
+def test_a_target_that_keeps_its_initialisation_is_warned_about(monkeypatch):
+  config = methods.add_defaults(default.get_config())
+  warnings = []
+  monkeypatch.setattr(base.logging, 'warning',
+                      lambda *args: warnings.append(args[0] % args[1:]))
+  assert base.report_horizon('byol', config.byol, 132) == pytest.approx(0.01)
+  assert not warnings
+  config.byol.max_init_share = 1.0
+  share = base.report_horizon('byol', config.byol, 132)
+  assert share == pytest.approx(base.init_share(0.99, 1.0, 132))
+  assert len(warnings) == 1 and '51%' in warnings[0]
+  assert 'config.byol.max_init_share' in warnings[0]
+  # A long run at the same momenta: nothing to warn about.
+  warnings.clear()
+  base.report_horizon('byol', config.byol, 100_000)
+  assert not warnings
+
+
+# ----------------------------------------------------------------------------
+# Networks, BatchNorm batches, DINO's frozen prototypes, embeddings.
+
+
+def _small_config(method):
+  config = methods.add_defaults(default.get_config())
+  config.method = method
+  config.image_size = 8
+  config.batch_size = 4
+  config.model.stem = 'cifar'
+  config.model.proj_hidden_dim, config.model.proj_dim = 16, 8
+  config.byol.proj_hidden_dim, config.byol.proj_dim = 16, 8
+  config.byol.pred_hidden_dim = 16
+  config.dino.hidden_dim, config.dino.bottleneck_dim = 16, 8
+  config.dino.num_prototypes = 12
+  config.moco.queue_size = 8
+  return config
+
+
+def _init(config):
+  method = methods.get(config.method)
+  model = method.create_model(config)
+  variables = model.init({'params': jax.random.key(0)},
+                         jnp.zeros((1, 8, 8, 3)), train=False)
+  extra = method.init_extra(config, variables, jax.random.key(1))
+  if 'target_params' in extra:
+    # Targets that differ from the online networks, as after some training.
+    extra['target_params'] = jax.tree_util.tree_map(
+        lambda x: x * 1.1, extra['target_params'])
+  return method, model, variables, extra
+
+
+def _views(seed=0):
+  v1, v2 = jax.random.uniform(jax.random.key(seed), (2, 4, 8, 8, 3))
+  return v1, v2
+
+
+def test_byol_normalises_each_view_on_its_own():
+  config = _small_config('byol')
+  method, model, variables, extra = _init(config)
+  v1, v2 = _views()
+  progress = base.Progress(jnp.int32(0), 10, 5)
+  value, _, _, _ = method.loss(config, model, variables['params'],
+                               variables['batch_stats'], extra, v1, v2,
+                               progress)
+  # Reference: every network run on one view batch at a time.
+  run = lambda net, params, stats, v: net.apply(
+      {'params': params, 'batch_stats': stats}, v, train=True,
+      mutable=['batch_stats'])[0]
+  target = byol.target_model(config)
+  p = [run(model, variables['params'], variables['batch_stats'], v)[2]
+       for v in (v1, v2)]
+  z = [run(target, extra['target_params'], extra['target_batch_stats'], v)[1]
+       for v in (v1, v2)]
+  expected = (np.mean(np.sum((_unit(np.asarray(p[0]))
+                              - _unit(np.asarray(z[1]))) ** 2, -1))
+              + np.mean(np.sum((_unit(np.asarray(p[1]))
+                                - _unit(np.asarray(z[0]))) ** 2, -1)))
+  np.testing.assert_allclose(float(value), expected, rtol=1e-5)
+  # One BatchNorm batch for both views would give another value.
+  pj = run(model, variables['params'], variables['batch_stats'],
+           jnp.concatenate([v1, v2]))[2]
+  zj = run(target, extra['target_params'], extra['target_batch_stats'],
+           jnp.concatenate([v1, v2]))[1]
+  joint = (np.mean(np.sum((_unit(np.asarray(pj[:4]))
+                           - _unit(np.asarray(zj[4:]))) ** 2, -1))
+           + np.mean(np.sum((_unit(np.asarray(pj[4:]))
+                             - _unit(np.asarray(zj[:4]))) ** 2, -1)))
+  assert abs(joint - expected) > 1e-4
+
+
+def test_moco_key_encoder_statistics_never_see_the_query_batch():
+  config = _small_config('moco')
+  method, model, variables, extra = _init(config)
+  v1, v2 = _views()
+  progress = base.Progress(jnp.int32(0), 10, 5)
+
+  def keys(v1, v2):
+    _, _, _, new_extra = method.loss(config, model, variables['params'],
+                                     variables['batch_stats'], extra, v1, v2,
+                                     progress)
+    # Enqueued this step at slots 0-3: k1 in queue 0, k2 in queue 1.
+    return (np.asarray(new_extra['queue'][0, :4]),
+            np.asarray(new_extra['queue'][1, :4]))
+
+  k1, k2 = keys(v1, v2)
+  other = jax.random.uniform(jax.random.key(5), v1.shape)
+  # k2 is the positive of q1 = query(v1): another view-1 batch must leave it
+  # unchanged, BatchNorm statistics included (and k1 likewise for v2).
+  k1_new, k2_same = keys(other, v2)
+  np.testing.assert_array_equal(k2_same, k2)
+  assert np.max(np.abs(k1_new - k1)) > 1e-3
+  k1_same, k2_new = keys(v1, other)
+  np.testing.assert_array_equal(k1_same, k1)
+  assert np.max(np.abs(k2_new - k2)) > 1e-3
+
+
+def test_dino_freezes_the_prototypes_for_the_first_epoch():
+  config = _small_config('dino')
+  assert config.dino.freeze_last_layer == 1.0
+  method, model, variables, extra = _init(config)
+  v1, v2 = _views()
+
+  def grads(step):
+    progress = base.Progress(jnp.int32(step), 20, 5)
+    return jax.grad(lambda p: method.loss(
+        config, model, p, variables['batch_stats'], extra, v1, v2,
+        progress)[0])(variables['params'])
+
+  for step, frozen in ((0, True), (4, True), (5, False), (12, False)):
+    g = grads(step)
+    norm = float(jnp.linalg.norm(g['head']['prototypes']))
+    assert (norm == 0.0) == frozen, (step, norm)
+    assert float(jnp.linalg.norm(g['head']['hidden1']['kernel'])) > 0
+  # The loss itself does not change while the prototypes are frozen.
+  values = [method.loss(config, model, variables['params'],
+                        variables['batch_stats'], extra, v1, v2,
+                        base.Progress(jnp.int32(s), 20, 5))[0] for s in (0, 5)]
+  assert float(values[0]) == float(values[1])
+
+
+@pytest.mark.parametrize('name', ['simclr', 'moco', 'byol', 'dino'])
+def test_each_method_embeds_features_as_its_network(name):
+  config = _small_config(name)
+  method, model, variables, _ = _init(config)
+  assert methods.for_model(model).embed is method.embed
+  x = jax.random.uniform(jax.random.key(3), (5, 8, 8, 3))
+  h, z = model.apply(variables, x, train=False)[:2]
+  np.testing.assert_allclose(
+      np.asarray(method.embed(model, variables, h)), np.asarray(z),
+      rtol=1e-5, atol=1e-6)
+
+
+def test_for_model_names_the_method_of_a_network():
+  assert methods.for_model(models.SimCLRNet()).name == 'simclr'
+  assert methods.for_model(byol.BYOLNet()).name == 'byol'
+  assert methods.for_model(dino.DINONet()).name == 'dino'
+  with pytest.raises(ValueError, match='No method'):
+    methods.for_model(models.ResNet18())
+
+
+def test_setup_logs_the_horizon_of_ema_methods(monkeypatch):
+  reports = []
+  monkeypatch.setattr(base, 'report_horizon',
+                      lambda name, block, steps: reports.append((name, steps)))
+  for name in ('simclr', 'byol'):
+    config = _small_config(name)
+    experiment.setup(config, 11)
+  assert reports == [('byol', 11 * config.num_epochs)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Iterator
@@ -14,7 +15,7 @@ import ml_collections
 import numpy as np
 
 from otclr_jax import data
-from otclr_jax import models
+from otclr_jax import methods
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import metrics
 
@@ -123,10 +124,9 @@ def project(model, variables: dict[str, Any], features: np.ndarray,
             batch_size: int = 4096) -> np.ndarray:
   """Embeddings z (not normalised) of backbone features h, by the run's head.
 
-  Applies the run's head alone (BatchNorm in inference mode) to cached h, so
-  z needs no second pass over the images: g(f(x)) = g(h). The head is the
-  ``'head'`` submodule every method's network has (SimCLR, MoCo and BYOL: the
-  projection head; DINO: the bottleneck of its head).
+  Applies the method's embedding head alone (`Method.embed`, BatchNorm in
+  inference mode) to cached h, so z needs no second pass over the images:
+  g(f(x)) = g(h).
 
   Args:
     model: the run's network (`experiment.create_model`).
@@ -137,21 +137,9 @@ def project(model, variables: dict[str, Any], features: np.ndarray,
   Returns:
     float32 [N, D], D the embedding width of the method's network.
   """
-  if isinstance(model, models.DINONet):
-    head = models.DINOHead(hidden_dim=model.hidden_dim,
-                           bottleneck_dim=model.bottleneck_dim,
-                           num_prototypes=model.num_prototypes,
-                           dtype=model.dtype)
-    head_vars = {'params': variables['params']['head']}
-    apply = jax.jit(lambda v, h: head.apply(v, h)[0])
-  else:
-    head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
-                                 out_dim=model.proj_dim, dtype=model.dtype)
-    head_vars = {'params': variables['params']['head'],
-                 'batch_stats': variables['batch_stats']['head']}
-    apply = jax.jit(lambda v, h: head.apply(v, h, train=False))
+  apply = jax.jit(functools.partial(methods.for_model(model).embed, model))
   return np.concatenate([
-      np.asarray(apply(head_vars, jnp.asarray(features[i:i + batch_size])))
+      np.asarray(apply(variables, jnp.asarray(features[i:i + batch_size])))
       for i in range(0, len(features), batch_size)]).astype(np.float32)
 
 

@@ -4,6 +4,7 @@
 adds every method's settings block (``config.moco`` ...) and ``config.views``
 where a config lacks them. Adding a method: one module defining ``METHOD``,
 its line in `_MODULES`, and its tests (docs/methods.md).
+`for_model(model)` gives the method of a network (evaluation embeds with it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def get(name: str) -> base.Method:
     raise ValueError(f'config.method must be one of {NAMES} (or the alias '
                      f"'otclr' = simclr with views='ot'), got {name!r}.")
   return _REGISTRY[name]
+
+
+def for_model(model) -> base.Method:
+  """The first registered method whose online network `model` is an instance of.
+
+  Methods that share a network (SimCLR and MoCo) share its embedding too.
+  """
+  for method in _REGISTRY.values():
+    if isinstance(model, method.network):
+      return method
+  raise ValueError(f'No method builds a {type(model).__name__}.')
 
 
 def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

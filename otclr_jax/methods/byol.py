@@ -1,20 +1,25 @@
 """BYOL (Grill et al. 2020): an online network predicts an EMA target's projection.
 
-Decisions and sources (docs/methods.md has the full table):
+Decisions and sources (docs/methods.md has the table with file and line):
 
-* Networks: online = ResNet-18 + projector (the paper's 512-512-128 head of
-  `config.model`) + predictor of the projector's shape (Dense -> BatchNorm ->
-  ReLU -> Dense, hidden width `config.byol.pred_hidden_dim` = 512, so
-  projector and predictor are alike as in BYOL, whose both are 4096-256;
-  solo-learn's CIFAR config uses 4096-256 too: ``scripts/pretrain/cifar/
-  byol.yaml``). `models.BYOLNet`.
+* Networks: online = ResNet-18 + projector + predictor, both Dense ->
+  BatchNorm -> ReLU -> Dense with BYOL's widths 4096 -> 256 (`BYOLNet`;
+  `config.byol.proj_hidden_dim / proj_dim / pred_hidden_dim`). The paper has
+  no BYOL row, so BYOL keeps its own head rather than the paper's SimCLR
+  512-512-128.
+* BatchNorm per view: each view batch goes through the online and the target
+  network on its own (`base.apply_per_view`), as BYOL's and solo-learn's
+  per-view forward passes.
 * Target: encoder + projector (no predictor), initialised equal to the
   online ones, updated after every step by ``tau * target + (1 - tau) *
   online`` over all their parameters. Its BatchNorm runs in training mode with
-  its own running averages (``extra['target_batch_stats']``), as in BYOL's
-  and solo-learn's code.
-* Momentum: cosine from ``base_tau`` = 0.99 to ``final_tau`` = 1.0 over the
-  run (solo-learn CIFAR; BYOL's ImageNet value is 0.996).
+  its own running averages (``extra['target_batch_stats']``).
+* Momentum: cosine from ``base_tau`` = 0.99 to ``final_tau`` = 1.0
+  (solo-learn CIFAR), with ``base_tau`` lowered for short runs so that at most
+  ``max_init_share`` of the target's initialisation is left at the end
+  (`base.horizon_base_tau`).
+* Optimiser: solo-learn's CIFAR LARS (lr 1.0 x B/256, weight decay 1e-5,
+  eta 0.02, clip_lr, biases and BatchNorm excluded), ``config.byol.optim``.
 * Loss: symmetric normalised MSE, ``||p/|p| - z'/|z'| ||^2 = 2 - 2 cos``,
   ``L = mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))`` (BYOL
   eq. 2 and its symmetrisation; solo-learn ``solo/losses/byol.py``), target
@@ -23,6 +28,9 @@ Decisions and sources (docs/methods.md has the full table):
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -32,21 +40,92 @@ from otclr_jax.methods import base
 from otclr_jax.methods import simclr
 
 
+class BYOLNet(nn.Module):
+  """BYOL's online network: encoder f, projector g and predictor q.
+
+  The predictor has the projector's shape (Dense -> BatchNorm -> ReLU ->
+  Dense, BYOL section 3.3). The submodules are named ``encoder`` and
+  ``head`` like ``models.SimCLRNet``, so the ``{'encoder', 'head'}`` part of
+  its parameters is a valid ``SimCLRNet`` parameter tree: the target network
+  (which has no predictor) applies ``SimCLRNet`` to it.
+
+  Attributes:
+    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    proj_hidden_dim: hidden width of the projector.
+    proj_dim: output dimension of the projector (and of the predictor).
+    pred_hidden_dim: hidden width of the predictor.
+    dtype: computation dtype; parameters stay float32.
+    conv_impl: how convolutions run (``models.ResNet18``).
+  """
+  stem: str = 'imagenet'
+  proj_hidden_dim: int = 4096
+  proj_dim: int = 256
+  pred_hidden_dim: int = 4096
+  dtype: Any = jnp.float32
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool
+               ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Encodes, projects and predicts a batch of views.
+
+    Args:
+      x: images [B, H, W, C].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      h: encoder features [B, 512], float32.
+      z: projections [B, proj_dim], float32, not normalised.
+      p: predictions [B, proj_dim], float32, not normalised.
+    """
+    h = models.ResNet18(stem=self.stem, dtype=self.dtype,
+                        conv_impl=self.conv_impl, name='encoder')(x, train)
+    z = models.ProjectionHead(hidden_dim=self.proj_hidden_dim,
+                              out_dim=self.proj_dim, dtype=self.dtype,
+                              name='head')(h, train)
+    p = models.ProjectionHead(hidden_dim=self.pred_hidden_dim,
+                              out_dim=self.proj_dim, dtype=self.dtype,
+                              name='predictor')(z, train)
+    return h, z, p
+
+
 def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.pred_hidden_dim = 512  # predictor hidden width (projector's: 512).
+  # BYOL's projector and predictor widths (solo-learn cifar/byol.yaml).
+  config.proj_hidden_dim = 4096
+  config.proj_dim = 256
+  config.pred_hidden_dim = 4096
   config.base_tau = 0.99  # target momentum, cosine to final_tau (solo-learn).
   config.final_tau = 1.0
+  # base_tau is lowered when the run is too short to leave at most this share
+  # of the target's random initialisation in it at the end.
+  config.max_init_share = 0.01
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'lars'  # solo-learn cifar/byol.yaml.
+  config.optim.base_lr = 1.0
+  config.optim.momentum = 0.9
+  config.optim.weight_decay = 1e-5
+  config.optim.eta = 0.02
+  config.optim.clip_lr = True
+  config.optim.clip_grad = 0.0
   return config
 
 
-def create_model(config: ml_collections.ConfigDict) -> models.BYOLNet:
-  return models.BYOLNet(
+def target_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
+  """The target network: encoder and projector of the online network."""
+  return models.SimCLRNet(
+      stem=config.model.stem, proj_hidden_dim=config.byol.proj_hidden_dim,
+      proj_dim=config.byol.proj_dim, dtype=base.dtype_of(config),
+      conv_impl=config.model.conv_impl)
+
+
+def create_model(config: ml_collections.ConfigDict) -> BYOLNet:
+  return BYOLNet(
       stem=config.model.stem,
-      proj_hidden_dim=config.model.proj_hidden_dim,
-      proj_dim=config.model.proj_dim,
+      proj_hidden_dim=config.byol.proj_hidden_dim,
+      proj_dim=config.byol.proj_dim,
       pred_hidden_dim=config.byol.pred_hidden_dim,
-      dtype=base.dtype_of(config))
+      dtype=base.dtype_of(config), conv_impl=config.model.conv_impl)
 
 
 def _without_predictor(tree):
@@ -71,7 +150,7 @@ def regression_loss(p: jax.Array, z: jax.Array) -> jax.Array:
 def init_extra(config, variables, key):
   """Target = copy of the online encoder and projector."""
   del key
-  base.check_momentum('byol', config.byol.base_tau, config.byol.final_tau)
+  base.check_momentum('byol', config.byol)
   return {'target_params': base.copy_tree(
               _without_predictor(variables['params'])),
           'target_batch_stats': base.copy_tree(
@@ -79,22 +158,19 @@ def init_extra(config, variables, key):
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):
-  """Symmetric BYOL loss; see `base.Method.loss`."""
+  """Symmetric BYOL loss, BatchNorm per view; see `base.Method.loss`."""
   del progress
-  views = jnp.concatenate([v1, v2])
-  (_, _, p), updates = model.apply(
-      {'params': params, 'batch_stats': batch_stats}, views, train=True,
-      mutable=['batch_stats'])
-  (_, z), target_updates = simclr.create_model(config).apply(
-      {'params': extra['target_params'],
-       'batch_stats': extra['target_batch_stats']}, views, train=True,
-      mutable=['batch_stats'])
+  (_, _, p), batch_stats = base.apply_per_view(model, params, batch_stats, v1,
+                                               v2)
+  (_, z), target_stats = base.apply_per_view(
+      target_model(config), extra['target_params'],
+      extra['target_batch_stats'], v1, v2)
   z = jax.lax.stop_gradient(z)
   p1, p2 = jnp.split(p, 2)
   z1, z2 = jnp.split(z, 2)
   value = regression_loss(p1, z2) + regression_loss(p2, z1)
-  new_extra = dict(extra, target_batch_stats=target_updates['batch_stats'])
-  return value, {'byol': value}, updates['batch_stats'], new_extra
+  return (value, {'byol': value}, batch_stats,
+          dict(extra, target_batch_stats=target_stats))
 
 
 # Target encoder and projector follow the online ones by EMA.
@@ -104,4 +180,4 @@ post_update = base.ema_targets('byol', _without_predictor)
 METHOD = base.Method(
     name='byol', title='BYOL', create_model=create_model,
     init_extra=init_extra, loss=loss, post_update=post_update,
-    default_config=default_config)
+    default_config=default_config, network=BYOLNet, embed=simclr.embed)

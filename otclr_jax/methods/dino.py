@@ -1,36 +1,43 @@
 """DINO (Caron et al. 2021) with a ResNet-18 and two global views, no multi-crop.
 
-Decisions and sources (docs/methods.md has the full table):
+Decisions and sources (docs/methods.md has the table with file and line):
 
 * Networks: student = ResNet-18 + DINO head (3-layer MLP 512 -> 2048 -> 2048
   -> 256 with GELU and no BatchNorm, l2 normalisation, weight-normalised
-  bias-free prototypes 256 -> 4096 with their norm fixed to 1); `models.
-  DINONet`. Widths are `config.dino.hidden_dim / bottleneck_dim /
-  num_prototypes`, defaults from solo-learn ``scripts/pretrain/cifar/
-  dino.yaml`` (DINO's ImageNet head has 65536 prototypes).
+  bias-free prototypes 256 -> 4096 with their norm fixed to 1); `DINONet`.
+  Widths are `config.dino.hidden_dim / bottleneck_dim / num_prototypes`,
+  defaults from solo-learn ``scripts/pretrain/cifar/dino.yaml`` (DINO's
+  ImageNet head has 65536 prototypes). Both views go through one forward pass
+  (BatchNorm over the 2B views), as DINO's multi-crop wrapper concatenates
+  crops of one resolution.
 * Teacher: a copy of the student updated by EMA of all parameters after every
-  step, momentum on a cosine from 0.996 to 1.0 (DINO's defaults;
-  solo-learn's CIFAR 0.9995 is tuned for 1000 epochs, far longer than the
-  paper's 20). Its BatchNorm (in the encoder) keeps its own running
-  averages in training mode, as in DINO's code.
+  step, momentum on a cosine from ``base_tau`` = 0.9995 (DINO's advice for
+  batch 256) to 1.0, ``base_tau`` lowered for short runs so that at most
+  ``max_init_share`` of the teacher's initialisation is left at the end
+  (`base.horizon_base_tau`). Its BatchNorm (in the encoder) keeps its own
+  running averages in training mode, as in DINO's code.
 * Loss: cross-entropy between the teacher's centred, sharpened softmax and the
   student's softmax on the other view, ``L = 1/2 [H(P_t(x2), P_s(x1)) +
   H(P_t(x1), P_s(x2))]`` averaged over the batch (DINO Algorithm 1 with two
-  crops), student temperature 0.1, teacher temperature warmed up linearly
-  from 0.04 to 0.07 over `config.dino.warmup_teacher_temp_epochs` = 5 epochs
-  (DINO: 30 of 100-300 epochs; solo-learn 50 of 1000; 5 is a quarter of the
-  paper's 20-epoch runs). DINO steps the temperature once per epoch; here it
-  moves every step.
+  crops), student temperature 0.1, teacher temperature a constant 0.04
+  (DINO's defaults; `teacher_temperature` can warm it up linearly).
 * Centre: ``c <- 0.9 c + 0.1 mean(teacher logits over both views of the
   global batch)``, after the loss, in ``extra['centre']``.
-* Left out: multi-crop (its small crops need a second input size), DINO's
-  freezing of the prototypes in the first epoch, gradient clipping and its
-  weight-decay schedule (the project's optimiser is shared by all methods).
-  DINOv3 needs a ViT and Gram anchoring: not implemented.
+* Prototypes frozen (no gradient) for the first `config.dino.
+  freeze_last_layer` = 1 epoch, and every parameter's gradient clipped to
+  norm 3.0 on its own (``config.dino.optim.clip_grad``), as DINO.
+* Optimiser: solo-learn's CIFAR LARS (lr 0.3 x B/256, weight decay 1e-6),
+  ``config.dino.optim``; DINO's own code has no CIFAR ResNet-18 recipe.
+* Left out: multi-crop (its small crops need a second input size) and DINO's
+  weight-decay schedule (constant for its convnet recipe). DINOv3 needs a ViT
+  and Gram anchoring: not implemented.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -39,27 +46,163 @@ from otclr_jax import models
 from otclr_jax.methods import base
 
 
+class DINOHead(nn.Module):
+  """DINO's head: 3-layer MLP, l2 normalisation, weight-normalised prototypes.
+
+  Dense(hidden) -> GELU -> Dense(hidden) -> GELU -> Dense(bottleneck), then
+  ``y / ||y||`` and a bias-free Dense(num_prototypes) whose weight is
+  normalised per prototype with its norm fixed to 1 (``norm_last_layer=True``,
+  no BatchNorm in the head: DINO's and solo-learn's defaults). The MLP uses
+  truncated-normal (std 0.02) kernels and zero biases as DINO does.
+
+  Attributes:
+    hidden_dim: width of the two hidden layers.
+    bottleneck_dim: dimension of the l2-normalised bottleneck.
+    num_prototypes: output dimension K (the softmax is over K).
+    dtype: computation dtype; parameters stay float32.
+  """
+  hidden_dim: int = 2048
+  bottleneck_dim: int = 256
+  num_prototypes: int = 4096
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Maps features to prototype scores.
+
+    Args:
+      h: features [B, D].
+
+    Returns:
+      y: bottleneck [B, bottleneck_dim], float32, before normalisation.
+      logits: prototype scores [B, num_prototypes], float32 (cosines, in
+        [-1, 1]; the loss divides them by its temperatures).
+    """
+    if h.ndim != 2:
+      raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
+    dense = lambda f, name: nn.Dense(
+        f, dtype=self.dtype, param_dtype=jnp.float32,
+        kernel_init=nn.initializers.truncated_normal(0.02),
+        bias_init=nn.initializers.zeros, name=name)
+    y = nn.gelu(dense(self.hidden_dim, 'hidden1')(h), approximate=False)
+    y = nn.gelu(dense(self.hidden_dim, 'hidden2')(y), approximate=False)
+    y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
+    u = y * jax.lax.rsqrt(
+        jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
+    # torch.nn.Linear's default initialisation (DINO creates the last layer
+    # after its truncated-normal pass); the scale cancels in the normalisation.
+    v = self.param('prototypes',
+                   nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform'),
+                   (self.bottleneck_dim, self.num_prototypes), jnp.float32)
+    w = v * jax.lax.rsqrt(
+        jnp.maximum(jnp.sum(jnp.square(v), 0, keepdims=True), 1e-24))
+    logits = jnp.dot(u.astype(self.dtype), w.astype(self.dtype))
+    return y, logits.astype(jnp.float32)
+
+
+class DINONet(nn.Module):
+  """DINO's student (and teacher) network: ResNet-18 encoder and DINO head.
+
+  Attributes:
+    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    hidden_dim: DINOHead hidden width.
+    bottleneck_dim: DINOHead bottleneck dimension.
+    num_prototypes: DINOHead output dimension.
+    dtype: computation dtype; parameters stay float32.
+    conv_impl: how convolutions run (``models.ResNet18``).
+  """
+  stem: str = 'imagenet'
+  hidden_dim: int = 2048
+  bottleneck_dim: int = 256
+  num_prototypes: int = 4096
+  dtype: Any = jnp.float32
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool
+               ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Encodes a batch of views.
+
+    Args:
+      x: images [B, H, W, C].
+      train: use batch statistics and update the running averages.
+
+    Returns:
+      h: encoder features [B, 512], float32.
+      z: head bottleneck [B, bottleneck_dim], float32, not normalised (the
+        embedding the cluster and view metrics use for this method).
+      logits: prototype scores [B, num_prototypes], float32.
+    """
+    h = models.ResNet18(stem=self.stem, dtype=self.dtype,
+                        conv_impl=self.conv_impl, name='encoder')(x, train)
+    z, logits = DINOHead(hidden_dim=self.hidden_dim,
+                         bottleneck_dim=self.bottleneck_dim,
+                         num_prototypes=self.num_prototypes,
+                         dtype=self.dtype, name='head')(h)
+    return h, z, logits
+
+
 def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.hidden_dim = 2048  # DINO head MLP width (solo-learn CIFAR).
   config.bottleneck_dim = 256
   config.num_prototypes = 4096
   config.student_temp = 0.1
-  config.teacher_temp = 0.07
+  config.teacher_temp = 0.04  # DINO: constant 0.04 (no warm-up).
   config.warmup_teacher_temp = 0.04
-  config.warmup_teacher_temp_epochs = 5.0
+  config.warmup_teacher_temp_epochs = 0.0
   config.centre_momentum = 0.9
-  config.base_tau = 0.996  # teacher momentum, cosine to final_tau (DINO).
+  # Epochs during which the prototypes get no gradient (DINO).
+  config.freeze_last_layer = 1.0
+  # Teacher momentum, cosine to final_tau (DINO's advice at batch 256).
+  config.base_tau = 0.9995
   config.final_tau = 1.0
+  # base_tau is lowered when the run is too short to leave at most this share
+  # of the teacher's random initialisation in it at the end.
+  config.max_init_share = 0.01
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'lars'  # solo-learn cifar/dino.yaml.
+  config.optim.base_lr = 0.3
+  config.optim.momentum = 0.9
+  config.optim.weight_decay = 1e-6
+  config.optim.eta = 0.02
+  config.optim.clip_lr = True
+  config.optim.clip_grad = 3.0  # per parameter, DINO.
   return config
 
 
-def create_model(config: ml_collections.ConfigDict) -> models.DINONet:
-  return models.DINONet(
+def create_model(config: ml_collections.ConfigDict) -> DINONet:
+  return DINONet(
       stem=config.model.stem, hidden_dim=config.dino.hidden_dim,
       bottleneck_dim=config.dino.bottleneck_dim,
       num_prototypes=config.dino.num_prototypes,
-      dtype=base.dtype_of(config))
+      dtype=base.dtype_of(config), conv_impl=config.model.conv_impl)
+
+
+def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
+  """The head's bottleneck y [N, bottleneck_dim] of encoder features h [N, 512]."""
+  head = DINOHead(hidden_dim=model.hidden_dim,
+                  bottleneck_dim=model.bottleneck_dim,
+                  num_prototypes=model.num_prototypes, dtype=model.dtype)
+  return head.apply({'params': variables['params']['head']}, h)[0]
+
+
+def freeze_prototypes(config: ml_collections.ConfigDict, params,
+                      progress: base.Progress):
+  """`params` whose prototypes pass no gradient in the first epochs.
+
+  DINO cancels the last layer's gradient while ``epoch <
+  freeze_last_layer``; here the prototypes enter the loss under
+  ``stop_gradient`` for the first ``freeze_last_layer * steps_per_epoch``
+  steps, so their gradient is exactly 0 (and LARS, which skips a zero
+  gradient, leaves them and their momentum unchanged).
+  """
+  frozen = progress.step < (config.dino.freeze_last_layer
+                            * progress.steps_per_epoch)
+  prototypes = params['head']['prototypes']
+  prototypes = jnp.where(frozen, jax.lax.stop_gradient(prototypes),
+                         prototypes)
+  return dict(params, head=dict(params['head'], prototypes=prototypes))
 
 
 def teacher_temperature(config: ml_collections.ConfigDict,
@@ -118,7 +261,7 @@ def update_centre(centre: jax.Array, teacher: jax.Array,
 def init_extra(config, variables, key):
   """Teacher = copy of the student; centre 0 (as DINO)."""
   del key
-  base.check_momentum('dino', config.dino.base_tau, config.dino.final_tau)
+  base.check_momentum('dino', config.dino)
   return {'target_params': base.copy_tree(variables['params']),
           'target_batch_stats': base.copy_tree(variables['batch_stats']),
           'centre': jnp.zeros((config.dino.num_prototypes,), jnp.float32)}
@@ -128,7 +271,8 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   """DINO loss and the centre update; see `base.Method.loss`."""
   views = jnp.concatenate([v1, v2])
   (_, _, student), updates = model.apply(
-      {'params': params, 'batch_stats': batch_stats}, views, train=True,
+      {'params': freeze_prototypes(config, params, progress),
+       'batch_stats': batch_stats}, views, train=True,
       mutable=['batch_stats'])
   (_, _, teacher), target_updates = model.apply(
       {'params': extra['target_params'],
@@ -158,4 +302,4 @@ post_update = base.ema_targets('dino')
 METHOD = base.Method(
     name='dino', title='DINO', create_model=create_model,
     init_extra=init_extra, loss=loss, post_update=post_update,
-    default_config=default_config)
+    default_config=default_config, network=DINONet, embed=embed)

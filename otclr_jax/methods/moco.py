@@ -9,13 +9,15 @@ Decisions and sources (docs/methods.md has the full table):
   parameters (BatchNorm scales and offsets included). Query + key encoder
   with heads count 2 x 11,505,344 = 23,010,688 parameters, the paper's
   23.01M; the queue is a buffer, not a parameter.
-* BatchNorm statistics: as in MoCo, the key encoder runs in training mode
-  (normalising with the statistics of its own batch) and keeps its own
-  running averages, updated by its forward passes; they live in
-  ``extra['target_batch_stats']``. Under jit the batch is global, so both
-  encoders see global-batch statistics (solo-learn's ``sync_batchnorm``), not
-  MoCo's shuffled per-GPU BatchNorm, which has nothing to shuffle on one
-  global batch. Both views go through each encoder in one forward pass.
+* BatchNorm statistics: each view batch goes through each encoder on its own
+  (`base.apply_per_view`), so the key k2 that is the positive of the query
+  q1 is normalised with statistics of the view-2 batch only and never sees
+  the view-1 batch the query came from (and likewise k1 for q2). This stands
+  in for MoCo's shuffled BatchNorm, whose purpose is that a query and its key
+  are not normalised over the same batch: on one global batch there are no
+  per-device sub-batches to shuffle. As in MoCo, the key encoder runs in
+  training mode and keeps its own running averages
+  (``extra['target_batch_stats']``).
 * Loss: InfoNCE with the positive key first and the queue as negatives,
   temperature 0.2 (MoCo v2; solo-learn ``scripts/pretrain/cifar/
   mocov2plus.yaml``). Symmetric, as solo-learn's ``mocov2plus``:
@@ -27,7 +29,11 @@ Decisions and sources (docs/methods.md has the full table):
   pointer that wraps modulo the size.
 * Momentum: cosine schedule from 0.99 to 0.999 over the run (solo-learn
   CIFAR); MoCo v2 keeps 0.999 fixed, which `base_tau = final_tau = 0.999`
-  reproduces.
+  reproduces. ``base_tau`` is lowered for runs too short to leave at most
+  ``max_init_share`` of the key encoder's initialisation in it at the end
+  (`base.horizon_base_tau`); the paper's 20-epoch runs are not affected.
+* Optimiser: the paper's (``config.optim``: SGD, momentum 0.9, weight decay
+  1e-4).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from otclr_jax import models
 from otclr_jax.methods import base
 from otclr_jax.methods import simclr
 
@@ -46,6 +53,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.temperature = 0.2  # MoCo v2.
   config.base_tau = 0.99  # key-encoder momentum, cosine to final_tau.
   config.final_tau = 0.999
+  # base_tau is lowered when the run is too short to leave at most this share
+  # of the key encoder's random initialisation in it at the end.
+  config.max_init_share = 0.01
   return config
 
 
@@ -104,7 +114,7 @@ def enqueue(queue: jax.Array, ptr: jax.Array,
 def init_extra(config, variables, key):
   """Key encoder = copy of the query encoder; two random unit-vector queues."""
   settings = config.moco
-  base.check_momentum('moco', settings.base_tau, settings.final_tau)
+  base.check_momentum('moco', settings)
   if settings.queue_size < config.batch_size:
     raise ValueError(
         f'config.moco.queue_size ({settings.queue_size}) must be at least '
@@ -119,14 +129,9 @@ def init_extra(config, variables, key):
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   """Symmetric MoCo v2 loss and the queue update; see `base.Method.loss`."""
   del progress
-  views = jnp.concatenate([v1, v2])
-  (_, q), updates = model.apply(
-      {'params': params, 'batch_stats': batch_stats}, views, train=True,
-      mutable=['batch_stats'])
-  (_, k), target_updates = model.apply(
-      {'params': extra['target_params'],
-       'batch_stats': extra['target_batch_stats']}, views, train=True,
-      mutable=['batch_stats'])
+  (_, q), batch_stats = base.apply_per_view(model, params, batch_stats, v1, v2)
+  (_, k), target_stats = base.apply_per_view(
+      model, extra['target_params'], extra['target_batch_stats'], v1, v2)
   k = jax.lax.stop_gradient(base.l2_normalise(k))
   q1, q2 = jnp.split(q, 2)
   k1, k2 = jnp.split(k, 2)
@@ -137,10 +142,10 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   nce = (loss_1 + loss_2) / 2
   queue_1, ptr = enqueue(queue[0], extra['queue_ptr'], k1)
   queue_2, _ = enqueue(queue[1], extra['queue_ptr'], k2)
-  new_extra = dict(extra, target_batch_stats=target_updates['batch_stats'],
+  new_extra = dict(extra, target_batch_stats=target_stats,
                    queue=jnp.stack([queue_1, queue_2]), queue_ptr=ptr)
   metrics = {'nce': nce, 'top1': (top1_1 + top1_2) / 2}
-  return nce, metrics, updates['batch_stats'], new_extra
+  return nce, metrics, batch_stats, new_extra
 
 
 # Key encoder parameters follow the query encoder by EMA.
@@ -150,4 +155,5 @@ post_update = base.ema_targets('moco')
 METHOD = base.Method(
     name='moco', title='MoCo', create_model=create_model,
     init_extra=init_extra, loss=loss, post_update=post_update,
-    default_config=default_config)
+    default_config=default_config, network=models.SimCLRNet,
+    embed=simclr.embed)

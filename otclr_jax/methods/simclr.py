@@ -10,6 +10,7 @@ value) and the 512-512-128 projection head of `config.model`
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -27,6 +28,19 @@ def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
       conv_impl=config.model.conv_impl)
 
 
+def embed(model, variables, h: jax.Array) -> jax.Array:
+  """The projection z = g(h) of encoder features h [N, 512] -> [N, proj_dim].
+
+  Applies the network's ``'head'`` (a `models.ProjectionHead` of the model's
+  ``proj_hidden_dim`` and ``proj_dim``), BatchNorm in inference mode.
+  """
+  head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
+                               out_dim=model.proj_dim, dtype=model.dtype)
+  return head.apply({'params': variables['params']['head'],
+                     'batch_stats': variables['batch_stats']['head']}, h,
+                    train=False)
+
+
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   """NT-Xent of the two views' projections; see `base.Method.loss`."""
   del progress
@@ -41,4 +55,4 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
 METHOD = base.Method(
     name='simclr', title='SimCLR', create_model=create_model,
     init_extra=base.no_extra, loss=loss, post_update=base.keep_extra,
-    default_config=base.no_config)
+    default_config=base.no_config, network=models.SimCLRNet, embed=embed)

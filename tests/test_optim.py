@@ -1,0 +1,166 @@
+"""The optimisers of otclr_jax/experiment.py against NumPy re-implementations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import default
+from otclr_jax import experiment
+
+
+def _solo_learn_lars(params, grads_per_step, lrs, momentum, weight_decay, eta,
+                     clip_lr, eps=1e-8):
+  """solo-learn's LARS step (solo/utils/lars.py, exclude_bias_n_norm=True).
+
+  Written from its update equations, one parameter at a time, in float64.
+  """
+  params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  bufs = {}
+  for grads, lr in zip(grads_per_step, lrs):
+    for name, p in params.items():
+      d_p = np.asarray(grads[name], np.float64)
+      p_norm, g_norm = np.linalg.norm(p), np.linalg.norm(d_p)
+      if p.ndim != 1:
+        if p_norm != 0 and g_norm != 0:
+          lars_lr = eta * p_norm / (g_norm + p_norm * weight_decay + eps)
+          if clip_lr:
+            lars_lr = min(lars_lr / lr, 1.0) if lr > 0 else 1.0
+          d_p = (d_p + weight_decay * p) * lars_lr
+      # The first step's buffer is a copy of d_p; then mu * buf + d_p.
+      bufs[name] = d_p.copy() if name not in bufs else (
+          momentum * bufs[name] + d_p)
+      params[name] = p - lr * bufs[name]
+  return params
+
+
+@pytest.mark.parametrize('clip_lr', [True, False])
+def test_lars_matches_solo_learn_update(clip_lr):
+  rng = np.random.default_rng(0)
+  # A kernel, a bias, a BatchNorm scale and a kernel with no gradient
+  # (frozen prototypes).
+  params = {'kernel': rng.normal(size=(4, 3)),
+            'conv': rng.normal(size=(3, 3, 2, 4)),
+            'bias': rng.normal(size=(3,)),
+            'scale': 1.0 + 0.1 * rng.normal(size=(3,)),
+            'frozen': rng.normal(size=(3, 2))}
+  steps = 5
+  grads = []
+  for k in range(steps):
+    g = {name: rng.normal(size=np.shape(p)) * 10.0 ** (k - 2)
+         for name, p in params.items()}
+    g['frozen'] = np.zeros((3, 2))
+    grads.append(g)
+  # Warm-up from 0 (the first step divides by lr = 0 under clip_lr), then a
+  # cosine: large and small rates both appear.
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1.5, 2, steps + 1)
+  lrs = [float(schedule(k)) for k in range(steps)]
+  momentum, weight_decay, eta = 0.9, 1e-2, 0.02
+  expected = _solo_learn_lars(params, grads, lrs, momentum, weight_decay, eta,
+                              clip_lr)
+
+  tx = experiment.lars(schedule, momentum=momentum, weight_decay=weight_decay,
+                       eta=eta, clip_lr=clip_lr)
+  p = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  state = tx.init(p)
+  for g in grads:
+    updates, state = tx.update(
+        {k: jnp.asarray(v, jnp.float32) for k, v in g.items()}, state, p)
+    p = optax.apply_updates(p, updates)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(p[name]), expected[name], rtol=2e-5,
+                               atol=1e-6, err_msg=name)
+  # A zero gradient leaves the parameter as it was: no decay, no step.
+  np.testing.assert_allclose(np.asarray(p['frozen']), params['frozen'],
+                             rtol=1e-6)
+
+
+def test_lars_treats_a_scalar_as_a_bias():
+  # solo-learn has no scalar parameters; the OT interpolation logit is one,
+  # and like biases it is neither adapted nor decayed: plain momentum SGD.
+  tx = experiment.lars(optax.constant_schedule(0.1), momentum=0.9,
+                       weight_decay=0.5, eta=0.02, clip_lr=True)
+  p = {'alpha_logit': jnp.float32(0.7)}
+  state = tx.init(p)
+  for g, expected in ((2.0, -0.1 * 2.0), (1.0, -0.1 * (0.9 * 2.0 + 1.0))):
+    updates, state = tx.update({'alpha_logit': jnp.float32(g)}, state, p)
+    assert float(updates['alpha_logit']) == pytest.approx(expected, rel=1e-6)
+
+
+def test_lars_clip_lr_caps_the_adapted_rate_at_the_global_one():
+  # |p| = 1, |g| = 1e-4: eta |p| / |g| = 200 >> 1, so with clip_lr the step is
+  # lr * g, without it lr * 200 * g.
+  p = {'w': jnp.asarray([[1.0, 0.0]])}
+  g = {'w': jnp.asarray([[1e-4, 0.0]])}
+  for clip_lr, factor in ((True, 1.0), (False, 0.02 / (1e-4 + 1e-8))):
+    tx = experiment.lars(optax.constant_schedule(0.5), momentum=0.9,
+                         weight_decay=0.0, eta=0.02, clip_lr=clip_lr)
+    updates, _ = tx.update(g, tx.init(p), p)
+    np.testing.assert_allclose(np.asarray(updates['w']),
+                               -0.5 * factor * np.asarray(g['w']), rtol=1e-5)
+
+
+def test_per_parameter_clipping_is_dinos():
+  rng = np.random.default_rng(1)
+  grads = {'a': rng.normal(size=(5, 4)) * 3, 'b': rng.normal(size=(3,)) * 0.1}
+  tx = experiment.clip_per_parameter(1.5)
+  out, _ = tx.update({k: jnp.asarray(v, jnp.float32) for k, v in grads.items()},
+                     tx.init(grads))
+  for name, g in grads.items():
+    # DINO utils.clip_gradients: each tensor on its own.
+    coef = 1.5 / (np.linalg.norm(g) + 1e-6)
+    expected = g * coef if coef < 1 else g
+    np.testing.assert_allclose(np.asarray(out[name]), expected, rtol=1e-5)
+  assert np.linalg.norm(np.asarray(out['a'])) == pytest.approx(1.5, rel=1e-5)
+
+
+def test_each_method_trains_with_its_recipe():
+  config = default.get_config()
+  expected = {'simclr': ('sgd', 0.3, 1e-4, 0.0), 'moco': ('sgd', 0.3, 1e-4, 0.0),
+              'byol': ('lars', 1.0, 1e-5, 0.0), 'dino': ('lars', 0.3, 1e-6, 3.0)}
+  for method, (name, lr, wd, clip) in expected.items():
+    config.method = method
+    opt = experiment.optim_settings(config)
+    assert (opt.name, opt.base_lr, opt.weight_decay, opt.clip_grad) == (
+        name, lr, wd, clip), method
+    if name == 'lars':
+      assert (opt.eta, opt.clip_lr, opt.momentum) == (0.02, True, 0.9)
+  config.method = 'byol'
+  config.byol.optim.base_lr = 0.5
+  schedule = experiment.learning_rate_schedule(config, 10, 100)
+  # Peak base_lr * B / 256 at the end of the shared warm-up.
+  assert float(schedule(int(config.optim.warmup_epochs * 10))) == (
+      pytest.approx(0.5 * config.batch_size / 256))
+
+
+@pytest.mark.parametrize('field, value', [
+    ('byol.optim.name', 'adam'), ('dino.optim.eta', 0.0),
+    ('dino.optim.clip_grad', -1.0), ('optim.eta', -1.0)])
+def test_bad_optimiser_settings_are_rejected(field, value):
+  config = default.get_config()
+  config.method = field.split('.')[0] if field[0] != 'o' else 'simclr'
+  node = config
+  *path, name = field.split('.')
+  for part in path:
+    node = node[part]
+  node[name] = value
+  with pytest.raises(experiment.ConfigError, match=field):
+    experiment.validate_config(config)
+
+
+def test_lars_state_trains_a_quadratic_down():
+  # End to end through create_optimizer: a DINO recipe on a toy loss.
+  config = default.get_config()
+  config.method = 'dino'
+  schedule = experiment.learning_rate_schedule(config, 5, 50)
+  tx = experiment.create_optimizer(config, schedule)
+  params = {'w': jnp.ones((3, 3)), 'b': jnp.ones((3,))}
+  loss = lambda p: jnp.sum(jnp.square(p['w'] - 2.0)) + jnp.sum(
+      jnp.square(p['b']))
+  state = tx.init(params)
+  start = float(loss(params))
+  for _ in range(50):
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    params = optax.apply_updates(params, updates)
+  assert float(loss(params)) < 0.5 * start
