@@ -155,10 +155,10 @@ def _unwritable_path(error: BaseException) -> str | None:
 def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
-  Expected failures end in one error line (no traceback): a diverged run, a
-  locked or unwritable workdir, a full disk. Config errors (a bad field, a
-  flag that contradicts the run being evaluated, a corrupt config.json, a
-  dataset or batch size that cannot work) raise `app.UsageError` (status 2).
+  Expected failures end in one error line (no traceback) and their status: a
+  config error (a bad field, a flag that contradicts the run being
+  evaluated, a corrupt config.json, a dataset or batch size that cannot work:
+  2), a diverged run, a locked or unwritable workdir, a full disk.
 
   Args:
     config: the run's config.
@@ -189,7 +189,8 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     return rundir.EXIT_STOPPED
   except (experiment.ConfigError, rundir.CorruptFileError,
           data.DataError) as e:
-    raise app.UsageError(str(e), exitcode=EXIT_USAGE) from e
+    logging.error('%s', e)
+    return EXIT_USAGE
   except (train.DivergedError, features.NonFiniteError) as e:
     logging.error('%s', e)
     return rundir.EXIT_DIVERGED
@@ -214,8 +215,9 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}',
-                         exitcode=EXIT_USAGE)
+    logging.error('Unexpected arguments %s: every setting is a --config.a.b=v '
+                  'flag.', argv[1:])
+    return EXIT_USAGE
   checkpoint.quiet_logs()
   if _DISTRIBUTED.value:
     jax.distributed.initialize()

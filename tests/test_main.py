@@ -7,8 +7,9 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
-from absl import app
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import features
 from tests.folder_trees import save_image
+from tests.tiny import assert_usage_error
 from tests.tiny import shrink_digits
 from tests.tiny import tiny_config
 
@@ -72,14 +74,13 @@ def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
 
 def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
                                                             tmp_path,
-                                                            data_dir):
+                                                            data_dir, caplog):
   workdir = _copy(moco_run, tmp_path)
   config = _config(data_dir, mode='eval', method='simclr')
-  with pytest.raises(app.UsageError,
-                     match=r"--config.method contradicts .*config.json "
-                     r"\(method: 'moco' -> 'simclr'") as info:
-    main.run(config, workdir, overridden=['mode', 'method'])
-  assert info.value.exitcode == 2
+  assert_usage_error(
+      caplog, r"--config.method contradicts .*config.json "
+      r"\(method: 'moco' -> 'simclr'",
+      lambda: main.run(config, workdir, overridden=['mode', 'method']))
   assert not os.path.exists(os.path.join(workdir, 'eval'))
   # A flag that agrees with the run, and eval.* settings, are fine.
   config = _config(data_dir, mode='eval', method='moco')
@@ -119,16 +120,16 @@ def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
     train.train(config, workdir)
 
 
-def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir):
+def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
+                                             caplog):
   workdir = _copy(moco_run, tmp_path)
   with open(os.path.join(workdir, rundir.CONFIG_FILE), 'w') as f:
     f.write('{"seed": 3,')
   for mode in ('train', 'eval'):
     config = _config(data_dir, mode=mode, method='moco', seed=3,
                      **{'moco.queue_size': 32})
-    with pytest.raises(app.UsageError, match='config.json is corrupt') as info:
-      main.run(config, workdir)
-    assert info.value.exitcode == 2
+    assert_usage_error(caplog, 'config.json is corrupt',
+                       lambda: main.run(config, workdir))
 
 
 def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
@@ -172,28 +173,26 @@ def _one_class_tree(root):
     ('cifar11', 'cifar11'),
 ])
 def test_evaluation_datasets_are_checked_before_training(tmp_path, data_dir,
-                                                         name, message):
+                                                         name, message,
+                                                         caplog):
   _one_class_tree(str(tmp_path / 'one_class'))
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.datasets = ('digits', name.format(tmp=tmp_path))
-  with pytest.raises(app.UsageError, match=message) as info:
-    main.run(config, workdir)
-  assert info.value.exitcode == 2
+  assert_usage_error(caplog, message,
+                     lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)  # nothing was trained
 
 
-def test_data_errors_are_usage_errors(tmp_path, data_dir):
-  with pytest.raises(app.UsageError, match=r'batch_size=2048 is larger than '
-                     r'digits/train') as info:
-    main.run(_config(data_dir, batch_size=2048), str(tmp_path / 'a'))
-  assert info.value.exitcode == 2
+def test_data_errors_are_usage_errors(tmp_path, data_dir, caplog):
+  assert_usage_error(caplog, r'batch_size=2048 is larger than digits/train',
+                     lambda: main.run(_config(data_dir, batch_size=2048),
+                                      str(tmp_path / 'a')))
   _one_class_tree(str(tmp_path / 'tree'))
   shutil.rmtree(tmp_path / 'tree' / 'train')
   config = _config(data_dir, dataset=f'folder:{tmp_path}/tree')
-  with pytest.raises(app.UsageError, match='train') as info:
-    main.run(config, str(tmp_path / 'b'))
-  assert info.value.exitcode == 2
+  assert_usage_error(caplog, 'train',
+                     lambda: main.run(config, str(tmp_path / 'b')))
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
@@ -215,11 +214,28 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
-def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir):
+def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir,
+                                                         caplog):
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.evaluators = ('probe', 'knnn')
-  with pytest.raises(app.UsageError, match='evaluators') as info:
-    main.run(config, workdir)
-  assert info.value.exitcode == 2
+  assert_usage_error(caplog, 'evaluators',
+                     lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)
+
+
+def test_the_command_line_reports_a_usage_error_in_one_line(tmp_path,
+                                                           data_dir):
+  workdir = str(tmp_path / 'run')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
+       f'--config.data_dir={data_dir}', '--config.batch_size=4096',
+       f'--workdir={workdir}'],
+      capture_output=True, text=True, timeout=300, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 2, proc.stderr
+  errors = [line for line in proc.stderr.splitlines()
+            if line.startswith(('E', 'F', 'Traceback'))]
+  assert len(errors) == 1, proc.stderr
+  assert 'batch_size=4096 is larger than digits/train' in errors[0]
+  assert 'flags:' not in proc.stderr  # no usage text

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-from absl import app
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +24,7 @@ from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
+from tests.tiny import assert_usage_error
 from tests.tiny import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -411,16 +411,15 @@ def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
     ({'mode': 'evaluate'}, 'mode'),
 ])
 def test_whole_config_is_checked_before_anything_is_created(
-    tmp_path, data_dir, bad, match):
+    tmp_path, data_dir, bad, match, caplog):
   workdir = str(tmp_path / 'run')
   config = tiny_config(str(tmp_path / 'data'), **bad)
   with pytest.raises(experiment.ConfigError, match=match):
     train.train(config, workdir)
   assert not os.path.exists(workdir)
   assert not os.path.exists(tmp_path / 'data')
-  with pytest.raises(app.UsageError, match=match) as info:
-    main.run(config, workdir)
-  assert info.value.exitcode == 2
+  assert_usage_error(caplog, match,
+                     lambda: main.run(config, workdir))
 
 
 def test_smallest_safe_epsilon_keeps_views_finite():

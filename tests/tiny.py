@@ -1,5 +1,8 @@
 """A tiny but complete run config shared by the end-to-end tests."""
 
+import logging
+import re
+
 import numpy as np
 
 from configs import default
@@ -46,3 +49,14 @@ def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):
     return full._replace(images=full.images[keep], labels=full.labels[keep])
 
   monkeypatch.setattr(data, 'load_split', small)
+
+
+def assert_usage_error(caplog, match: str, run) -> None:
+  """`run()` returns the usage status 2 and logs one error matching `match`."""
+  caplog.clear()
+  with caplog.at_level(logging.ERROR):
+    assert run() == 2
+  errors = [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.ERROR]
+  assert len(errors) == 1, errors
+  assert re.search(match, errors[0]), errors[0]
