@@ -234,7 +234,9 @@ def stored_run_config(workdir: str) -> dict[str, Any] | None:
 
 def check_resume(stored: dict[str, Any] | None,
                  config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuses a config whose result-changing settings differ from config.json.
+  """Refuses a config whose result-changing settings differ from the run's.
+
+  `stored` is `stored_run_config`'s: config.json or a checkpoint's copy.
 
   Raises:
     ConfigError: naming each differing field with its stored and new value.
@@ -245,8 +247,8 @@ def check_resume(stored: dict[str, Any] | None,
   names = rundir.result_changing_diff(stored, new)
   if names:
     raise experiment.ConfigError(
-        f'{os.path.join(workdir, rundir.CONFIG_FILE)} holds a run with other '
-        f'settings; resuming it would mix two runs. Differences (stored -> '
+        f'{workdir} holds a run trained with other settings; resuming it '
+        f'would mix two runs. Differences (stored -> '
         f'new): {rundir.describe_diff(stored, new, names)}. Use another '
         '--workdir, or rerun with the stored values.')
 
