@@ -225,14 +225,8 @@ def main(argv):
                jax.process_count(), jax.local_devices())
   overridden = config_flags.get_override_values(flags.FLAGS['config'])
   status = run(_CONFIG.value, _WORKDIR.value, overridden)
-  if status == EXIT_DISK_FULL:
-    # The checkpointer's background writers fail too and, left to the
-    # interpreter's shutdown, print hundreds of lines of tracebacks after the
-    # message above; the workdir's files are already closed or atomic.
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # pylint: disable=protected-access
+  if status != 0:
+    rundir.exit_now(status)
   return status
 
 

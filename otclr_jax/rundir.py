@@ -34,8 +34,11 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import threading
 from typing import Any, Iterable, Iterator, Sequence
+
+from absl import logging
 
 from otclr_jax import fileio
 
@@ -349,6 +352,20 @@ class StopRequested(BaseException):
   def name(self) -> str:
     """'SIGTERM' or 'SIGINT'."""
     return signal.Signals(self.signum).name
+
+
+def exit_now(status: int) -> None:
+  """Ends a command-line tool with `status`, without the interpreter's shutdown.
+
+  For early ends (a signal, an error): a computation dispatched just before
+  the stop may still run, and tearing the runtime down under it segfaults
+  (exit 139 instead of the status); after a full disk, background writers
+  print pages of tracebacks. Call it only once every file is closed.
+  """
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -239,3 +240,32 @@ def test_the_command_line_reports_a_usage_error_in_one_line(tmp_path,
   assert len(errors) == 1, proc.stderr
   assert 'batch_size=4096 is larger than digits/train' in errors[0]
   assert 'flags:' not in proc.stderr  # no usage text
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
+                                                  data_dir, signum):
+  workdir = _copy(moco_run, tmp_path)
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
+       f'--config.data_dir={data_dir}', '--config.mode=eval',
+       '--config.eval.figures=False', f'--workdir={workdir}'],
+      stderr=subprocess.PIPE, text=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  try:
+    lines = []
+    for line in proc.stderr:
+      lines.append(line)
+      if 'Evaluating ' in line:
+        break
+    # Into the probe's jitted solver: the interpreter's shutdown must not
+    # tear down a computation still running (a segfault, exit 139).
+    time.sleep(3)
+    proc.send_signal(signum)
+    _, rest = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  stderr = ''.join(lines) + rest
+  assert proc.returncode == rundir.EXIT_STOPPED, stderr
+  assert 'Traceback' not in stderr and 'Fatal Python error' not in stderr
+  assert f'{signal.Signals(signum).name} during evaluation' in stderr

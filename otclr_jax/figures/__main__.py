@@ -149,4 +149,6 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main(sys.argv))
+  status = main(sys.argv)
+  if status != 0:
+    rundir.exit_now(status)
