@@ -1,7 +1,7 @@
 """Entropic optimal transport on image grids and the OTCLR displacement views.
 
 Pure JAX: no Flax or TensorFlow import, so other projects can take this module
-alone. Every public function is jittable, vmappable and differentiable in the
+alone with its argument checks, otclr_jax/ot_checks.py. Every public function is jittable, vmappable and differentiable in the
 images and in `alpha`. docs/method.md sections 2-6 give the formulas.
 
 Conventions:
@@ -49,7 +49,6 @@ NaN. Wrap the caller in `jax.experimental.checkify` with
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -59,156 +58,19 @@ from ott.geometry import grid as ott_grid
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn as ott_sinkhorn
 
+from otclr_jax import ot_checks
+
 # [decision] docs/method.md sections 2 and 9: added after the min-shift so
 # every cell is strictly positive; Sinkhorn then never divides by zero.
 DELTA = 1e-3
 
 # The Sinkhorn cores (module docstring); see the README for the default's
 # measured step time.
-CORES = ('separable', 'ott')
+CORES = ot_checks.CORES
 DEFAULT_CORE = 'separable'
 
-# Images are in [0, 1]; this much float rounding beyond either end is allowed
-# (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
-IMAGE_RANGE_ATOL = 1e-4
-
-
-# ----------------------------------------------------------------------------
-# Input checks.
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def _check_static_int(name: str, value, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(
-        f'{name} must be a Python int (it fixes shapes or the loop length), '
-        f'got {value!r}.')
-  if value < minimum:
-    raise ValueError(f'{name} must be >= {minimum}, got {value}.')
-  return int(value)
-
-
-def _check_scalar_range(name: str, value, low: float, high: float | None,
-                        low_inclusive: bool):
-  """Raises for a concrete out-of-range scalar; NaN-poisons a traced one."""
-  if _is_concrete(value):
-    # NumPy, not jnp: inside a jit trace even ops on constants are staged.
-    concrete = np.asarray(value, np.float32)
-    if concrete.ndim != 0:
-      raise ValueError(f'{name} must be a scalar, got shape {concrete.shape}.')
-    ok = concrete >= low if low_inclusive else concrete > low
-    if high is not None:
-      ok = ok and concrete <= high
-    if not ok:
-      bounds = (f"{'[' if low_inclusive else '('}{low}, "
-                f"{high if high is not None else 'inf'}]")
-      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete)}.')
-    return jnp.float32(concrete)
-  value = jnp.asarray(value, jnp.float32)
-  if value.ndim != 0:
-    raise ValueError(f'{name} must be a scalar, got shape {value.shape}.')
-  ok = value >= low if low_inclusive else value > low
-  if high is not None:
-    ok = jnp.logical_and(ok, value <= high)
-  return jnp.where(ok, value, jnp.nan)
-
-
-def _check_finite(name: str, x) -> None:
-  if _is_concrete(x) and not np.isfinite(np.asarray(x)).all():
-    raise ValueError(
-        f'{name} contains NaN or infinite values; OT views need finite '
-        'pixels (see the module docstring for the behaviour under jit).')
-
-
-def _check_grid(name: str, x: jax.Array) -> int:
-  if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
-    raise ValueError(
-        f'{name} must be a square grid [..., m, m], got shape {x.shape}.')
-  if x.shape[-1] < 2:
-    raise ValueError(f'{name} grid size must be >= 2, got {x.shape[-1]}.')
-  return x.shape[-1]
-
-
-def _check_histogram(name: str, h) -> jax.Array:
-  """Refuses negative masses and all-zero grids; NaN-poisons traced ones.
-
-  Args:
-    name: argument name for the message.
-    h: histograms `[..., m, m]` (already checked finite).
-
-  Returns:
-    `h` as float32; under `jit`, a grid with a negative mass becomes NaN (an
-    all-zero grid gives NaN by itself: `0 / 0` in the first iteration).
-  """
-  if _is_concrete(h):
-    concrete = np.asarray(h, np.float64)
-    if (concrete < 0).any():
-      raise ValueError(
-          f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
-          'must be non-negative (shift it by its minimum, as image_to_measure '
-          'does).')
-    if concrete.ndim >= 2 and (concrete.sum(axis=(-2, -1)) <= 0).any():
-      raise ValueError(
-          f'{name} has a grid with total mass 0; a histogram needs a positive '
-          'total (normalise it to sum to 1).')
-    return jnp.asarray(h, jnp.float32)
-  h = jnp.asarray(h, jnp.float32)
-  ok = jnp.all(h >= 0, axis=(-2, -1), keepdims=True)
-  return jnp.where(ok, h, jnp.nan)
-
-
-def _check_image_values(name: str, x) -> jax.Array:
-  """Refuses integer dtypes and float pixels outside `[0, 1]`.
-
-  Integer images are refused, not converted: 0-255 data divided by the wrong
-  constant would look like a valid image. A concrete float image outside
-  `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) raises; a traced one makes that image
-  NaN instead of being clipped.
-
-  Args:
-    name: argument name for the message.
-    x: images `[B, H, W, C]`.
-
-  Returns:
-    `x` as float32.
-  """
-  concrete = np.asarray(x) if _is_concrete(x) else None
-  dtype = x.dtype if concrete is None else concrete.dtype
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(
-        f'{name} has dtype {dtype}; OT views take float images in [0, 1]. '
-        f'Convert explicitly, e.g. {name}.astype(jnp.float32) / 255 for uint8.')
-  low, high = -IMAGE_RANGE_ATOL, 1.0 + IMAGE_RANGE_ATOL
-  if concrete is not None:
-    concrete = concrete.astype(np.float32, copy=False)
-    if concrete.size and (concrete.min() < low or concrete.max() > high):
-      raise ValueError(
-          f'{name} has pixels in [{concrete.min():.4g}, {concrete.max():.4g}]; '
-          'OT views take float images in [0, 1] (divide 0-255 data by 255, map '
-          '[-1, 1] data with (x + 1) / 2).')
-    return jnp.asarray(concrete)
-  x = jnp.asarray(x, jnp.float32)
-  ok = jnp.logical_and(jnp.min(x, axis=(-3, -2, -1), keepdims=True) >= low,
-                       jnp.max(x, axis=(-3, -2, -1), keepdims=True) <= high)
-  return jnp.where(ok, x, jnp.nan)
-
-
-def _check_core(core: str) -> str:
-  if core not in CORES:
-    raise ValueError(f'core must be one of {CORES} (ot.core in the config), '
-                     f'got {core!r}.')
-  return core
-
-
-def _check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
-  if x.ndim != 4:
-    raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
-  if y.shape != x.shape:
-    raise ValueError(
-        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
+# Images are in [0, 1] up to this much rounding (ot_checks.py).
+IMAGE_RANGE_ATOL = ot_checks.IMAGE_RANGE_ATOL
 
 
 # ----------------------------------------------------------------------------
@@ -221,7 +83,7 @@ def grid_points(grid_size: int) -> np.ndarray:
   Returns:
     `[m * m, 2]` float array of `(row, col) / (m - 1)`.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   axis = np.arange(m) / (m - 1)
   rows, cols = np.meshgrid(axis, axis, indexing='ij')
   return np.stack([rows.ravel(), cols.ravel()], axis=-1)
@@ -233,7 +95,7 @@ def axis_cost(grid_size: int) -> np.ndarray:
   Returns:
     `[m, m]` array `((i - j) / (m - 1))^2 / 2`.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   idx = np.arange(m)
   return ((idx[:, None] - idx[None, :]) / (m - 1)) ** 2 / 2.0
 
@@ -263,7 +125,7 @@ def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
   Returns:
     A 2-D `Grid` on `m x m` points.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   axis = jnp.linspace(0.0, 1.0, m, dtype=jnp.float32) / math.sqrt(2.0)
   return ott_grid.Grid(x=[axis, axis], epsilon=epsilon)
 
@@ -316,7 +178,7 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
     and `offset` `[..., C]` such that `p * mass + offset - DELTA` is the resized
     channel.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   x = jnp.asarray(x, jnp.float32)
   if x.ndim < 3:
     raise ValueError(f'x must be images [..., H, W, C], got shape {x.shape}.')
@@ -414,18 +276,18 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
 
 
 def _prepare(a, b, epsilon, num_iters, core):
-  _check_finite('a', a)
-  _check_finite('b', b)
-  a = _check_histogram('a', a)
-  b = _check_histogram('b', b)
-  m = _check_grid('a', a)
+  ot_checks.check_finite('a', a)
+  ot_checks.check_finite('b', b)
+  a = ot_checks.check_histogram('a', a)
+  b = ot_checks.check_histogram('b', b)
+  m = ot_checks.check_grid('a', a)
   if b.shape[-2:] != a.shape[-2:]:
     raise ValueError(
         f'a and b must share the grid shape, got {a.shape} and {b.shape}.')
-  num_iters = _check_static_int('num_iters', num_iters, 1)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
+  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
+  epsilon = ot_checks.check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  return a, b, m, epsilon, num_iters, _check_core(core)
+  return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
 
 
 def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
@@ -496,7 +358,7 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   """
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
-  kx = axis_kernel(_check_grid('u', u), epsilon)
+  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
   row = u * apply_kernel(kx, v)
   col = v * apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
@@ -576,8 +438,9 @@ def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
   """
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
-  return _displace(u, v, axis_kernel(_check_grid('u', u), epsilon), alpha)
+  alpha = ot_checks.check_alpha(alpha)
+  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
+  return _displace(u, v, kx, alpha)
 
 
 def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
@@ -601,7 +464,7 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
     (to rounding) and `alpha = 1` the plan's column marginal (close to `b`).
   """
   a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+  alpha = ot_checks.check_alpha(alpha)
   (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
   return _displace(u, v, kx, alpha)
 
@@ -649,16 +512,16 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
     triples of both images, the axis kernel, the checked epsilon and the
     scalings `[B, C, m, m]` of the plans from `x` to `y`.
   """
-  _check_finite('x', x)
-  _check_finite(y_name, y)
-  x = _check_image_values('x', x)
-  y = _check_image_values(y_name, y)
-  _check_images(x, y, y_name)
-  m = _check_static_int('grid_size', grid_size, 2)
-  num_iters = _check_static_int('num_iters', num_iters, 1)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
+  ot_checks.check_finite('x', x)
+  ot_checks.check_finite(y_name, y)
+  x = ot_checks.check_image_values('x', x)
+  y = ot_checks.check_image_values(y_name, y)
+  ot_checks.check_images(x, y, y_name)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
+  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
+  epsilon = ot_checks.check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  core = _check_core(core)
+  core = ot_checks.check_core(core)
   measure_x = image_to_measure(x, m)
   measure_y = image_to_measure(y, m)
   (u, v), kx = _scalings(measure_x[0], measure_y[0], m, epsilon, num_iters,
@@ -695,7 +558,7 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.
   """
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+  alpha = ot_checks.check_alpha(alpha)
   (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
       _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters,
                     core))
