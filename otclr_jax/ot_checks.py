@@ -67,6 +67,13 @@ def check_alpha(alpha):
   return check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
 
 
+def check_grid_fits(grid_size: int, height: int, width: int) -> None:
+  if grid_size > min(height, width):
+    raise ValueError(
+        f'grid_size {grid_size} is larger than the image ({height} x {width}); '
+        'OT views downsample, pick grid_size <= image side.')
+
+
 def check_finite(name: str, x) -> None:
   if is_concrete(x) and not np.isfinite(np.asarray(x)).all():
     raise ValueError(
@@ -160,3 +167,25 @@ def check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
   if y.shape != x.shape:
     raise ValueError(
         f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
+
+
+def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
+  """All checks of an image-pair function (`ot_views`, `image_sinkhorn_cost`).
+
+  Returns:
+    `(x, y, grid_size, epsilon, num_iters, core)` checked: images float32
+    `[B, H, W, C]` (NaN-poisoned when traced and invalid), ints, epsilon a
+    float32 scalar.
+  """
+  check_finite('x', x)
+  check_finite(y_name, y)
+  x = check_image_values('x', x)
+  y = check_image_values(y_name, y)
+  check_images(x, y, y_name)
+  m = check_static_int('grid_size', grid_size, 2)
+  num_iters = check_static_int('num_iters', num_iters, 1)
+  epsilon = check_scalar_range('epsilon', epsilon, 0.0, None,
+                               low_inclusive=False)
+  core = check_core(core)
+  check_grid_fits(m, x.shape[1], x.shape[2])
+  return x, y, m, epsilon, num_iters, core
