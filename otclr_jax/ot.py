@@ -1,8 +1,8 @@
 """Entropic optimal transport on image grids and the OTCLR displacement views.
 
 Pure JAX: no Flax or TensorFlow import, so other projects can take this module
-alone. Every public function is jittable, vmappable and differentiable in the
-images and in `alpha`. docs/method.md sections 2-6 give the formulas.
+alone with its argument checks (otclr_jax/ot_checks.py). Every public function
+is jittable, vmappable and differentiable in the images and in `alpha`. docs/method.md sections 2-6 give the formulas.
 
 Conventions:
   * A grid histogram is an `[m, m]` array of non-negative masses summing to 1.
@@ -25,7 +25,9 @@ same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module uses:
   * `'separable'`: the same iterations as a fused loop of two batched matmuls
     per half-iteration, `K v = Kx V Kx` for `V` the `[m, m]` reshape of `v`,
     without the solver's per-iteration bookkeeping (convergence state, error
-    evaluation, generic `tensordot` + transpose per axis).
+    evaluation, generic `tensordot` + transpose per axis). `ot_views` runs
+    it on grids laid out `[m, problems, m]`, where every product is one plain
+    matmul, `CPU_CHUNK` images at a time on CPU (`_separable_views`).
 The tests check that both equal POT and each other, in values and gradients.
 `python -m otclr_jax.bench train` prints the training step with each core; the
 README gives the measured step times and why `DEFAULT_CORE` is the default.
@@ -49,7 +51,6 @@ NaN. Wrap the caller in `jax.experimental.checkify` with
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -59,156 +60,19 @@ from ott.geometry import grid as ott_grid
 from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn as ott_sinkhorn
 
+from otclr_jax import ot_checks
+
 # [decision] docs/method.md sections 2 and 9: added after the min-shift so
 # every cell is strictly positive; Sinkhorn then never divides by zero.
 DELTA = 1e-3
 
 # The Sinkhorn cores (module docstring); see the README for the default's
 # measured step time.
-CORES = ('separable', 'ott')
+CORES = ot_checks.CORES
 DEFAULT_CORE = 'separable'
 
-# Images are in [0, 1]; this much float rounding beyond either end is allowed
-# (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
-IMAGE_RANGE_ATOL = 1e-4
-
-
-# ----------------------------------------------------------------------------
-# Input checks.
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def _check_static_int(name: str, value, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(
-        f'{name} must be a Python int (it fixes shapes or the loop length), '
-        f'got {value!r}.')
-  if value < minimum:
-    raise ValueError(f'{name} must be >= {minimum}, got {value}.')
-  return int(value)
-
-
-def _check_scalar_range(name: str, value, low: float, high: float | None,
-                        low_inclusive: bool):
-  """Raises for a concrete out-of-range scalar; NaN-poisons a traced one."""
-  if _is_concrete(value):
-    # NumPy, not jnp: inside a jit trace even ops on constants are staged.
-    concrete = np.asarray(value, np.float32)
-    if concrete.ndim != 0:
-      raise ValueError(f'{name} must be a scalar, got shape {concrete.shape}.')
-    ok = concrete >= low if low_inclusive else concrete > low
-    if high is not None:
-      ok = ok and concrete <= high
-    if not ok:
-      bounds = (f"{'[' if low_inclusive else '('}{low}, "
-                f"{high if high is not None else 'inf'}]")
-      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete)}.')
-    return jnp.float32(concrete)
-  value = jnp.asarray(value, jnp.float32)
-  if value.ndim != 0:
-    raise ValueError(f'{name} must be a scalar, got shape {value.shape}.')
-  ok = value >= low if low_inclusive else value > low
-  if high is not None:
-    ok = jnp.logical_and(ok, value <= high)
-  return jnp.where(ok, value, jnp.nan)
-
-
-def _check_finite(name: str, x) -> None:
-  if _is_concrete(x) and not np.isfinite(np.asarray(x)).all():
-    raise ValueError(
-        f'{name} contains NaN or infinite values; OT views need finite '
-        'pixels (see the module docstring for the behaviour under jit).')
-
-
-def _check_grid(name: str, x: jax.Array) -> int:
-  if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
-    raise ValueError(
-        f'{name} must be a square grid [..., m, m], got shape {x.shape}.')
-  if x.shape[-1] < 2:
-    raise ValueError(f'{name} grid size must be >= 2, got {x.shape[-1]}.')
-  return x.shape[-1]
-
-
-def _check_histogram(name: str, h) -> jax.Array:
-  """Refuses negative masses and all-zero grids; NaN-poisons traced ones.
-
-  Args:
-    name: argument name for the message.
-    h: histograms `[..., m, m]` (already checked finite).
-
-  Returns:
-    `h` as float32; under `jit`, a grid with a negative mass becomes NaN (an
-    all-zero grid gives NaN by itself: `0 / 0` in the first iteration).
-  """
-  if _is_concrete(h):
-    concrete = np.asarray(h, np.float64)
-    if (concrete < 0).any():
-      raise ValueError(
-          f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
-          'must be non-negative (shift it by its minimum, as image_to_measure '
-          'does).')
-    if concrete.ndim >= 2 and (concrete.sum(axis=(-2, -1)) <= 0).any():
-      raise ValueError(
-          f'{name} has a grid with total mass 0; a histogram needs a positive '
-          'total (normalise it to sum to 1).')
-    return jnp.asarray(h, jnp.float32)
-  h = jnp.asarray(h, jnp.float32)
-  ok = jnp.all(h >= 0, axis=(-2, -1), keepdims=True)
-  return jnp.where(ok, h, jnp.nan)
-
-
-def _check_image_values(name: str, x) -> jax.Array:
-  """Refuses integer dtypes and float pixels outside `[0, 1]`.
-
-  Integer images are refused, not converted: 0-255 data divided by the wrong
-  constant would look like a valid image. A concrete float image outside
-  `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) raises; a traced one makes that image
-  NaN instead of being clipped.
-
-  Args:
-    name: argument name for the message.
-    x: images `[B, H, W, C]`.
-
-  Returns:
-    `x` as float32.
-  """
-  concrete = np.asarray(x) if _is_concrete(x) else None
-  dtype = x.dtype if concrete is None else concrete.dtype
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(
-        f'{name} has dtype {dtype}; OT views take float images in [0, 1]. '
-        f'Convert explicitly, e.g. {name}.astype(jnp.float32) / 255 for uint8.')
-  low, high = -IMAGE_RANGE_ATOL, 1.0 + IMAGE_RANGE_ATOL
-  if concrete is not None:
-    concrete = concrete.astype(np.float32, copy=False)
-    if concrete.size and (concrete.min() < low or concrete.max() > high):
-      raise ValueError(
-          f'{name} has pixels in [{concrete.min():.4g}, {concrete.max():.4g}]; '
-          'OT views take float images in [0, 1] (divide 0-255 data by 255, map '
-          '[-1, 1] data with (x + 1) / 2).')
-    return jnp.asarray(concrete)
-  x = jnp.asarray(x, jnp.float32)
-  ok = jnp.logical_and(jnp.min(x, axis=(-3, -2, -1), keepdims=True) >= low,
-                       jnp.max(x, axis=(-3, -2, -1), keepdims=True) <= high)
-  return jnp.where(ok, x, jnp.nan)
-
-
-def _check_core(core: str) -> str:
-  if core not in CORES:
-    raise ValueError(f'core must be one of {CORES} (ot.core in the config), '
-                     f'got {core!r}.')
-  return core
-
-
-def _check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
-  if x.ndim != 4:
-    raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
-  if y.shape != x.shape:
-    raise ValueError(
-        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
+# Images are in [0, 1] up to this much rounding (ot_checks.py).
+IMAGE_RANGE_ATOL = ot_checks.IMAGE_RANGE_ATOL
 
 
 # ----------------------------------------------------------------------------
@@ -221,7 +85,7 @@ def grid_points(grid_size: int) -> np.ndarray:
   Returns:
     `[m * m, 2]` float array of `(row, col) / (m - 1)`.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   axis = np.arange(m) / (m - 1)
   rows, cols = np.meshgrid(axis, axis, indexing='ij')
   return np.stack([rows.ravel(), cols.ravel()], axis=-1)
@@ -233,7 +97,7 @@ def axis_cost(grid_size: int) -> np.ndarray:
   Returns:
     `[m, m]` array `((i - j) / (m - 1))^2 / 2`.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   idx = np.arange(m)
   return ((idx[:, None] - idx[None, :]) / (m - 1)) ** 2 / 2.0
 
@@ -263,7 +127,7 @@ def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
   Returns:
     A 2-D `Grid` on `m x m` points.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   axis = jnp.linspace(0.0, 1.0, m, dtype=jnp.float32) / math.sqrt(2.0)
   return ott_grid.Grid(x=[axis, axis], epsilon=epsilon)
 
@@ -300,6 +164,25 @@ def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
 # Image <-> measure.
 
 
+def resize_matrix(in_size: int, out_size: int) -> np.ndarray:
+  """Per-axis weights of `jax.image.resize(..., method='linear')`.
+
+  The antialiased triangle kernel (widened by `in / out` when downsampling,
+  plain interpolation when upsampling) of half-pixel-centred samples,
+  normalised per output pixel. Resizing an axis is then one matmul, which XLA
+  runs faster than `resize`'s generic contraction.
+
+  Returns:
+    `[out_size, in_size]` float32 matrix; `resize_matrix(n, n)` is the
+    identity.
+  """
+  inv_scale = in_size / out_size
+  sample = (np.arange(out_size) + 0.5) * inv_scale - 0.5
+  dist = np.abs(sample[:, None] - np.arange(in_size)[None, :])
+  weights = np.maximum(0.0, 1.0 - dist / max(inv_scale, 1.0))
+  return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
 def image_to_measure(x: ArrayLike, grid_size: int = 16
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Turns each channel of images into a probability histogram on a grid.
@@ -316,21 +199,22 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
     and `offset` `[..., C]` such that `p * mass + offset - DELTA` is the resized
     channel.
   """
-  m = _check_static_int('grid_size', grid_size, 2)
+  m = ot_checks.check_static_int('grid_size', grid_size, 2)
   x = jnp.asarray(x, jnp.float32)
   if x.ndim < 3:
     raise ValueError(f'x must be images [..., H, W, C], got shape {x.shape}.')
-  if m > min(x.shape[-3], x.shape[-2]):
-    raise ValueError(
-        f'grid_size {m} is larger than the image ({x.shape[-3]} x '
-        f'{x.shape[-2]}); OT views downsample, pick grid_size <= image side.')
-  small = jax.image.resize(
-      x, x.shape[:-3] + (m, m, x.shape[-1]), method='linear', antialias=True)
-  small = jnp.moveaxis(small, -1, -3)
-  offset = jnp.min(small, axis=(-2, -1))
-  shifted = small - offset[..., None, None] + DELTA
-  mass = jnp.sum(shifted, axis=(-2, -1))
-  return shifted / mass[..., None, None], mass, offset
+  ot_checks.check_grid_fits(m, x.shape[-3], x.shape[-2])
+  small = jnp.einsum('rh,...hwc,sw->...crs', resize_matrix(x.shape[-3], m), x,
+                     resize_matrix(x.shape[-2], m))
+  return _normalise(small, (-2, -1))
+
+
+def _normalise(small: jax.Array, grid_axes: tuple[int, int]):
+  """`image_to_measure`'s shift and scale of grids along `grid_axes`."""
+  offset = jnp.min(small, axis=grid_axes)
+  shifted = small - jnp.expand_dims(offset, grid_axes) + DELTA
+  mass = jnp.sum(shifted, axis=grid_axes)
+  return shifted / jnp.expand_dims(mass, grid_axes), mass, offset
 
 
 def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
@@ -350,10 +234,9 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
   mass = jnp.asarray(mass, jnp.float32)
   offset = jnp.asarray(offset, jnp.float32)
   small = p * mass[..., None, None] + offset[..., None, None] - DELTA
-  small = jnp.moveaxis(small, -3, -1)
-  big = jax.image.resize(
-      small, small.shape[:-3] + (height, width, small.shape[-1]),
-      method='linear')
+  m_rows, m_cols = small.shape[-2:]
+  big = jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
+                   small, resize_matrix(m_cols, width))
   return jnp.clip(big, 0.0, 1.0)
 
 
@@ -414,18 +297,18 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
 
 
 def _prepare(a, b, epsilon, num_iters, core):
-  _check_finite('a', a)
-  _check_finite('b', b)
-  a = _check_histogram('a', a)
-  b = _check_histogram('b', b)
-  m = _check_grid('a', a)
+  ot_checks.check_finite('a', a)
+  ot_checks.check_finite('b', b)
+  a = ot_checks.check_histogram('a', a)
+  b = ot_checks.check_histogram('b', b)
+  m = ot_checks.check_grid('a', a)
   if b.shape[-2:] != a.shape[-2:]:
     raise ValueError(
         f'a and b must share the grid shape, got {a.shape} and {b.shape}.')
-  num_iters = _check_static_int('num_iters', num_iters, 1)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
+  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
+  epsilon = ot_checks.check_scalar_range('epsilon', epsilon, 0.0, None,
                                 low_inclusive=False)
-  return a, b, m, epsilon, num_iters, _check_core(core)
+  return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
 
 
 def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
@@ -496,7 +379,7 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   """
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
-  kx = axis_kernel(_check_grid('u', u), epsilon)
+  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
   row = u * apply_kernel(kx, v)
   col = v * apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
@@ -576,8 +459,9 @@ def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
   """
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
-  return _displace(u, v, axis_kernel(_check_grid('u', u), epsilon), alpha)
+  alpha = ot_checks.check_alpha(alpha)
+  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
+  return _displace(u, v, kx, alpha)
 
 
 def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
@@ -601,7 +485,7 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
     (to rounding) and `alpha = 1` the plan's column marginal (close to `b`).
   """
   a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+  alpha = ot_checks.check_alpha(alpha)
   (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
   return _displace(u, v, kx, alpha)
 
@@ -649,21 +533,102 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
     triples of both images, the axis kernel, the checked epsilon and the
     scalings `[B, C, m, m]` of the plans from `x` to `y`.
   """
-  _check_finite('x', x)
-  _check_finite(y_name, y)
-  x = _check_image_values('x', x)
-  y = _check_image_values(y_name, y)
-  _check_images(x, y, y_name)
-  m = _check_static_int('grid_size', grid_size, 2)
-  num_iters = _check_static_int('num_iters', num_iters, 1)
-  epsilon = _check_scalar_range('epsilon', epsilon, 0.0, None,
-                                low_inclusive=False)
-  core = _check_core(core)
+  x, y, m, epsilon, num_iters, core = ot_checks.check_image_pair(
+      x, y, y_name, grid_size, epsilon, num_iters, core)
   measure_x = image_to_measure(x, m)
   measure_y = image_to_measure(y, m)
   (u, v), kx = _scalings(measure_x[0], measure_y[0], m, epsilon, num_iters,
                          core)
   return measure_x, measure_y, kx, epsilon, u, v
+
+
+# Images per `lax.map` step of the separable views on CPU: a chunk's grids,
+# kernels and splat intermediates (about 1 MB at 32 x 32 x 3, m = 16) stay in
+# cache, which halves the time of one call on the whole batch. Accelerators
+# take the batch at once.
+CPU_CHUNK = 32
+
+
+def _default_chunk() -> int | None:
+  return CPU_CHUNK if jax.default_backend() == 'cpu' else None
+
+
+def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
+                     chunk: int | None):
+  """`ot_views` with the separable core, `chunk` images at a time.
+
+  Every grid is laid out `[m, N, m]` (grid row, problem, grid column) with
+  `N = images * C`, so each kernel application and splat contraction is one
+  plain matmul over the leading or the trailing axis, without transposes
+  inside the Sinkhorn loop. Same operations as the `[..., m, m]` functions
+  above, so the same views to float32 rounding.
+
+  Args:
+    x: checked images `[B, H, W, C]`.
+    x_strong: checked images `[B, H, W, C]`.
+    alpha: checked scalar.
+    m: grid size.
+    epsilon: checked scalar.
+    num_iters: Sinkhorn iterations.
+    chunk: images per `lax.map` step, or None for the batch at once.
+
+  Returns:
+    Views `[B, H, W, C]`.
+  """
+  batch, height, width, channels = x.shape
+  kx = axis_kernel(m, epsilon)
+  # Splat factors A[l, i, j] = Kx[i, j] w[l, i, j] (`_displace`) as the two
+  # matrices of its first and last contraction.
+  amat = kx[None] * splat_axis(m, alpha)
+  a_left = amat.reshape(m * m, m)
+  a_right = jnp.transpose(amat, (1, 2, 0)).reshape(m * m, m)
+  down_h, down_w = resize_matrix(height, m), resize_matrix(width, m)
+  up_h, up_w = resize_matrix(m, height), resize_matrix(m, width)
+
+  def views(xs):
+    images, images_strong = xs
+    n = images.shape[0] * channels
+
+    def measure(img):
+      small = jnp.einsum('rh,bhwc,sw->rbcs', down_h, img, down_w)
+      return _normalise(small.reshape(m, n, m), (0, 2))
+
+    def apply(w):  # K w per problem: Kx W Kx on W [m, N, m]
+      w = jnp.matmul(kx, w.reshape(m, n * m)).reshape(m * n, m)
+      return jnp.matmul(w, kx).reshape(m, n, m)
+
+    (a, mass_src, off_src), (b, mass_str, off_str) = (
+        measure(images), measure(images_strong))
+
+    def body(_, uv):
+      v = b / apply(uv[0])
+      return a / apply(v), v
+
+    ones = jnp.ones_like(a)
+    u, v = jax.lax.fori_loop(0, num_iters, body, (ones, ones))
+    # p[lx, ly] = sum u[ix, iy] v[jx, jy] A[lx, ix, jx] A[ly, iy, jy].
+    # The middle contraction is per problem: a batched matmul, problems first.
+    z = jnp.matmul(a_left, v.reshape(m, n * m)).reshape(m, m, n, m)
+    z = jnp.transpose(z, (2, 1, 0, 3)).reshape(n, m, m * m)
+    y = jnp.matmul(jnp.transpose(u, (1, 2, 0)), z).reshape(n, m, m, m)
+    y = jnp.transpose(y, (2, 0, 1, 3)).reshape(m * n, m * m)
+    p_bar = jnp.matmul(y, a_right).reshape(m, n, m)
+    mass = (1.0 - alpha) * mass_src + alpha * mass_str
+    offset = (1.0 - alpha) * off_src + alpha * off_str
+    small = (p_bar * mass[:, None] + offset[:, None] - DELTA).reshape(
+        m, -1, channels, m)
+    big = jnp.einsum('hr,rbcs,ws->bhwc', up_h, small, up_w)
+    return jnp.clip(big, 0.0, 1.0)
+
+  if chunk is None or chunk >= batch:
+    return views((x, x_strong))
+  pad = -batch % chunk
+  # Edge copies fill the last chunk; their views are dropped.
+  x, x_strong = (jnp.pad(t, ((0, pad), (0, 0), (0, 0), (0, 0)), mode='edge')
+                 for t in (x, x_strong))
+  split = lambda t: t.reshape((-1, chunk) + t.shape[1:])
+  out = jax.lax.map(views, (split(x), split(x_strong)))
+  return out.reshape((-1,) + out.shape[2:])[:batch]
 
 
 def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
@@ -695,15 +660,20 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.
   """
-  alpha = _check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
-  (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
-      _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters,
-                    core))
-  p_bar = _displace(u, v, kx, alpha)
-  mass = (1.0 - alpha) * mass_src + alpha * mass_str
-  offset = (1.0 - alpha) * off_src + alpha * off_str
-  height, width = np.shape(x)[1], np.shape(x)[2]
-  return measure_to_image(p_bar, mass, offset, height, width)
+  alpha = ot_checks.check_alpha(alpha)
+  if core != 'separable':
+    (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
+        _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters,
+                      core))
+    p_bar = _displace(u, v, kx, alpha)
+    mass = (1.0 - alpha) * mass_src + alpha * mass_str
+    offset = (1.0 - alpha) * off_src + alpha * off_str
+    height, width = np.shape(x)[1], np.shape(x)[2]
+    return measure_to_image(p_bar, mass, offset, height, width)
+  x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
+      x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
+  return _separable_views(x, x_strong, alpha, m, epsilon, num_iters,
+                          _default_chunk())
 
 
 def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,

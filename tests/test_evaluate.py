@@ -509,3 +509,23 @@ def test_checkpoint_without_extra_state_still_evaluates(trained_run, tmp_path,
   for a, b in zip(jax.tree_util.tree_leaves(expected),
                   jax.tree_util.tree_leaves(restored)):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
+  model, variables, images = _tiny_net(seed=2, num_images=12)
+  encoder = features.Encoder(model)
+  h = np.asarray(model.apply(variables, jnp.asarray(images, jnp.float32)
+                             / 255.0, train=False)[0])
+  # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
+  # is [8, ...] (the smaller splits padded), the features those of the
+  # unpadded network.
+  for split in (images, images[:5], images[7:10]):
+    np.testing.assert_allclose(
+        features.extract_features(encoder, variables, split, 8,
+                                  log_progress=False),
+        model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
+                    train=False)[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(h[7:10], features.extract_features(
+      encoder, variables, images[7:10], 8, log_progress=False),
+                             rtol=1e-5, atol=1e-5)
+  assert encoder._apply._cache_size() == 1

@@ -108,7 +108,8 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
   """Encoder features of every image, in order.
 
   Every batch, the last one padded, has the same shape, so the encoder is
-  compiled once.
+  compiled once for all splits: a split smaller than `batch_size` is padded
+  to it too (its padded rows are dropped), rather than compiled at its size.
 
   Args:
     encoder: the frozen encoder.
@@ -126,7 +127,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
   if num == 0:
     raise ValueError(f'{what}: no images.')
   devices = encoder.num_devices
-  batch_size = -(-min(batch_size, num) // devices) * devices
+  batch_size = -(-batch_size // devices) * devices
   parts = []
   start = last_log = time.perf_counter()
   done = 0

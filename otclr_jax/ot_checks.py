@@ -1,0 +1,191 @@
+"""Validation of otclr_jax.ot's inputs: static ints, scalars, grids, images.
+
+One job: refuse bad arguments of the OT functions with a one-line ValueError
+when they are concrete, and NaN-poison them when they are traced (values
+cannot raise under `jit`; otclr_jax/ot.py's docstring gives the rules). Pure
+NumPy and JAX, so `otclr_jax.ot` stays importable alone with this module.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Images are in [0, 1]; this much float rounding beyond either end is allowed
+# (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
+IMAGE_RANGE_ATOL = 1e-4
+
+# The Sinkhorn cores (otclr_jax/ot.py's docstring); the README gives the
+# default's measured step time.
+CORES = ('separable', 'ott')
+
+
+def is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_static_int(name: str, value, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(
+        f'{name} must be a Python int (it fixes shapes or the loop length), '
+        f'got {value!r}.')
+  if value < minimum:
+    raise ValueError(f'{name} must be >= {minimum}, got {value}.')
+  return int(value)
+
+
+def check_scalar_range(name: str, value, low: float, high: float | None,
+                        low_inclusive: bool):
+  """Raises for a concrete out-of-range scalar; NaN-poisons a traced one."""
+  if is_concrete(value):
+    # NumPy, not jnp: inside a jit trace even ops on constants are staged.
+    concrete = np.asarray(value, np.float32)
+    if concrete.ndim != 0:
+      raise ValueError(f'{name} must be a scalar, got shape {concrete.shape}.')
+    ok = concrete >= low if low_inclusive else concrete > low
+    if high is not None:
+      ok = ok and concrete <= high
+    if not ok:
+      bounds = (f"{'[' if low_inclusive else '('}{low}, "
+                f"{high if high is not None else 'inf'}]")
+      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete)}.')
+    return jnp.float32(concrete)
+  value = jnp.asarray(value, jnp.float32)
+  if value.ndim != 0:
+    raise ValueError(f'{name} must be a scalar, got shape {value.shape}.')
+  ok = value >= low if low_inclusive else value > low
+  if high is not None:
+    ok = jnp.logical_and(ok, value <= high)
+  return jnp.where(ok, value, jnp.nan)
+
+
+def check_alpha(alpha):
+  """The interpolation coefficient: a scalar in `[0, 1]`."""
+  return check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+
+
+def check_grid_fits(grid_size: int, height: int, width: int) -> None:
+  if grid_size > min(height, width):
+    raise ValueError(
+        f'grid_size {grid_size} is larger than the image ({height} x {width}); '
+        'OT views downsample, pick grid_size <= image side.')
+
+
+def check_finite(name: str, x) -> None:
+  if is_concrete(x) and not np.isfinite(np.asarray(x)).all():
+    raise ValueError(
+        f'{name} contains NaN or infinite values; OT views need finite '
+        'pixels (see the module docstring for the behaviour under jit).')
+
+
+def check_grid(name: str, x: jax.Array) -> int:
+  if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+    raise ValueError(
+        f'{name} must be a square grid [..., m, m], got shape {x.shape}.')
+  if x.shape[-1] < 2:
+    raise ValueError(f'{name} grid size must be >= 2, got {x.shape[-1]}.')
+  return x.shape[-1]
+
+
+def check_histogram(name: str, h) -> jax.Array:
+  """Refuses negative masses and all-zero grids; NaN-poisons traced ones.
+
+  Args:
+    name: argument name for the message.
+    h: histograms `[..., m, m]` (already checked finite).
+
+  Returns:
+    `h` as float32; under `jit`, a grid with a negative mass becomes NaN (an
+    all-zero grid gives NaN by itself: `0 / 0` in the first iteration).
+  """
+  if is_concrete(h):
+    concrete = np.asarray(h, np.float64)
+    if (concrete < 0).any():
+      raise ValueError(
+          f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
+          'must be non-negative (shift it by its minimum, as image_to_measure '
+          'does).')
+    if concrete.ndim >= 2 and (concrete.sum(axis=(-2, -1)) <= 0).any():
+      raise ValueError(
+          f'{name} has a grid with total mass 0; a histogram needs a positive '
+          'total (normalise it to sum to 1).')
+    return jnp.asarray(h, jnp.float32)
+  h = jnp.asarray(h, jnp.float32)
+  ok = jnp.all(h >= 0, axis=(-2, -1), keepdims=True)
+  return jnp.where(ok, h, jnp.nan)
+
+
+def check_image_values(name: str, x) -> jax.Array:
+  """Refuses integer dtypes and float pixels outside `[0, 1]`.
+
+  Integer images are refused, not converted: 0-255 data divided by the wrong
+  constant would look like a valid image. A concrete float image outside
+  `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) raises; a traced one makes that image
+  NaN instead of being clipped.
+
+  Args:
+    name: argument name for the message.
+    x: images `[B, H, W, C]`.
+
+  Returns:
+    `x` as float32.
+  """
+  concrete = np.asarray(x) if is_concrete(x) else None
+  dtype = x.dtype if concrete is None else concrete.dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f'{name} has dtype {dtype}; OT views take float images in [0, 1]. '
+        f'Convert explicitly, e.g. {name}.astype(jnp.float32) / 255 for uint8.')
+  low, high = -IMAGE_RANGE_ATOL, 1.0 + IMAGE_RANGE_ATOL
+  if concrete is not None:
+    concrete = concrete.astype(np.float32, copy=False)
+    if concrete.size and (concrete.min() < low or concrete.max() > high):
+      raise ValueError(
+          f'{name} has pixels in [{concrete.min():.4g}, {concrete.max():.4g}]; '
+          'OT views take float images in [0, 1] (divide 0-255 data by 255, map '
+          '[-1, 1] data with (x + 1) / 2).')
+    return jnp.asarray(concrete)
+  x = jnp.asarray(x, jnp.float32)
+  ok = jnp.logical_and(jnp.min(x, axis=(-3, -2, -1), keepdims=True) >= low,
+                       jnp.max(x, axis=(-3, -2, -1), keepdims=True) <= high)
+  return jnp.where(ok, x, jnp.nan)
+
+
+def check_core(core: str) -> str:
+  if core not in CORES:
+    raise ValueError(f'core must be one of {CORES} (ot.core in the config), '
+                     f'got {core!r}.')
+  return core
+
+
+def check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
+  if x.ndim != 4:
+    raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
+  if y.shape != x.shape:
+    raise ValueError(
+        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
+
+
+def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
+  """All checks of an image-pair function (`ot_views`, `image_sinkhorn_cost`).
+
+  Returns:
+    `(x, y, grid_size, epsilon, num_iters, core)` checked: images float32
+    `[B, H, W, C]` (NaN-poisoned when traced and invalid), ints, epsilon a
+    float32 scalar.
+  """
+  check_finite('x', x)
+  check_finite(y_name, y)
+  x = check_image_values('x', x)
+  y = check_image_values(y_name, y)
+  check_images(x, y, y_name)
+  m = check_static_int('grid_size', grid_size, 2)
+  num_iters = check_static_int('num_iters', num_iters, 1)
+  epsilon = check_scalar_range('epsilon', epsilon, 0.0, None,
+                               low_inclusive=False)
+  core = check_core(core)
+  check_grid_fits(m, x.shape[1], x.shape[2])
+  return x, y, m, epsilon, num_iters, core
