@@ -149,7 +149,7 @@ def runs(tmp_path_factory):
       if method == 'simclr':
         config.eval.figures = False
       workdir = str(root / f'digits_{method}')
-      train.pretrain(config, workdir)
+      train.train(config, workdir)
       main.evaluate_and_draw(config, workdir)
       out[method] = workdir
     yield out
