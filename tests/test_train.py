@@ -24,15 +24,10 @@ from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
-from tests.tiny import assert_usage_error
-from tests.tiny import tiny_config
+from tests.conftest import assert_usage_error
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('data'))
 
 
 def _params(state):
