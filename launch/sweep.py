@@ -1,71 +1,27 @@
 r"""Runs a sweep of pretraining + evaluation runs and tabulates mean ± std.
 
-A sweep file is a config file (big_vision's style): `get_config()` returns
-the base config and `get_hyper(hyper)` the runs, as products of overrides of
-any config key:
-
-    from configs import cifar10
-
-    def get_config():
-      return cifar10.get_config()
+A sweep file is a config file (big_vision's style): `get_config()` gives the
+base config and `get_hyper(hyper)` the runs, as overrides of any config key:
 
     def get_hyper(hyper):
-      return hyper.product([
-          hyper.sweep('config.seed', [0, 1, 2]),
-          hyper.sweep('config.batch_size', [256, 512]),
-          hyper.sweep('config.method', ['simclr', 'otclr']),
-      ])
+      return hyper.product([hyper.sweep('config.seed', [0, 1, 2]),
+                            hyper.sweep('config.ot.epsilon', [0.05, 0.1])])
 
-`hyper.sweep(key, values)` is one axis, `hyper.fixed(key, value)` one value,
-`hyper.product(parts)` their Cartesian product (the first part outermost:
-seed first, and an interrupted sweep already holds whole comparisons for its
-first seeds), `hyper.zipit(parts)` parts side by side. A run is named after its
-`hyper.sweep` keys, in order, e.g. `seed=0,batch_size=256,method=simclr`, and
-lives in DIR/<name>; adding a value to an axis keeps the other runs' names.
-Sweeping `config.ot.epsilon` needs no change here.
+`hyper.sweep(key, values)` is one axis, `hyper.fixed(key, value)` one value
+for every run, `hyper.product(parts)` their Cartesian product (the first part
+outermost, so an interrupted sweep holds whole comparisons for its first
+seeds) and `hyper.zipit(parts)` parts side by side. A run is named after its
+swept keys, e.g. `seed=0,ot.epsilon=0.05`, and lives in DIR/<name>.
 
-    python -m launch.sweep --config=launch/sweeps/cifar10_paper.py \
-        --workdir=DIR [--config.data_dir=/data/tfds]
-        Checks every run's config, then trains and evaluates each run here,
-        one after another (`python -m otclr_jax.main --config=<sweep file>
-        --workdir=DIR/<name> --config.<key>=<value>...`), then writes
-        DIR/summary.{md,tex,json}. `--config.a.b=v` flags apply to every run.
-        Rerunning skips finished runs and resumes the others.
-    ... --slurm [--partition=P --gres=gpu:1 --time=24:00:00]
-        Writes DIR/sweep.sbatch, a job array with one task per run; submit
-        it with `sbatch DIR/sweep.sbatch`. Each task runs this command with
-        --only_index=$SLURM_ARRAY_TASK_ID; on SIGTERM (time limit, with
-        --signal=B:TERM@180, or preemption) training checkpoints and the task
-        requeues itself.
-    ... --dry_run            Prints the commands, runs nothing.
-    ... --stop_on_error      Stops at the first failed run.
+    python -m launch.sweep --config=SWEEP_FILE --workdir=DIR [--config.a.b=v]
+        [--dry_run | --slurm [--partition=P ...]] [--stop_on_error]
     python -m launch.sweep --workdir=DIR --aggregate_only
-        Only tabulates DIR/*/eval/results.json.
 
-Trust rules. A run's identity is its resolved config: training stores it in
-`DIR/<name>/config.json` and evaluation in `DIR/<name>/eval/config.json`. A
-sweep whose runs differ from stored runs in anything that changes the result
-(`rundir.result_changing_diff`) is refused before anything runs or `runs.json`
-is rewritten, naming the run and the settings; use another --workdir or
-delete that run. Results evaluated with other `eval.*` settings (or for
-another step) are re-evaluated. A run counts as finished only when its
-`status.json` says "finished" at its final step and its results are for that
-step. A child that exits 75 (`rundir.EXIT_STOPPED`, preempted) leaves its run
-unfinished and stops the sweep with 75: rerun to resume. The summary averages
-finished runs only and lists every other run (unfinished, diverged, no
-status.json, unreadable results.json) under "Not averaged". Children get
-SIGTERM when the sweep process dies, even by SIGKILL (Linux
-`PR_SET_PDEATHSIG`; elsewhere they share the sweep's process group, so kill
-the group). Progress comes from each run's status.json and metrics.jsonl
-(launch/run_state.py); the summary is launch/summary.py's, the SLURM array
-launch/slurm.py's.
-
-Exit statuses: 0 every run finished; 1 a run failed (or, with
---aggregate_only, a results.json is unreadable); 2 a bad flag, sweep file or
-run config (checked before any run starts), a rerun with other settings, or
-a missing DIR for --aggregate_only;
-73 another sweep holds DIR (`rundir.SWEEP_LOCK_FILE`); 75 stopped by
-SIGTERM/SIGINT or a preempted run: rerun the same command to resume.
+Every run's config is checked before any run starts. The runs then train and
+evaluate here one after another (`python -m otclr_jax.main`; finished runs are
+skipped, the others resume), and DIR/summary.{md,tex,json} tabulates them;
+`--slurm` writes DIR/sweep.sbatch instead, a job array of one task per run.
+docs/operations.md gives the trust rules and the exit statuses.
 """
 
 from __future__ import annotations
@@ -94,13 +50,9 @@ from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A launcher runs one command (argv list) with cwd=REPO, appending its output
-# to the log file, and returns the exit status (launcher.SubprocessLauncher).
+# Runs one command (argv) with cwd=REPO, appending its output to the log
+# file; returns the exit status (launcher.SubprocessLauncher).
 Launcher = Callable[[Sequence[str], str], int]
-
-
-# ----------------------------------------------------------------------------
-# The `hyper` helpers a sweep file's get_hyper receives.
 
 
 class _FixedKey(str):
@@ -114,10 +66,6 @@ def _sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
   return [{key: v} for v in values]
 
 
-def _fixed(key: str, value: Any) -> list[dict[str, Any]]:
-  return [{_FixedKey(key): value}]
-
-
 def _merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
   merged = {}
   for d in dicts:
@@ -129,10 +77,6 @@ def _merge(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return merged
 
 
-def _product(parts: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-  return [_merge(combo) for combo in itertools.product(*parts)]
-
-
 def _zipit(parts: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
   if len({len(p) for p in parts}) > 1:
     raise ValueError('hyper.zipit needs parts of equal length, got '
@@ -140,20 +84,17 @@ def _zipit(parts: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
   return [_merge(row) for row in zip(*parts)]
 
 
-HYPER = types.SimpleNamespace(sweep=_sweep, fixed=_fixed, product=_product,
-                              zipit=_zipit)
+HYPER = types.SimpleNamespace(
+    sweep=_sweep, fixed=lambda key, value: [{_FixedKey(key): value}],
+    product=lambda parts: [_merge(c) for c in itertools.product(*parts)],
+    zipit=_zipit)
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One run of a sweep.
-
-  Attributes:
-    index: position in the sweep, 0-based (the SLURM array task id).
-    name: `key=value,...` of the keys `hyper.sweep` sets ('base' if none).
-    workdir: `DIR/<name>`, absolute.
-    overrides: `(key, value)` of this run, keys without `config.`, in order.
-  """
+  """One run: its 0-based `index` (the SLURM array task id), its `name`,
+  `workdir` (DIR/<name>, absolute) and `overrides` ((key, value), keys
+  without `config.`)."""
   index: int
   name: str
   workdir: str
@@ -162,14 +103,9 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-  """A loaded sweep file.
-
-  Attributes:
-    path: the sweep file, absolute; the runs' `--config`.
-    config: its `get_config()` with the command line's overrides applied.
-    flags: those overrides, `--config.a.b=v`, passed on to every run.
-    hypers: `get_hyper(HYPER)`, one dict of overrides per run.
-  """
+  """A loaded sweep file: its absolute `path` (the runs' `--config`), its
+  `config` with the command line's `flags` (`--config.a.b=v`, passed on to
+  every run) applied, and `hypers`, one dict of overrides per run."""
   path: str
   config: Any
   flags: tuple[str, ...]
@@ -205,7 +141,7 @@ def _safe(value: Any) -> str:
 
 def load_sweep(path: str, cli_flags: Sequence[str] = (),
                config=None) -> Sweep:
-  """Reads a sweep file's runs and checks every run's config.
+  """Reads a sweep file and checks every run's config.
 
   Args:
     path: the sweep file (with `get_config` and `get_hyper`).
@@ -213,14 +149,11 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     config: the base config as `--config` loaded it, `cli_flags` applied;
       None loads `get_config()` and applies them here (same parser).
 
-  Returns:
-    The sweep.
-
   Raises:
-    ValueError: no get_hyper, a key without `config.`, a key set twice, an
-      unknown field, a value of the wrong type, a config training refuses
-      (an unknown method), or two runs of one name. The message names the
-      run.
+    ValueError: in one line naming the file and run: no get_hyper, a key
+      without `config.`, a key set twice, an unknown field or a value of the
+      wrong type, a config training refuses (an unknown method), or two runs
+      of one name.
   """
   path = os.path.abspath(os.path.expanduser(path))
   module = types.ModuleType('_sweep')
@@ -239,24 +172,22 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   except Exception as e:  # pylint: disable=broad-except
     # Any mistake in the sweep file is refused in one line, before any run.
     raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
-  for hyper in hypers:
-    for key in hyper:
-      if not key.startswith('config.'):
-        raise ValueError(f'{path}: sweep keys are config.<field>, got {key!r}.')
+  for key in (k for h in hypers for k in h):
+    if not key.startswith('config.'):
+      raise ValueError(f'{path}: sweep keys are config.<field>, got {key!r}.')
   swept = {k[len('config.'):] for h in hypers for k in h}
   for flag in cli_flags:
     key = flag[len('--config.'):].split('=', 1)[0]
     if key in swept:
       raise ValueError(f'{flag}: {path} sweeps config.{key}; change it there.')
   sweep = Sweep(path, config, tuple(cli_flags), hypers)
-  runs = sweep.runs(REPO)
-  names = [r.name for r in runs]
-  if not runs or len(set(names)) != len(names):
+  names = [r.name for r in sweep.runs(REPO)]
+  if not names or len(set(names)) != len(names):
     raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
                      'remove repeated values.')
   # Lazily: the check needs the model code, the rest of this module does not.
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
-  for run in runs:
+  for run in sweep.runs(REPO):
     try:
       experiment.validate_config(sweep.run_config(run))
     except ValueError as e:
@@ -264,35 +195,19 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   return sweep
 
 
-# ----------------------------------------------------------------------------
-# Commands.
-
-
 def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
   """The `python -m otclr_jax.main ...` argv of one run; cwd is the repo."""
   argv = [sys.executable, '-m', 'otclr_jax.main', f'--config={sweep.path}',
           f'--workdir={run.workdir}', *sweep.flags]
   argv += [config_files.override_flag(o) for o in run.overrides]
-  if mode == 'eval':
-    argv.append('--config.mode=eval')
-  return argv
-
-
-# ----------------------------------------------------------------------------
-# Local execution.
+  return argv + ['--config.mode=eval'] if mode == 'eval' else argv
 
 
 @dataclasses.dataclass
 class Outcome:
-  """What became of one run in this invocation.
-
-  Attributes:
-    run: the run.
-    status: 'finished' (already, skipped), 'done', 'failed', 'interrupted'
-      (the sweep got a signal), 'stopped' (the child exited
-      `rundir.EXIT_STOPPED`) or 'dry_run'.
-    detail: what to tell the user.
-  """
+  """What became of one run: `status` 'finished' (already; skipped), 'done',
+  'failed', 'interrupted' (the sweep got a signal), 'stopped' (the child
+  exited `rundir.EXIT_STOPPED`) or 'dry_run', and a `detail` for the user."""
   run: Run
   status: str
   detail: str = ''
@@ -302,110 +217,75 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
             dry_run: bool = False, stop=lambda: None) -> Outcome:
   """Trains (resuming) and evaluates one run unless it is finished.
 
-  Args:
-    sweep: the sweep.
-    run: which run.
-    launcher: runs a command, see `Launcher`.
-    total: number of runs in the sweep, for the console line.
-    dry_run: print the commands instead of running them.
-    stop: returns a signal number once the sweep has been asked to stop.
-
-  Returns:
-    What happened.
+  `total` is the sweep's number of runs (for the console line); `stop()`
+  returns a signal number once the sweep has been asked to stop.
   """
-  config = sweep.run_config(run)
+  config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
-  if run_state.is_finished(config, run.workdir):
+  report = lambda status, detail='': _report(head, Outcome(run, status, detail))
+  if run_state.is_finished(config, wd):
     print(f'{head}: finished, skipped', flush=True)
     return Outcome(run, 'finished')
-  train_cmd = command(sweep, run, 'train')
-  eval_cmd = command(sweep, run, 'eval')
   if dry_run:
-    print(f'{head}:\n  {shlex.join(train_cmd)}\n  {shlex.join(eval_cmd)}',
-          flush=True)
+    print(f'{head}:\n  {shlex.join(command(sweep, run, "train"))}\n  '
+          f'{shlex.join(command(sweep, run, "eval"))}', flush=True)
     return Outcome(run, 'dry_run')
   start = time.time()
+  elapsed = lambda: 'in ' + time.strftime('%H:%M:%S',
+                                          time.gmtime(time.time() - start))
   if hasattr(launcher, 'prefix'):
     launcher.prefix = f'{head}: '
-  at = lambda: run_state.latest_checkpoint_step(run.workdir)
-  if run_state.is_trained(config, run.workdir):
-    stale = run_state.stale_results_reason(config, run.workdir)
+  at = lambda: run_state.latest_checkpoint_step(wd)
+  if run_state.is_trained(config, wd):
+    stale = run_state.stale_results_reason(config, wd)
     print(f'{head}: trained, evaluating'
           + (f' again ({run_state.RESULTS}: {stale})' if stale else ''),
           flush=True)
   else:
     resumed = f' (resuming from step {at()})' if at() else ''
-    print(f'{head}: training{resumed}, log {os.path.join(run.workdir, "train.log")}', flush=True)
-    code = launcher(train_cmd, os.path.join(run.workdir, 'train.log'))
+    print(f'{head}: training{resumed}, log {wd}/train.log', flush=True)
+    code = launcher(command(sweep, run, 'train'), f'{wd}/train.log')
     # A command killed by the sweep's signal exits non-zero: no failure.
     if stop() is not None:
-      return _report(head, Outcome(run, 'interrupted',
-                                   f'stopped at step {at()}; rerun to resume'))
+      return report('interrupted', f'stopped at step {at()}; rerun to resume')
     if code == rundir.EXIT_STOPPED:
       # Preempted: a good checkpoint, not a finished run; the sweep stops so
       # that a requeue resumes it.
-      return _report(head, Outcome(run, 'stopped', f'training stopped at step '
-                                   f'{at()} (exit {code}); rerun to resume'))
+      return report('stopped', f'training stopped at step {at()} (exit '
+                    f'{code}); rerun to resume')
     if code != 0:
-      why = ' (diverged: non-finite loss or state)' if (
-          code == rundir.EXIT_DIVERGED) else ''
-      return _report(head, Outcome(run, 'failed', f'training exited {code}'
-                                   f'{why}, see {run.workdir}/train.log'))
-    final = run_state.final_step(config, run.workdir)
-    if not run_state.is_trained(config, run.workdir) and final is not None:
-      return _report(head, Outcome(
-          run, 'failed', f'training exited at step {at()} of {final}, see '
-          f'{run.workdir}/train.log'))
+      why = (' (diverged: non-finite loss or state)'
+             if code == rundir.EXIT_DIVERGED else '')
+      return report('failed', f'training exited {code}{why}, see '
+                    f'{wd}/train.log')
+    final = run_state.final_step(config, wd)
+    if not run_state.is_trained(config, wd) and final is not None:
+      return report('failed', f'training exited at step {at()} of {final}, '
+                    f'see {wd}/train.log')
     # Training may evaluate at its end itself (config.eval.at_end).
-    if run_state.is_finished(config, run.workdir):
-      return _report(head, Outcome(run, 'done', _elapsed(start)))
-    print(f'{head}: evaluating, log {os.path.join(run.workdir, "eval.log")}',
-          flush=True)
-  code = launcher(eval_cmd, os.path.join(run.workdir, 'eval.log'))
+    if run_state.is_finished(config, wd):
+      return report('done', elapsed())
+    print(f'{head}: evaluating, log {wd}/eval.log', flush=True)
+  code = launcher(command(sweep, run, 'eval'), f'{wd}/eval.log')
   if stop() is not None:
-    return _report(head, Outcome(run, 'interrupted', 'during evaluation'))
+    return report('interrupted', 'during evaluation')
   if code != 0:
-    return _report(head, Outcome(run, 'failed', f'evaluation exited {code}, '
-                                 f'see {run.workdir}/eval.log'))
-  if not run_state.is_finished(config, run.workdir):
-    why = run_state.stale_results_reason(config, run.workdir)
-    return _report(head, Outcome(
-        run, 'failed', f'evaluation wrote no usable {run_state.RESULTS} for '
-        f'step {run_state.final_step(config, run.workdir)} '
-        f'({why or "none written"})'))
-  return _report(head, Outcome(run, 'done', _elapsed(start)))
-
-
-def _elapsed(start: float) -> str:
-  return 'in ' + time.strftime('%H:%M:%S', time.gmtime(time.time() - start))
+    return report('failed', f'evaluation exited {code}, see {wd}/eval.log')
+  if not run_state.is_finished(config, wd):
+    why = run_state.stale_results_reason(config, wd) or 'none written'
+    return report('failed', f'evaluation wrote no usable {run_state.RESULTS} '
+                  f'for step {run_state.final_step(config, wd)} ({why})')
+  return report('done', elapsed())
 
 
 def _report(head: str, outcome: Outcome) -> Outcome:
-  status = outcome.status.upper() if outcome.status == 'failed' else (
-      outcome.status)
+  status = 'FAILED' if outcome.status == 'failed' else outcome.status
   print(f'{head}: {status} {outcome.detail}'.rstrip(), flush=True)
   return outcome
 
 
 class RunConflictError(ValueError):
   """A run directory holds a run made with other result-changing settings."""
-
-
-def check_identities(sweep: Sweep, runs: Sequence[Run]) -> None:
-  """Refuses runs whose directories hold a run with other settings.
-
-  Raises:
-    RunConflictError: naming every conflicting run directory and setting.
-  """
-  conflicts = [f'  {run.workdir}: {why}' for run in runs
-               if (why := run_state.identity_conflict(sweep.run_config(run),
-                                            run.workdir))]
-  if conflicts:
-    raise RunConflictError(
-        'These run directories hold runs made with other settings than this '
-        'sweep asks for, so their results cannot be reported as its results:'
-        '\n' + '\n'.join(conflicts) + '\nUse another --workdir, or delete '
-        'those run directories to recompute them.')
 
 
 def run_sweep(sweep: Sweep, workdir: str, *,
@@ -416,15 +296,10 @@ def run_sweep(sweep: Sweep, workdir: str, *,
               aggregate: bool = True) -> int:
   """Runs the sweep's runs in order here; returns the process exit status.
 
-  Args:
-    sweep: the sweep.
-    workdir: sweep directory DIR; run r lives in DIR/<r.name>.
-    launcher: runs one command (default: a subprocess per command).
-    only_index: run just this run (a SLURM array task; no sweep lock, the
-      tasks of one array run side by side).
-    dry_run: print the commands, run nothing.
-    stop_on_error: stop at the first failed run instead of going on.
-    aggregate: write DIR/summary.* at the end (not for a single array task).
+  Run r lives in `workdir`/<r.name>. `launcher` runs one command (default: a
+  subprocess each); `only_index` runs just that run (a SLURM array task: no
+  sweep lock, since the array's tasks run side by side, and no summary);
+  `aggregate` writes DIR/summary.* at the end.
 
   Returns:
     0 if every run finished; 1 if any failed; `rundir.EXIT_STOPPED` if the
@@ -432,19 +307,26 @@ def run_sweep(sweep: Sweep, workdir: str, *,
 
   Raises:
     RunConflictError: a run directory holds a run with other result-changing
-      settings (nothing is run or written then).
+      settings (nothing is run or written then), naming each.
     rundir.WorkdirLockedError: another sweep runs in `workdir`.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  runs = sweep.runs(workdir)
-  selected = runs
+  runs = selected = sweep.runs(workdir)
   if only_index is not None:
     if not 0 <= only_index < len(runs):
       raise ValueError(f'--only_index must lie in [0, {len(runs) - 1}], got '
                        f'{only_index}.')
     _check_run_list(runs, workdir)
     selected = [runs[only_index]]
-  check_identities(sweep, selected)
+  conflicts = [f'  {run.workdir}: {why}' for run in selected
+               if (why := run_state.identity_conflict(sweep.run_config(run),
+                                                      run.workdir))]
+  if conflicts:
+    raise RunConflictError(
+        'These run directories hold runs made with other settings than this '
+        'sweep asks for, so their results cannot be reported as its results:'
+        '\n' + '\n'.join(conflicts) + '\nUse another --workdir, or delete '
+        'those run directories to recompute them.')
   if dry_run:
     for run in selected:
       run_one(sweep, run, launcher, total=len(runs), dry_run=True)
@@ -453,16 +335,17 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     launcher = launcher_lib.SubprocessLauncher(REPO)
     launcher.install_signal_handlers()
   if only_index is not None:
-    return _run_all(sweep, selected, len(runs), workdir, launcher,
-                    stop_on_error, aggregate=False)
+    return _run_all(sweep, selected, len(runs), launcher, stop_on_error)
   with rundir.lock(workdir, rundir.SWEEP_LOCK_FILE):
     write_run_list(sweep, runs, workdir)
-    return _run_all(sweep, selected, len(runs), workdir, launcher,
-                    stop_on_error, aggregate)
+    status = _run_all(sweep, selected, len(runs), launcher, stop_on_error)
+    if aggregate and status != rundir.EXIT_STOPPED:
+      summary.aggregate_dir(workdir)
+    return status
 
 
-def _run_all(sweep: Sweep, selected: Sequence[Run], total: int, workdir: str,
-             launcher: Launcher, stop_on_error: bool, aggregate: bool) -> int:
+def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
+             launcher: Launcher, stop_on_error: bool) -> int:
   stop = lambda: getattr(launcher, 'stop_signal', None)
   outcomes = []
   for run in selected:
@@ -481,15 +364,12 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int, workdir: str,
     if outcomes[-1].status == 'failed' and stop_on_error:
       break
   failed = [o for o in outcomes if o.status == 'failed']
-  counts = {s: sum(o.status == s for o in outcomes)
-            for s in ('done', 'finished', 'failed')}
-  print(f'Sweep {sweep.name}: {counts["done"]} done, {counts["finished"]} '
-        f'already finished, {counts["failed"]} failed, '
+  count = lambda s: sum(o.status == s for o in outcomes)
+  print(f'Sweep {sweep.name}: {count("done")} done, {count("finished")} '
+        f'already finished, {len(failed)} failed, '
         f'{len(selected) - len(outcomes)} not started.', flush=True)
   for outcome in failed:
     print(f'  FAILED {outcome.run.name}: {outcome.detail}', flush=True)
-  if aggregate:
-    summary.aggregate_dir(workdir)
   return 1 if failed or len(outcomes) < len(selected) else 0
 
 
@@ -520,10 +400,6 @@ def _check_run_list(runs: Sequence[Run], workdir: str) -> None:
                      'written. Restore it or write a new job with --slurm.')
 
 
-# ----------------------------------------------------------------------------
-# SLURM.
-
-
 def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   """Writes DIR/runs.json and DIR/sweep.sbatch; returns the script's path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -540,36 +416,29 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   return path
 
 
-# ----------------------------------------------------------------------------
-# Command line.
-
-
 def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
   config_flags.DEFINE_config_file(
       'config', None, 'The sweep file (get_config and get_hyper).',
       flag_values=fv, lock_config=True, sys_argv=argv)
-  flags.DEFINE_string('workdir', None, 'Sweep directory; a run goes to '
-                      'WORKDIR/<name>.', flag_values=fv)
-  flags.DEFINE_bool('slurm', False, 'Write WORKDIR/sweep.sbatch instead of '
-                    'running.', flag_values=fv)
-  flags.DEFINE_bool('aggregate_only', False, 'Only tabulate '
-                    'WORKDIR/*/eval/results.json.', flag_values=fv)
-  flags.DEFINE_bool('dry_run', False, 'Print the commands, run nothing.',
-                    flag_values=fv)
-  flags.DEFINE_integer('only_index', None, 'Run only this run (0-based; a '
-                       'SLURM array task).', flag_values=fv)
-  flags.DEFINE_bool('stop_on_error', False, 'Stop at the first failed run.',
-                    flag_values=fv)
+  for name, text in (
+      ('slurm', 'Write WORKDIR/sweep.sbatch instead of running.'),
+      ('aggregate_only', 'Only tabulate WORKDIR/*/eval/results.json.'),
+      ('dry_run', 'Print the commands, run nothing.'),
+      ('stop_on_error', 'Stop at the first failed run.')):
+    flags.DEFINE_bool(name, False, text, flag_values=fv)
   for name, default, text in (
+      ('workdir', None, 'Sweep directory; a run goes to WORKDIR/<name>.'),
       ('partition', '', 'SLURM partition.'), ('gres', 'gpu:1', 'SLURM gres.'),
       ('time', '24:00:00', 'Per-task limit; longer runs requeue and resume.'),
       ('mem', '64G', 'SLURM memory per task.'),
       ('job_name', '', 'SLURM job name (default: the sweep file).')):
     flags.DEFINE_string(name, default, text, flag_values=fv)
-  flags.DEFINE_integer('cpus_per_task', 8, 'SLURM CPUs per task.',
-                       flag_values=fv)
-  flags.DEFINE_integer('max_parallel', 0, 'At most this many SLURM tasks at '
-                       'once (0: no limit).', flag_values=fv)
+  for name, default, text in (
+      ('only_index', None, 'Run only this run (0-based; a SLURM array task).'),
+      ('cpus_per_task', 8, 'SLURM CPUs per task.'),
+      ('max_parallel', 0, 'At most this many SLURM tasks at once (0: no '
+       'limit).')):
+    flags.DEFINE_integer(name, default, text, flag_values=fv)
 
 
 def _fail(status: int, message: str) -> int:
@@ -595,8 +464,7 @@ def _main(argv: Sequence[str]) -> int:
   if parsed is None:
     return 0
   fv, rest = parsed
-  if rest or not fv.workdir or sum((fv.slurm, fv.aggregate_only,
-                                    fv.dry_run)) > 1:
+  if rest or not fv.workdir or fv.slurm + fv.aggregate_only + fv.dry_run > 1:
     return _fail(2, 'Usage: python -m launch.sweep --config=SWEEP_FILE '
                  '--workdir=DIR [--config.a.b=v ...] [--slurm | --dry_run] '
                  '(or --workdir=DIR --aggregate_only); see --help.')
@@ -614,10 +482,10 @@ def _main(argv: Sequence[str]) -> int:
     return 0
   if fv.config is None:
     return _fail(2, 'Sweep refused: --config=SWEEP_FILE is required.')
-  cli_flags = [a for a in argv[1:] if a.startswith('--config.')]
   try:
     sweep = load_sweep(config_flags.get_config_filename(fv['config']),
-                       cli_flags, fv.config)
+                       [a for a in argv[1:] if a.startswith('--config.')],
+                       fv.config)
   except (OSError, ValueError) as e:
     return _fail(2, f'Sweep refused: {e}')
   if fv.slurm:
@@ -633,11 +501,9 @@ def _main(argv: Sequence[str]) -> int:
   try:
     return run_sweep(sweep, workdir, only_index=fv.only_index,
                      dry_run=fv.dry_run, stop_on_error=fv.stop_on_error)
-  except RunConflictError as e:
-    return _fail(2, f'Sweep {sweep.name} refused: {e}')
   except rundir.WorkdirLockedError as e:
     return _fail(rundir.EXIT_LOCKED, f'Sweep {sweep.name} refused: {e}')
-  except ValueError as e:  # --only_index out of range, a changed sweep file
+  except ValueError as e:  # a run conflict, --only_index, a changed file
     return _fail(2, f'Sweep {sweep.name} refused: {e}')
 
 

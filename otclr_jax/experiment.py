@@ -156,16 +156,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for field in ('at_end', 'figures'):
     _require(isinstance(c.eval[field], bool), f'eval.{field}',
              'must be True or False', c.eval[field])
-  if 'monitor' in c:  # configs stored by older versions have none
-    _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
-             and c.monitor.every_steps % c.log_every_steps == 0,
-             'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
-             'multiple of config.log_every_steps (it is logged with that '
-             "step's line)", c.monitor.every_steps)
-    for field in ('num_train', 'num_test'):
-      _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
-               f'monitor.{field}', 'must be an integer >= 1',
-               c.monitor[field])
+  _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
+           and c.monitor.every_steps % c.log_every_steps == 0,
+           'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
+           'multiple of config.log_every_steps (it is logged with that '
+           "step's line)", c.monitor.every_steps)
+  for field in ('num_train', 'num_test'):
+    _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
+             f'monitor.{field}', 'must be an integer >= 1',
+             c.monitor[field])
   try:
     views_lib.augment_params(c)
   except ValueError as e:
@@ -194,7 +193,7 @@ def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
 
   The monitor is otclr_jax/evaluation/monitor.py.
   """
-  return 'monitor' in config and config.monitor.every_steps > 0
+  return config.monitor.every_steps > 0
 
 
 # ----------------------------------------------------------------------------
@@ -437,13 +436,6 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
     return jax.jit(init)(init_key(config))
   return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
       init_key(config))
-
-
-def jit_train_step(config: ml_collections.ConfigDict, run: Setup, mesh: Mesh):
-  """`step.train_step` for this run, jitted over `mesh` (state donated)."""
-  return step_lib.jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
 
 
 def pretraining_params(state: step_lib.TrainState) -> int:

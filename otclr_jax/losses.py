@@ -41,7 +41,8 @@ def _check_positive_scalar(name: str, value) -> None:
     raise ValueError(f'{name} must be > 0, got {value}.')
 
 
-def _l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
+def l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
+  """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
   # The floor keeps an all-zero row finite (it maps to zero, not NaN).
   sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
   return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
@@ -77,7 +78,7 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
   _check_positive_scalar('temperature', temperature)
   batch = z1.shape[0]
   dtype = jnp.promote_types(jnp.result_type(z1, z2), jnp.float32)
-  z = _l2_normalise(jnp.concatenate([z1, z2], axis=0).astype(dtype))
+  z = l2_normalise(jnp.concatenate([z1, z2], axis=0).astype(dtype))
   logits = (z @ z.T) / temperature
 
   index = jnp.arange(2 * batch)

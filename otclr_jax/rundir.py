@@ -229,8 +229,8 @@ def adopt_stored(config: Any, stored: dict[str, Any],
   new = config.to_dict()
   flat_stored = flatten(json.loads(json.dumps(stored)))
   flat_new = flatten(json.loads(json.dumps(new)))
-  # A field this code no longer has cannot be set; one the stored run lacks
-  # keeps this invocation's value (it did not exist when the run was trained).
+  # A stored field this code's config lacks cannot be set; one the stored run
+  # lacks keeps this invocation's value (the run was trained without it).
   names = sorted(
       n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
       if n in flat_stored and n in flat_new and flat_stored[n] != flat_new[n])

@@ -292,15 +292,6 @@ class RunResult:
   status: str
 
 
-def pretrain(config: ml_collections.ConfigDict, workdir: str, *,
-             stop_after_steps: int | None = None,
-             mesh: Mesh | None = None,
-             make_monitor=None) -> step_lib.TrainState:
-  """`train(...)`, returning only its final TrainState (no evaluation)."""
-  return train(config, workdir, stop_after_steps=stop_after_steps,
-               mesh=mesh, make_monitor=make_monitor).state
-
-
 def train(config: ml_collections.ConfigDict, workdir: str, *,
           stop_after_steps: int | None = None,
           mesh: Mesh | None = None, make_monitor=None) -> RunResult:
@@ -317,7 +308,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     config: the run's config (configs/default.py documents the fields).
     workdir: output directory: checkpoints/, tensorboard/, metrics.jsonl,
       config.json, status.json, and once finished encoder/encoder.msgpack
-      (`export_encoder`).
+      (`otclr_jax.export.load_encoder` reads it).
     stop_after_steps: leave after this many steps of *this* invocation,
       checkpointing as on a preemption (for time-sliced cluster jobs and the
       resumption test). None runs to the end.
@@ -357,7 +348,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       result = _train(config, workdir, stored, progress, stop_after_steps,
                       mesh, make_monitor)
       if main and result.status == 'finished':
-        export_encoder(config, workdir, result.state)
+        _export_encoder(config, workdir, result.state)
     except BaseException as e:
       if main and progress['started']:
         state = 'diverged' if isinstance(e, DivergedError) else 'failed'
@@ -374,8 +365,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   return result
 
 
-def export_encoder(config: ml_collections.ConfigDict, workdir: str,
-                   state: step_lib.TrainState) -> str:
+def _export_encoder(config: ml_collections.ConfigDict, workdir: str,
+                    state: step_lib.TrainState) -> str:
   """Writes the finished run's encoder to `workdir/encoder/encoder.msgpack`.
 
   The backbone alone (params, BatchNorm statistics, model settings) for
@@ -426,7 +417,9 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
       len(train_data.images), spe, total, config.batch_size, mesh.size,
       experiment.pretraining_params(state) / 1e6)
 
-  step_fn = experiment.jit_train_step(config, run, mesh)
+  step_fn = step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
   batches: Iterator[np.ndarray] = data.train_batches(
       train_data.images, config.batch_size, config.seed, start_step=start)
   logger = None

@@ -8,13 +8,12 @@
   sections 2-5, built from the same two strong augmentations.
 
 Any objective of `otclr_jax.methods` trains on either. OTCLR is SimCLR with
-``'ot'`` views; the old ``config.method = 'otclr'`` is kept as that alias
+``'ot'`` views, which ``config.method = 'otclr'`` names as the paper does
 (`resolve`).
 
-The draws repeat the historical `train.make_views` exactly (one split of the
-step key into the two augmentation keys), so ``simclr`` + ``augment`` and
-``simclr`` + ``ot`` reproduce the runs made before the split into methods bit
-for bit (tests/test_step.py).
+Both generators draw their two augmentations from one split of the step key,
+so ``simclr`` + ``augment`` and ``simclr`` + ``ot`` see the same strong
+augmentations; tests/test_step.py pins the first steps of both.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from otclr_jax import losses
 from otclr_jax import ot
 
 VIEWS = ('augment', 'ot')
-# The historical name of SimCLR + OT views.
+# The paper's name of SimCLR + OT views.
 OTCLR_ALIAS = 'otclr'
 
 

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from otclr_jax import bench
+from otclr_jax.bench import __main__ as bench
+from otclr_jax.bench import common
+from otclr_jax.bench import ot_views
 from otclr_jax import ot
 
 TINY = ['ot', '--batch_sizes=2,3', '--repeats=1', '--image_size=8',
@@ -36,10 +38,10 @@ EXPECTED_ROWS = (
     '(d) displacement splat',
     '(d) reconstruct (upsample, clip)',
     '(d) sum of stages',
-    f'ot.ot_views core={bench._other_core()}',
+    f'ot.ot_views core={common.other_core()}',
     'ratio (a)/(c)',
     'ratio (b)/(c)',
-    f'ratio core={bench._other_core()}/(c)',
+    f'ratio core={common.other_core()}/(c)',
     '(c) ms per 64 images',
 )
 
@@ -76,7 +78,7 @@ def test_ot_bench_prints_every_row(capsys):
 
 
 def test_ot_bench_without_pot_skips_row_b(monkeypatch, capsys):
-  monkeypatch.setattr(bench, 'import_pot', lambda: None)
+  monkeypatch.setattr(ot_views, 'import_pot', lambda: None)
   assert _bench(['ot', '--batch_sizes=1'] + TINY[2:]) == 0
   out = capsys.readouterr().out
   assert 'POT is not installed' in out
@@ -89,7 +91,7 @@ def test_numpy_splat_tables_match_dense_displace():
   m, alpha = 5, 0.3
   rng = np.random.default_rng(0)
   plan = rng.random((m * m, m * m))
-  index, weight = bench.numpy_splat_tables(m, alpha)
+  index, weight = ot_views.numpy_splat_tables(m, alpha)
   got = np.bincount(index.ravel(), (weight * plan).ravel(), minlength=m * m)
   expected = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
   np.testing.assert_allclose(got.reshape(m, m), expected, rtol=1e-5, atol=1e-6)

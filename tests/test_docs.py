@@ -1,6 +1,6 @@
 """docs/method.md is the design document the code cites: every citation must
-name one of its numbered sections, and no citation of the external documents
-it replaced (METHOD.md, notes/CONTRACT.md) may remain."""
+name one of its numbered sections, and no file may cite METHOD.md or
+notes/CONTRACT.md, which are not in the repository."""
 
 import pathlib
 import re

@@ -22,8 +22,8 @@ from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
 from tests.folder_trees import save_image
-from tests.tiny import shrink_digits
-from tests.tiny import tiny_config
+from tests.conftest import shrink_digits
+from tests.conftest import tiny_config
 
 
 def _evaluate(config, workdir, step=None):
@@ -41,11 +41,6 @@ def test_dataset_keys_are_file_names():
   assert features.dataset_key('cifar10') == 'cifar10'
   with pytest.raises(ValueError, match='unknown evaluation dataset'):
     features.dataset_key('mnist')
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('data'))
 
 
 def _small_digits(monkeypatch):

@@ -19,7 +19,7 @@ from otclr_jax import export
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
-from tests.tiny import tiny_config
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,10 +83,10 @@ def test_bad_inputs(tmp_path, trained):
 
 
 @pytest.fixture(scope='module')
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, data_dir):
   """A tiny digits run trained to its end (4 steps, checkpoints 2 and 4)."""
   root = tmp_path_factory.mktemp('export_run')
-  config = tiny_config(str(root / 'data'), method='simclr')
+  config = tiny_config(data_dir, method='simclr')
   workdir = str(root / 'run')
   train.train(config, workdir)
   return config, workdir
@@ -125,8 +125,8 @@ def test_finished_run_exports_its_encoder(finished_run):
   assert (meta['step'], meta['method'], meta['image_size']) == (4, 'simclr', 8)
 
 
-def test_stopped_run_exports_nothing(tmp_path):
-  config = tiny_config(str(tmp_path / 'data'))
+def test_stopped_run_exports_nothing(tmp_path, data_dir):
+  config = tiny_config(data_dir)
   workdir = str(tmp_path / 'run')
   assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
   assert not os.path.exists(export.encoder_path(workdir))

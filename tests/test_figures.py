@@ -30,8 +30,8 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
 from otclr_jax import train
-from tests.tiny import shrink_digits
-from tests.tiny import tiny_config
+from tests.conftest import shrink_digits
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,14 +133,13 @@ def _small_digits(monkeypatch):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, data_dir):
   """Two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}.
 
   The OTCLR run's evaluation draws its figures (the default), the SimCLR
   run's does not (`config.eval.figures = False`).
   """
   root = tmp_path_factory.mktemp('runs')
-  data_dir = str(root / 'data')
   out = {}
   with pytest.MonkeyPatch.context() as monkeypatch:
     _small_digits(monkeypatch)
@@ -149,7 +148,7 @@ def runs(tmp_path_factory):
       if method == 'simclr':
         config.eval.figures = False
       workdir = str(root / f'digits_{method}')
-      train.pretrain(config, workdir)
+      train.train(config, workdir)
       main.evaluate_and_draw(config, workdir)
       out[method] = workdir
     yield out

@@ -20,14 +20,9 @@ from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import features
 from tests.folder_trees import save_image
-from tests.tiny import assert_usage_error
-from tests.tiny import shrink_digits
-from tests.tiny import tiny_config
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('data'))
+from tests.conftest import assert_usage_error
+from tests.conftest import shrink_digits
+from tests.conftest import tiny_config
 
 
 def _config(data_dir, **overrides):

@@ -17,34 +17,15 @@ from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import methods
 from otclr_jax import step as step_lib
-from tests.tiny import tiny_config
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMBINATIONS = [(m, v) for m in methods.NAMES for v in ('augment', 'ot')]
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('data'))
-
-
-@pytest.fixture(scope='module')
 def images(data_dir):
   return data.load_split('digits', 'train', 8, data_dir).images
-
-
-def method_config(data_dir, method, views, **overrides):
-  """`tiny_config` with small method-specific widths (queue 64, DINO 32-16-64)."""
-  config = methods.add_defaults(tiny_config(data_dir, method=method,
-                                            **overrides))
-  config.views = views
-  config.moco.queue_size = 64
-  config.byol.pred_hidden_dim = 32
-  config.dino.hidden_dim = 32
-  config.dino.bottleneck_dim = 16
-  config.dino.num_prototypes = 64
-  config.dino.warmup_teacher_temp_epochs = 1.0
-  return config
 
 
 def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
@@ -106,8 +87,8 @@ PINNED = {
 ])
 def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
                                                       views, overrides):
-  config = method_config(data_dir, 'simclr', views, **overrides,
-                         **{'model.conv_impl': 'xla'})
+  config = tiny_config(data_dir, method='simclr', views=views, **overrides,
+                       **{'model.conv_impl': 'xla'})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
   for pinned, rtol in zip(PINNED[name], RTOL_PINNED):
@@ -123,8 +104,8 @@ def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
 @pytest.mark.parametrize('conv_impl', ['matmul', 'auto'])
 def test_every_conv_impl_reproduces_the_pinned_step(data_dir, images,
                                                     conv_impl):
-  config = method_config(data_dir, 'simclr', 'ot',
-                         **{'model.conv_impl': conv_impl})
+  config = tiny_config(data_dir, method='simclr', views='ot',
+                       **{'model.conv_impl': conv_impl})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
   for pinned in PINNED['ot']:
@@ -156,7 +137,7 @@ def _progress_metric(method, metrics):
 def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
                                                  views):
   n = 8
-  config = method_config(data_dir, method, views, **{
+  config = tiny_config(data_dir, method=method, views=views, **{
       'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
   # One batch of keys: from step 1 on, the negatives are the previous batch's
   # keys, not the random initial queue (whose loss is lower, by construction).
@@ -201,7 +182,7 @@ def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
 
 
 def test_targets_follow_the_online_network_by_ema(data_dir, images):
-  config = method_config(data_dir, 'byol', 'augment')
+  config = tiny_config(data_dir, method='byol', views='augment')
   method, state, step, mesh = build(config, total_steps=4)
   before = jax.device_get(state)
   state, _ = step(state, experiment.global_batch(images[:16], mesh),
@@ -221,12 +202,13 @@ def test_four_devices_match_one_for_every_method(data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np
       from otclr_jax import data, experiment, methods
-      from tests.test_step import build, method_config
+      from tests.conftest import tiny_config
+      from tests.test_step import build
       assert jax.device_count() == 4
       images = data.load_split('digits', 'train', 8,
                                {data_dir!r}).images[:16]
       for name in methods.NAMES:
-        config = method_config({data_dir!r}, name, 'augment')
+        config = tiny_config({data_dir!r}, method=name, views='augment')
         out = []
         for devices in (jax.devices()[:1], jax.devices()):
           mesh = experiment.make_mesh(devices)

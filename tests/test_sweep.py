@@ -189,7 +189,7 @@ def test_a_broken_sweep_file_is_refused_in_one_line(tmp_path, capsys, text):
 
 def test_override_typos_fail_with_a_suggestion_before_anything_runs(
     tmp_path, capsys):
-  # The typo of issue 11: `ot.epsilonn` used to add a key and leave epsilon.
+  # A typo must not add a key and leave the real field at its default.
   path = write_sweep(tmp_path / 's.py', tiny_grid(), {'ot.epsilonn': 0.1})
   with pytest.raises(ValueError, match='Did you mean "epsilon"'):
     sweep_lib.load_sweep(path)

@@ -24,15 +24,10 @@ from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
-from tests.tiny import assert_usage_error
-from tests.tiny import tiny_config
+from tests.conftest import assert_usage_error
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('data'))
 
 
 def _params(state):
@@ -41,7 +36,7 @@ def _params(state):
 
 def test_end_to_end_writes_logs_and_checkpoints(tmp_path, data_dir):
   workdir = str(tmp_path)
-  state = train.pretrain(tiny_config(data_dir), workdir)
+  state = train.train(tiny_config(data_dir), workdir).state
   assert int(state.step) == 4
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records] == [2, 4]
@@ -54,11 +49,10 @@ def test_end_to_end_writes_logs_and_checkpoints(tmp_path, data_dir):
 
 def test_resume_matches_uninterrupted_run(tmp_path, data_dir):
   config = tiny_config(data_dir)
-  straight = train.pretrain(config, str(tmp_path / 'a'))
-  first = train.pretrain(config, str(tmp_path / 'b'),
-                         stop_after_steps=2)
+  straight = train.train(config, str(tmp_path / 'a')).state
+  first = train.train(config, str(tmp_path / 'b'), stop_after_steps=2).state
   assert int(first.step) == 2
-  resumed = train.pretrain(config, str(tmp_path / 'b'))
+  resumed = train.train(config, str(tmp_path / 'b')).state
   assert int(resumed.step) == 4
   for a, b in zip(_params(straight), _params(resumed)):
     np.testing.assert_array_equal(a, b)
@@ -77,11 +71,10 @@ def test_checkpointed_resume_keeps_every_method_state(tmp_path, data_dir,
       'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
       'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
       'dino.num_prototypes': 32})
-  straight = train.pretrain(config, str(tmp_path / 'a'))
-  first = train.pretrain(config, str(tmp_path / 'b'),
-                         stop_after_steps=2)
+  straight = train.train(config, str(tmp_path / 'a')).state
+  first = train.train(config, str(tmp_path / 'b'), stop_after_steps=2).state
   assert int(first.step) == 2
-  resumed = train.pretrain(config, str(tmp_path / 'b'))
+  resumed = train.train(config, str(tmp_path / 'b')).state
   a, b = jax.device_get(straight), jax.device_get(resumed)
   assert a.extra and (jax.tree_util.tree_structure(a)
                       == jax.tree_util.tree_structure(b))
@@ -105,7 +98,7 @@ def _sigterm_after_two_batches(monkeypatch):
 def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
   _sigterm_after_two_batches(monkeypatch)
   config = tiny_config(data_dir, checkpoint_every_steps=100)
-  state = train.pretrain(config, str(tmp_path))
+  state = train.train(config, str(tmp_path)).state
   assert int(state.step) == 2
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
 
@@ -113,14 +106,14 @@ def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     tmp_path, data_dir, monkeypatch):
   config = tiny_config(data_dir, method='simclr')
-  train.pretrain(config, str(tmp_path), stop_after_steps=2)
+  train.train(config, str(tmp_path), stop_after_steps=2)
   real = losses.nt_xent
   monkeypatch.setattr(
       losses, 'nt_xent',
       lambda z1, z2, t: jax.tree_util.tree_map(lambda x: x * jnp.nan,
                                                real(z1, z2, t)))
   with pytest.raises(FloatingPointError, match='at step 3'):
-    train.pretrain(config, str(tmp_path))
+    train.train(config, str(tmp_path))
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
@@ -130,7 +123,9 @@ def test_train_step_compiles_once(data_dir):
   mesh = experiment.make_mesh()
   # Placed as training places it, so the donated output matches.
   state = experiment.initial_state(config, run, mesh)
-  step = experiment.jit_train_step(config, run, mesh)
+  step = step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
   for _ in range(3):
     state, _ = step(state, experiment.global_batch(batch, mesh),
@@ -171,7 +166,7 @@ def test_weight_decay_only_on_kernels(data_dir):
 def test_learned_alpha_moves(tmp_path, data_dir):
   config = tiny_config(data_dir, total_steps=2,
                        **{'ot.learn_alpha': True, 'ot.beta': 1.0})
-  state = train.pretrain(config, str(tmp_path))
+  state = train.train(config, str(tmp_path)).state
   assert float(state.params['alpha_logit']) != 0.0
 
 
@@ -225,7 +220,7 @@ def test_bfloat16_trains(tmp_path, data_dir):
   config = tiny_config(data_dir, dtype='bfloat16', total_steps=16,
                        log_every_steps=1, checkpoint_every_steps=100,
                        **{'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
-  state = train.pretrain(config, str(tmp_path))
+  state = train.train(config, str(tmp_path)).state
   # Parameters and optimiser state stay float32; only activations are bf16.
   assert all(x.dtype == jnp.float32 for x in _params(state))
   losses_ = [json.loads(l)['loss'] for l in open(tmp_path / 'metrics.jsonl')]
@@ -261,7 +256,7 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
   config = tiny_config(data_dir, method='simclr')
   with pytest.raises(train.DivergedError,
                      match=r'step 4: non-finite batch_stats.*step 2 in'):
-    train.pretrain(config, str(tmp_path))
+    train.train(config, str(tmp_path))
   assert checkpoint.Checkpointer(str(tmp_path)).all_steps() == [2]
   assert rundir.read_status(str(tmp_path))['state'] == 'diverged'
 
@@ -272,7 +267,7 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
   config = tiny_config(data_dir, method='simclr')
   with pytest.raises(train.DivergedError,
                      match='step 1: .*No checkpoint was saved yet'):
-    train.pretrain(config, str(tmp_path))
+    train.train(config, str(tmp_path))
   assert main.run(config, str(tmp_path)) == rundir.EXIT_DIVERGED
   # Nothing to resume: a retry with other settings starts afresh.
   monkeypatch.undo()
@@ -283,15 +278,15 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
 
 
 def test_resume_skips_a_non_finite_checkpoint(tmp_path, data_dir):
-  # A workdir poisoned by older versions: its newest checkpoint holds inf.
+  # A poisoned workdir: its newest checkpoint holds inf.
   config = tiny_config(data_dir, method='simclr')
-  state = train.pretrain(config, str(tmp_path), stop_after_steps=2)
+  state = train.train(config, str(tmp_path), stop_after_steps=2).state
   bad = state.replace(step=state.step + 1, batch_stats=jax.tree_util.tree_map(
       lambda v: v * jnp.inf, state.batch_stats))
   ckpt = checkpoint.Checkpointer(str(tmp_path))
   ckpt.save(3, bad)
   ckpt.close()
-  state = train.pretrain(config, str(tmp_path))
+  state = train.train(config, str(tmp_path)).state
   assert int(state.step) == 4
   assert os.path.isdir(tmp_path / 'checkpoints_skipped' / '3')
 
@@ -342,9 +337,9 @@ def test_resume_with_other_settings_is_refused(tmp_path, data_dir):
 def test_truncated_checkpoint_and_torn_metrics_line(tmp_path, data_dir,
                                                     caplog):
   config = tiny_config(data_dir, method='simclr')
-  straight = train.pretrain(config, str(tmp_path / 'a'))
+  straight = train.train(config, str(tmp_path / 'a')).state
   workdir = tmp_path / 'b'
-  train.pretrain(config, str(workdir))
+  train.train(config, str(workdir))
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
   # half-written metrics line.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
@@ -354,7 +349,7 @@ def test_truncated_checkpoint_and_torn_metrics_line(tmp_path, data_dir,
   with open(workdir / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 5, "lo')
   caplog.set_level('WARNING')
-  resumed = train.pretrain(config, str(workdir))
+  resumed = train.train(config, str(workdir)).state
   messages = [r.getMessage() for r in caplog.records]
   skipped = [m for m in messages if m.startswith('Skipping checkpoint')]
   assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]

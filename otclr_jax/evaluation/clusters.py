@@ -112,8 +112,8 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
 
 
 def embedding_of(config: ml_collections.ConfigDict) -> str:
-  """`config.eval.embedding` ('z' when a saved config predates the field)."""
-  embedding = config.eval.get('embedding', 'z')
+  """`config.eval.embedding`, checked against `EMBEDDINGS`."""
+  embedding = config.eval.embedding
   if embedding not in EMBEDDINGS:
     raise ValueError(f'config.eval.embedding must be one of '
                      f'{tuple(EMBEDDINGS)}, got {embedding!r}.')

@@ -47,7 +47,7 @@ def for_model(model) -> base.Method:
 def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Adds the missing method blocks and ``config.views`` (in place).
 
-  ``config.views = ''`` means the method's historical views: ``'ot'`` for the
+  ``config.views = ''`` means the method's default views: ``'ot'`` for the
   alias ``'otclr'``, ``'augment'`` otherwise (`views.resolve`).
 
   Args:

@@ -121,12 +121,6 @@ def copy_tree(tree):
   return jax.tree_util.tree_map(jnp.copy, tree)
 
 
-def l2_normalise(z: jax.Array) -> jax.Array:
-  """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
-  sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
-  return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
-
-
 def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
                    v2: jax.Array):
   """Runs `model` in training mode on each view batch separately.

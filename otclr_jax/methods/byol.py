@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax.methods import base
 from otclr_jax.methods import simclr
@@ -142,8 +143,8 @@ def regression_loss(p: jax.Array, z: jax.Array) -> jax.Array:
   Returns:
     Scalar float32 in [0, 4].
   """
-  p = base.l2_normalise(p.astype(jnp.float32))
-  z = base.l2_normalise(z.astype(jnp.float32))
+  p = losses.l2_normalise(p.astype(jnp.float32))
+  z = losses.l2_normalise(z.astype(jnp.float32))
   return jnp.mean(2.0 - 2.0 * jnp.sum(p * z, axis=-1))
 
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax.methods import base
 from otclr_jax.methods import simclr
@@ -80,8 +81,8 @@ def infonce(q: jax.Array, k: jax.Array, queue: jax.Array,
     loss: scalar float32.
     top1: fraction of queries whose key beats every negative.
   """
-  q = base.l2_normalise(q.astype(jnp.float32))
-  k = base.l2_normalise(k.astype(jnp.float32))
+  q = losses.l2_normalise(q.astype(jnp.float32))
+  k = losses.l2_normalise(k.astype(jnp.float32))
   pos = jnp.sum(q * k, axis=-1) / temperature
   neg = (q @ queue.T) / temperature
   logits = jnp.concatenate([pos[:, None], neg], axis=1)
@@ -119,7 +120,7 @@ def init_extra(config, variables, key):
     raise ValueError(
         f'config.moco.queue_size ({settings.queue_size}) must be at least '
         f'config.batch_size ({config.batch_size}).')
-  queue = base.l2_normalise(jax.random.normal(
+  queue = losses.l2_normalise(jax.random.normal(
       key, (2, settings.queue_size, config.model.proj_dim), jnp.float32))
   return {'target_params': base.copy_tree(variables['params']),
           'target_batch_stats': base.copy_tree(variables['batch_stats']),
@@ -132,7 +133,7 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
   (_, q), batch_stats = base.apply_per_view(model, params, batch_stats, v1, v2)
   (_, k), target_stats = base.apply_per_view(
       model, extra['target_params'], extra['target_batch_stats'], v1, v2)
-  k = jax.lax.stop_gradient(base.l2_normalise(k))
+  k = jax.lax.stop_gradient(losses.l2_normalise(k))
   q1, q2 = jnp.split(q, 2)
   k1, k2 = jnp.split(k, 2)
   temperature = config.moco.temperature

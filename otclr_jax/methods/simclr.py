@@ -1,7 +1,6 @@
 """SimCLR (Chen et al. 2020): NT-Xent over the 2B projections of a batch.
 
-The objective the project had before methods became plug-ins, unchanged:
-one forward pass of the concatenated views (BatchNorm statistics over the 2B
+One forward pass of the concatenated views (BatchNorm statistics over the 2B
 views), NT-Xent with temperature `config.loss.temperature` (0.5, the paper's
 value) and the 512-512-128 projection head of `config.model`
 (`losses.nt_xent`, docs/method.md section 6). No extra state. With

@@ -1,0 +1,105 @@
+"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet> [flags]`.
+
+One module of this package per subcommand (ot_views, train_step, resnet).
+
+  ot   ms per batch of the OT view generator (docs/method.md sections 2-5):
+       our `ot.ot_views` (row (c), default core) against ott-jax's dense
+       solver (a), POT (b), `ot_views` with its other Sinkhorn core and each
+       stage of `ot_views` (d: the public pieces of `otclr_jax.ot` it runs),
+       with their ratios. Every implementation's views are first compared
+       with (c)'s (max abs pixel difference): the rows compute the same thing.
+  train --config=configs/X.py
+       `tables.complexity_table` of every method of `methods.NAMES` with both
+       view generators, and of OTCLR per Sinkhorn core: parameters, forward
+       GFLOPs per image pair (XLA cost analysis), median step time and pairs/s
+       (steps alternated in one process after a warm-up), and the linear
+       evaluation's forward. Then each step's GFLOP/s beside this machine's
+       float32 matmul peak (timed in the same run), the OT/augment step-time
+       ratio per method, the OT views' share of the OTCLR step, the input
+       pipeline's batches/s over the step's, and the kNN monitor's cost.
+  resnet --config=configs/X.py
+       ResNet-18 forward + backward (training-mode BatchNorm) at
+       `config.batch_size` per `--conv_impls` value of `model.conv_impl`,
+       alternated, with GFLOP/s and ratios; `--per_layer` times every
+       convolution under 'xla' and 'matmul' beside the choice of 'auto'.
+       `launch/bench_torch.py` times PyTorch's ResNet-18 the same way.
+
+Config fields are overridden as `--config.a.b=v` on a locked config (a typo
+fails with a suggestion). The benchmark prints medians and ratios. POT, a test-only dependency, is imported lazily with its
+TensorFlow, PyTorch, CuPy and JAX backends disabled (its import would
+otherwise load every installed array library); without POT row (b) is skipped.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from otclr_jax.bench import ot_views
+from otclr_jax.bench import resnet
+from otclr_jax.bench import train_step
+
+COMMANDS = ('ot', 'train', 'resnet')
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
+                 sys_argv: Sequence[str] | None = None) -> None:
+  """Defines the benchmark's flags on `flag_values`.
+
+  Args:
+    flag_values: where to define them (tests pass a fresh `FlagValues`).
+    sys_argv: the command line whose `--config.a.b=v` overrides
+      `config_flags` registers (default `sys.argv`).
+  """
+  fv = dict(flag_values=flag_values)
+  config_flags.DEFINE_config_file(
+      'config', None, 'Config file (train, resnet); override fields as '
+      '--config.a.b=v.', lock_config=True, sys_argv=sys_argv, **fv)
+  flags.DEFINE_integer('repeats', 5, 'Timed calls per row (ot: at least); '
+                       'the median is printed.', **fv)
+  flags.DEFINE_integer('seed', 0, 'Seed of the images.', **fv)
+  flags.DEFINE_list('batch_sizes', ['64', '256'], 'ot: images per batch '
+                    '(each has 3 channels).', **fv)
+  flags.DEFINE_float('min_time_s', 2.0, 'ot: fast rows repeat until this '
+                     'many seconds have passed.', **fv)
+  flags.DEFINE_integer('image_size', 32, 'ot: H = W in pixels.', **fv)
+  flags.DEFINE_integer('grid_size', 16, 'ot: grid side m.', **fv)
+  flags.DEFINE_integer('num_iters', 20, 'ot: Sinkhorn iterations T.', **fv)
+  flags.DEFINE_float('epsilon', 0.05, 'ot: entropic regularisation.', **fv)
+  flags.DEFINE_float('alpha', 0.5, 'ot: interpolation weight.', **fv)
+  flags.DEFINE_list('conv_impls', ['xla', 'matmul', 'auto'], 'resnet: '
+                    'model.conv_impl values to time; ratios are to the '
+                    'first.', **fv)
+  flags.DEFINE_bool('per_layer', False, 'resnet: also time every '
+                    'convolution under xla and matmul.', **fv)
+
+
+def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
+         ) -> int:
+  """Runs the subcommand `argv[1]` with the parsed `flag_values`."""
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(
+        f'Expected one subcommand of {COMMANDS}, got {list(argv[1:])}.')
+  command = argv[1]
+  if command == 'ot':
+    return ot_views.run_ot(flag_values)
+  config = flag_values.config
+  if config is None:
+    raise app.UsageError(f'{command} needs --config=configs/X.py.')
+  run_command = (train_step.run_train if command == 'train'
+                 else resnet.run_resnet)
+  return run_command(config, flag_values)
+
+
+def run() -> None:
+  """`python -m otclr_jax.bench <ot|train|resnet> [flags]`."""
+  define_flags()
+  app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == '__main__':
+  run()

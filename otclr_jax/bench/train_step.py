@@ -1,0 +1,236 @@
+"""`python -m otclr_jax.bench train`: the complexity table of every method.
+
+Each method with both view generators, and OTCLR per Sinkhorn core, is
+compiled and stepped alternately; `tables.complexity_table` prints parameters,
+forward GFLOPs per image pair, step time and pairs/s, then each step's GFLOP/s
+beside a matmul peak timed in the same run and the costs around the step (OT
+views, input pipeline, kNN monitor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Any
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otclr_jax import ot
+from otclr_jax.bench import common
+
+
+def _splits(config, num_train: int, seed: int):
+  """Train and test `Split`s of the config's dataset and its name.
+
+  Random uint8 images and labels (`num_train` and `monitor.num_test`) when
+  the dataset is not prepared here: gathering and embedding cost the same.
+  """
+  from otclr_jax import data  # pylint: disable=g-import-not-at-top
+  try:
+    return [data.load_split(config.dataset, split, config.image_size,
+                            config.data_dir or None, download=False)
+            for split in ('train', 'test')], config.dataset
+  except Exception:  # pylint: disable=broad-except
+    rng = np.random.default_rng(seed)
+    shape = (config.image_size, config.image_size, 3)
+    return [data.Split(
+        rng.integers(0, 256, (num,) + shape, dtype=np.uint8),
+        rng.integers(0, 10, num, dtype=np.int32), 10,
+        [str(c) for c in range(10)])
+            for num in (num_train, config.monitor.num_test)], 'random uint8'
+
+
+@dataclasses.dataclass
+class Variant:
+  """One compiled training step of the `train` table."""
+  title: str  # the run's, e.g. 'OTCLR'
+  step: Any
+  state: Any
+  step_flops: float
+  fwd_flops: float
+  params_m: float
+  eval_params_m: float
+  times: list[float] = dataclasses.field(default_factory=list)
+  label: str = ''  # the table's: the title, with the core where it varies
+
+  @property
+  def ms(self) -> float:
+    return 1e3 * statistics.median(self.times)
+
+
+def _compile_variant(config, batch, key, mesh) -> Variant:
+  """Compiles `config`'s step; counts its FLOPs and parameters."""
+  from otclr_jax import experiment, step as step_lib  # pylint: disable=g-import-not-at-top
+  run = experiment.setup(config, steps_per_epoch=100)
+  state = experiment.initial_state(config, run, mesh)
+  step = step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  compiled = step.lower(state, batch, key).compile()
+  # Both views of the batch: the forward FLOPs of B image pairs through the
+  # trained network. XLA counts only multiply-adds on real pixels, not on a
+  # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
+  # stage) is much of the naive count that papers quote.
+  views_in = jnp.zeros((2 * batch.shape[0],) + batch.shape[1:], jnp.float32)
+  variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
+  fwd = jax.jit(lambda v, x: run.model.apply(v, x, train=False))
+  # Pretraining: the trained network and its targets (MoCo: query + key
+  # encoders with heads, the paper's 23.01M); evaluation: the encoder.
+  return Variant(
+      run.title, compiled, state, common.flops(compiled),
+      common.flops(fwd.lower(variables, views_in).compile()),
+      experiment.pretraining_params(state) / 1e6,
+      experiment.count_params(state.params['net']['encoder']) / 1e6)
+
+
+def _time_views(base, clean, repeats: int) -> dict[str, float]:
+  """Median ms of both OT views of a batch, as the OTCLR step makes them."""
+  otc = base.ot
+  views_ms = {}
+  for core in ot.CORES:
+    views_fn = jax.jit(functools.partial(
+        lambda x, s1, s2, core: (
+            ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon,
+                        otc.num_iters, core),
+            ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon,
+                        otc.num_iters, core)), core=core))
+    views_ms[core], _ = common.time_ms(views_fn, clean, clean[::-1], clean,
+                                repeats=2 * repeats, min_time_s=1.0)
+  return views_ms
+
+
+def _pipeline_per_s(images, batch_size: int, seed: int, mesh) -> float:
+  """Host input pipeline: batches gathered and handed to the devices per s."""
+  from otclr_jax import data, experiment  # pylint: disable=g-import-not-at-top
+  batches = data.train_batches(images, batch_size, seed)
+  next(batches)
+  n = 50
+  start = time.perf_counter()
+  for _ in range(n):
+    jax.block_until_ready(experiment.global_batch(next(batches), mesh))
+  per_s = n / (time.perf_counter() - start)
+  getattr(batches, 'close', lambda: None)()
+  return per_s
+
+
+def run_train(base, fv: flags.FlagValues) -> int:
+  """The `train` subcommand: prints the complexity table and the ratios."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from otclr_jax import experiment, methods, tables  # pylint: disable=g-import-not-at-top
+
+  batch_size, size = base.batch_size, base.image_size
+  mesh = experiment.make_mesh()
+  splits, source = _splits(
+      base, max(4 * batch_size, 1024, base.monitor.num_train), fv.seed)
+  images = splits[0].images
+  host_batch = images[:batch_size]
+  batch = experiment.global_batch(host_batch, mesh)
+  key = jax.device_put(jax.random.key(fv.seed),
+                       NamedSharding(mesh, PartitionSpec()))
+
+  # Every method with both view generators (default Sinkhorn core), then
+  # OTCLR (SimCLR + OT views) with the other core.
+  other = common.other_core()
+  settings = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
+              for m in methods.NAMES for v in ('augment', 'ot')}
+  settings[f'simclr/ot/{other}'] = ('simclr', 'ot', other)
+  otclr = 'simclr/ot'
+  variants = {}
+  for name, (method, views, core) in settings.items():
+    config = base.copy_and_resolve_references()
+    config.method, config.views, config.ot.core = method, views, core
+    v = variants[name] = _compile_variant(config, batch, key, mesh)
+    v.label = v.title + (f' core={core}' if name.startswith(otclr) else '')
+    print(f'compiled {name} step', flush=True)
+
+  for v in variants.values():  # warm-up
+    v.state, metrics = v.step(v.state, batch, key)
+    jax.block_until_ready(metrics)
+  for _ in range(fv.repeats):
+    for v in variants.values():  # alternated, so drifts in load hit all
+      start = time.perf_counter()
+      v.state, metrics = v.step(v.state, batch, key)
+      jax.block_until_ready(metrics)
+      v.times.append(time.perf_counter() - start)
+  peak = common.matmul_peak_gflops()
+
+  # Linear evaluation: the frozen encoder's forward pass on clean images.
+  config = base.copy_and_resolve_references()
+  config.method, config.views = 'simclr', 'ot'
+  model = experiment.create_model(config)
+  state = variants[otclr].state
+  encoder_vars = {'params': state.params['net'],
+                  'batch_stats': state.batch_stats}
+  encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
+  clean = jnp.asarray(host_batch, jnp.float32) / 255.0
+  eval_compiled = encode.lower(encoder_vars, clean).compile()
+  eval_flops = common.flops(eval_compiled)
+  eval_ms, _ = common.time_ms(eval_compiled, encoder_vars, clean,
+                       repeats=2 * fv.repeats)
+  monitor_ms, monitor_images = _time_monitor(base, model, state, splits,
+                                             fv.repeats)
+  views_ms = _time_views(base, clean, fv.repeats)
+  pipeline_per_s = _pipeline_per_s(images, batch_size, fv.seed, mesh)
+
+  device = jax.devices()[0]
+  print(f'\nbatch {batch_size}, {size}x{size}, dtype {base.dtype}, conv_impl '
+        f'{base.model.conv_impl}, {len(jax.devices())} x '
+        f'{device.device_kind} ({device.platform}); median of {fv.repeats} '
+        f'alternated steps; GFLOPs per image pair, forward')
+  rows = [dict(stage='Pretraining', method=v.label, params_m=v.params_m,
+               gflops=v.fwd_flops / batch_size / 1e9, step_ms=v.ms,
+               throughput=1e3 * batch_size / v.ms)
+          for v in variants.values()]
+  # Same frozen encoder with either views: they exist only in pretraining.
+  rows += [dict(stage='Linear eval.', method=variants[f'{m}/augment'].title,
+                params_m=variants[f'{m}/augment'].eval_params_m,
+                gflops=eval_flops / batch_size / 1e9, step_ms=eval_ms,
+                throughput=1e3 * batch_size / eval_ms)
+           for m in methods.NAMES]
+  print(tables.complexity_table(rows))
+  print(f'\nfloat32 matmul peak ({common.PEAK_MATMUL_SIZE}^2, same run): '
+        f'{peak:.1f} GFLOP/s. Achieved (XLA cost analysis of the step / '
+        'median step time):')
+  for v in variants.values():
+    gflop_s = v.step_flops / v.ms / 1e6
+    print(f'  {v.label}: {gflop_s:.1f} GFLOP/s = {gflop_s / peak:.2f} x peak')
+  print()
+  for m in methods.NAMES:
+    ot_v, aug_v = variants[f'{m}/ot'], variants[f'{m}/augment']
+    print(f'{ot_v.title} / {aug_v.title} step time: {ot_v.ms / aug_v.ms:.3f}')
+  print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
+        f'{variants[f"{otclr}/{other}"].ms / variants[otclr].ms:.3f}')
+  for core in ot.CORES:
+    step_ms = variants[otclr if core == ot.DEFAULT_CORE
+                       else f'{otclr}/{core}'].ms
+    print(f'OT views core={core} (2 x {batch_size} images): '
+          f'{views_ms[core]:.1f} ms = {100 * views_ms[core] / step_ms:.2f}% '
+          'of the OTCLR step')
+  otclr_ms = variants[otclr].ms
+  print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
+        f'{1e3 / otclr_ms:.2f} steps/s = '
+        f'{pipeline_per_s * otclr_ms / 1e3:,.0f}x')
+  every = base.monitor.every_steps
+  monitor_text = (f'every {every} steps: {monitor_ms:.1f} ms = '
+                  f'{100 * monitor_ms / (every * otclr_ms):.3f}% of '
+                  f'{every} OTCLR steps' if every > 0 else
+                  'off (config.monitor.every_steps=0)')
+  print(f'kNN monitor ({monitor_images} of {source}): {monitor_ms:.1f} ms '
+        f'per call; {monitor_text}')
+  return 0
+
+
+def _time_monitor(config, model, state, splits, repeats: int
+                  ) -> tuple[float, str]:
+  """Median ms of one kNN monitor call (otclr_jax/evaluation/monitor.py) on `splits`."""
+  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
+  knn = monitor.KnnMonitor(config, model, *splits)
+  knn(state)  # compiles
+  return common.time_ms(knn, state, repeats=repeats)[0], (
+      f'{len(knn.train_images)} train / {len(knn.test_images)} test images')
+
