@@ -37,6 +37,10 @@ Sweeping `config.ot.epsilon` needs no change here.
         --only_index=$SLURM_ARRAY_TASK_ID; on SIGTERM (time limit, with
         --signal=B:TERM@180, or preemption) training checkpoints and the task
         requeues itself.
+    ... --slurm --nodes=N --gpus_per_node=G [--partition=P --time=T]
+        For a sweep file that expands to one run: writes DIR/run.sbatch,
+        that run (in DIR/<name>) as one job over N nodes x G GPUs, one
+        process per GPU (launch/slurm.py, `multinode_script`).
     ... --dry_run            Prints the commands, runs nothing.
     ... --stop_on_error      Stops at the first failed run.
     python -m launch.sweep --workdir=DIR --aggregate_only
@@ -540,6 +544,29 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   return path
 
 
+def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
+  """`--slurm --nodes=N --gpus_per_node=G`: DIR/run.sbatch for the sweep's one run."""
+  runs = sweep.runs(workdir)
+  if len(runs) != 1:
+    return _fail(2, f'Sweep refused: --nodes={fv.nodes} x --gpus_per_node='
+                 f'{fv.gpus_per_node} writes one multi-node job for one run, '
+                 f'but {sweep.path} expands to {len(runs)} runs; fix its axes '
+                 'with --config.a.b=v or use a one-run sweep file.')
+  try:
+    path = slurm.write_multinode(
+        command(sweep, runs[0], 'train'), workdir, nodes=fv.nodes,
+        gpus_per_node=fv.gpus_per_node, job_name=fv.job_name or sweep.name,
+        partition=fv.partition, time_limit=fv.time,
+        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
+        heartbeat_timeout=fv.heartbeat_timeout)
+  except ValueError as e:
+    return _fail(2, f'Sweep refused: {e}')
+  print(f'Wrote {path}: run {runs[0].name} on {fv.nodes} node(s) x '
+        f'{fv.gpus_per_node} GPU(s), one process per GPU.\nSubmit with:  '
+        f'sbatch {path}')
+  return 0
+
+
 # ----------------------------------------------------------------------------
 # Command line.
 
@@ -570,6 +597,7 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
                        flag_values=fv)
   flags.DEFINE_integer('max_parallel', 0, 'At most this many SLURM tasks at '
                        'once (0: no limit).', flag_values=fv)
+  slurm.define_job_flags(fv)
 
 
 def _fail(status: int, message: str) -> int:
@@ -620,6 +648,8 @@ def _main(argv: Sequence[str]) -> int:
                        cli_flags, fv.config)
   except (OSError, ValueError) as e:
     return _fail(2, f'Sweep refused: {e}')
+  if fv.slurm and fv.nodes * fv.gpus_per_node > 1:
+    return _write_multinode(sweep, workdir, fv)
   if fv.slurm:
     path = write_slurm(
         sweep, workdir, job_name=fv.job_name or sweep.name,
