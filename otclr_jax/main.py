@@ -19,7 +19,10 @@ Exit statuses (otclr_jax/rundir.py, docs/operations.md):
   73  DIR is locked by another running process, or cannot be written.
   75  stopped early by SIGTERM/SIGINT (training checkpoints first); rerun the
       same command to resume.
-  1   any other error, e.g. a full disk (the last line names the path).
+  1   any other error, e.g. a full disk (the last line names the path), or
+      in a multi-process run a collective that failed because another
+      process died (one line; JAX itself aborts a process, 134, whose peer
+      stopped sending heartbeats for --heartbeat_timeout seconds).
 """
 
 import contextlib
@@ -70,6 +73,7 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 EXIT_USAGE = 2
 EXIT_DISK_FULL = 1  # like any other failure; status.json says 'failed'
+EXIT_PEER_LOST = 1  # likewise
 
 _ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
         'num_processes': 'JAX_NUM_PROCESSES', 'process_id': 'JAX_PROCESS_ID'}
@@ -282,6 +286,16 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     logging.error('%s', e)
     return rundir.EXIT_LOCKED
   except Exception as e:  # pylint: disable=broad-except
+    if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+      # A collective failed: a peer died or cannot be reached. Ending here,
+      # before JAX's shutdown barrier waits for the dead peer, gives one line
+      # instead of a traceback and an abort.
+      logging.error('Process %d of %d lost contact with the others (%s): a '
+                    'process of this run died or cannot be reached. Rerun '
+                    'every process to resume from the newest checkpoint in '
+                    '%s.', jax.process_index(), jax.process_count(),
+                    ' '.join(str(e).split())[:300], workdir)
+      return EXIT_PEER_LOST
     path = _unwritable_path(e)
     if path is not None:
       logging.error('Cannot write %s (%s): --workdir %s must be a directory '

@@ -296,7 +296,9 @@ def test_a_killed_process_ends_the_other_and_the_workdir_resumes(tmp_path,
   overrides['monitor.every_steps'] = 0
   workdir, logs = str(tmp_path / 'run'), str(tmp_path / 'logs')
   with _processes(workdir, overrides, logs, processes=2, devices=2) as procs:
-    _wait_for_step(workdir, procs, logs, 2)
+    # Orbax renames a step's directory into place once it is complete.
+    _wait_for_step(workdir, procs, logs, 4)
+    assert os.path.isdir(os.path.join(workdir, 'checkpoints', '2'))
     procs[1].kill()
     killed = time.monotonic()
     try:
@@ -308,10 +310,16 @@ def test_a_killed_process_ends_the_other_and_the_workdir_resumes(tmp_path,
   print(f'process 0 ended {ended:.1f} s after process 1 was killed, status '
         f'{procs[0].returncode}')
   assert procs[0].returncode not in (0, None)
+  assert ended < HEARTBEAT + 60
+  # Either a collective fails at once (a peer on this host closes its
+  # sockets: main's one line, status 1) or JAX's heartbeat check aborts the
+  # process (a peer that went silent).
   text = _log(logs, 0)
-  assert any(w in text for w in ('heartbeat', 'Heartbeat', 'unavailable',
-                                 'UNAVAILABLE', 'Connection closed',
-                                 'Gloo', 'gloo')), text[-3000:]
+  assert ('Process 0 of 2 lost contact with the others' in text
+          and procs[0].returncode == 1) or (
+              'Terminating process because the JAX distributed service '
+              'detected fatal errors' in text), text[-3000:]
+  assert rundir.read_status(workdir)['state'] in ('failed', 'running')
   assert not rundir.is_locked(workdir)
   # One process resumes the run (the same global batch on its devices).
   resumed_logs = str(tmp_path / 'logs_resumed')
@@ -320,6 +328,6 @@ def test_a_killed_process_ends_the_other_and_the_workdir_resumes(tmp_path,
                   extra=()) as procs:
     _wait_for_step(workdir, procs, resumed_logs, _metrics(workdir)[-1]['step']
                    + 2)
-    assert 'Resumed from step' in _log(resumed_logs, 0)
+    assert 'Resumed from step ' in _log(resumed_logs, 0)
     procs[0].send_signal(signal.SIGTERM)
     assert _wait(procs, resumed_logs) == [rundir.EXIT_STOPPED]
