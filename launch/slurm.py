@@ -1,4 +1,15 @@
-"""A SLURM job array for a sweep: one task per run, requeued on preemption.
+"""SLURM jobs: a sweep's job array, or one run over several nodes.
+
+`slurm_script` writes a job array for `launch.sweep --slurm`: one task per
+run, requeued on preemption. `multinode_script` writes one run over
+nodes x GPUs (one process per GPU); from the command line:
+
+    python -m launch.slurm --config=configs/X.py --workdir=DIR \
+        --nodes=2 --gpus_per_node=4 [--partition=P --time=24:00:00] \
+        [--config.a.b=v ...]
+
+writes DIR/run.sbatch; submit it with `sbatch DIR/run.sbatch`. Exit
+statuses: 0 written, 2 a bad flag or config.
 
 A plain sbatch file rather than submitit: submitit (1.5.4 with cloudpickle,
 about 1 MB, 0.15 s to import) pickles a Python callable and requeues it
@@ -9,8 +20,17 @@ trainer already checkpoints on SIGTERM and exits 75. The array needs only
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 from typing import Sequence
+
+from absl import flags
+from ml_collections import config_flags
+
+from otclr_jax import config_files
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
@@ -82,3 +102,167 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
       'exit $?',
       '']
   return '\n'.join(lines)
+
+
+def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
+                     nodes: int, gpus_per_node: int, job_name: str,
+                     partition: str = '', time_limit: str = '24:00:00',
+                     cpus_per_task: int = 8, mem: str = '64G',
+                     grace_seconds: int = 180,
+                     heartbeat_timeout: int = 100) -> str:
+  """The text of a SLURM job running one run over `nodes` x `gpus_per_node` GPUs.
+
+  One task (process) per GPU: `srun` starts `nodes * gpus_per_node` copies
+  of `python -m otclr_jax.main --distributed`, and JAX reads SLURM's
+  variables itself (the coordinator is the first node, the process id
+  `SLURM_PROCID`, its GPU `SLURM_LOCALID` among the node's
+  `gpus_per_node`). SLURM sends every task SIGTERM `grace_seconds` before
+  the time limit (or on preemption); they agree at their next logging step,
+  checkpoint and exit 75, and the batch script then requeues the job, which
+  resumes from that checkpoint.
+
+  Args:
+    run_argv: `python -m otclr_jax.main --config=... --workdir=... [--config.a.b=v]`
+      (without --distributed, which is added).
+    repo: the directory the tasks run in (the repository root).
+    workdir: where the job's log goes (`workdir/slurm/<job id>.out`).
+    nodes, gpus_per_node: the job's shape.
+    job_name, partition, time_limit, cpus_per_task, mem: `#SBATCH` settings;
+      an empty partition is left out; CPUs are per task, memory per node.
+    grace_seconds: how long before the time limit the SIGTERM comes.
+    heartbeat_timeout: seconds after which the others give up on a dead
+      process (`main --heartbeat_timeout`).
+
+  Returns:
+    The script.
+  """
+  if nodes < 1 or gpus_per_node < 1:
+    raise ValueError(f'A job needs >= 1 node and >= 1 GPU per node, got '
+                     f'{nodes} x {gpus_per_node}.')
+  argv = [*run_argv, '--distributed',
+          f'--heartbeat_timeout={heartbeat_timeout}']
+  lines = ['#!/bin/bash',
+           f'#SBATCH --job-name={job_name}',
+           f'#SBATCH --nodes={nodes}',
+           f'#SBATCH --ntasks-per-node={gpus_per_node}',
+           f'#SBATCH --gres=gpu:{gpus_per_node}',
+           f'#SBATCH --cpus-per-task={cpus_per_task}',
+           f'#SBATCH --mem={mem}',
+           f'#SBATCH --time={time_limit}',
+           f'#SBATCH --output={workdir}/slurm/%j.out',
+           '#SBATCH --open-mode=append',
+           '#SBATCH --requeue',
+           # Without B: the signal goes to every task of the job's steps.
+           f'#SBATCH --signal=TERM@{grace_seconds}']
+  lines += [f'#SBATCH --partition={partition}'] if partition else []
+  lines += [
+      '',
+      f'# One run on {nodes} node(s) x {gpus_per_node} GPU(s): one process '
+      'per GPU. Written by',
+      '# launch/slurm.py; submit with `sbatch` on this file. Exit 75 '
+      '(stopped by SIGTERM,',
+      '# checkpointed) requeues the job, which resumes.',
+      'set -u',
+      f'cd {shlex.quote(repo)}',
+      '',
+      f'srun {shlex.join(argv)}',
+      'status=$?',
+      'if [ "$status" -eq 75 ]; then',
+      '  echo "Stopped at a checkpoint (SIGTERM): requeueing job '
+      '${SLURM_JOB_ID}."',
+      '  scontrol requeue "${SLURM_JOB_ID}"',
+      '  exit 0',
+      'fi',
+      'exit $status',
+      '']
+  return '\n'.join(lines)
+
+
+def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
+  """Writes `workdir/run.sbatch` (`multinode_script`); returns its path.
+
+  Args:
+    run_argv: the run's `python -m otclr_jax.main ...` command.
+    workdir: where the job file and its log (`slurm/`) go; created.
+    **kwargs: `multinode_script`'s keyword arguments.
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  text = multinode_script(run_argv, REPO, workdir, **kwargs)
+  os.makedirs(os.path.join(workdir, 'slurm'), exist_ok=True)
+  path = os.path.join(workdir, 'run.sbatch')
+  with open(path, 'w') as f:
+    f.write(text)
+  os.chmod(path, 0o755)
+  return path
+
+
+def define_job_flags(fv: flags.FlagValues) -> None:
+  """The `#SBATCH` flags of a multi-node run (also `launch.sweep`'s)."""
+  flags.DEFINE_integer('nodes', 1, 'SLURM nodes of one multi-node run.',
+                       flag_values=fv)
+  flags.DEFINE_integer('gpus_per_node', 1, 'GPUs per node; one process '
+                       'each.', flag_values=fv)
+  flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds after which the '
+                       'processes give up on a dead one.', flag_values=fv)
+
+
+def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
+  config_flags.DEFINE_config_file('config', None, 'The run\'s config file.',
+                                  flag_values=fv, lock_config=True,
+                                  sys_argv=argv)
+  flags.DEFINE_string('workdir', None, 'The run\'s directory; the job file '
+                      'is WORKDIR/run.sbatch.', flag_values=fv)
+  for name, default, text in (
+      ('partition', '', 'SLURM partition.'),
+      ('time', '24:00:00', 'Time limit; a longer run requeues and resumes.'),
+      ('mem', '64G', 'SLURM memory per node.'),
+      ('job_name', '', 'SLURM job name (default: the config file).')):
+    flags.DEFINE_string(name, default, text, flag_values=fv)
+  flags.DEFINE_integer('cpus_per_task', 8, 'CPUs per task (per GPU).',
+                       flag_values=fv)
+  define_job_flags(fv)
+
+
+def main(argv: Sequence[str]) -> int:
+  """The command line (module docstring); `argv[0]` is the program name."""
+  try:
+    parsed = config_files.parse_flags(argv, _define_flags, __doc__)
+  except config_files.UsageError as e:
+    print(f'launch.slurm refused: {e}', file=sys.stderr)
+    return 2
+  if parsed is None:
+    return 0
+  fv, rest = parsed
+  if rest or not fv.workdir or fv.config is None:
+    print('Usage: python -m launch.slurm --config=FILE --workdir=DIR '
+          '--nodes=N --gpus_per_node=G [--config.a.b=v ...]; see --help.',
+          file=sys.stderr)
+    return 2
+  # Here, not at the top: `launch.sweep` imports this module without JAX.
+  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
+  try:
+    experiment.validate_config(fv.config)
+    config_path = config_flags.get_config_filename(fv['config'])
+    workdir = os.path.abspath(os.path.expanduser(fv.workdir))
+    run_argv = [sys.executable, '-m', 'otclr_jax.main',
+                f'--config={os.path.abspath(config_path)}',
+                f'--workdir={workdir}',
+                *(a for a in argv[1:] if a.startswith('--config.'))]
+    path = write_multinode(
+        run_argv, workdir,
+        nodes=fv.nodes, gpus_per_node=fv.gpus_per_node,
+        job_name=fv.job_name or os.path.splitext(
+            os.path.basename(config_path))[0],
+        partition=fv.partition, time_limit=fv.time,
+        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
+        heartbeat_timeout=fv.heartbeat_timeout)
+  except ValueError as e:
+    print(f'launch.slurm refused: {e}', file=sys.stderr)
+    return 2
+  print(f'Wrote {path} ({fv.nodes} node(s) x {fv.gpus_per_node} GPU(s), '
+        f'one process per GPU).\nSubmit with:  sbatch {path}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))

@@ -15,6 +15,8 @@ swept keys, e.g. `seed=0,ot.epsilon=0.05`, and lives in DIR/<name>.
 
     python -m launch.sweep --config=SWEEP_FILE --workdir=DIR [--config.a.b=v]
         [--dry_run | --slurm [--partition=P ...]] [--stop_on_error]
+    python -m launch.sweep --config=ONE_RUN_SWEEP_FILE --workdir=DIR --slurm \
+        --nodes=N --gpus_per_node=G     # one run over N x G GPUs: DIR/run.sbatch
     python -m launch.sweep --workdir=DIR --aggregate_only
 
 Every run's config is checked before any run starts. The runs then train and
@@ -416,6 +418,29 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   return path
 
 
+def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
+  """`--slurm --nodes=N --gpus_per_node=G`: DIR/run.sbatch for the sweep's one run."""
+  runs = sweep.runs(workdir)
+  if len(runs) != 1:
+    return _fail(2, f'Sweep refused: --nodes={fv.nodes} x --gpus_per_node='
+                 f'{fv.gpus_per_node} writes one multi-node job for one run, '
+                 f'but {sweep.path} expands to {len(runs)} runs; fix its axes '
+                 'with --config.a.b=v or use a one-run sweep file.')
+  try:
+    path = slurm.write_multinode(
+        command(sweep, runs[0], 'train'), workdir, nodes=fv.nodes,
+        gpus_per_node=fv.gpus_per_node, job_name=fv.job_name or sweep.name,
+        partition=fv.partition, time_limit=fv.time,
+        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
+        heartbeat_timeout=fv.heartbeat_timeout)
+  except ValueError as e:
+    return _fail(2, f'Sweep refused: {e}')
+  print(f'Wrote {path}: run {runs[0].name} on {fv.nodes} node(s) x '
+        f'{fv.gpus_per_node} GPU(s), one process per GPU.\nSubmit with:  '
+        f'sbatch {path}')
+  return 0
+
+
 def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
   config_flags.DEFINE_config_file(
       'config', None, 'The sweep file (get_config and get_hyper).',
@@ -439,6 +464,7 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
       ('max_parallel', 0, 'At most this many SLURM tasks at once (0: no '
        'limit).')):
     flags.DEFINE_integer(name, default, text, flag_values=fv)
+  slurm.define_job_flags(fv)
 
 
 def _fail(status: int, message: str) -> int:
@@ -488,6 +514,8 @@ def _main(argv: Sequence[str]) -> int:
                        fv.config)
   except (OSError, ValueError) as e:
     return _fail(2, f'Sweep refused: {e}')
+  if fv.slurm and fv.nodes * fv.gpus_per_node > 1:
+    return _write_multinode(sweep, workdir, fv)
   if fv.slurm:
     path = write_slurm(
         sweep, workdir, job_name=fv.job_name or sweep.name,

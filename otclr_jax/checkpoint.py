@@ -32,6 +32,18 @@ _STATE = 'default'
 _CONFIG = 'config'
 
 
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+  """Orbax options for a reader that runs on this process alone.
+
+  Orbax synchronises every process of a multi-process run at its barriers;
+  a reader that only inspects (listing steps, a resume check, evaluation on
+  process 0) would wait there for processes that never come.
+  """
+  index = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=index,
+                                            active_processes={index})
+
+
 def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
   """`Checkpointer.stored_config` of `workdir`, read-only; None if no checkpoint."""
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
@@ -59,6 +71,9 @@ class Checkpointer:
 
   Saves are asynchronous (training continues while the arrays are written);
   `wait()` blocks until the last one is on disk, so call it before exiting.
+  In a multi-process run every process opens the writer and calls `save`
+  with the same global state (Orbax writes each process's shards and
+  process 0 commits); a `read_only` one is this process's alone.
   An interrupted save leaves only a temporary directory that Orbax ignores and
   cleans up, so the latest complete checkpoint is always the one restored.
   """
@@ -81,7 +96,9 @@ class Checkpointer:
         self.directory, item_names=(_STATE, _CONFIG),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only,
-            cleanup_tmp_directories=not read_only, read_only=read_only))
+            cleanup_tmp_directories=not read_only, read_only=read_only,
+            **({'multiprocessing_options': _this_process_only()}
+               if read_only else {})))
 
   def latest_step(self) -> int | None:
     """Step of the newest complete checkpoint, or None when there is none."""
@@ -231,7 +248,10 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
     raise FileNotFoundError(f'No checkpoint for step {step}: {path} does not '
                             'exist.')
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, item)
-  with ocp.PyTreeCheckpointer() as reader:
+  options = _this_process_only()
+  with ocp.Checkpointer(
+      ocp.PyTreeCheckpointHandler(multiprocessing_options=options),
+      multiprocessing_options=options) as reader:
     return reader.restore(path, args=ocp.args.PyTreeRestore(
         item=abstract,
         restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),

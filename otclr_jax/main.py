@@ -19,7 +19,10 @@ Exit statuses (otclr_jax/rundir.py, docs/operations.md):
   73  DIR is locked by another running process, or cannot be written.
   75  stopped early by SIGTERM/SIGINT (training checkpoints first); rerun the
       same command to resume.
-  1   any other error, e.g. a full disk (the last line names the path).
+  1   any other error, e.g. a full disk (the last line names the path), or
+      in a multi-process run a collective that failed because another
+      process died (one line; JAX itself aborts a process, 134, whose peer
+      stopped sending heartbeats for --heartbeat_timeout seconds).
 """
 
 import contextlib
@@ -27,7 +30,7 @@ import errno
 import os
 import re
 import sys
-from typing import Iterable
+from typing import Any, Iterable
 
 from absl import app
 from absl import flags
@@ -49,11 +52,89 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, '
                                'logs and results.')
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize() first (one '
-    'process per host; coordinator from the cluster environment).')
+    'process per host or GPU; coordinator from the cluster environment, e.g. '
+    "SLURM's variables, unless the three flags below are given).")
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None, 'host:port of process 0 for a multi-process '
+    'run (default: $JAX_COORDINATOR_ADDRESS); implies --distributed.')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', None, 'Processes in a multi-process run (default: '
+    '$JAX_NUM_PROCESSES).')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', None, "This process's index in [0, num_processes) "
+    '(default: $JAX_PROCESS_ID).')
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    'heartbeat_timeout', 100, 'Seconds without a heartbeat after which a '
+    'multi-process run declares a process dead and ends the others.')
+_SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
+    'shutdown_timeout', 86400, 'Seconds the processes other than 0 wait at '
+    'the end for process 0 (its evaluation and figures) before giving up.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 EXIT_USAGE = 2
 EXIT_DISK_FULL = 1  # like any other failure; status.json says 'failed'
+EXIT_PEER_LOST = 1  # likewise
+
+_ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
+        'num_processes': 'JAX_NUM_PROCESSES', 'process_id': 'JAX_PROCESS_ID'}
+
+
+def distributed_settings(distributed: bool, coordinator_address: str | None,
+                         num_processes: int | None, process_id: int | None,
+                         heartbeat_timeout: int = 100,
+                         shutdown_timeout: int = 86400,
+                         environ=None) -> dict[str, Any] | None:
+  """The keyword arguments of `jax.distributed.initialize`, or None for one process.
+
+  Each of the coordinator, process count and process id comes from its flag,
+  else from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`.
+  Either all three are known (a multi-process run on any machines) or none
+  is; then `distributed` asks JAX to read a cluster's environment itself
+  (SLURM's `SLURM_*` variables, Cloud TPU metadata).
+
+  Raises:
+    experiment.ConfigError: only some of the three are given, or they are
+      malformed (the message names the flag and its variable).
+  """
+  environ = os.environ if environ is None else environ
+  given = {'coordinator_address': coordinator_address,
+           'num_processes': num_processes, 'process_id': process_id}
+  values = {}
+  for name, value in given.items():
+    if value is None or value == '':
+      value = environ.get(_ENV[name]) or None
+    values[name] = value
+  known = [n for n, v in values.items() if v is not None]
+  if known and len(known) < len(values):
+    missing = [f'--{n} (or ${_ENV[n]})' for n in values if n not in known]
+    raise experiment.ConfigError(
+        f'A multi-process run needs --coordinator_address, --num_processes '
+        f'and --process_id; {", ".join(missing)} missing.')
+  timeouts = {'heartbeat_timeout_seconds': heartbeat_timeout,
+              'shutdown_timeout_seconds': shutdown_timeout}
+  for name, value in timeouts.items():
+    if value < 1:
+      raise experiment.ConfigError(
+          f'--{name[:-len("_seconds")]} must be >= 1 second, got {value}.')
+  if not known:
+    return timeouts if distributed else None
+  try:
+    count, index = int(values['num_processes']), int(values['process_id'])
+  except ValueError:
+    raise experiment.ConfigError(
+        f'--num_processes ({values["num_processes"]!r}) and --process_id '
+        f'({values["process_id"]!r}) must be integers.') from None
+  if count < 1 or not 0 <= index < count:
+    raise experiment.ConfigError(
+        f'--process_id must lie in [0, --num_processes={count}), got '
+        f'{index}.')
+  address = values['coordinator_address']
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    raise experiment.ConfigError(
+        f'--coordinator_address must be host:port, got {address!r}.')
+  return {'coordinator_address': address, 'num_processes': count,
+          'process_id': index, **timeouts}
 
 
 # TensorStore (Orbax's writer) reports a full disk as a ValueError whose text
@@ -180,6 +261,13 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         return rundir.EXIT_STOPPED
       if not config.eval.at_end:
         return 0
+    if jax.process_index() != 0:
+      # Evaluation and figures run on process 0's devices alone; this one
+      # waits for it at JAX's shutdown barrier (--shutdown_timeout), which,
+      # unlike a collective, has no short deadline.
+      logging.info('Evaluation runs on process 0; process %d waits for it.',
+                   jax.process_index())
+      return 0
     with rundir.stop_on_signals():
       evaluate_and_draw(config, workdir)
     return 0
@@ -198,6 +286,16 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     logging.error('%s', e)
     return rundir.EXIT_LOCKED
   except Exception as e:  # pylint: disable=broad-except
+    if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+      # A collective failed: a peer died or cannot be reached. Ending here,
+      # before JAX's shutdown barrier waits for the dead peer, gives one line
+      # instead of a traceback and an abort.
+      logging.error('Process %d of %d lost contact with the others (%s): a '
+                    'process of this run died or cannot be reached. Rerun '
+                    'every process to resume from the newest checkpoint in '
+                    '%s.', jax.process_index(), jax.process_count(),
+                    ' '.join(str(e).split())[:300], workdir)
+      return EXIT_PEER_LOST
     path = _unwritable_path(e)
     if path is not None:
       logging.error('Cannot write %s (%s): --workdir %s must be a directory '
@@ -219,9 +317,16 @@ def main(argv):
                   'flag.', argv[1:])
     return EXIT_USAGE
   checkpoint.quiet_logs()
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
-  logging.info('JAX process %d/%d, local devices %s', jax.process_index(),
+  try:
+    settings = distributed_settings(
+        _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+        _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value)
+  except experiment.ConfigError as e:
+    logging.error('%s', e)
+    rundir.exit_now(EXIT_USAGE)
+  if settings is not None:
+    jax.distributed.initialize(**settings)
+  logging.info('process %d of %d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
   overridden = config_flags.get_override_values(flags.FLAGS['config'])
   status = run(_CONFIG.value, _WORKDIR.value, overridden)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import Any, Iterator
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
@@ -143,6 +145,65 @@ class _StopRequest:
   def __exit__(self, *_):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+# ----------------------------------------------------------------------------
+# Several processes.
+
+# Bytes of a lock message process 0 shares with the others.
+_MESSAGE_BYTES = 1024
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is set on any process; every process must call it."""
+  if jax.process_count() == 1:
+    return flag
+  flags_ = multihost_utils.process_allgather(np.asarray([flag], np.int32))
+  return bool(np.max(flags_))
+
+
+def _share_text(text: str) -> str:
+  """Process 0's `text` (at most `_MESSAGE_BYTES` bytes) on every process."""
+  buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
+  encoded = text.encode()[:_MESSAGE_BYTES]
+  buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
+  return shared.tobytes().rstrip(b'\0').decode(errors='replace')
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str) -> Iterator[None]:
+  """The run's lock on `workdir`, held by process 0 for all processes.
+
+  On several processes only process 0 takes `rundir.lock` (they share its
+  filesystem; a second lock by another process would lock the run out), and
+  all of them learn whether it got it: when another job holds the workdir,
+  every process of this one raises `WorkdirLockedError` with the holder's
+  message (its pid, on process 0's host), so they all end with status 73
+  instead of waiting for a process 0 that has left.
+
+  Raises:
+    rundir.WorkdirLockedError: another job holds the lock, or process 0
+      could not take it (process 0 raises its own error).
+  """
+  if jax.process_count() == 1:
+    with rundir.lock(workdir):
+      yield
+    return
+  with contextlib.ExitStack() as stack:
+    error = None
+    if jax.process_index() == 0:
+      try:
+        stack.enter_context(rundir.lock(workdir))
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    message = _share_text('' if error is None else
+                          str(error) or type(error).__name__)
+    if error is not None:
+      raise error
+    if message:
+      raise rundir.WorkdirLockedError(f'Process 0: {message}')
+    yield
 
 
 # ----------------------------------------------------------------------------
@@ -337,10 +398,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     raise experiment.ConfigError(
         f'config.batch_size {config.batch_size} must be divisible by the '
         f'{mesh.size} devices.')
-  # Only process 0 writes the workdir's own files; on several hosts the
-  # others share its filesystem and must not lock themselves out.
+  # Only process 0 writes the workdir's own files (config, status, metrics,
+  # encoder); every process takes part in the checkpoints' collective saves.
   main = jax.process_index() == 0
-  with rundir.lock(workdir) if main else contextlib.nullcontext():
+  with workdir_lock(workdir):
     stored = stored_run_config(workdir)
     check_resume(stored, config, workdir)
     progress = {'step': 0, 'total': 0, 'started': False}
@@ -393,8 +454,9 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   check_total(stored, total, spe, workdir)
 
   state = experiment.initial_state(config, run, mesh)
-  train_key = jax.device_put(experiment.train_key(config),
-                             NamedSharding(mesh, P()))
+  # Jitted onto the mesh, so that every process holds the same replicated key.
+  train_key = jax.jit(functools.partial(experiment.train_key, config),
+                      out_shardings=NamedSharding(mesh, P()))()
 
   run_config = config.to_dict()
   ckpt = checkpoint.Checkpointer(workdir, config.keep_checkpoints)
@@ -457,13 +519,19 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
   step = start
   knn_monitor = None
+  # On several processes a signal may reach them at different steps (or only
+  # some of them): they agree at logging steps, so that all save the same
+  # step and stop together.
+  several = jax.process_count() > 1
+  agreed_stop = False
   try:
     if experiment.monitor_enabled(config) and make_monitor is not None:
       knn_monitor = make_monitor(config, run.model, train_data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with _StopRequest() as stop:
       while step < total:
-        if stop.signal is not None or (
+        stopping = agreed_stop if several else stop.signal is not None
+        if stopping or (
             stop_after_steps is not None and step - start >= stop_after_steps):
           break
         state, metrics = step_fn(
@@ -473,6 +541,8 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
         pending.append((step, metrics))
         if step % config.log_every_steps == 0 or step == total:
           log(step)
+          if several:
+            agreed_stop = any_process(stop.signal is not None)
         if step % config.checkpoint_every_steps == 0:
           save(step)
       log(step)

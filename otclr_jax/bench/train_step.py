@@ -210,7 +210,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
                        else f'{otclr}/{core}'].ms
     print(f'OT views core={core} (2 x {batch_size} images): '
           f'{views_ms[core]:.1f} ms = {100 * views_ms[core] / step_ms:.2f}% '
-          'of the OTCLR step')
+          f'of the OTCLR step ({step_ms:.1f} ms)')
   otclr_ms = variants[otclr].ms
   print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
         f'{1e3 / otclr_ms:.2f} steps/s = '

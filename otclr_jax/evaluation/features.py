@@ -97,6 +97,11 @@ class Encoder:
     self._apply = apply
 
   def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
+    # A multi-process run's state is replicated over every process's devices;
+    # this process's copy is read back and placed on its own devices.
+    variables = jax.tree_util.tree_map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array)
+        and not x.is_fully_addressable else x, variables)
     variables = jax.device_put(variables, self._replicated)
     return np.asarray(jax.device_get(
         self._apply(variables, jax.device_put(images, self._data))))
