@@ -1,5 +1,6 @@
 """Tests of the linear probe (otclr_jax/evaluation/probe.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -134,3 +135,50 @@ def test_probe_with_the_grid_matches_sklearn_at_the_chosen_strength():
   reference = _sklearn_top1(train_x, train_y, test_x, test_y,
                             ours['weight_decay'])
   assert ours['top1'] == pytest.approx(reference, abs=0.2)
+
+
+def test_project_and_its_gradient_equal_the_plain_product():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(37, 6)).astype(np.float32)
+  w = rng.normal(size=(4, 6)).astype(np.float32)
+  g = rng.normal(size=(4, 37)).astype(np.float32)
+  out, vjp = jax.vjp(lambda w_: probe._project(w_, jnp.asarray(x),
+                                               jnp.asarray(x.T)),
+                     jnp.asarray(w))
+  x64, w64 = x.astype(np.float64), w.astype(np.float64)
+  np.testing.assert_allclose(out, (x64 @ w64.T).T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(vjp(jnp.asarray(g))[0],
+                             g.astype(np.float64) @ x64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('l2', [1e-6, 1e-3])
+def test_a_fit_stops_at_the_tolerance_of_its_weight_space_gradient(l2):
+  # Rank-deficient features (every column twice): half the eigenvalues are
+  # zero, where the preconditioned gradient is inflated; the stopping rule
+  # must still mean "the gradient in (W, b) is small", checked here in
+  # float64 NumPy at the returned weights.
+  (train_x, train_y), _ = _digits_features()
+  x = np.concatenate([train_x, train_x], axis=1)
+  x = (x - x.mean(0)) / np.where(x.std(0) > 0, x.std(0), 1.0)
+  weights = np.ones(len(x), np.float32)
+  eigenvalues, basis = probe._eigenbasis(jnp.asarray(x, jnp.float32),
+                                         jnp.asarray(weights))
+  xb = np.asarray(probe._matmul(jnp.asarray(x, jnp.float32), basis))
+  init = {'w': jnp.zeros((x.shape[1], 10)), 'b': jnp.zeros(10)}
+  params, steps = probe._fit_probe(
+      jnp.asarray(xb), probe._transpose(jnp.asarray(xb)),
+      jnp.asarray(train_y), jnp.asarray(weights), jnp.float32(l2),
+      eigenvalues, init, max_steps=5000)
+
+  def grad_norm(w, b):
+    logits = xb.astype(np.float64) @ w + b
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(p)), train_y] -= 1.0
+    return np.sqrt(np.sum((xb.T @ p / len(p) + l2 * w)**2)
+                   + np.sum((p.sum(0) / len(p))**2))
+
+  w, b = (np.asarray(v, np.float64) for v in (params['w'], params['b']))
+  assert int(steps) < 5000
+  assert grad_norm(w, b) <= 1.5 * probe.PROBE_TOLERANCE * grad_norm(
+      np.zeros_like(w), np.zeros_like(b))

@@ -96,15 +96,23 @@ class Encoder:
 
     self._apply = apply
 
-  def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
+  def place(self, variables: Any) -> Any:
+    """`variables` replicated on this encoder's devices.
+
+    Calls with placed variables copy nothing; `extract_features` places them
+    once per split instead of once per batch.
+    """
     # A multi-process run's state is replicated over every process's devices;
     # this process's copy is read back and placed on its own devices.
     variables = jax.tree_util.tree_map(
         lambda x: np.asarray(x) if isinstance(x, jax.Array)
         and not x.is_fully_addressable else x, variables)
-    variables = jax.device_put(variables, self._replicated)
+    return jax.device_put(variables, self._replicated)
+
+  def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
     return np.asarray(jax.device_get(
-        self._apply(variables, jax.device_put(images, self._data))))
+        self._apply(self.place(variables), jax.device_put(images,
+                                                           self._data))))
 
 
 def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
@@ -133,6 +141,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
     raise ValueError(f'{what}: no images.')
   devices = encoder.num_devices
   batch_size = -(-batch_size // devices) * devices
+  variables = encoder.place(variables)
   parts = []
   start = last_log = time.perf_counter()
   done = 0
