@@ -425,6 +425,44 @@ def test_each_method_embeds_features_as_its_network(name):
       rtol=1e-5, atol=1e-6)
 
 
+def test_dino_head_batchnorm_embeds_like_the_network():
+  config = _small_config('dino')
+  config.dino.use_bn_in_head = True
+  method, model, variables, _ = _init(config)
+  assert set(variables['batch_stats']['head']) == {'hidden1_bn', 'hidden2_bn'}
+  x = jax.random.uniform(jax.random.key(3), (5, 8, 8, 3))
+  # Running averages that differ from the initial ones, so that an embedding
+  # read without them would differ.
+  _, updates = model.apply(variables, x, train=True, mutable=['batch_stats'])
+  variables = dict(variables, batch_stats=updates['batch_stats'])
+  h, z = model.apply(variables, x, train=False)[:2]
+  np.testing.assert_allclose(
+      np.asarray(method.embed(model, variables, h)), np.asarray(z),
+      rtol=1e-5, atol=1e-5)
+
+
+def test_dino_head_batchnorm_keeps_a_common_offset_out_of_the_scores():
+  # Features far from 0 along one shared direction (as a trained ResNet's
+  # non-negative pooled features can be): without BatchNorm the bottleneck
+  # points the same way for every input and the scores barely depend on it;
+  # BatchNorm in the head removes the offset.
+  key1, key2 = jax.random.split(jax.random.key(0))
+  h = 100.0 + jax.random.normal(key1, (64, 32))
+  spread = {}
+  for use_bn in (False, True):
+    head = dino.DINOHead(hidden_dim=64, bottleneck_dim=16, num_prototypes=32,
+                         use_bn=use_bn)
+    variables = head.init(key2, h)
+    (y, logits), _ = head.apply(variables, h, train=True,
+                                mutable=['batch_stats'])
+    u = np.asarray(y) / np.linalg.norm(np.asarray(y), axis=1, keepdims=True)
+    spread[use_bn] = (float(np.mean(u @ u.T)),
+                      float(np.mean(np.std(np.asarray(logits), axis=0))))
+  assert spread[False][0] > 0.99, spread
+  assert spread[True][0] < 0.5, spread
+  assert spread[True][1] > 10 * spread[False][1], spread
+
+
 def test_for_model_names_the_method_of_a_network():
   assert methods.for_model(models.SimCLRNet()).name == 'simclr'
   assert methods.for_model(byol.BYOLNet()).name == 'byol'
