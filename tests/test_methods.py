@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from configs import digits
 from otclr_jax import experiment
 from otclr_jax import methods
 from otclr_jax import models
@@ -259,6 +260,21 @@ def test_horizon_lowers_the_momentum_of_short_runs_only():
   assert base.horizon_base_tau(0.9995, 1.0, steps, 0.01) == 0.9995
   # max_init_share = 1 keeps any momentum.
   assert base.horizon_base_tau(0.99, 1.0, 132, 1.0) == 0.99
+
+
+def test_digits_byol_keeps_its_momentum_and_a_lower_rate():
+  # configs/digits.py: BYOL's target keeps 0.99 over the 132 steps and BYOL
+  # trains at base_lr 0.3 (docs/methods.md, issue 19); MoCo's and DINO's
+  # momenta stay fitted to the run.
+  config = digits.get_config()
+  assert base.schedule_base_tau(config.byol, 132) == 0.99
+  assert base.schedule_base_tau(config.moco, 132) < 0.94
+  assert base.schedule_base_tau(config.dino, 132) < 0.94
+  config.method = 'byol'
+  assert experiment.optim_settings(config).base_lr == 0.3
+  config.method = 'moco'
+  assert experiment.optim_settings(config).base_lr == 0.3
+  assert experiment.optim_settings(config) is config.optim
 
 
 def test_post_update_follows_the_fitted_schedule():
