@@ -19,11 +19,18 @@ changed for 8 x 8 grey digits, as the ablation in the README measured:
   ~17,000 keys, so a 32,768-key queue would hold mostly its random initial
   vectors, and more keys than the 1,437 training images would put each image's
   own older keys among its negatives.
-- Nothing is set for the EMA targets: over the run's 132 steps MoCo, BYOL
-  and DINO start their momentum at ~0.933 instead of 0.99 / 0.99 / 0.9995,
-  fitted to the run's length (otclr_jax/methods/base.horizon_base_tau), and
-  BYOL and DINO train with their own optimisers (config.byol.optim,
-  config.dino.optim) under this config's warm-up of 1 epoch.
+- Over the run's 132 steps MoCo and DINO start their EMA momentum at ~0.933
+  instead of 0.99 / 0.9995, fitted to the run's length
+  (otclr_jax/methods/base.horizon_base_tau), and BYOL and DINO train with
+  their own optimisers (config.byol.optim, config.dino.optim) under this
+  config's warm-up of 1 epoch.
+- BYOL keeps its upstream momentum 0.99 (byol.max_init_share = 1, so the
+  target still holds ~half its initialisation at the end) and trains at
+  base_lr 0.3 (BYOL's own ImageNet range is 0.2-0.45; solo-learn's CIFAR
+  1.0): with the fitted 0.9325 and lr 1.0 its encoder features collapse to a
+  few dimensions (kNN 46 against the random encoder's 83), and with 0.99 alone
+  they are still below the random encoder at step 100 (docs/methods.md,
+  issue 19).
 """
 
 from configs import default
@@ -41,6 +48,8 @@ def get_config():
   config.optim.warmup_epochs = 1.0
   config.ot.grid_size = 8
   config.moco.queue_size = 1024
+  config.byol.max_init_share = 1.0
+  config.byol.optim.base_lr = 0.3
   config.augment.crop_scale = (0.4, 1.0)
   config.augment.flip_prob = 0.0
   config.augment.jitter_prob = 0.0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from configs import digits
 from otclr_jax import experiment
 from otclr_jax import methods
 from otclr_jax import models
@@ -261,6 +262,21 @@ def test_horizon_lowers_the_momentum_of_short_runs_only():
   assert base.horizon_base_tau(0.99, 1.0, 132, 1.0) == 0.99
 
 
+def test_digits_byol_keeps_its_momentum_and_a_lower_rate():
+  # configs/digits.py: BYOL's target keeps 0.99 over the 132 steps and BYOL
+  # trains at base_lr 0.3 (docs/methods.md, issue 19); MoCo's and DINO's
+  # momenta stay fitted to the run.
+  config = digits.get_config()
+  assert base.schedule_base_tau(config.byol, 132) == 0.99
+  assert base.schedule_base_tau(config.moco, 132) < 0.94
+  assert base.schedule_base_tau(config.dino, 132) < 0.94
+  config.method = 'byol'
+  assert experiment.optim_settings(config).base_lr == 0.3
+  config.method = 'moco'
+  assert experiment.optim_settings(config).base_lr == 0.3
+  assert experiment.optim_settings(config) is config.optim
+
+
 def test_post_update_follows_the_fitted_schedule():
   config = methods.add_defaults(default.get_config())
   target = {'w': jnp.zeros(())}
@@ -423,6 +439,44 @@ def test_each_method_embeds_features_as_its_network(name):
   np.testing.assert_allclose(
       np.asarray(method.embed(model, variables, h)), np.asarray(z),
       rtol=1e-5, atol=1e-6)
+
+
+def test_dino_head_batchnorm_embeds_like_the_network():
+  config = _small_config('dino')
+  config.dino.use_bn_in_head = True
+  method, model, variables, _ = _init(config)
+  assert set(variables['batch_stats']['head']) == {'hidden1_bn', 'hidden2_bn'}
+  x = jax.random.uniform(jax.random.key(3), (5, 8, 8, 3))
+  # Running averages that differ from the initial ones, so that an embedding
+  # read without them would differ.
+  _, updates = model.apply(variables, x, train=True, mutable=['batch_stats'])
+  variables = dict(variables, batch_stats=updates['batch_stats'])
+  h, z = model.apply(variables, x, train=False)[:2]
+  np.testing.assert_allclose(
+      np.asarray(method.embed(model, variables, h)), np.asarray(z),
+      rtol=1e-5, atol=1e-5)
+
+
+def test_dino_head_batchnorm_keeps_a_common_offset_out_of_the_scores():
+  # Features far from 0 along one shared direction (as a trained ResNet's
+  # non-negative pooled features can be): without BatchNorm the bottleneck
+  # points the same way for every input and the scores barely depend on it;
+  # BatchNorm in the head removes the offset.
+  key1, key2 = jax.random.split(jax.random.key(0))
+  h = 100.0 + jax.random.normal(key1, (64, 32))
+  spread = {}
+  for use_bn in (False, True):
+    head = dino.DINOHead(hidden_dim=64, bottleneck_dim=16, num_prototypes=32,
+                         use_bn=use_bn)
+    variables = head.init(key2, h)
+    (y, logits), _ = head.apply(variables, h, train=True,
+                                mutable=['batch_stats'])
+    u = np.asarray(y) / np.linalg.norm(np.asarray(y), axis=1, keepdims=True)
+    spread[use_bn] = (float(np.mean(u @ u.T)),
+                      float(np.mean(np.std(np.asarray(logits), axis=0))))
+  assert spread[False][0] > 0.99, spread
+  assert spread[True][0] < 0.5, spread
+  assert spread[True][1] > 10 * spread[False][1], spread
 
 
 def test_for_model_names_the_method_of_a_network():

@@ -52,26 +52,33 @@ class DINOHead(nn.Module):
   Dense(hidden) -> GELU -> Dense(hidden) -> GELU -> Dense(bottleneck), then
   ``y / ||y||`` and a bias-free Dense(num_prototypes) whose weight is
   normalised per prototype with its norm fixed to 1 (``norm_last_layer=True``,
-  no BatchNorm in the head: DINO's and solo-learn's defaults). The MLP uses
-  truncated-normal (std 0.02) kernels and zero biases as DINO does.
+  DINO's and solo-learn's default). With ``use_bn`` each hidden Dense is
+  followed by BatchNorm before its GELU (DINO's and solo-learn's
+  ``use_bn_in_head``). The MLP uses truncated-normal (std 0.02) kernels and
+  zero biases as DINO does.
 
   Attributes:
     hidden_dim: width of the two hidden layers.
     bottleneck_dim: dimension of the l2-normalised bottleneck.
     num_prototypes: output dimension K (the softmax is over K).
+    use_bn: BatchNorm after each hidden Dense.
     dtype: computation dtype; parameters stay float32.
   """
   hidden_dim: int = 2048
   bottleneck_dim: int = 256
   num_prototypes: int = 4096
+  use_bn: bool = False
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, h: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  def __call__(self, h: jnp.ndarray, train: bool = False
+               ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Maps features to prototype scores.
 
     Args:
       h: features [B, D].
+      train: BatchNorm (``use_bn`` only) uses batch statistics and updates
+        its running averages.
 
     Returns:
       y: bottleneck [B, bottleneck_dim], float32, before normalisation.
@@ -84,8 +91,14 @@ class DINOHead(nn.Module):
         f, dtype=self.dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.truncated_normal(0.02),
         bias_init=nn.initializers.zeros, name=name)
-    y = nn.gelu(dense(self.hidden_dim, 'hidden1')(h), approximate=False)
-    y = nn.gelu(dense(self.hidden_dim, 'hidden2')(y), approximate=False)
+    def hidden(y, name):
+      y = dense(self.hidden_dim, name)(y)
+      if self.use_bn:
+        y = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                         epsilon=1e-5, dtype=self.dtype,
+                         param_dtype=jnp.float32, name=f'{name}_bn')(y)
+      return nn.gelu(y, approximate=False)
+    y = hidden(hidden(h, 'hidden1'), 'hidden2')
     y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
     u = y * jax.lax.rsqrt(
         jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
@@ -108,6 +121,7 @@ class DINONet(nn.Module):
     hidden_dim: DINOHead hidden width.
     bottleneck_dim: DINOHead bottleneck dimension.
     num_prototypes: DINOHead output dimension.
+    use_bn_in_head: DINOHead's ``use_bn``.
     dtype: computation dtype; parameters stay float32.
     conv_impl: how convolutions run (``models.ResNet18``).
   """
@@ -115,6 +129,7 @@ class DINONet(nn.Module):
   hidden_dim: int = 2048
   bottleneck_dim: int = 256
   num_prototypes: int = 4096
+  use_bn_in_head: bool = False
   dtype: Any = jnp.float32
   conv_impl: str = 'auto'
 
@@ -138,7 +153,8 @@ class DINONet(nn.Module):
     z, logits = DINOHead(hidden_dim=self.hidden_dim,
                          bottleneck_dim=self.bottleneck_dim,
                          num_prototypes=self.num_prototypes,
-                         dtype=self.dtype, name='head')(h)
+                         use_bn=self.use_bn_in_head, dtype=self.dtype,
+                         name='head')(h, train)
     return h, z, logits
 
 
@@ -147,6 +163,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.hidden_dim = 2048  # DINO head MLP width (solo-learn CIFAR).
   config.bottleneck_dim = 256
   config.num_prototypes = 4096
+  # BatchNorm after the head's hidden layers: off in DINO's and solo-learn's
+  # defaults (their `use_bn_in_head`).
+  config.use_bn_in_head = False
   config.student_temp = 0.1
   config.teacher_temp = 0.04  # DINO: constant 0.04 (no warm-up).
   config.warmup_teacher_temp = 0.04
@@ -176,15 +195,23 @@ def create_model(config: ml_collections.ConfigDict) -> DINONet:
       stem=config.model.stem, hidden_dim=config.dino.hidden_dim,
       bottleneck_dim=config.dino.bottleneck_dim,
       num_prototypes=config.dino.num_prototypes,
+      use_bn_in_head=config.dino.use_bn_in_head,
       dtype=base.dtype_of(config), conv_impl=config.model.conv_impl)
 
 
 def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
-  """The head's bottleneck y [N, bottleneck_dim] of encoder features h [N, 512]."""
+  """The head's bottleneck y [N, bottleneck_dim] of encoder features h [N, 512].
+
+  With ``use_bn_in_head`` the head's BatchNorm uses its running averages.
+  """
   head = DINOHead(hidden_dim=model.hidden_dim,
                   bottleneck_dim=model.bottleneck_dim,
-                  num_prototypes=model.num_prototypes, dtype=model.dtype)
-  return head.apply({'params': variables['params']['head']}, h)[0]
+                  num_prototypes=model.num_prototypes,
+                  use_bn=model.use_bn_in_head, dtype=model.dtype)
+  head_variables = {'params': variables['params']['head']}
+  if model.use_bn_in_head:
+    head_variables['batch_stats'] = variables['batch_stats']['head']
+  return head.apply(head_variables, h)[0]
 
 
 def freeze_prototypes(config: ml_collections.ConfigDict, params,
