@@ -182,3 +182,17 @@ def test_a_fit_stops_at_the_tolerance_of_its_weight_space_gradient(l2):
   assert int(steps) < 5000
   assert grad_norm(w, b) <= 1.5 * probe.PROBE_TOLERANCE * grad_norm(
       np.zeros_like(w), np.zeros_like(b))
+
+
+def test_separable_features_get_a_penalised_probe_at_its_optimum():
+  # Without a penalty the loss of separable features has no minimum: a fit
+  # there stops wherever the solver does, so the grid must not offer one,
+  # and the chosen probe must equal the penalised optimum (sklearn).
+  train_x, train_y = _blobs(4, 30, 64, seed=2, spread=3.0)
+  test_x, test_y = _blobs(4, 15, 64, seed=2, spread=3.0, noise_seed=5)
+  ours = probe.linear_probe(train_x, train_y, test_x, test_y, 4)
+  assert ours['val_top1'] == pytest.approx(100.0)  # separable held-out rows
+  assert ours['weight_decay'] > 0.0
+  reference = _sklearn_top1(train_x, train_y, test_x, test_y,
+                            ours['weight_decay'])
+  assert ours['top1'] == pytest.approx(reference, abs=0.2)
