@@ -121,6 +121,26 @@ def _eval_config_conflict(config, workdir: str) -> str | None:
           f'{rundir.describe_diff(stored, new, names)}' if names else None)
 
 
+def _probe_protocol_conflict(results: dict) -> str | None:
+  """Why a results file's linear probe was fitted another way, or None.
+
+  The probe's L2 grid and stopping tolerance are code, not config, so
+  eval/config.json cannot say that a probe is out of date; results.json
+  records them under `protocol`.
+  """
+  protocol = results.get('protocol') or {}
+  if 'probe' not in protocol:
+    return None
+  # Imported here: it loads JAX, which a sweep needs for nothing else.
+  from otclr_jax.evaluation import probe  # pylint: disable=g-import-not-at-top
+  current = {'l2_grid': list(probe.L2_GRID),
+             'probe_tolerance': probe.PROBE_TOLERANCE}
+  changed = [f'{key} {protocol.get(key)} (now {value})'
+             for key, value in current.items() if protocol.get(key) != value]
+  return ('its linear probe was fitted with another protocol: '
+          + ', '.join(changed)) if changed else None
+
+
 def stale_results_reason(config, workdir: str) -> str | None:
   """Why existing results.json may not be reported for `config`, or None."""
   try:
@@ -132,7 +152,8 @@ def stale_results_reason(config, workdir: str) -> str | None:
   total = final_step(config, workdir)
   if total is None or results.get('step') != total:
     return f'its results are for step {results.get("step")}, not {total}'
-  return _eval_config_conflict(config, workdir)
+  return (_probe_protocol_conflict(results)
+          or _eval_config_conflict(config, workdir))
 
 
 def is_trained(config, workdir: str) -> bool:

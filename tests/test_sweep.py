@@ -21,6 +21,7 @@ from launch import sweep as sweep_lib
 from otclr_jax import config_files
 from otclr_jax import experiment
 from otclr_jax import rundir
+from otclr_jax.evaluation import probe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -916,3 +917,32 @@ def test_a_signal_ends_the_sweep_with_75_and_one_line(tmp_path, signum):
       f'Sweep s stopped by {signal.Signals(signum).name}; rerun the same '
       'command to resume.']
   assert 'FAILED' not in out
+
+
+def test_results_of_another_probe_protocol_are_not_finished(four_runs):
+  # The L2 grid and tolerance are code: results fitted before they changed
+  # must be evaluated again, not averaged beside new ones.
+  sweep, workdir, names = four_runs
+  run = sweep.runs(workdir)[0]
+  config = _config_of(sweep, run)
+  write_run_files(run.workdir, config)
+  path = os.path.join(run.workdir, 'eval', 'results.json')
+  protocol = {'probe': 'L-BFGS', 'l2_grid': list(probe.L2_GRID),
+              'probe_tolerance': probe.PROBE_TOLERANCE}
+
+  def write(protocol):
+    with open(path, 'w') as f:
+      json.dump({'step': config.total_steps, 'protocol': protocol}, f)
+
+  write(protocol)
+  assert run_state.is_finished(config, run.workdir)
+  for key, old in (('l2_grid', [0.0] + list(probe.L2_GRID)),
+                   ('probe_tolerance', 1e-6)):
+    write({**protocol, key: old})
+    assert not run_state.is_finished(config, run.workdir)
+    assert key in run_state.stale_results_reason(config, run.workdir)
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 0
+  assert (names[0], 'eval') in launcher.calls
+  assert (names[0], 'train') not in launcher.calls
