@@ -2,7 +2,8 @@
 
 Pure JAX: no Flax or TensorFlow import, so other projects can take this module
 alone with its argument checks (otclr_jax/ot_checks.py). Every public function
-is jittable, vmappable and differentiable in the images and in `alpha`. docs/method.md sections 2-6 give the formulas.
+is jittable, vmappable and differentiable in the images and in `alpha`.
+docs/method.md sections 2-6 give the formulas.
 
 Conventions:
   * A grid histogram is an `[m, m]` array of non-negative masses summing to 1.
@@ -307,7 +308,7 @@ def _prepare(a, b, epsilon, num_iters, core):
         f'a and b must share the grid shape, got {a.shape} and {b.shape}.')
   num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
   epsilon = ot_checks.check_scalar_range('epsilon', epsilon, 0.0, None,
-                                low_inclusive=False)
+                                         low_inclusive=False)
   return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
 
 
