@@ -67,6 +67,10 @@ IGNORED_FIELDS = ('mode', 'data_dir', 'log_every_steps',
                   'checkpoint_every_steps', 'keep_checkpoints')
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
+# Each method's own settings block (`config.moco`, ...); a run reads only its
+# method's, so the others never change its result. Kept equal to the methods
+# registry by tests/test_rundir.py (this module stays free of jax imports).
+METHOD_BLOCKS = ('moco', 'byol', 'dino')
 
 
 class WorkdirLockedError(RuntimeError):
@@ -142,9 +146,9 @@ def flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
   return flat
 
 
-def _ignored(name: str) -> bool:
+def _ignored(name: str, unread: tuple[str, ...]) -> bool:
   return (name in IGNORED_FIELDS or name in LENGTH_FIELDS
-          or name.startswith(IGNORED_PREFIXES))
+          or name.startswith(IGNORED_PREFIXES) or name.startswith(unread))
 
 
 def result_changing_diff(stored: dict[str, Any],
@@ -152,8 +156,10 @@ def result_changing_diff(stored: dict[str, Any],
   """Dotted names of the settings that differ and change a run's result.
 
   Ignored: `mode`, `data_dir`, `log_every_steps`, `checkpoint_every_steps`,
-  `keep_checkpoints`, everything under `eval.` and `monitor.`, and the run
-  length (`total_steps`, `num_epochs`), which the caller rules on: training
+  `keep_checkpoints`, everything under `eval.` and `monitor.`, the settings
+  blocks of methods other than the new config's `method` (a SimCLR run never
+  reads `dino.*`, so a field added there later does not stop it resuming), and
+  the run length (`total_steps`, `num_epochs`), which the caller rules on: training
   allows a resolved total that is at least the stored one (see
   otclr_jax/train.py).
   A key present in one dict only is a difference. Values are compared after a
@@ -166,12 +172,14 @@ def result_changing_diff(stored: dict[str, Any],
   Returns:
     The differing names, sorted.
   """
+  unread = tuple(f'{block}.' for block in METHOD_BLOCKS
+                 if block != new.get('method'))
   stored = flatten(json.loads(json.dumps(stored)))
   new = flatten(json.loads(json.dumps(new)))
   missing = object()
   return sorted(
       name for name in set(stored) | set(new)
-      if not _ignored(name)
+      if not _ignored(name, unread)
       and stored.get(name, missing) != new.get(name, missing))
 
 

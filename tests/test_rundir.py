@@ -7,8 +7,10 @@ import sys
 import textwrap
 import time
 
+import ml_collections
 import pytest
 
+from otclr_jax import methods
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +50,30 @@ def test_result_changing_diff():
   text = rundir.describe_diff(stored, new, names)
   assert "ot.epsilon: 0.05 -> 0.1" in text and 'ot.extra: (absent) -> 1' in text
   assert rundir.result_changing_diff(stored, stored) == []
+
+
+def test_other_methods_settings_never_change_a_result():
+  # A block of another method is never read: a field added to it later (or
+  # changed) does not stop the run resuming; its own method's block does.
+  stored = {'method': 'otclr', 'seed': 0, 'dino': {'base_tau': 0.9995},
+            'moco': {'queue_size': 1024}}
+  new = {'method': 'otclr', 'seed': 0,
+         'dino': {'base_tau': 0.99, 'use_bn_in_head': False},
+         'moco': {'queue_size': 4096}}
+  assert rundir.result_changing_diff(stored, new) == []
+  stored['method'] = new['method'] = 'dino'
+  assert rundir.result_changing_diff(stored, new) == [
+      'dino.base_tau', 'dino.use_bn_in_head']
+  new['method'] = 'moco'
+  assert rundir.result_changing_diff(stored, new) == ['method',
+                                                      'moco.queue_size']
+
+
+def test_method_blocks_are_the_registered_methods_blocks():
+  config = methods.add_defaults(ml_collections.ConfigDict())
+  blocks = {name for name in methods.NAMES
+            if isinstance(config.get(name, None), ml_collections.ConfigDict)}
+  assert blocks == set(rundir.METHOD_BLOCKS)
 
 
 def test_monitor_settings_never_change_a_result():
