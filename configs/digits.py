@@ -19,8 +19,8 @@ changed for 8 x 8 grey digits, as the ablation in the README measured:
   ~17,000 keys, so a 32,768-key queue would hold mostly its random initial
   vectors, and more keys than the 1,437 training images would put each image's
   own older keys among its negatives.
-- Over the run's 132 steps MoCo and DINO start their EMA momentum at ~0.933
-  instead of 0.99 / 0.9995, fitted to the run's length
+- Over the run's 132 steps MoCo starts its EMA momentum at ~0.933 instead of
+  0.99, fitted to the run's length
   (otclr_jax/methods/base.horizon_base_tau), and BYOL and DINO train with
   their own optimisers (config.byol.optim, config.dino.optim) under this
   config's warm-up of 1 epoch.
@@ -31,6 +31,12 @@ changed for 8 x 8 grey digits, as the ablation in the README measured:
   few dimensions (kNN 46 against the random encoder's 83), and with 0.99 alone
   they are still below the random encoder at step 100 (docs/methods.md,
   issue 19).
+- DINO's teacher also keeps momentum 0.99 (dino.base_tau, max_init_share =
+  1), is sharpened at temperature 0.02 instead of 0.04, and is centred on
+  the previous batch's mean alone (dino.centre_momentum = 0 instead of 0.9):
+  with DINO's own settings its teacher turns uniform within ~30 steps, and
+  each of the three changes is needed for a sharp teacher and features above
+  the random encoder (docs/methods.md, "BYOL and DINO on digits").
 """
 
 from configs import default
@@ -50,6 +56,11 @@ def get_config():
   config.moco.queue_size = 1024
   config.byol.max_init_share = 1.0
   config.byol.optim.base_lr = 0.3
+  config.dino.base_tau = 0.99
+  config.dino.max_init_share = 1.0
+  config.dino.teacher_temp = 0.02
+  config.dino.warmup_teacher_temp = 0.02
+  config.dino.centre_momentum = 0.0
   config.augment.crop_scale = (0.4, 1.0)
   config.augment.flip_prob = 0.0
   config.augment.jitter_prob = 0.0

@@ -262,14 +262,20 @@ def test_horizon_lowers_the_momentum_of_short_runs_only():
   assert base.horizon_base_tau(0.99, 1.0, 132, 1.0) == 0.99
 
 
-def test_digits_byol_keeps_its_momentum_and_a_lower_rate():
-  # configs/digits.py: BYOL's target keeps 0.99 over the 132 steps and BYOL
-  # trains at base_lr 0.3 (docs/methods.md, issue 19); MoCo's and DINO's
-  # momenta stay fitted to the run.
+def test_digits_byol_and_dino_keep_their_momentum():
+  # configs/digits.py: BYOL's and DINO's targets keep 0.99 over the 132 steps,
+  # BYOL trains at base_lr 0.3, DINO's teacher is sharpened at 0.02 and
+  # centred on the last batch alone (docs/methods.md, issue 19); MoCo's
+  # momentum stays fitted to the run.
   config = digits.get_config()
   assert base.schedule_base_tau(config.byol, 132) == 0.99
   assert base.schedule_base_tau(config.moco, 132) < 0.94
-  assert base.schedule_base_tau(config.dino, 132) < 0.94
+  assert base.schedule_base_tau(config.dino, 132) == 0.99
+  assert (config.dino.teacher_temp, config.dino.centre_momentum) == (0.02, 0.0)
+  config.method = 'dino'
+  progress = base.Progress(jnp.int32(0), 132, 11)
+  assert float(dino.teacher_temperature(config, progress)) == pytest.approx(
+      0.02)
   config.method = 'byol'
   assert experiment.optim_settings(config).base_lr == 0.3
   config.method = 'moco'
