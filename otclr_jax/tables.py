@@ -23,6 +23,8 @@ Tables (the paper's files in parentheses):
   and the view metrics (pixel L2 as the paper defines it, then pixel RMS).
 * `cluster_table`: the cluster metrics of the test features per dataset.
 * `complexity_table` (complexity): stage x method, from benchmark rows.
+* `paired_table`: seed-by-seed differences (OT views minus augmentations,
+  each method minus the random-init encoder) with a paired t-test.
 * `render_report`: all results tables with headings (what evaluate writes).
 
 The best value in each column is bold within each block of comparable rows
@@ -605,6 +607,145 @@ def complexity_table(rows: Sequence[dict[str, Any]],
   return _render(spec, out, fmt)
 
 
+# Metrics `paired_differences` compares, with their headers.
+PAIRED_METRICS = (('top1', 'Probe top-1'), ('top5', 'Probe top-5'),
+                  ('knn_top1', 'kNN'))
+
+
+def _dataset_rank(dataset: str) -> tuple[int, str]:
+  order = list(DATASET_ORDER)
+  return (order.index(dataset) if dataset in order else len(order), dataset)
+
+
+def _baseline(run: str) -> str | None:
+  """The run id an OT-view run is compared with: its objective's augment run."""
+  if run == 'otclr':
+    return 'simclr'
+  return run[:-len('+ot')] if run.endswith('+ot') else None
+
+
+def _paired(values: dict[Any, float], base: dict[Any, float]
+            ) -> dict[str, Any] | None:
+  """The paired comparison of `values` with `base` over their common seeds."""
+  seeds = sorted((s for s in values if s in base), key=str)
+  if len(seeds) < 2:
+    return None
+  diffs = [values[s] - base[s] for s in seeds]
+  summary = stat(diffs)
+  t, p = math.nan, math.nan
+  if summary['std'] > 0:
+    # Student's paired t-test, two-sided, n - 1 degrees of freedom.
+    from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+    t = summary['mean'] / (summary['std'] / math.sqrt(len(diffs)))
+    p = float(2 * scipy_stats.t.sf(abs(t), len(diffs) - 1))
+  return {'seeds': seeds, 'differences': diffs, **summary, 't': t, 'p': p,
+          'wins': sum(d > 0 for d in diffs)}
+
+
+def paired_differences(results: Sequence[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+  """Seed-by-seed differences: OT views minus augmentations, methods minus floor.
+
+  Runs of one (pretraining dataset, batch size) with the same seed saw the
+  same initialisation and data order, so their difference removes the
+  seed's share of the spread. Compared, on the linear-probe metrics of every
+  evaluation dataset: each OT-view run with its objective's augment run
+  (``'otclr'`` with ``'simclr'``, ``'moco+ot'`` with ``'moco'``, ...), and
+  every run with the random-init encoder of its seed. A comparison needs at
+  least two common seeds.
+
+  Returns:
+    One dict per (setting, comparison, dataset, metric): 'pretrain_dataset',
+    'batch_size', 'method', 'baseline' (a run id or ``'random_init'``),
+    'dataset', 'metric', 'seeds', 'differences' (per seed, in percentage
+    points), 'mean', 'std', 'n', 't' and 'p' (paired t-test, two-sided; NaN
+    when the differences do not vary), 'wins' (seeds with a positive
+    difference).
+  """
+  by_run: dict[tuple[str, int, str], dict[Any, dict[str, Any]]] = {}
+  for result in results:
+    by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
+                                                       result)
+  rows = []
+  for key in sorted(by_run, key=_sort_key):
+    pretrain, batch, run = key
+    runs = by_run[key]
+    baselines = [(_baseline(run), 'linear')] if _baseline(run) else []
+    baselines.append(('random_init', 'random_init'))
+    for baseline, base_section in baselines:
+      base_runs = (runs if baseline == 'random_init'
+                   else by_run.get((pretrain, batch, baseline), {}))
+      datasets = list(dict.fromkeys(
+          d for r in runs.values() for d in (r.get('linear') or {})))
+      for dataset in datasets:
+        for metric, _ in PAIRED_METRICS:
+          def values(of, section):
+            out = {}
+            for seed, r in of.items():
+              value = ((r.get(section) or {}).get(dataset) or {}).get(metric)
+              if _is_number(value) and math.isfinite(value):
+                out[seed] = float(value)
+            return out
+          paired = _paired(values(runs, 'linear'),
+                           values(base_runs, base_section))
+          if paired:
+            rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
+                         'method': run, 'baseline': baseline,
+                         'dataset': dataset, 'metric': metric, **paired})
+  metrics = [m for m, _ in PAIRED_METRICS]
+  # Per setting: the view comparisons before the floor's, datasets in the
+  # paper's order.
+  rows.sort(key=lambda r: (
+      _sort_key((r['pretrain_dataset'], r['batch_size'], ''))[:2],
+      r['baseline'] == 'random_init', _method_rank(r['method']),
+      _dataset_rank(r['dataset']), metrics.index(r['metric'])))
+  return rows
+
+
+def paired_table(results: Sequence[dict[str, Any]],
+                 fmt: str = 'markdown') -> str:
+  """`paired_differences` as a table; empty when no comparison has 2 seeds."""
+  _check_fmt(fmt)
+  rows = paired_differences(results)
+  if not rows:
+    return ''
+  titles = {g['method']: g['title'] for g in aggregate(results)}
+  headers = ('Dataset', 'Comparison', 'Metric', 'Per seed',
+             'Mean ± std', 't', 'p', 'Positive')
+  names = dict(PAIRED_METRICS)
+  several = len({(r['pretrain_dataset'], r['batch_size']) for r in rows}) > 1
+  body = []
+  for r in rows:
+    base = (FLOOR_LABEL if r['baseline'] == 'random_init'
+            else titles.get(r['baseline'], method_name(r['baseline'])))
+    comparison = f'{titles.get(r["method"], method_name(r["method"]))} − {base}'
+    if several:
+      comparison += _setting_suffix(r['pretrain_dataset'], r['batch_size'])
+    per_seed = ', '.join(f'{d:+.2f}' for d in r['differences'])
+    mean = _value_text(r, 2, fmt)
+    body.append([dataset_name(r['dataset']), comparison, names[r['metric']],
+                 per_seed, mean,
+                 _EMPTY[fmt] if math.isnan(r['t']) else f'{r["t"]:.2f}',
+                 _EMPTY[fmt] if math.isnan(r['p']) else f'{r["p"]:.3f}',
+                 f'{r["wins"]}/{r["n"]}'])
+  if fmt == 'markdown':
+    lines = ['| ' + ' | '.join(headers) + ' |',
+             '| ' + ' | '.join([':--'] * 3 + ['--:'] * 5) + ' |']
+    lines += ['| ' + ' | '.join(_escape(c, fmt) for c in row) + ' |'
+              for row in body]
+    return '\n'.join(lines) + '\n'
+  lines = [r'\begin{tabular}{lllccccc}', r'\toprule',
+           ' & '.join(_bold(_escape(h, fmt).replace('±', _PM[fmt].strip()),
+                            fmt) for h in headers) + r' \\',
+           r'\midrule']
+  for row in body:
+    cells = [_escape(c, fmt) for c in row[:4]] + [row[4]] + [
+        _escape(c, fmt) for c in row[5:]]
+    lines.append(' & '.join(c.replace('−', '$-$') for c in cells) + r' \\')
+  lines += [r'\bottomrule', r'\end{tabular}']
+  return '\n'.join(lines) + '\n'
+
+
 def embedding_label(results: Sequence[dict[str, Any]]) -> str:
   """Which embedding the runs' cluster and view metrics used, in words."""
   used = sorted({(r.get('protocol') or {}).get('embedding', 'h')
@@ -631,6 +772,10 @@ def render_report(results: Sequence[dict[str, Any]],
       (f'Cluster metrics of the test embeddings (K-means, K = classes; '
        f'embedding {embedding})', cluster_table(results, fmt)),
   ]
+  paired = paired_table(results, fmt)
+  if paired:
+    parts.append(('Paired differences over seeds (percentage points; '
+                  'Student\'s paired t-test, two-sided)', paired))
   if fmt == 'markdown':
     return '\n'.join(f'### {title}\n\n{table}' for title, table in parts)
   header = ('% Requires \\usepackage{booktabs,multirow,colortbl} and '

@@ -159,13 +159,14 @@ def test_cluster_table_and_report():
       '| CIFAR-10 | OTCLR | **0.0200 ± 0.0000** (n=2) | **0.5000 ± 0.0000** '
       '(n=2) | **0.1000 ± 0.0000** (n=2) | **1.1000 ± 0.0000** (n=2) |')
   report = tables.render_report(RESULTS)
-  assert report.count('### ') == 4
+  # Four tables, then the paired differences (OTCLR has two seeds).
+  assert report.count('### ') == 5
   # Results without protocol.embedding predate it: they used h.
   assert report.count('embedding h, l2-normalised backbone features') == 2
   with_z = [{**r, 'protocol': {'embedding': 'z'}} for r in RESULTS]
   assert tables.render_report(with_z).count(
       'embedding z, l2-normalised projection output') == 2
-  assert tables.render_report(RESULTS, 'latex').count(r'\begin{tabular}') == 4
+  assert tables.render_report(RESULTS, 'latex').count(r'\begin{tabular}') == 5
 
 
 def test_complexity_table():
@@ -210,3 +211,47 @@ def test_linear_table_labels_stored_and_clean_batchnorm_rows():
       '| Random init | 10.00 | 50.00 |']
   # Without the measurement the labels stay plain.
   assert '(BN:' not in tables.linear_table(RESULTS)
+
+
+def _paired_runs(otclr_top1, simclr_top1, floors):
+  return ([_run('otclr', s, v, f) for s, (v, f) in
+           enumerate(zip(otclr_top1, floors))]
+          + [_run('simclr', s, v, f) for s, (v, f) in
+             enumerate(zip(simclr_top1, floors))])
+
+
+def test_paired_differences_match_the_t_test_by_hand():
+  otclr, simclr, floors = [46.0, 47.5, 45.0], [45.0, 46.0, 45.5], [40, 41, 39]
+  rows = tables.paired_differences(_paired_runs(otclr, simclr, floors))
+  row = next(r for r in rows if (r['method'], r['baseline'], r['dataset'],
+                                 r['metric']) == ('otclr', 'simclr',
+                                                  'cifar10', 'top1'))
+  diffs = np.subtract(otclr, simclr)
+  np.testing.assert_allclose(row['differences'], diffs, rtol=1e-12)
+  t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(3))
+  # Student's t with 2 degrees of freedom: P(|T| > t) = 1 - t / sqrt(t^2 + 2).
+  np.testing.assert_allclose(row['t'], t, rtol=1e-12)
+  np.testing.assert_allclose(row['p'], 1 - t / np.sqrt(t**2 + 2), rtol=1e-9)
+  assert (row['seeds'], row['wins'], row['n']) == ([0, 1, 2], 2, 3)
+  floor = next(r for r in rows if (r['method'], r['baseline'], r['metric'])
+               == ('simclr', 'random_init', 'top1'))
+  np.testing.assert_allclose(floor['differences'],
+                             np.subtract(simclr, floors), rtol=1e-12)
+  # Only seeds both sides have are paired; one common seed is no comparison.
+  rows = tables.paired_differences(_paired_runs(otclr, simclr[:1], floors))
+  assert not [r for r in rows if r['baseline'] == 'simclr']
+
+
+def test_paired_table_is_in_the_report_with_several_seeds_only():
+  runs = _paired_runs([46.0, 47.5], [45.0, 46.0], [40, 41])
+  for fmt in tables.FORMATS:
+    table = tables.paired_table(runs, fmt)
+    assert '+1.00, +1.50' in table and '2/2' in table
+    assert 'Paired differences' in tables.render_report(runs, fmt)
+  markdown = tables.paired_table(runs)
+  assert '| CIFAR-10 | OTCLR − SimCLR | Probe top-1 | +1.00, +1.50 |' in markdown
+  # Equal differences: no spread, so no t statistic.
+  assert '| 0.00 | 0/2 |' not in markdown
+  single = _paired_runs([46.0], [45.0], [40])
+  assert tables.paired_table(single) == ''
+  assert 'Paired differences' not in tables.render_report(single)
