@@ -156,6 +156,36 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
   assert not re.search(r'\b(MET|MISSED|met|target)\b', out), out
 
 
+TINY_TRAIN = ['train', '--config=configs/digits.py', '--repeats=1',
+              '--config.image_size=8', '--config.batch_size=16',
+              '--config.ot.grid_size=4', '--config.model.proj_hidden_dim=32',
+              '--config.model.proj_dim=16']
+
+
+@pytest.mark.slow
+def test_train_bench_of_simclr_alone_breaks_its_steps_into_stages(tmp_path,
+                                                                  capsys):
+  assert _bench(TINY_TRAIN + [f'--config.data_dir={tmp_path}',
+                              '--methods=simclr']) == 0
+  out = capsys.readouterr().out
+  assert 'MoCo' not in out and 'DINO' not in out
+  for title in ('SimCLR', 'OTCLR'):
+    match = re.search(
+        rf'{title} step ([\d.]+) ms by stage: views ([\d.]+) ms \([\d.]+%\), '
+        r'network forward \+ backward on 2 x 16 views ([\d.]+) ms '
+        r'\([\d.]+%\), the rest \(loss, update, metrics\) (-?[\d.]+) ms',
+        out)
+    assert match, out
+    step, views, network, rest = map(float, match.groups())
+    assert step == pytest.approx(views + network + rest, abs=0.2)
+
+
+def test_train_bench_refuses_an_unknown_method(tmp_path):
+  with pytest.raises(ValueError, match=r"--methods: unknown \['mocco'\]"):
+    _bench(TINY_TRAIN + [f'--config.data_dir={tmp_path}',
+                         '--methods=simclr,mocco'])
+
+
 def test_resnet_bench_times_every_conv_impl(capsys):
   code = _bench(['resnet', '--config=configs/cifar10.py', '--repeats=1',
                  '--config.batch_size=2', '--config.image_size=8',

@@ -8,14 +8,16 @@ One module of this package per subcommand (ot_views, train_step, resnet).
        stage of `ot_views` (d: the public pieces of `otclr_jax.ot` it runs),
        with their ratios. Every implementation's views are first compared
        with (c)'s (max abs pixel difference): the rows compute the same thing.
-  train --config=configs/X.py
-       `tables.complexity_table` of every method of `methods.NAMES` with both
-       view generators, and of OTCLR per Sinkhorn core: parameters, forward
-       GFLOPs per image pair (XLA cost analysis), median step time and pairs/s
-       (steps alternated in one process after a warm-up), and the linear
-       evaluation's forward. Then each step's GFLOP/s beside this machine's
-       float32 matmul peak (timed in the same run), the OT/augment step-time
-       ratio per method, the OT views' share of the OTCLR step, the input
+  train --config=configs/X.py [--methods=moco,...]
+       `tables.complexity_table` of SimCLR and the `--methods` (default every
+       method of `methods.NAMES`) with both view generators, and of OTCLR per
+       Sinkhorn core: parameters, forward GFLOPs per image pair (XLA cost
+       analysis), median step time and pairs/s (steps alternated in one
+       process after a warm-up), and the linear evaluation's forward. Then
+       each step's GFLOP/s beside this machine's float32 matmul peak (timed
+       in the same run), the OT/augment step-time ratio per method, the
+       SimCLR and OTCLR steps by stage (views; network forward + backward;
+       the rest), the OT views' share of the OTCLR step, the input
        pipeline's batches/s over the step's, and the kNN monitor's cost.
   resnet --config=configs/X.py
        ResNet-18 forward + backward (training-mode BatchNorm) at
@@ -71,6 +73,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
   flags.DEFINE_integer('num_iters', 20, 'ot: Sinkhorn iterations T.', **fv)
   flags.DEFINE_float('epsilon', 0.05, 'ot: entropic regularisation.', **fv)
   flags.DEFINE_float('alpha', 0.5, 'ot: interpolation weight.', **fv)
+  flags.DEFINE_list('methods', None, 'train: methods to time besides SimCLR '
+                    '(default: all).', **fv)
   flags.DEFINE_list('conv_impls', ['xla', 'matmul', 'auto'], 'resnet: '
                     'model.conv_impl values to time; ratios are to the '
                     'first.', **fv)

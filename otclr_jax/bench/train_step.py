@@ -1,10 +1,12 @@
 """`python -m otclr_jax.bench train`: the complexity table of every method.
 
-Each method with both view generators, and OTCLR per Sinkhorn core, is
-compiled and stepped alternately; `tables.complexity_table` prints parameters,
-forward GFLOPs per image pair, step time and pairs/s, then each step's GFLOP/s
-beside a matmul peak timed in the same run and the costs around the step (OT
-views, input pipeline, kNN monitor).
+Each method (`--methods`, SimCLR always) with both view generators, and OTCLR
+per Sinkhorn core, is compiled and stepped alternately;
+`tables.complexity_table` prints parameters, forward GFLOPs per image pair,
+step time and pairs/s, then each step's GFLOP/s beside a matmul peak timed in
+the same run, the SimCLR and OTCLR steps by stage (views, network forward +
+backward, the rest) and the costs around the step (OT views, input pipeline,
+kNN monitor).
 """
 
 from __future__ import annotations
@@ -104,6 +106,34 @@ def _time_views(base, clean, repeats: int) -> dict[str, float]:
   return views_ms
 
 
+def _time_stages(base, views: str, variant: Variant, clean, key,
+                 repeats: int) -> tuple[float, float]:
+  """Median ms of two parts of the SimCLR step with `views`, each jitted alone.
+
+  The views of the batch (two strong augmentations, and for 'ot' the OT
+  views from them), and the network's forward + backward (training-mode
+  BatchNorm) on the 2B views, the gradient of a scalar of its outputs.
+  """
+  from otclr_jax import experiment, views as views_lib  # pylint: disable=g-import-not-at-top
+  config = base.copy_and_resolve_references()
+  config.method, config.views = 'simclr', views
+  make = jax.jit(lambda x, k: views_lib.make_views(config, x, k)[:2])
+  views_ms, _ = common.time_ms(make, clean, key, repeats=2 * repeats)
+  model = experiment.create_model(config)
+  batch_stats = variant.state.batch_stats
+
+  def outputs(params, x):
+    out, _ = model.apply({'params': params, 'batch_stats': batch_stats}, x,
+                         train=True, mutable=['batch_stats'])
+    return sum(jnp.sum(o) for o in jax.tree_util.tree_leaves(out))
+
+  both = jnp.concatenate(make(clean, key))
+  network = jax.jit(jax.grad(outputs))
+  network_ms, _ = common.time_ms(network, variant.state.params['net'], both,
+                                 repeats=repeats)
+  return views_ms, network_ms
+
+
 def _pipeline_per_s(images, batch_size: int, seed: int, mesh) -> float:
   """Host input pipeline: batches gathered and handed to the devices per s."""
   from otclr_jax import data, experiment  # pylint: disable=g-import-not-at-top
@@ -136,8 +166,15 @@ def run_train(base, fv: flags.FlagValues) -> int:
   # Every method with both view generators (default Sinkhorn core), then
   # OTCLR (SimCLR + OT views) with the other core.
   other = common.other_core()
+  # SimCLR always: the OTCLR rows and the stage breakdown are its.
+  names = ['simclr'] + [m for m in (fv.methods or methods.NAMES)
+                        if m != 'simclr']
+  unknown = sorted(set(names) - set(methods.NAMES))
+  if unknown:
+    raise ValueError(f'--methods: unknown {unknown}; expected some of '
+                     f'{methods.NAMES}.')
   settings = {f'{m}/{v}': (m, v, ot.DEFAULT_CORE)
-              for m in methods.NAMES for v in ('augment', 'ot')}
+              for m in names for v in ('augment', 'ot')}
   settings[f'simclr/ot/{other}'] = ('simclr', 'ot', other)
   otclr = 'simclr/ot'
   variants = {}
@@ -175,6 +212,8 @@ def run_train(base, fv: flags.FlagValues) -> int:
   monitor_ms, monitor_images = _time_monitor(base, model, state, splits,
                                              fv.repeats)
   views_ms = _time_views(base, clean, fv.repeats)
+  stages = {v: _time_stages(base, v, variants[f'simclr/{v}'], clean, key,
+                            fv.repeats) for v in ('augment', 'ot')}
   pipeline_per_s = _pipeline_per_s(images, batch_size, fv.seed, mesh)
 
   device = jax.devices()[0]
@@ -191,7 +230,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
                 params_m=variants[f'{m}/augment'].eval_params_m,
                 gflops=eval_flops / batch_size / 1e9, step_ms=eval_ms,
                 throughput=1e3 * batch_size / eval_ms)
-           for m in methods.NAMES]
+           for m in names]
   print(tables.complexity_table(rows))
   print(f'\nfloat32 matmul peak ({common.PEAK_MATMUL_SIZE}^2, same run): '
         f'{peak:.1f} GFLOP/s. Achieved (XLA cost analysis of the step / '
@@ -200,7 +239,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
     gflop_s = v.step_flops / v.ms / 1e6
     print(f'  {v.label}: {gflop_s:.1f} GFLOP/s = {gflop_s / peak:.2f} x peak')
   print()
-  for m in methods.NAMES:
+  for m in names:
     ot_v, aug_v = variants[f'{m}/ot'], variants[f'{m}/augment']
     print(f'{ot_v.title} / {aug_v.title} step time: {ot_v.ms / aug_v.ms:.3f}')
   print(f'OTCLR step core={other} / core={ot.DEFAULT_CORE}: '
@@ -211,6 +250,14 @@ def run_train(base, fv: flags.FlagValues) -> int:
     print(f'OT views core={core} (2 x {batch_size} images): '
           f'{views_ms[core]:.1f} ms = {100 * views_ms[core] / step_ms:.2f}% '
           f'of the OTCLR step ({step_ms:.1f} ms)')
+  for views, (views_stage, network) in stages.items():
+    step_ms = variants[f'simclr/{views}'].ms
+    rest = step_ms - views_stage - network
+    print(f'{variants[f"simclr/{views}"].title} step {step_ms:.1f} ms by '
+          f'stage: views {views_stage:.1f} ms ({100 * views_stage / step_ms:.1f}'
+          f'%), network forward + backward on 2 x {batch_size} views '
+          f'{network:.1f} ms ({100 * network / step_ms:.1f}%), the rest (loss, '
+          f'update, metrics) {rest:.1f} ms ({100 * rest / step_ms:.1f}%)')
   otclr_ms = variants[otclr].ms
   print(f'Input pipeline ({source}): {pipeline_per_s:,.0f} batches/s vs '
         f'{1e3 / otclr_ms:.2f} steps/s = '
