@@ -157,7 +157,7 @@ def result_changing_diff(stored: dict[str, Any],
 
   Ignored: `mode`, `data_dir`, `log_every_steps`, `checkpoint_every_steps`,
   `keep_checkpoints`, everything under `eval.` and `monitor.`, the settings
-  blocks of methods other than the new config's `method` (a SimCLR run never
+  blocks of methods that neither config's `method` names (a SimCLR run never
   reads `dino.*`, so a field added there later does not stop it resuming), and
   the run length (`total_steps`, `num_epochs`), which the caller rules on: training
   allows a resolved total that is at least the stored one (see
@@ -172,8 +172,12 @@ def result_changing_diff(stored: dict[str, Any],
   Returns:
     The differing names, sorted.
   """
+  # A block is read if either config's method reads it: evaluating a MoCo
+  # run from a config file that says SimCLR must still take `moco.*` from
+  # the run.
+  methods = (stored.get('method'), new.get('method'))
   unread = tuple(f'{block}.' for block in METHOD_BLOCKS
-                 if block != new.get('method'))
+                 if block not in methods)
   stored = flatten(json.loads(json.dumps(stored)))
   new = flatten(json.loads(json.dumps(new)))
   missing = object()

@@ -64,7 +64,12 @@ def test_other_methods_settings_never_change_a_result():
   stored['method'] = new['method'] = 'dino'
   assert rundir.result_changing_diff(stored, new) == [
       'dino.base_tau', 'dino.use_bn_in_head']
+  # A config naming another method (e.g. the config file's default when a
+  # run is evaluated) still compares the run's own block.
   new['method'] = 'moco'
+  assert rundir.result_changing_diff(stored, new) == [
+      'dino.base_tau', 'dino.use_bn_in_head', 'method', 'moco.queue_size']
+  stored['method'], new['method'] = 'moco', 'otclr'
   assert rundir.result_changing_diff(stored, new) == ['method',
                                                       'moco.queue_size']
 
