@@ -642,6 +642,17 @@ def _paired(values: dict[Any, float], base: dict[Any, float]
           'wins': sum(d > 0 for d in diffs)}
 
 
+def _by_seed(runs: dict[Any, dict[str, Any]], section: str, dataset: str,
+             metric: str) -> dict[Any, float]:
+  """{seed: the finite value of section/dataset/metric} of results by seed."""
+  out = {}
+  for seed, result in runs.items():
+    value = ((result.get(section) or {}).get(dataset) or {}).get(metric)
+    if _is_number(value) and math.isfinite(value):
+      out[seed] = float(value)
+  return out
+
+
 def paired_differences(results: Sequence[dict[str, Any]]
                        ) -> list[dict[str, Any]]:
   """Seed-by-seed differences: OT views minus augmentations, methods minus floor.
@@ -679,15 +690,9 @@ def paired_differences(results: Sequence[dict[str, Any]]
           d for r in runs.values() for d in (r.get('linear') or {})))
       for dataset in datasets:
         for metric, _ in PAIRED_METRICS:
-          def values(of, section):
-            out = {}
-            for seed, r in of.items():
-              value = ((r.get(section) or {}).get(dataset) or {}).get(metric)
-              if _is_number(value) and math.isfinite(value):
-                out[seed] = float(value)
-            return out
-          paired = _paired(values(runs, 'linear'),
-                           values(base_runs, base_section))
+          paired = _paired(
+              _by_seed(runs, 'linear', dataset, metric),
+              _by_seed(base_runs, base_section, dataset, metric))
           if paired:
             rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
                          'method': run, 'baseline': baseline,
