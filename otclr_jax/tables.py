@@ -118,9 +118,13 @@ def _aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
+def _rank(order: Sequence[str], name: str) -> tuple[int, str]:
+  """Sort key: position in `order`, names outside it after, by name."""
+  return (order.index(name) if name in order else len(order), name)
+
+
 def _method_rank(method: str) -> tuple[int, str]:
-  order = list(RUN_ORDER)
-  return (order.index(method) if method in order else len(order), method)
+  return _rank(RUN_ORDER, method)
 
 
 def run_id(result: dict[str, Any]) -> str:
@@ -612,11 +616,6 @@ PAIRED_METRICS = (('top1', 'Probe top-1'), ('top5', 'Probe top-5'),
                   ('knn_top1', 'kNN'))
 
 
-def _dataset_rank(dataset: str) -> tuple[int, str]:
-  order = list(DATASET_ORDER)
-  return (order.index(dataset) if dataset in order else len(order), dataset)
-
-
 def _baseline(run: str) -> str | None:
   """The run id an OT-view run is compared with: its objective's augment run."""
   if run == 'otclr':
@@ -681,13 +680,13 @@ def paired_differences(results: Sequence[dict[str, Any]]
   for key in sorted(by_run, key=_sort_key):
     pretrain, batch, run = key
     runs = by_run[key]
+    datasets = list(dict.fromkeys(
+        d for r in runs.values() for d in (r.get('linear') or {})))
     baselines = [(_baseline(run), 'linear')] if _baseline(run) else []
     baselines.append(('random_init', 'random_init'))
     for baseline, base_section in baselines:
       base_runs = (runs if baseline == 'random_init'
                    else by_run.get((pretrain, batch, baseline), {}))
-      datasets = list(dict.fromkeys(
-          d for r in runs.values() for d in (r.get('linear') or {})))
       for dataset in datasets:
         for metric, _ in PAIRED_METRICS:
           paired = _paired(
@@ -703,7 +702,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
   rows.sort(key=lambda r: (
       _sort_key((r['pretrain_dataset'], r['batch_size'], ''))[:2],
       r['baseline'] == 'random_init', _method_rank(r['method']),
-      _dataset_rank(r['dataset']), metrics.index(r['metric'])))
+      _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
   return rows
 
 

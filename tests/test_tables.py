@@ -250,8 +250,9 @@ def test_paired_table_is_in_the_report_with_several_seeds_only():
     assert 'Paired differences' in tables.render_report(runs, fmt)
   markdown = tables.paired_table(runs)
   assert '| CIFAR-10 | OTCLR − SimCLR | Probe top-1 | +1.00, +1.50 |' in markdown
-  # Equal differences: no spread, so no t statistic.
-  assert '| 0.00 | 0/2 |' not in markdown
+  # Equal differences: no spread, so no t statistic and no p-value.
+  assert ('| CIFAR-10 | OTCLR − SimCLR | Probe top-5 | +0.00, +0.00 | '
+          '0.00 ± 0.00 | – | – | 0/2 |') in markdown
   single = _paired_runs([46.0], [45.0], [40])
   assert tables.paired_table(single) == ''
   assert 'Paired differences' not in tables.render_report(single)
