@@ -68,6 +68,9 @@ def leaves(tree):
 # by 7e-2.
 RTOL_PINNED = {'loss': 1e-5, 'sinkhorn': 1e-5, 'alpha': 0.0,
                'grad_norm': 2e-3}
+# Without OT views the first step's gradient norm agrees to 1e-5 between the
+# AVX2 and the AVX-512 machine (its second step was only ever held to 2e-3).
+RTOL_FIRST_AUGMENT_GRAD_NORM = 1e-5
 PINNED = {
     'augment': [
         {'grad_norm': '0x1.f63ffe0000000p+6', 'loss': '0x1.be3e680000000p+1'},
@@ -95,12 +98,15 @@ def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
                        **{'model.conv_impl': 'xla'})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
-  for pinned in PINNED[name]:
+  for index, pinned in enumerate(PINNED[name]):
     state, metrics = step(state, batch, jax.random.key(1))
     for k, value in pinned.items():
+      rtol = (RTOL_FIRST_AUGMENT_GRAD_NORM
+              if (name, index, k) == ('augment', 0, 'grad_norm')
+              else RTOL_PINNED[k])
       np.testing.assert_allclose(float(np.asarray(metrics[k])),
-                                 float.fromhex(value), rtol=RTOL_PINNED[k],
-                                 atol=0, err_msg=k)
+                                 float.fromhex(value), rtol=rtol, atol=0,
+                                 err_msg=k)
   assert np.all(np.asarray(metrics['state_finite']))
   assert state.extra == {}
 
