@@ -264,7 +264,7 @@ def test_horizon_lowers_the_momentum_of_short_runs_only():
 
 def test_digits_byol_and_dino_keep_their_momentum():
   # configs/digits.py: BYOL's and DINO's targets keep 0.99 over the 132 steps,
-  # BYOL trains at base_lr 0.3, DINO's teacher is sharpened at 0.02 and
+  # BYOL and DINO train at base_lr 0.1, DINO's teacher is sharpened at 0.02 and
   # centred on the last batch alone (docs/methods.md, issue 19); MoCo's
   # momentum stays fitted to the run.
   config = digits.get_config()
@@ -277,7 +277,9 @@ def test_digits_byol_and_dino_keep_their_momentum():
   assert float(dino.teacher_temperature(config, progress)) == pytest.approx(
       0.02)
   config.method = 'byol'
-  assert experiment.optim_settings(config).base_lr == 0.3
+  assert experiment.optim_settings(config).base_lr == 0.1
+  config.method = 'dino'
+  assert experiment.optim_settings(config).base_lr == 0.1
   config.method = 'moco'
   assert experiment.optim_settings(config).base_lr == 0.3
   assert experiment.optim_settings(config) is config.optim

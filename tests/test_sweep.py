@@ -820,16 +820,18 @@ def test_damaged_run_files_are_reevaluated_not_crashed_on(four_runs, capsys):
   assert broken in capsys.readouterr().out
 
 
-def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
+def test_views_sweep_runs_every_method_with_both_view_generators_and_seeds(
+    tmp_path):
   # The fake launcher writes its files at config.total_steps (0: epochs).
   sweep = sweep_lib.load_sweep(sweep_file('digits_methods'),
                                ['--config.total_steps=20'])
   workdir = str(tmp_path / 'out')
   runs = sweep.runs(workdir)
-  assert [(overrides(r)['method'], overrides(r)['views']) for r in runs] == [
-      (m, v) for m in ('simclr', 'moco', 'byol', 'dino')
-      for v in ('augment', 'ot')]
-  assert runs[3].name == 'method=moco,views=ot'
+  assert [(overrides(r)['method'], overrides(r)['views'], overrides(r)['seed'])
+          for r in runs] == [
+      (m, v, s) for m in ('simclr', 'moco', 'byol', 'dino')
+      for v in ('augment', 'ot') for s in (0, 1, 2)]
+  assert runs[9].name == 'method=moco,views=ot,seed=0'
   launcher = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
@@ -838,8 +840,9 @@ def test_views_sweep_runs_every_method_with_both_view_generators(tmp_path):
   # Each run's command asks for its views; the run's stored config has them.
   for run in runs:
     stored = json.load(open(os.path.join(run.workdir, 'config.json')))
-    assert (stored['method'], stored['views']) == (
-        overrides(run)['method'], overrides(run)['views'])
+    assert (stored['method'], stored['views'], stored['seed']) == (
+        overrides(run)['method'], overrides(run)['views'],
+        overrides(run)['seed'])
   # A sweep file without the axis runs the config's views ('').
   smoke = sweep_lib.load_sweep(sweep_file('digits_smoke'))
   assert all('views' not in r.name and smoke.run_config(r).views == ''
