@@ -21,8 +21,9 @@ torchvision.
 
 Convolutions run as XLA's ``lax.conv`` or as ``conv_matmul`` (shifted views
 and one GEMM), chosen by ``conv_impl``; ``'auto'`` takes the matmul on CPU for
-small maps, where XLA:CPU's convolution is slow. The parameters are the same
-under every choice.
+small maps, where XLA:CPU's convolution is slow, and with it the stem's
+max-pool as separable shifted maxima (``max_pool_separable``). The parameters
+are the same under every choice.
 
 BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
 epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
@@ -34,6 +35,7 @@ parameters are always float32 and BatchNorm reductions are done in float32; the
 returned features and projections are float32.
 """
 
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -181,6 +183,62 @@ def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
   return auto
 
 
+def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
+                       strides: Sequence[int],
+                       padding: Sequence[tuple[int, int]]) -> jnp.ndarray:
+  """Max-pooling as a maximum over columns, then over rows, of strided views.
+
+  Same result as ``nn.max_pool`` with these arguments (a maximum is exact,
+  so bit for bit), and the same gradient to float32 rounding wherever the
+  maximum of a window is unique: the gradient of each maximum goes to its
+  largest input. Ties split it instead of giving it to the first one;
+  a tie between equal patches sends the same gradient to the parameters
+  either way.
+  XLA:CPU differentiates ``nn.max_pool`` through a reduce-window over one
+  index array per input dimension, [B, H + 2, W + 2, C] each; these
+  shifted maxima cost a third of that forward and backward.
+
+  Args:
+    x: inputs [B, H, W, C].
+    window: (kh, kw).
+    strides: (sh, sw).
+    padding: ((top, bottom), (left, right)), padded with -inf.
+
+  Returns:
+    [B, Ho, Wo, C].
+  """
+  (kh, kw), (sh, sw), ((pt, pb), (pl, pr)) = window, strides, padding
+  batch, height, width, channels = x.shape
+  out_h = (height + pt + pb - kh) // sh + 1
+  out_w = (width + pl + pr - kw) // sw + 1
+  xp = jnp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)),
+               constant_values=-jnp.inf)
+  cols = [lax.slice(xp, (0, 0, j, 0),
+                    (batch, xp.shape[1], j + sw * (out_w - 1) + 1, channels),
+                    (1, 1, sw, 1)) for j in range(kw)]
+  y = functools.reduce(jnp.maximum, cols)
+  rows = [lax.slice(y, (0, i, 0, 0),
+                    (batch, i + sh * (out_h - 1) + 1, out_w, channels),
+                    (1, sh, 1, 1)) for i in range(kh)]
+  return functools.reduce(jnp.maximum, rows)
+
+
+def max_pool_function(impl: str) -> Callable[..., jnp.ndarray]:
+  """The max-pool for ``model.conv_impl``: separable on CPU, else XLA's.
+
+  ``'xla'`` keeps ``nn.max_pool`` everywhere; ``'matmul'`` and ``'auto'`` on
+  CPU take ``max_pool_separable``; ``'auto'`` elsewhere keeps
+  ``nn.max_pool``.
+  """
+  def pool(x, window, strides, padding):
+    if impl == 'matmul' or (impl == 'auto'
+                            and jax.default_backend() == 'cpu'):
+      return max_pool_separable(x, window, strides, padding)
+    return nn.max_pool(x, window, strides=strides, padding=padding)
+
+  return pool
+
+
 def _check_images(x: jnp.ndarray) -> None:
   if x.ndim != 4:
     raise ValueError(
@@ -289,7 +347,8 @@ class ResNet18(nn.Module):
                      name='stem_bn')(x)
     x = nn.relu(x)
     if self.stem == 'imagenet':
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+      x = max_pool_function(self.conv_impl)(x, (3, 3), (2, 2),
+                                            ((1, 1), (1, 1)))
 
     for stage, features in enumerate((64, 128, 256, 512)):
       for block in range(2):

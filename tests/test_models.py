@@ -325,6 +325,48 @@ def test_auto_conv_picks_matmul_on_small_cpu_maps_only():
   assert 'conv_general_dilated' in large and 'dot_general' not in large
 
 
+@pytest.mark.parametrize('size, window, strides, padding', [
+    (16, 3, 2, 1),  # the imagenet stem's pool at 32 px
+    (7, 3, 2, 1),   # odd size: the last window is cut by the padding
+    (8, 2, 2, 0),
+    (9, 3, 1, 1),
+])
+def test_separable_max_pool_equals_flax_max_pool_with_gradients(
+    size, window, strides, padding):
+  kx, kp = jax.random.split(jax.random.key(0))
+  # After a ReLU, as in the stem: windows of tied zeros included.
+  x = jax.random.normal(kx, (3, size, size, 5))
+  args = ((window, window), (strides, strides),
+          ((padding, padding), (padding, padding)))
+  ref_pool = lambda x: flax.linen.max_pool(x, *args[:1], strides=args[1],
+                                           padding=args[2])
+  sep_pool = lambda x: models.max_pool_separable(x, *args)
+  y_ref = ref_pool(jax.nn.relu(x))
+  probe = jax.random.normal(kp, y_ref.shape)
+  def grad(pool):
+    return jax.jit(jax.grad(lambda x: jnp.sum(pool(jax.nn.relu(x)) * probe)))
+  y = sep_pool(jax.nn.relu(x))
+  assert y.shape == y_ref.shape
+  np.testing.assert_array_equal(y, y_ref)  # a maximum is exact
+  # Each input gets the sum of the probes of the windows whose unique
+  # maximum it is (zeros' gradient dies in the ReLU): at most 4 float32
+  # terms per input here, summed in another order.
+  np.testing.assert_allclose(grad(sep_pool)(x), grad(ref_pool)(x),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool_follows_conv_impl():
+  x = jnp.ones((1, 8, 8, 2))
+  def ops(impl):
+    pool = models.max_pool_function(impl)
+    return str(jax.make_jaxpr(
+        lambda x: pool(x, (3, 3), (2, 2), ((1, 1), (1, 1))))(x))
+  assert jax.default_backend() == 'cpu'
+  for impl in ('auto', 'matmul'):
+    assert 'reduce_window' not in ops(impl)
+  assert 'reduce_window' in ops('xla')
+
+
 def test_unknown_conv_impl_raises():
   with pytest.raises(ValueError, match='conv_impl'):
     models.conv_function('cudnn')
