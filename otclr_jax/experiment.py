@@ -476,7 +476,13 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     FileNotFoundError: no checkpoint `step` in `workdir`.
   """
-  template = initial_variables(config)
+  # Shapes are all the restore needs: tracing the init abstractly skips
+  # compiling the network's forward pass. The sharding restores onto the
+  # default device, where a computed template would have been.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  template = jax.tree_util.tree_map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+      jax.eval_shape(functools.partial(initial_variables, config)))
   item = {'params': {'net': template['params']},
           'batch_stats': template['batch_stats']}
   if config.ot.learn_alpha:
