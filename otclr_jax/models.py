@@ -152,6 +152,12 @@ def matmul_is_faster(x_shape: Sequence[int], kernel_shape: Sequence[int],
   return out_h * out_w <= CONV_MATMUL_MAX_OUT_PIXELS
 
 
+def _check_conv_impl(impl: str) -> None:
+  if impl not in CONV_IMPLS:
+    raise ValueError(
+        f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
+
+
 def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
   """The convolution ``nn.Conv`` calls for ``model.conv_impl``.
 
@@ -165,9 +171,7 @@ def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
     computes the same convolution with the same parameters, so checkpoints
     load under any of them.
   """
-  if impl not in CONV_IMPLS:
-    raise ValueError(
-        f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
+  _check_conv_impl(impl)
   if impl == 'xla':
     return lax.conv_general_dilated
   if impl == 'matmul':
@@ -230,6 +234,8 @@ def max_pool_function(impl: str) -> Callable[..., jnp.ndarray]:
   CPU take ``max_pool_separable``; ``'auto'`` elsewhere keeps
   ``nn.max_pool``.
   """
+  _check_conv_impl(impl)
+
   def pool(x, window, strides, padding):
     if impl == 'matmul' or (impl == 'auto'
                             and jax.default_backend() == 'cpu'):

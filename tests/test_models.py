@@ -371,6 +371,8 @@ def test_unknown_conv_impl_raises():
   with pytest.raises(ValueError, match='conv_impl'):
     models.conv_function('cudnn')
   with pytest.raises(ValueError, match='conv_impl'):
+    models.max_pool_function('cudnn')
+  with pytest.raises(ValueError, match='conv_impl'):
     models.ResNet18(conv_impl='im2col')
 
 
