@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from absl import logging
 import jax
@@ -427,15 +427,18 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
                   mesh: Mesh | None = None) -> step_lib.TrainState:
   """The state at step 0, jitted (replicated over `mesh` when given).
 
-  Jitted as training does, so that initial values match training's to the
-  bit and targets copied from the online network do not alias its buffers.
+  The network's variables are `initial_variables` (one compiled init per
+  network and process, which evaluation's random-init floor reuses, the
+  same values to the bit); the method's targets and extra state and the
+  optimiser's state are jitted on top of them.
   """
   init = functools.partial(step_lib.init_state, config, run.method, run.model,
                            run.tx)
+  variables = initial_variables(config)
   if mesh is None:
-    return jax.jit(init)(init_key(config))
+    return jax.jit(init)(init_key(config), variables)
   return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
-      init_key(config))
+      init_key(config), variables)
 
 
 def pretraining_params(state: step_lib.TrainState) -> int:
@@ -454,12 +457,19 @@ def pretraining_params(state: step_lib.TrainState) -> int:
 # Evaluation's view of a checkpoint.
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled_init(model) -> Callable[..., Any]:
+  # Keyed by the network (flax modules compare by their fields): compiling
+  # the init is most of its cost (~10 s on a 2-core CPU, the random draws of
+  # 11M parameters), so training and evaluation in one process share it.
+  return jax.jit(functools.partial(model.init, train=False))
+
+
 def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The untrained network's `{'params', 'batch_stats'}`, as training starts it."""
   model = create_model(config)
   dummy = np.zeros((1, config.image_size, config.image_size, 3), np.float32)
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      {'params': init_key(config)}, dummy)
+  variables = _compiled_init(model)({'params': init_key(config)}, dummy)
   return {'params': variables['params'],
           'batch_stats': variables['batch_stats']}
 

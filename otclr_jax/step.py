@@ -49,7 +49,7 @@ class TrainState(flax.struct.PyTreeNode):
 
 def init_state(config: ml_collections.ConfigDict, method: base.Method,
                model, tx: optax.GradientTransformation,
-               key: jax.Array) -> TrainState:
+               key: jax.Array, variables: Any = None) -> TrainState:
   """The state at step 0.
 
   The network is initialised from `key` exactly as before methods were
@@ -62,12 +62,17 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
     model: `method.create_model(config)`.
     tx: the optimiser.
     key: the run's init key.
+    variables: the network's `{'params', 'batch_stats'}` as `model.init`
+      draws them from `key` (`experiment.initial_variables`), or None to
+      draw them here.
 
   Returns:
     TrainState.
   """
-  dummy = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
-  variables = model.init({'params': key}, dummy, train=False)
+  if variables is None:
+    dummy = jnp.zeros((1, config.image_size, config.image_size, 3),
+                      jnp.float32)
+    variables = model.init({'params': key}, dummy, train=False)
   params = {'net': variables['params']}
   if config.ot.learn_alpha:
     params['alpha_logit'] = jnp.asarray(

@@ -18,6 +18,7 @@ from otclr_jax import main
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
+from otclr_jax.evaluation import monitor
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
@@ -509,6 +510,9 @@ def test_checkpoint_without_extra_state_still_evaluates(trained_run, tmp_path,
 def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
   model, variables, images = _tiny_net(seed=2, num_images=12)
   encoder = features.Encoder(model)
+  # The compiled encoder is shared per network and process: count this
+  # test's compilations only.
+  before = encoder._apply._cache_size()
   h = np.asarray(model.apply(variables, jnp.asarray(images, jnp.float32)
                              / 255.0, train=False)[0])
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
@@ -523,4 +527,14 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
   np.testing.assert_allclose(h[7:10], features.extract_features(
       encoder, variables, images[7:10], 8, log_progress=False),
                              rtol=1e-5, atol=1e-5)
-  assert encoder._apply._cache_size() == 1
+  assert encoder._apply._cache_size() <= before + 1
+
+
+def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
+  config = tiny_config(data_dir)
+  monitor_ = monitor.KnnMonitor(config, experiment.create_model(config))
+  # Equal networks built apart (training's and evaluation's) share one jit,
+  # and the monitor calls it at the evaluation's batch size.
+  assert (monitor_._encoder._apply
+          is features.Encoder(experiment.create_model(config))._apply)
+  assert monitor_._batch_size == config.eval.batch_size

@@ -1,6 +1,7 @@
 """End-to-end tests of pretraining on a tiny digits config (CPU)."""
 
 import errno
+import functools
 import json
 import os
 import signal
@@ -131,6 +132,30 @@ def test_train_step_compiles_once(data_dir):
     state, _ = step(state, experiment.global_batch(batch, mesh),
                     jax.random.key(1))
   assert step._cache_size() == 1
+
+
+def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
+  config = tiny_config(data_dir, method='byol')  # targets copy the network
+  run = experiment.setup(config, steps_per_epoch=10)
+  state = experiment.initial_state(config, run)
+  # The state drawn inside one jit, as before the init was shared.
+  reference = jax.jit(functools.partial(
+      step_lib.init_state, config, run.method, run.model, run.tx))(
+          experiment.init_key(config))
+  leaves = jax.tree_util.tree_leaves(state)
+  for got, want in zip(leaves, jax.tree_util.tree_leaves(reference),
+                       strict=True):
+    np.testing.assert_array_equal(got, want)
+  # No two leaves share a buffer (a train step donates the state).
+  pointers = [x.unsafe_buffer_pointer() for x in leaves]
+  assert len(set(pointers)) == len(pointers)
+  floor = experiment.initial_variables(config)
+  for got, want in zip(jax.tree_util.tree_leaves(floor),
+                       jax.tree_util.tree_leaves(
+                           {'params': state.params['net'],
+                            'batch_stats': state.batch_stats}), strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert experiment._compiled_init(run.model)._cache_size() == 1
 
 
 def test_learning_rate_schedule(data_dir):

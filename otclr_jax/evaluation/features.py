@@ -8,12 +8,13 @@ dataset and image size; non-finite variables or features are refused
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -72,6 +73,23 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
   return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled_apply(model) -> Callable[..., jax.Array]:
+  """The jitted encoder of `model`, one per network and process.
+
+  Keyed by the network (flax modules compare by their fields), so the
+  training monitor and the evaluation of the same run share its compilations.
+  """
+
+  @jax.jit
+  def apply(variables, images):
+    # Every method's network returns (h, z, ...): h is the encoder's.
+    return model.apply(variables, images.astype(jnp.float32) / 255.0,
+                       train=False)[0]
+
+  return apply
+
+
 class Encoder:
   """The frozen encoder: features of uint8 images, BatchNorm in inference mode.
 
@@ -88,13 +106,7 @@ class Encoder:
     self._data = NamedSharding(mesh, P('data'))
     self._replicated = NamedSharding(mesh, P())
 
-    @jax.jit
-    def apply(variables, images):
-      # Every method's network returns (h, z, ...): h is the encoder's.
-      return model.apply(variables, images.astype(jnp.float32) / 255.0,
-                         train=False)[0]
-
-    self._apply = apply
+    self._apply = _compiled_apply(model)
 
   def place(self, variables: Any) -> Any:
     """`variables` replicated on this encoder's devices.

@@ -29,8 +29,6 @@ from otclr_jax.evaluation import knn
 
 # Picks the held-out images; fixed so curves of different runs compare.
 SEED = 0
-# Images per encoder call (`features.extract_features` pads the last batch).
-BATCH_SIZE = 256
 
 
 def _subset(split: data.Split, num: int,
@@ -54,7 +52,7 @@ class KnnMonitor:
 
     Args:
       config: the run's config (`monitor.num_train`, `monitor.num_test`,
-        `dataset`, `image_size`, `data_dir`).
+        `eval.batch_size`, `dataset`, `image_size`, `data_dir`).
       model: the run's network (`experiment.create_model`).
       train_split: the already loaded train split of `config.dataset`, to
         avoid reading it twice; loaded here when None.
@@ -71,11 +69,13 @@ class KnnMonitor:
         test_split, config.monitor.num_test, rng)
     self.num_classes = train_split.num_classes
     self._encoder = features.Encoder(model)
+    # The evaluation's batch: the same shapes reuse its compiled encoder.
+    self._batch_size = config.eval.batch_size
 
   def features(self, variables: Any, images: np.ndarray) -> np.ndarray:
     """float32 [N, 512] features of uint8 images [N, S, S, 3]."""
     return features.extract_features(self._encoder, variables, images,
-                                     BATCH_SIZE, log_progress=False)
+                                     self._batch_size, log_progress=False)
 
   def __call__(self, state) -> float:
     variables = {'params': state.params['net'],
