@@ -19,8 +19,9 @@ stride-2 layers asymmetrically on even sizes). Convolutions have no bias
 (BatchNorm follows) and use He-normal initialisation with fan-out, like
 torchvision.
 
-Convolutions run as XLA's ``lax.conv`` or as ``conv_matmul`` (shifted views
-and one GEMM), chosen by ``conv_impl``; ``'auto'`` takes the matmul on CPU for
+Convolutions run as XLA's ``lax.conv`` or as ``conv_matmul`` (one GEMM, of
+shifted views or, on maps with fewer pixels than the kernel has live taps,
+of the whole map), chosen by ``conv_impl``; ``'auto'`` takes the matmul on CPU for
 small maps, where XLA:CPU's convolution is slow, and with it the stem's
 max-pool as separable shifted maxima (``max_pool_separable``). The parameters
 are the same under every choice.
@@ -41,6 +42,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 STEMS = ('imagenet', 'cifar')
@@ -62,18 +64,39 @@ def _live_taps(size: int, kernel: int, stride: int, pad: int,
           if any(pad <= i + stride * o < pad + size for o in range(out))]
 
 
+def _tap_selection(size: tuple[int, int], kernel: tuple[int, int],
+                   strides: tuple[int, int], pads: tuple[int, int],
+                   out: tuple[int, int]) -> np.ndarray:
+  """0/1 [H * W, Ho * Wo, kh * kw]: which tap joins input pixel to output pixel."""
+  (h, w), (kh, kw), (sh, sw), (pt, pl), (oh, ow) = (size, kernel, strides,
+                                                    pads, out)
+  sel = np.zeros((h, w, oh, ow, kh, kw), np.float32)
+  for a in range(oh):
+    for c in range(ow):
+      for i in range(kh):
+        for j in range(kw):
+          r, q = a * sh + i - pt, c * sw + j - pl
+          if 0 <= r < h and 0 <= q < w:
+            sel[r, q, a, c, i, j] = 1.0
+  return sel.reshape(h * w, oh * ow, kh * kw)
+
+
 def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
                 window_strides: Sequence[int],
                 padding: Sequence[tuple[int, int]], **kwargs) -> jnp.ndarray:
-  """A 2-D convolution as strided shifts of the padded input and one matmul.
+  """A 2-D convolution as one matmul.
 
   Same arguments and result as ``lax.conv_general_dilated`` with NHWC/HWIO
   dimension numbers and explicit padding (how ``nn.Conv`` calls it), without
-  dilation or feature groups. The live taps' shifted views are concatenated
-  along channels, ``[B * Ho * Wo, taps * C_in]``, and multiplied by the
-  matching rows of the kernel; XLA:CPU runs that as one large GEMM (forward
-  and both gradients), which on small spatial maps is 5-20x faster than its
-  convolution.
+  dilation or feature groups. Usually the live taps' shifted views are
+  concatenated along channels, ``[B * Ho * Wo, taps * C_in]``, and multiplied
+  by the matching rows of the kernel; XLA:CPU runs that as one large GEMM
+  (forward and both gradients), which on small spatial maps is 5-20x faster
+  than its convolution. When the input map has fewer pixels than there are
+  live taps (a 3 x 3 convolution of a 2 x 2 map), the whole map is one row
+  instead, ``[B, H * W * C_in] @ [H * W * C_in, Ho * Wo * C_out]``, with the
+  kernel's taps placed in that block matrix: it multiplies only pixel-tap
+  pairs that exist, 4 of the shifted form's 9 per output pixel there.
 
   Args:
     x: inputs [B, H, W, C_in].
@@ -97,6 +120,18 @@ def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
   out_w = (width + pl + pr - kw) // sw + 1
   rows = _live_taps(height, kh, sh, pt, out_h)
   cols = _live_taps(width, kw, sw, pl, out_w)
+  precision = kwargs.get('precision')
+  if height * width < len(rows) * len(cols):
+    sel = _tap_selection((height, width), (kh, kw), (sh, sw), (pt, pl),
+                         (out_h, out_w))
+    # Each block is one tap or zero: the einsum only places the kernel.
+    blocks = jnp.einsum('pqt,tio->piqo', sel.astype(kernel.dtype),
+                        kernel.reshape(kh * kw, cin, cout),
+                        precision=precision)
+    y = jnp.dot(x.reshape(batch, height * width * cin),
+                blocks.reshape(height * width * cin, out_h * out_w * cout),
+                precision=precision)
+    return y.reshape(batch, out_h, out_w, cout)
   xp = jnp.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
   shifts = [lax.slice(xp, (0, i, j, 0),
                       (batch, i + sh * (out_h - 1) + 1,
@@ -106,7 +141,7 @@ def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
   weights = kernel[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
   weights = weights.reshape(len(rows) * len(cols) * cin, cout)
   y = jnp.dot(patches.reshape(-1, weights.shape[0]), weights,
-              precision=kwargs.get('precision'))
+              precision=precision)
   return y.reshape(batch, out_h, out_w, cout)
 
 

@@ -241,6 +241,8 @@ CONV_CASES = [
     (8, 4, 6, 3, 2, ((1, 1), (1, 1))),
     (5, 4, 6, 3, 2, ((1, 1), (1, 1))),
     (2, 8, 6, 3, 2, ((1, 1), (1, 1))),
+    (2, 8, 6, 3, 1, ((1, 1), (1, 1))),
+    (2, 8, 6, 3, 1, 'SAME'),
     (1, 8, 6, 3, 1, ((1, 1), (1, 1))),
     (8, 4, 6, 1, 2, ((0, 0), (0, 0))),
     (2, 8, 6, 1, 2, ((0, 0), (0, 0))),
@@ -294,6 +296,18 @@ def test_conv_matmul_skips_taps_that_read_only_padding():
   # One live tap (the centre): a [2, 4] x [4, 5] product, no concatenation.
   assert 'concatenate' not in jaxpr
   assert 'f32[2,4]' in jaxpr and 'f32[4,5]' in jaxpr
+
+
+def test_conv_matmul_multiplies_a_map_smaller_than_the_kernel_whole():
+  x = jnp.ones((2, 2, 2, 4))
+  kernel = jnp.ones((3, 3, 4, 5))
+  jaxpr = str(jax.make_jaxpr(
+      lambda x, k: models.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
+                                      dimension_numbers=NHWC))(x, kernel))
+  # 4 pixels, 9 live taps: one [2, 2 * 2 * 4] x [16, 2 * 2 * 5] product of
+  # the whole map, no shifted copies.
+  assert 'concatenate' not in jaxpr
+  assert 'f32[2,16]' in jaxpr and 'f32[16,20]' in jaxpr
 
 
 def test_conv_matmul_rejects_dilation_and_groups():
