@@ -21,10 +21,10 @@ torchvision.
 
 Convolutions run as XLA's ``lax.conv`` or as ``conv_matmul`` (one GEMM, of
 shifted views or, on maps with fewer pixels than the kernel has live taps,
-of the whole map), chosen by ``conv_impl``; ``'auto'`` takes the matmul on CPU for
-small maps, where XLA:CPU's convolution is slow, and with it the stem's
-max-pool as separable shifted maxima (``max_pool_separable``). The parameters
-are the same under every choice.
+of the whole map), chosen by ``conv_impl``; ``'auto'`` takes the matmul on
+CPU for small maps, where XLA:CPU's convolution is slow, and with it the
+stem's max-pool as separable shifted maxima (``max_pool_separable``). The
+parameters are the same under every choice.
 
 BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
 epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
@@ -67,7 +67,7 @@ def _live_taps(size: int, kernel: int, stride: int, pad: int,
 def _tap_selection(size: tuple[int, int], kernel: tuple[int, int],
                    strides: tuple[int, int], pads: tuple[int, int],
                    out: tuple[int, int]) -> np.ndarray:
-  """0/1 [H * W, Ho * Wo, kh * kw]: which tap joins input pixel to output pixel."""
+  """0/1 [H * W, Ho * Wo, kh * kw]: the tap joining input to output pixel."""
   (h, w), (kh, kw), (sh, sw), (pt, pl), (oh, ow) = (size, kernel, strides,
                                                     pads, out)
   sel = np.zeros((h, w, oh, ow, kh, kw), np.float32)
