@@ -287,23 +287,24 @@ def test_conv_matmul_equals_lax_conv_with_gradients(size, cin, cout, k,
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_conv_matmul_skips_taps_that_read_only_padding():
-  x = jnp.ones((2, 1, 1, 4))
+def _conv_matmul_jaxpr(size: int) -> str:
+  """Jaxpr of a 3 x 3, stride 1, pad 1 `conv_matmul` of [2, size, size, 4]."""
+  x = jnp.ones((2, size, size, 4))
   kernel = jnp.ones((3, 3, 4, 5))
-  jaxpr = str(jax.make_jaxpr(
+  return str(jax.make_jaxpr(
       lambda x, k: models.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
                                       dimension_numbers=NHWC))(x, kernel))
+
+
+def test_conv_matmul_skips_taps_that_read_only_padding():
+  jaxpr = _conv_matmul_jaxpr(1)
   # One live tap (the centre): a [2, 4] x [4, 5] product, no concatenation.
   assert 'concatenate' not in jaxpr
   assert 'f32[2,4]' in jaxpr and 'f32[4,5]' in jaxpr
 
 
 def test_conv_matmul_multiplies_a_map_smaller_than_the_kernel_whole():
-  x = jnp.ones((2, 2, 2, 4))
-  kernel = jnp.ones((3, 3, 4, 5))
-  jaxpr = str(jax.make_jaxpr(
-      lambda x, k: models.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
-                                      dimension_numbers=NHWC))(x, kernel))
+  jaxpr = _conv_matmul_jaxpr(2)
   # 4 pixels, 9 live taps: one [2, 2 * 2 * 4] x [16, 2 * 2 * 5] product of
   # the whole map, no shifted copies.
   assert 'concatenate' not in jaxpr
