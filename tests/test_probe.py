@@ -137,18 +137,30 @@ def test_probe_with_the_grid_matches_sklearn_at_the_chosen_strength():
   assert ours['top1'] == pytest.approx(reference, abs=0.2)
 
 
-def test_project_and_its_gradient_equal_the_plain_product():
+@pytest.mark.parametrize('n', [37, probe.BLOCK_ROWS + 5])
+def test_weighted_ce_and_its_gradient_equal_numpy(n):
+  # One block, and several blocks with padding rows.
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(37, 6)).astype(np.float32)
+  x = rng.normal(size=(n, 6)).astype(np.float32)
+  y = rng.integers(0, 4, size=n).astype(np.int32)
+  weights = (rng.random(n) > 0.2).astype(np.float32)
   w = rng.normal(size=(4, 6)).astype(np.float32)
-  g = rng.normal(size=(4, 37)).astype(np.float32)
-  out, vjp = jax.vjp(lambda w_: probe._project(w_, jnp.asarray(x),
-                                               jnp.asarray(x.T)),
-                     jnp.asarray(w))
-  x64, w64 = x.astype(np.float64), w.astype(np.float64)
-  np.testing.assert_allclose(out, (x64 @ w64.T).T, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(vjp(jnp.asarray(g))[0],
-                             g.astype(np.float64) @ x64, rtol=1e-5, atol=1e-5)
+  b = rng.normal(size=4).astype(np.float32)
+  blocks = probe._blocks(jnp.asarray(x), jnp.asarray(y), jnp.asarray(weights))
+  assert blocks[0].shape[0] == -(-n // probe.BLOCK_ROWS)
+  value, (grad_w, grad_b) = jax.value_and_grad(
+      lambda w_, b_: 3.0 * probe._weighted_ce(w_, b_, *blocks),
+      argnums=(0, 1))(jnp.asarray(w), jnp.asarray(b))
+
+  logits = x.astype(np.float64) @ w.T.astype(np.float64) + b
+  log_p = logits - logits.max(1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(1, keepdims=True))
+  onehot = np.eye(4)[y]
+  delta = weights[:, None] * (np.exp(log_p) - onehot)
+  np.testing.assert_allclose(
+      value, -3.0 * np.sum(weights * log_p[np.arange(n), y]), rtol=1e-5)
+  np.testing.assert_allclose(grad_w, 3.0 * delta.T @ x, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(grad_b, 3.0 * delta.sum(0), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize('l2', [1e-6, 1e-3])
@@ -166,9 +178,9 @@ def test_a_fit_stops_at_the_tolerance_of_its_weight_space_gradient(l2):
   xb = np.asarray(probe._matmul(jnp.asarray(x, jnp.float32), basis))
   init = {'w': jnp.zeros((x.shape[1], 10)), 'b': jnp.zeros(10)}
   params, steps = probe._fit_probe(
-      jnp.asarray(xb), probe._transpose(jnp.asarray(xb)),
-      jnp.asarray(train_y), jnp.asarray(weights), jnp.float32(l2),
-      eigenvalues, init, max_steps=5000)
+      probe._blocks(jnp.asarray(xb), jnp.asarray(train_y),
+                    jnp.asarray(weights)),
+      jnp.float32(l2), eigenvalues, init, max_steps=5000)
 
   def grad_norm(w, b):
     logits = xb.astype(np.float64) @ w + b

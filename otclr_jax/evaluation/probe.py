@@ -98,42 +98,99 @@ def _eigenbasis(x: jax.Array, weights: jax.Array):
           jnp.asarray(vectors, jnp.float32))
 
 
-@jax.custom_vjp
-def _project(w, x, xt):
-  """The probe's logits without bias, class-major: [C, N] = w @ x.T.
+# Rows per block of the probe's fused pass over the features (`_blocks`):
+# large enough for full-speed products, small enough (4 MiB at D = 512) that
+# a block read for the logits is still in cache for the gradient.
+BLOCK_ROWS = 2048
+
+
+@jax.jit
+def _blocks(x, y, weights):
+  """Splits the rows into equal blocks for `_weighted_ce`, padding with zeros.
 
   Args:
-    w: [C, D] weights, class-major.
-    x: [N, D] features; only the gradient reads them.
-    xt: [D, N], the same features transposed.
+    x: float32 [N, D].
+    y: int32 [N].
+    weights: float32 [N].
 
-  Both products keep the long N axis where XLA:CPU multiplies fast
-  ([C, D] @ [D, N] forward, [C, N] @ [N, D] for the gradient); the
-  [N, D] @ [D, C] form and its gradient x.T @ g run several times slower and
-  dominate the probe's time.
+  Returns:
+    x [K, R, D], y [K, R], weights [K, R] with K = ceil(N / BLOCK_ROWS) and
+    R = ceil(N / K); the K * R - N padding rows have weight 0.
   """
-  del x
-  return _matmul(w, xt)
+  n = x.shape[0]
+  k = -(-n // BLOCK_ROWS)
+  rows = -(-n // k)
+  pad = k * rows - n
+  return (jnp.pad(x, ((0, pad), (0, 0))).reshape(k, rows, x.shape[1]),
+          jnp.pad(y, (0, pad)).reshape(k, rows),
+          jnp.pad(weights, (0, pad)).reshape(k, rows))
 
 
-def _project_fwd(w, x, xt):
-  return _project(w, x, xt), x
+def _ce_and_grad(w, b, x, y, weights):
+  """Weighted cross-entropy sum and its gradient in one pass over the rows.
+
+  Each block's logits and its share of the gradient are computed together,
+  so the features are read from memory once per evaluation instead of once
+  for the logits and again for the gradient: the probe is bound by that
+  traffic on CPU (N x D floats against C = 10 classes).
+
+  Args:
+    w: float32 [C, D], class-major.
+    b: float32 [C].
+    x: float32 [K, R, D] blocks (`_blocks`).
+    y: int32 [K, R].
+    weights: float32 [K, R].
+
+  Returns:
+    (sum_i weights_i CE_i, its gradient [C, D] in w, its gradient [C] in b).
+  """
+  def block(carry, xyw):
+    total, grad_w, grad_b = carry
+    xb, yb, wb = xyw
+    log_p = jax.nn.log_softmax(_matmul(xb, w.T) + b, axis=1)  # [R, C]
+    onehot = jax.nn.one_hot(yb, w.shape[0], dtype=log_p.dtype)
+    total = total - jnp.sum(wb * jnp.sum(onehot * log_p, axis=1))
+    delta = wb[:, None] * (jnp.exp(log_p) - onehot)  # d total / d logits
+    return (total, grad_w + _matmul(delta.T, xb),
+            grad_b + jnp.sum(delta, axis=0)), None
+
+  zero = jnp.zeros((), w.dtype)
+  (total, grad_w, grad_b), _ = jax.lax.scan(
+      block, (zero, jnp.zeros_like(w), jnp.zeros_like(b)), (x, y, weights))
+  return total, grad_w, grad_b
 
 
-def _project_bwd(x, g):
-  return _matmul(g, x), None, None
+@jax.custom_vjp
+def _weighted_ce(w, b, x, y, weights):
+  """sum_i weights_i CE(x_i w^T + b, y_i) over `_blocks` rows; see `_ce_and_grad`.
+
+  Its forward pass computes the gradient too and its backward pass only
+  scales it: L-BFGS asks for the gradient at nearly every point whose value
+  it asks for, and the fused pass costs about what the logits alone do.
+  """
+  return _ce_and_grad(w, b, x, y, weights)[0]
 
 
-_project.defvjp(_project_fwd, _project_bwd)
+def _weighted_ce_fwd(w, b, x, y, weights):
+  total, grad_w, grad_b = _ce_and_grad(w, b, x, y, weights)
+  return total, (grad_w, grad_b)
+
+
+def _weighted_ce_bwd(grads, g):
+  grad_w, grad_b = grads
+  return g * grad_w, g * grad_b, None, None, None
+
+
+_weighted_ce.defvjp(_weighted_ce_fwd, _weighted_ce_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=('max_steps',))
-def _fit_probe(x, xt, y, weights, l2, eigenvalues, init, *, max_steps):
+def _fit_probe(blocks, l2, eigenvalues, init, *, max_steps):
   """Weighted softmax regression by preconditioned L-BFGS from `init`.
 
-  `x` [N, D] holds the features in the eigenbasis of their second moment
-  (an orthogonal change of basis, which leaves ||W||^2 unchanged), `xt`
-  [D, N] the same transposed, with `eigenvalues` [D]. L-BFGS runs on
+  `blocks` = (x, y, weights) from `_blocks`, x holding the features in the
+  eigenbasis of their second moment (an orthogonal change of basis, which
+  leaves ||W||^2 unchanged), with `eigenvalues` [D]. L-BFGS runs on
   W' = W * sqrt(eigenvalue + l2) row by row, in which the penalised loss's
   curvature is nearly uniform, so it converges in tens of steps where the
   raw problem can take thousands.
@@ -143,18 +200,17 @@ def _fit_probe(x, xt, y, weights, l2, eigenvalues, init, *, max_steps):
     when the gradient norm falls to `PROBE_TOLERANCE` times its norm at
     zero weights, or after `max_steps` iterations.
   """
-  total = jnp.sum(weights)
+  total = jnp.sum(blocks[2])
   # Directions without variance carry no gradient; the floor only keeps
   # their scale finite at l2 = 0.
   floor = 1e-8 * jnp.max(eigenvalues)
-  # Class-major [C, D] inside the fit (`_project`).
+  # Class-major [C, D] inside the fit (`_weighted_ce`).
   scale = jax.lax.rsqrt(jnp.maximum(eigenvalues, floor) + l2)[None, :]
 
   def loss(p):
     w = scale * p['w']
-    logits = _project(w, x, xt) + p['b'][:, None]
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y, axis=0)
-    return jnp.sum(weights * ce) / total + 0.5 * l2 * jnp.sum(w**2)
+    return (_weighted_ce(w, p['b'], *blocks) / total
+            + 0.5 * l2 * jnp.sum(w**2))
 
   start = {'w': init['w'].T / scale, 'b': init['b']}
 
@@ -192,12 +248,6 @@ def _fit_probe(x, xt, y, weights, l2, eigenvalues, init, *, max_steps):
 
 
 @jax.jit
-def _transpose(x):
-  # Materialised once per fit path, for `_project`.
-  return x.T
-
-
-@jax.jit
 def _logits(params, x):
   return _matmul(x, params['w']) + params['b']
 
@@ -215,7 +265,7 @@ def _scores(params, x, y):
   return top1, rank < 5, ce
 
 
-def _l2_path(fit, x, xt, y, weights, held, eigenvalues, l2_grid, params):
+def _l2_path(fit, x, y, weights, held, eigenvalues, l2_grid, params):
   """Fits every lambda of `l2_grid` and picks one on the held-out rows.
 
   The regularisation path runs strongest penalty first: each fit starts from
@@ -224,7 +274,6 @@ def _l2_path(fit, x, xt, y, weights, held, eigenvalues, l2_grid, params):
   Args:
     fit: `_fit_probe` with its static arguments bound.
     x: float32 [N, D] standardised train features in their eigenbasis.
-    xt: float32 [D, N], `x` transposed.
     y: int32 [N] labels.
     weights: float32 [N], 0 on the held-out rows.
     held: bool [N], the held-out rows.
@@ -238,10 +287,10 @@ def _l2_path(fit, x, xt, y, weights, held, eigenvalues, l2_grid, params):
     first in `l2_grid`; a diverged fit (non-finite weights) ranks last.
   """
   zeros, candidates, solutions = params, [], {}
+  blocks = _blocks(x, y, weights)
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
     l2 = float(l2_grid[index])
-    params, steps = fit(x, xt, y, weights, jnp.float32(l2), eigenvalues,
-                        params)
+    params, steps = fit(blocks, jnp.float32(l2), eigenvalues, params)
     if not all(np.isfinite(v).all() for v in jax.device_get(params).values()):
       # The path restarts from zero after a diverged fit.
       params = zeros
@@ -388,7 +437,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   eigenvalues, basis = _eigenbasis(x, weights)
   x = _matmul(x, basis)
   best, val_top1, selected = _l2_path(
-      fit, x, _transpose(x), y, weights, held, eigenvalues, l2_grid,
+      fit, x, y, weights, held, eigenvalues, l2_grid,
       {'w': jnp.zeros((x.shape[1], num_classes), jnp.float32),
        'b': jnp.zeros((num_classes,), jnp.float32)})
 
@@ -405,8 +454,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                        jnp.asarray((std / fit_std)[:, None] * w, jnp.float32)),
           'b': jnp.asarray(b + ((mean - fit_mean) / fit_std) @ w, jnp.float32)}
   x = _matmul(x, basis)
-  params, _ = fit(x, _transpose(x), y, weights, jnp.float32(best),
-                  eigenvalues, init)
+  params, _ = fit(_blocks(x, y, weights), jnp.float32(best), eigenvalues,
+                  init)
   params = {'w': _matmul(basis, params['w']), 'b': params['b']}
   top1, top5, _ = jax.device_get(
       _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
