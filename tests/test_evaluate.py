@@ -19,6 +19,7 @@ from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import monitor
+from otclr_jax.evaluation import view_quality
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
@@ -528,6 +529,39 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
       encoder, variables, images[7:10], 8, log_progress=False),
                              rtol=1e-5, atol=1e-5)
   assert encoder._apply._cache_size() == 1
+
+
+def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
+                                                           monkeypatch):
+  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
+  model, _, images = _tiny_net(seed=3, num_images=12)
+  # Initial statistics: _tiny_net's shifted means silence this tiny network.
+  variables = model.init(jax.random.key(3), jnp.zeros((2, 8, 8, 3)),
+                         train=False)
+  features._compiled_apply.cache_clear()
+  encoder = features.Encoder(model)
+  features.extract_features(encoder, variables, images, 8, log_progress=False)
+  calls = []
+  embed = features.Encoder.embed
+  monkeypatch.setattr(features.Encoder, 'embed', lambda self, v, x: (
+      calls.append(x.shape), embed(self, v, x))[1])
+  # 10 images in batches of 8 and 2, every set padded to the features' 8 rows.
+  views = view_quality.view_embeddings(config, model, variables, images,
+                                       num_images=10, batch_size=8)
+  assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
+  assert encoder._apply._cache_size() == 1
+  z = np.asarray(model.apply(
+      variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0,
+      train=False)[1], np.float64)
+  np.testing.assert_allclose(
+      views.anchors, z / np.linalg.norm(z, axis=1, keepdims=True),
+      rtol=1e-5, atol=1e-6)
+  for pair in (views.simclr, views.otclr):
+    for z_view in pair:
+      assert z_view.shape == (10, 4)
+      np.testing.assert_allclose(np.linalg.norm(z_view, axis=1), 1.0,
+                                 rtol=1e-5)
+  assert not np.allclose(views.simclr[0], views.otclr[0])
 
 
 def test_the_monitor_reuses_the_evaluation_encoder(data_dir):

@@ -74,29 +74,37 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_apply(model) -> Callable[..., jax.Array]:
+def _compiled_apply(model) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """The jitted encoder of `model`, one per network and process.
 
   Keyed by the network (flax modules compare by their fields), so the
-  training monitor and the evaluation of the same run share its compilations.
+  training monitor, the evaluation's features and its view embeddings of the
+  same run share its compilations.
   """
 
   @jax.jit
   def apply(variables, images):
     # Every method's network returns (h, z, ...): h is the encoder's.
-    return model.apply(variables, images.astype(jnp.float32) / 255.0,
-                       train=False)[0]
+    return model.apply(variables, images, train=False)[:2]
 
   return apply
 
 
+@jax.jit
+def to_unit(images: jax.Array) -> jax.Array:
+  """uint8 images [B, S, S, 3] as float32 in [0, 1], bit for bit as the
+  training step computes them (XLA multiplies by the reciprocal)."""
+  return images.astype(jnp.float32) / 255.0
+
+
 class Encoder:
-  """The frozen encoder: features of uint8 images, BatchNorm in inference mode.
+  """The frozen network: embeddings of images, BatchNorm in inference mode.
 
   Call it as `encoder(variables, images)` with the network variables
   {'params', 'batch_stats'} and uint8 images [B, S, S, 3], B divisible by
-  `num_devices`; it returns float32 features [B, 512] as a host array. The
-  batch is split over the devices of `mesh` (default: all local devices).
+  `num_devices`; it returns float32 features [B, 512] as a host array.
+  `embed` gives both embeddings of float images. The batch is split over the
+  devices of `mesh` (default: all local devices).
   """
 
   def __init__(self, model, mesh=None):
@@ -121,10 +129,15 @@ class Encoder:
         and not x.is_fully_addressable else x, variables)
     return jax.device_put(variables, self._replicated)
 
+  def embed(self, variables: Any, images: Any) -> tuple[jax.Array, jax.Array]:
+    """(h [B, 512], z [B, proj_dim]) on the device of float32 images [B, S, S,
+    3] in [0, 1] (host or device arrays)."""
+    return self._apply(self.place(variables),
+                       jax.device_put(images, self._data))
+
   def __call__(self, variables: Any, images: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.device_get(
-        self._apply(self.place(variables), jax.device_put(images,
-                                                           self._data))))
+    return np.asarray(jax.device_get(self.embed(variables,
+                                                to_unit(images))[0]))
 
 
 def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,

@@ -14,7 +14,6 @@ from typing import Any, Iterator, NamedTuple
 from absl import logging
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -91,26 +90,28 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
                'batch_stats': variables['batch_stats']}
   embedding = clusters.embedding_of(config)
 
-  @jax.jit
-  def batch_views(variables, batch, key):
-    x = batch.astype(jnp.float32) / 255.0
-    o1, o2, s1, s2 = views_lib.make_views(both, x, key, alpha)
-    h, z = model.apply(variables, jnp.concatenate([x, s1, s2, o1, o2]),
-                       train=False)[:2]
-    e = z if embedding == 'z' else h
-    e = e / jnp.maximum(jnp.linalg.norm(e, axis=1, keepdims=True), 1e-12)
-    return jnp.split(e, 5), (o1, o2, s1, s2)
+  batch_views = jax.jit(
+      lambda x, key: views_lib.make_views(both, x, key, alpha))
 
-  batch_size = min(batch_size, n)
+  # The evaluation's own encoder (`features.Encoder`), compiled for the
+  # features at these rows (`extract_features`), embeds all five image sets.
+  encoder = features.Encoder(model)
+  variables = encoder.place(variables)
+  rows = -(-batch_size // encoder.num_devices) * encoder.num_devices
+
+  def embed(x, real):
+    h, z = encoder.embed(variables, features.pad_rows(x[:real], rows))
+    e = np.asarray(z if embedding == 'z' else h)[:real]
+    return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+
+  views_batch = min(batch_size, n)
   key = jax.random.key(seed)
   parts, l2_sum, rms_sum = [], 0.0, 0.0
-  for index, batch in enumerate(data.eval_batches(images,
-                                                  batch_size)):
+  for index, batch in enumerate(data.eval_batches(images, views_batch)):
     real = len(batch)
-    zs, (o1, o2, s1, s2) = batch_views(variables,
-                                       features.pad_rows(batch, batch_size),
-                                       jax.random.fold_in(key, index))
-    parts.append([np.asarray(z)[:real] for z in zs])
+    x = features.to_unit(features.pad_rows(batch, views_batch))
+    o1, o2, s1, s2 = batch_views(x, jax.random.fold_in(key, index))
+    parts.append([embed(v, real) for v in (x, s1, s2, o1, o2)])
     # The paper's (1 / 2n) sum_i sum_k: both views of every image.
     l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
                                  metrics.pixel_l2(o2[:real], s2[:real]))
