@@ -92,8 +92,11 @@ def _compiled_apply(model) -> Callable[..., tuple[jax.Array, jax.Array]]:
 
 @jax.jit
 def to_unit(images: jax.Array) -> jax.Array:
-  """uint8 images [B, S, S, 3] as float32 in [0, 1], bit for bit as the
-  training step computes them (XLA multiplies by the reciprocal)."""
+  """uint8 images [B, S, S, 3] as float32 in [0, 1].
+
+  Jitted: XLA multiplies by the reciprocal of 255, so NumPy's division would
+  differ from the training step's images in the last bit.
+  """
   return images.astype(jnp.float32) / 255.0
 
 
@@ -130,8 +133,11 @@ class Encoder:
     return jax.device_put(variables, self._replicated)
 
   def embed(self, variables: Any, images: Any) -> tuple[jax.Array, jax.Array]:
-    """(h [B, 512], z [B, proj_dim]) on the device of float32 images [B, S, S,
-    3] in [0, 1] (host or device arrays)."""
+    """Both embeddings of float32 images [B, S, S, 3] in [0, 1].
+
+    Returns:
+      (h [B, 512], z [B, proj_dim]) as device arrays.
+    """
     return self._apply(self.place(variables),
                        jax.device_put(images, self._data))
 
