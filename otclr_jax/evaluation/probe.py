@@ -162,7 +162,7 @@ def _ce_and_grad(w, b, x, y, weights):
 
 @jax.custom_vjp
 def _weighted_ce(w, b, x, y, weights):
-  """sum_i weights_i CE(x_i w^T + b, y_i) over `_blocks` rows; see `_ce_and_grad`.
+  """sum_i weights_i CE(x_i w^T + b, y_i) over `_blocks` rows (`_ce_and_grad`).
 
   Its forward pass computes the gradient too and its backward pass only
   scales it: L-BFGS asks for the gradient at nearly every point whose value
