@@ -101,8 +101,8 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
 
   def embed(x, real):
     h, z = encoder.embed(variables, features.pad_rows(x[:real], rows))
-    e = np.asarray(z if embedding == 'z' else h)[:real]
-    return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+    return features.l2_normalise(np.asarray(z if embedding == 'z' else h)
+                                 [:real])
 
   views_batch = min(batch_size, n)
   key = jax.random.key(seed)
