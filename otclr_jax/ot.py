@@ -18,7 +18,8 @@ Conventions:
 
 Two Sinkhorn cores, chosen by the `core` argument of the public functions
 (config `ot.core`); both run exactly `num_iters` kernel-mode iterations on the
-same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module uses:
+same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module computes
+(`axis_kernel`):
   * `'ott'`: ott-jax's `Sinkhorn` solver on that `Grid` (kernel mode,
     `min_iterations = max_iterations = inner_iterations = T`, gradients
     unrolled through every iteration, never lse mode, which is 25-35x slower
@@ -30,6 +31,9 @@ same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module uses:
     it on grids laid out `[m, problems, m]`, where every product is one plain
     matmul, `CPU_CHUNK` images at a time on CPU (`_separable_views`).
 The tests check that both equal POT and each other, in values and gradients.
+ott-jax is imported only when the `'ott'` core or `grid_geometry` is used:
+its import takes about 2 s, which every process that only makes views
+would pay.
 `python -m otclr_jax.bench train` prints the training step with each core; the
 README gives the measured step times and why `DEFAULT_CORE` is the default.
 
@@ -52,16 +56,17 @@ NaN. Wrap the caller in `jax.experimental.checkify` with
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 import numpy as np
-from ott.geometry import grid as ott_grid
-from ott.problems.linear import linear_problem
-from ott.solvers.linear import sinkhorn as ott_sinkhorn
 
 from otclr_jax import ot_checks
+
+if TYPE_CHECKING:
+  from ott.geometry import grid as ott_grid
 
 # [decision] docs/method.md sections 2 and 9: added after the min-shift so
 # every cell is strictly positive; Sinkhorn then never divides by zero.
@@ -128,15 +133,24 @@ def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
   Returns:
     A 2-D `Grid` on `m x m` points.
   """
+  from ott.geometry import grid as ott_grid  # pylint: disable=g-import-not-at-top
+  return ott_grid.Grid(x=[_grid_axis(grid_size)] * 2, epsilon=epsilon)
+
+
+def _grid_axis(grid_size: int) -> jax.Array:
+  """`grid_geometry`'s per-axis coordinates `linspace(0, 1, m) / sqrt(2)`."""
   m = ot_checks.check_static_int('grid_size', grid_size, 2)
-  axis = jnp.linspace(0.0, 1.0, m, dtype=jnp.float32) / math.sqrt(2.0)
-  return ott_grid.Grid(x=[axis, axis], epsilon=epsilon)
+  return jnp.linspace(0.0, 1.0, m, dtype=jnp.float32) / math.sqrt(2.0)
 
 
 def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   """Per-axis Gibbs kernel `Kx = exp(-axis_cost / epsilon)` of `grid_geometry`.
 
   The full kernel is `K = kron(Kx, Kx)` (the cost is a sum of per-axis costs).
+  The float32 operations, in their order, of ott-jax's `PointCloud` kernel
+  with its squared-Euclidean cost `|x|^2 + |y|^2 - 2 x y`, so the same bits
+  as `grid_geometry(m, epsilon).geometries[0].kernel_matrix` (tested) without
+  importing ott-jax.
 
   Args:
     grid_size: `m`.
@@ -145,7 +159,10 @@ def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   Returns:
     `[m, m]` symmetric float32 kernel.
   """
-  return grid_geometry(grid_size, epsilon).geometries[0].kernel_matrix
+  x = _grid_axis(grid_size)
+  norms = x * x
+  cost = (norms[:, None] + norms[None, :]) + -2.0 * (x[:, None] * x[None, :])
+  return jnp.exp(-cost / epsilon)
 
 
 def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
@@ -270,6 +287,9 @@ def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
   can never stop early. `implicit_diff=None` unrolls: T iterations do not reach
   the convergence that implicit differentiation assumes.
   """
+  # pylint: disable=g-import-not-at-top
+  from ott.problems.linear import linear_problem
+  from ott.solvers.linear import sinkhorn as ott_sinkhorn
   solver = ott_sinkhorn.Sinkhorn(
       lse_mode=False, threshold=-1.0, min_iterations=num_iters,
       max_iterations=num_iters, inner_iterations=num_iters,
@@ -290,10 +310,9 @@ def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
 
 def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
   """The chosen core's scalings and the per-axis kernel of the same `Grid`."""
-  geom = grid_geometry(m, epsilon)
-  kx = geom.geometries[0].kernel_matrix
+  kx = axis_kernel(m, epsilon)
   if core == 'ott':
-    return _ott_scalings(a, b, geom, num_iters), kx
+    return _ott_scalings(a, b, grid_geometry(m, epsilon), num_iters), kx
   return _separable_scalings(a, b, kx, num_iters), kx
 
 

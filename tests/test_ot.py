@@ -10,6 +10,7 @@ from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
 
 from otclr_jax import ot
+from tests import folder_trees
 
 EPS = 0.05
 
@@ -371,6 +372,31 @@ class TestCores:
     np.testing.assert_allclose(kx, np.exp(-ot.axis_cost(6) / EPS), rtol=1e-5)
     geom = ot.grid_geometry(6, EPS)
     assert geom.shape == (36, 36)
+
+  @pytest.mark.parametrize('grid_size', [2, 8, 16, 31])
+  def test_kernel_has_the_ott_grid_kernels_bits(self, grid_size):
+    # The views' kernel is computed without importing ott-jax; it must be
+    # the Grid's to the bit, or every documented run would change.
+    ott_kernel = lambda m, eps: ot.grid_geometry(m, eps).geometries[
+        0].kernel_matrix
+    for eps in (0.05, 0.013, 0.5, 2.0):
+      np.testing.assert_array_equal(ot.axis_kernel(grid_size, eps),
+                                    ott_kernel(grid_size, eps))
+      jitted = [jax.jit(fn, static_argnums=0)(grid_size, jnp.float32(eps))
+                for fn in (ot.axis_kernel, ott_kernel)]
+      np.testing.assert_array_equal(*jitted)
+
+  def test_views_do_not_import_ott(self):
+    out = folder_trees.run_python("""
+        import sys
+        import numpy as np
+        from otclr_jax import ot
+        ot.ot_views(np.full((1, 8, 8, 3), 0.5, np.float32),
+                    np.full((1, 8, 8, 3), 0.4, np.float32), grid_size=4)
+        print(sorted(m for m in sys.modules if m.split('.')[0] == 'ott'))
+        """, cwd=folder_trees.REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == '[]'
 
   def test_public_scalings_and_splat_compose_to_displace(self, pair):
     a, b = pair
