@@ -1,5 +1,6 @@
 """Tests of the objectives in otclr_jax/methods against NumPy and closed forms."""
 
+import functools
 import math
 
 import jax
@@ -358,13 +359,13 @@ def test_byol_normalises_each_view_on_its_own():
   method, model, variables, extra = _init(config)
   v1, v2 = _views()
   progress = base.Progress(jnp.int32(0), 10, 5)
-  value, _, _, _ = method.loss(config, model, variables['params'],
-                               variables['batch_stats'], extra, v1, v2,
-                               progress)
+  value = jax.jit(lambda params: method.loss(
+      config, model, params, variables['batch_stats'], extra, v1, v2,
+      progress)[0])(variables['params'])
   # Reference: every network run on one view batch at a time.
-  run = lambda net, params, stats, v: net.apply(
-      {'params': params, 'batch_stats': stats}, v, train=True,
-      mutable=['batch_stats'])[0]
+  run = lambda net, params, stats, v: jax.jit(functools.partial(
+      net.apply, train=True, mutable=['batch_stats']))(
+          {'params': params, 'batch_stats': stats}, v)[0]
   target = byol.target_model(config)
   p = [run(model, variables['params'], variables['batch_stats'], v)[2]
        for v in (v1, v2)]
@@ -393,22 +394,22 @@ def test_moco_key_encoder_statistics_never_see_the_query_batch():
   v1, v2 = _views()
   progress = base.Progress(jnp.int32(0), 10, 5)
 
+  @jax.jit
   def keys(v1, v2):
     _, _, _, new_extra = method.loss(config, model, variables['params'],
                                      variables['batch_stats'], extra, v1, v2,
                                      progress)
     # Enqueued this step at slots 0-3: k1 in queue 0, k2 in queue 1.
-    return (np.asarray(new_extra['queue'][0, :4]),
-            np.asarray(new_extra['queue'][1, :4]))
+    return new_extra['queue'][0, :4], new_extra['queue'][1, :4]
 
-  k1, k2 = keys(v1, v2)
+  k1, k2 = map(np.asarray, keys(v1, v2))
   other = jax.random.uniform(jax.random.key(5), v1.shape)
   # k2 is the positive of q1 = query(v1): another view-1 batch must leave it
   # unchanged, BatchNorm statistics included (and k1 likewise for v2).
-  k1_new, k2_same = keys(other, v2)
+  k1_new, k2_same = map(np.asarray, keys(other, v2))
   np.testing.assert_array_equal(k2_same, k2)
   assert np.max(np.abs(k1_new - k1)) > 1e-3
-  k1_same, k2_new = keys(v1, other)
+  k1_same, k2_new = map(np.asarray, keys(v1, other))
   np.testing.assert_array_equal(k1_same, k1)
   assert np.max(np.abs(k2_new - k2)) > 1e-3
 
@@ -419,21 +420,20 @@ def test_dino_freezes_the_prototypes_for_the_first_epoch():
   method, model, variables, extra = _init(config)
   v1, v2 = _views()
 
-  def grads(step):
-    progress = base.Progress(jnp.int32(step), 20, 5)
-    return jax.grad(lambda p: method.loss(
-        config, model, p, variables['batch_stats'], extra, v1, v2,
-        progress)[0])(variables['params'])
+  def loss(params, step):
+    return method.loss(config, model, params, variables['batch_stats'], extra,
+                       v1, v2, base.Progress(step, 20, 5))[0]
 
+  # Jitted with the step traced, as in training (and one compilation instead
+  # of four eager backward passes).
+  grads = jax.jit(jax.grad(loss))
   for step, frozen in ((0, True), (4, True), (5, False), (12, False)):
-    g = grads(step)
+    g = grads(variables['params'], jnp.int32(step))
     norm = float(jnp.linalg.norm(g['head']['prototypes']))
     assert (norm == 0.0) == frozen, (step, norm)
     assert float(jnp.linalg.norm(g['head']['hidden1']['kernel'])) > 0
   # The loss itself does not change while the prototypes are frozen.
-  values = [method.loss(config, model, variables['params'],
-                        variables['batch_stats'], extra, v1, v2,
-                        base.Progress(jnp.int32(s), 20, 5))[0] for s in (0, 5)]
+  values = [jax.jit(loss)(variables['params'], jnp.int32(s)) for s in (0, 5)]
   assert float(values[0]) == float(values[1])
 
 
