@@ -249,6 +249,9 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       refused (the run's own settings are used for everything else).
   """
   workdir = os.path.expanduser(workdir)
+  cache = experiment.use_compilation_cache(config)
+  if cache:
+    logging.info('XLA compilation cache: %s', cache)
   try:
     if config.mode == 'eval':
       experiment.adopt_run_config(config, workdir, overridden)

@@ -59,12 +59,14 @@ EVAL_LOCK_FILE = '.eval.lock'
 
 STATES = ('running', 'finished', 'stopped', 'diverged', 'failed')
 
-# Settings that never change a run's result: where data comes from, how often
-# it logs or checkpoints, what it evaluates afterwards or monitors meanwhile
-# (the kNN monitor only reads the state). `total_steps` and `num_epochs` are
-# left to the caller (see `result_changing_diff`).
-IGNORED_FIELDS = ('mode', 'data_dir', 'log_every_steps',
-                  'checkpoint_every_steps', 'keep_checkpoints')
+# Settings that never change a run's result: where data comes from and
+# compiled programs are cached, how often it logs or checkpoints, what it
+# evaluates afterwards or monitors meanwhile (the kNN monitor only reads the
+# state). `total_steps` and `num_epochs` are left to the caller (see
+# `result_changing_diff`).
+IGNORED_FIELDS = ('mode', 'data_dir', 'compilation_cache_dir',
+                  'log_every_steps', 'checkpoint_every_steps',
+                  'keep_checkpoints')
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
 # Each method's own settings block (`config.moco`, ...); a run reads only its
@@ -155,13 +157,13 @@ def result_changing_diff(stored: dict[str, Any],
                          new: dict[str, Any]) -> list[str]:
   """Dotted names of the settings that differ and change a run's result.
 
-  Ignored: `mode`, `data_dir`, `log_every_steps`, `checkpoint_every_steps`,
-  `keep_checkpoints`, everything under `eval.` and `monitor.`, the settings
-  blocks of methods that neither config's `method` names (a SimCLR run never
-  reads `dino.*`, so a field added there later does not stop it resuming), and
-  the run length (`total_steps`, `num_epochs`), which the caller rules on: training
-  allows a resolved total that is at least the stored one (see
-  otclr_jax/train.py).
+  Ignored: `mode`, `data_dir`, `compilation_cache_dir`, `log_every_steps`,
+  `checkpoint_every_steps`, `keep_checkpoints`, everything under `eval.` and
+  `monitor.`, the settings blocks of methods that neither config's `method`
+  names (a SimCLR run never reads `dino.*`, so a field added there later does
+  not stop it resuming), and the run length (`total_steps`, `num_epochs`),
+  which the caller rules on: training allows a resolved total that is at
+  least the stored one (see otclr_jax/train.py).
   A key present in one dict only is a difference. Values are compared after a
   JSON round trip, so a tuple equals the list it was stored as.
 

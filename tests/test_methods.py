@@ -363,11 +363,12 @@ def test_byol_normalises_each_view_on_its_own():
       config, model, params, variables['batch_stats'], extra, v1, v2,
       progress)[0])(variables['params'])
   # Reference: every network run on one view batch at a time.
-  run = lambda net, params, stats, v: jax.jit(functools.partial(
-      net.apply, train=True, mutable=['batch_stats']))(
-          {'params': params, 'batch_stats': stats}, v)[0]
-  target = byol.target_model(config)
-  p = [run(model, variables['params'], variables['batch_stats'], v)[2]
+  online, target = (jax.jit(functools.partial(
+      net.apply, train=True, mutable=['batch_stats']))
+                     for net in (model, byol.target_model(config)))
+  run = lambda apply, params, stats, v: apply(
+      {'params': params, 'batch_stats': stats}, v)[0]
+  p = [run(online, variables['params'], variables['batch_stats'], v)[2]
        for v in (v1, v2)]
   z = [run(target, extra['target_params'], extra['target_batch_stats'], v)[1]
        for v in (v1, v2)]
@@ -377,7 +378,7 @@ def test_byol_normalises_each_view_on_its_own():
                                 - _unit(np.asarray(z[0]))) ** 2, -1)))
   np.testing.assert_allclose(float(value), expected, rtol=1e-5)
   # One BatchNorm batch for both views would give another value.
-  pj = run(model, variables['params'], variables['batch_stats'],
+  pj = run(online, variables['params'], variables['batch_stats'],
            jnp.concatenate([v1, v2]))[2]
   zj = run(target, extra['target_params'], extra['target_batch_stats'],
            jnp.concatenate([v1, v2]))[1]

@@ -41,7 +41,9 @@ def test_result_changing_diff():
             'log_every_steps': 5, 'total_steps': 4, 'num_epochs': 1,
             'ot': {'epsilon': 0.05, 'grid_size': 4},
             'eval': {'datasets': ['digits'], 'batch_size': 8}}
+  # A run stored before compilation_cache_dir existed still resumes.
   new = {'seed': 1, 'method': 'otclr', 'mode': 'eval', 'data_dir': '/b',
+         'compilation_cache_dir': '/c',
          'log_every_steps': 7, 'total_steps': 8, 'num_epochs': 3,
          'ot': {'epsilon': 0.1, 'grid_size': 4, 'extra': 1},
          'eval': {'datasets': ('cifar10',), 'batch_size': 9}}
