@@ -382,6 +382,14 @@ def exit_now(status: int) -> None:
   os._exit(status)  # pylint: disable=protected-access
 
 
+# The signals `stop_on_signals` caught in its current block. Python runs a
+# handler between any two bytecodes of the main thread, also inside a
+# finaliser or a garbage-collection callback (JAX registers one), where an
+# exception is printed as "Exception ignored" and dropped: the stop must be
+# remembered apart from the raise.
+_requested: list[int] = []
+
+
 @contextlib.contextmanager
 def stop_on_signals(
     signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
@@ -400,20 +408,45 @@ def stop_on_signals(
         return rundir.EXIT_STOPPED
 
   The exception is raised in the main thread between two Python bytecodes,
-  so a file being written through `fileio` is either complete or absent. The
-  previous handlers are restored when the block exits. Must be entered in the
-  main thread (Python delivers signals there only).
+  so a file being written through `fileio` is either complete or absent. Where
+  that raise lands in a finaliser, which drops it, the stop comes from the
+  next `check_stop()` the work calls; work that ends first has ended, and the
+  block exits normally. The previous handlers are restored when the block
+  exits. Must be entered in the main thread (Python delivers signals there
+  only); blocks do not nest.
 
   Args:
     signals: the signals to turn into `StopRequested`.
   """
 
   def handle(signum, _):
+    _requested.append(signum)
     raise StopRequested(signum)
 
+  def unraisable(info):
+    # The dropped raise is remembered in `_requested`; its "Exception
+    # ignored" traceback would only alarm.
+    if not isinstance(info.exc_value, StopRequested):
+      previous_hook(info)
+
+  del _requested[:]
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = unraisable
   previous = {s: signal.signal(s, handle) for s in signals}
   try:
     yield
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+    sys.unraisablehook = previous_hook
+    del _requested[:]
+
+
+def check_stop() -> None:
+  """Raises `StopRequested` if a signal came in this `stop_on_signals` block.
+
+  Long work inside the block calls this between its parts, so that a stop
+  whose raise was dropped (see `_requested`) still ends it at the next part.
+  """
+  if _requested:
+    raise StopRequested(_requested[0])

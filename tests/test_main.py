@@ -211,6 +211,32 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
+class _SignalsInAFinaliser:
+
+  def __del__(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10_000):  # The handler runs in here; its raise is dropped.
+      pass
+
+
+def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
+    moco_run, tmp_path, data_dir, monkeypatch, caplog):
+  # As when the signal lands in JAX's garbage-collection callback.
+  workdir = _copy(moco_run, tmp_path)
+  real = features.extract_features
+
+  def interrupted(*args, **kwargs):
+    _SignalsInAFinaliser()
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(features, 'extract_features', interrupted)
+  with caplog.at_level(logging.ERROR):
+    assert main.run(_config(data_dir, mode='eval'), workdir) == (
+        rundir.EXIT_STOPPED)
+  assert 'SIGTERM during evaluation' in caplog.text
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
+
+
 def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir,
                                                          caplog):
   workdir = str(tmp_path / 'run')

@@ -132,3 +132,56 @@ def test_stop_on_signals_raises_and_restores_the_handlers(signum):
   assert signal.getsignal(signum) is before
   # Not an Exception: `except Exception` blocks do not swallow a stop.
   assert not isinstance(stopped.value, Exception)
+
+
+class _SignalsInAFinaliser:
+  """Sends `signum` to this process from `__del__`, where a raise is dropped."""
+
+  def __init__(self, signum):
+    self.signum = signum
+
+  def __del__(self):
+    os.kill(os.getpid(), self.signum)
+    for _ in range(10_000):  # Python runs the handler in here.
+      pass
+
+
+def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
+  ran_on = []
+  with pytest.raises(rundir.StopRequested) as stopped:
+    with rundir.stop_on_signals():
+      del ran_on[:]  # a bytecode boundary before the finaliser runs
+      _SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
+      ran_on.append('after the finaliser')
+      rundir.check_stop()
+      ran_on.append('after check_stop')
+  assert ran_on == ['after the finaliser']
+  assert stopped.value.signum == signal.SIGTERM
+  assert 'Exception ignored' not in capfd.readouterr().err
+  rundir.check_stop()  # nothing pending once the block has ended
+
+
+def test_work_that_ends_before_a_check_has_ended():
+  with rundir.stop_on_signals():
+    _SignalsInAFinaliser(signal.SIGINT)
+  rundir.check_stop()  # the next block starts with nothing pending
+  with rundir.stop_on_signals():
+    rundir.check_stop()
+
+
+def test_other_dropped_exceptions_are_still_reported():
+  seen = []
+
+  class Fails:
+
+    def __del__(self):
+      raise ValueError('from a finaliser')
+
+  hook = sys.unraisablehook
+  sys.unraisablehook = seen.append
+  try:
+    with rundir.stop_on_signals():
+      Fails()
+  finally:
+    sys.unraisablehook = hook
+  assert [type(info.exc_value) for info in seen] == [ValueError]

@@ -61,6 +61,7 @@ from otclr_jax import checkpoint
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import fileio
+from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax import views as views_lib
 from otclr_jax.evaluation import clusters
@@ -357,6 +358,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     t0 = time.perf_counter()
     for path, value in EVALUATORS[name](ctx):
       _put(results, path, value)
+      rundir.check_stop()
     logging.info('Evaluator %s done in %.1f s.', name,
                  time.perf_counter() - t0)
   results['protocol']['seconds'] = time.perf_counter() - start
