@@ -1,5 +1,6 @@
 """Tests of `evaluation.evaluate` on a tiny run: restore, cache, results."""
 
+import functools
 import json
 import os
 import shutil
@@ -153,8 +154,8 @@ def _tiny_net(seed=0, num_images=50):
   model = models.SimCLRNet(stem='cifar', proj_hidden_dim=8, proj_dim=4)
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
-  variables = model.init(jax.random.key(seed), jnp.zeros((2, 8, 8, 3)),
-                         train=False)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(seed), jnp.zeros((2, 8, 8, 3)))
   variables = {'params': variables['params'],
                'batch_stats': jax.tree.map(
                    lambda x: x + 0.5, variables['batch_stats'])}
@@ -172,13 +173,17 @@ def _bn_inputs(model, variables, images):
   def record(next_fun, args, kwargs, context):
     if isinstance(context.module, nn.BatchNorm) and context.method_name == (
         '__call__'):
-      seen[context.module.path] = np.asarray(args[0], np.float64)
+      seen[context.module.path] = args[0]
     return next_fun(*args, **kwargs)
 
-  with nn.intercept_methods(record):
-    model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
-                train=True, mutable=['batch_stats'])
-  return seen
+  @jax.jit
+  def forward(variables, x):
+    with nn.intercept_methods(record):
+      model.apply(variables, x, train=True, mutable=['batch_stats'])
+    return seen
+
+  inputs = forward(variables, jnp.asarray(images, jnp.float32) / 255.0)
+  return {path: np.asarray(x, np.float64) for path, x in inputs.items()}
 
 
 def _stats_at(tree, path):
@@ -204,11 +209,12 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
                                err_msg=str(path))
   # Flax's own update from zero running statistics, momentum 0.9 (models.py):
   # new = 0.1 * batch statistic, for one batch holding every image.
-  _, updated = model.apply(
-      {'params': variables['params'],
-       'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])},
-      jnp.asarray(images, jnp.float32) / 255.0, train=True,
-      mutable=['batch_stats'])
+  _, updated = jax.jit(functools.partial(
+      model.apply, train=True, mutable=['batch_stats']))(
+          {'params': variables['params'],
+           'batch_stats': jax.tree.map(jnp.zeros_like,
+                                       variables['batch_stats'])},
+          jnp.asarray(images, jnp.float32) / 255.0)
   jax.tree.map(
       lambda ours, flax_new: np.testing.assert_allclose(
           ours, np.asarray(flax_new) / 0.1, rtol=1e-3, atol=1e-4),

@@ -264,9 +264,10 @@ def test_the_command_line_reports_a_usage_error_in_one_line(tmp_path,
   assert 'flags:' not in proc.stderr  # no usage text
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
-                                                  data_dir, signum):
+                                                  data_dir):
+  # SIGTERM alone: both signals take one path, checked in process above; this
+  # checks the process's own exit.
   workdir = _copy(moco_run, tmp_path)
   proc = subprocess.Popen(
       [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
@@ -283,14 +284,14 @@ def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
     # Into the probe's jitted solver: the interpreter's shutdown must not
     # tear down a computation still running (a segfault, exit 139).
     time.sleep(3)
-    proc.send_signal(signum)
+    proc.send_signal(signal.SIGTERM)
     _, rest = proc.communicate(timeout=300)
   finally:
     proc.kill()
   stderr = ''.join(lines) + rest
   assert proc.returncode == rundir.EXIT_STOPPED, stderr
   assert 'Traceback' not in stderr and 'Fatal Python error' not in stderr
-  assert f'{signal.Signals(signum).name} during evaluation' in stderr
+  assert 'SIGTERM during evaluation' in stderr
 
 
 def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):

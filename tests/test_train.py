@@ -4,6 +4,7 @@ import errno
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +36,18 @@ def _params(state):
   return jax.tree_util.tree_leaves(jax.device_get(state.params))
 
 
-def test_end_to_end_writes_logs_and_checkpoints(tmp_path, data_dir):
-  workdir = str(tmp_path)
-  state = train.train(tiny_config(data_dir), workdir).state
+@pytest.fixture(scope='module')
+def straight_run(tmp_path_factory, data_dir):
+  """(workdir, final state) of `tiny_config` trained to the end in one go.
+
+  Tests read it or copy the workdir; it is what each resumed run must equal.
+  """
+  workdir = str(tmp_path_factory.mktemp('straight') / 'run')
+  return workdir, train.train(tiny_config(data_dir), workdir).state
+
+
+def test_end_to_end_writes_logs_and_checkpoints(straight_run):
+  workdir, state = straight_run
   assert int(state.step) == 4
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records] == [2, 4]
@@ -48,9 +58,9 @@ def test_end_to_end_writes_logs_and_checkpoints(tmp_path, data_dir):
   assert os.listdir(os.path.join(workdir, 'tensorboard'))
 
 
-def test_resume_matches_uninterrupted_run(tmp_path, data_dir):
+def test_resume_matches_uninterrupted_run(straight_run, tmp_path, data_dir):
   config = tiny_config(data_dir)
-  straight = train.train(config, str(tmp_path / 'a')).state
+  _, straight = straight_run
   first = train.train(config, str(tmp_path / 'b'), stop_after_steps=2).state
   assert int(first.step) == 2
   resumed = train.train(config, str(tmp_path / 'b')).state
@@ -216,29 +226,28 @@ def test_bad_config_is_rejected(data_dir, bad, match):
 
 
 def test_knn_monitor_is_logged_and_leaves_training_unchanged(
-    tmp_path, data_dir, caplog):
+    straight_run, tmp_path, data_dir, caplog):
   monitored = tiny_config(data_dir, **{
       'monitor.every_steps': 2, 'monitor.num_train': 40,
       'monitor.num_test': 20})
-  plain = tiny_config(data_dir, **{'monitor.every_steps': 0})
   caplog.set_level('INFO')
   with_monitor = train.train(monitored, str(tmp_path / 'a'),
                              make_monitor=main.make_monitor).state
   lines = [r.getMessage() for r in caplog.records]
-  without = train.train(plain, str(tmp_path / 'b')).state
+  plain_workdir, without = straight_run  # no make_monitor: no monitor
   for a, b in zip(_params(with_monitor), _params(without)):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(
       jax.tree_util.tree_leaves(jax.device_get(with_monitor.batch_stats)),
       jax.tree_util.tree_leaves(jax.device_get(without.batch_stats))):
     np.testing.assert_array_equal(a, b)
-  read = lambda run: [json.loads(l) for l in open(tmp_path / run /
-                                                  'metrics.jsonl')]
-  records = read('a')
+  read = lambda run: [json.loads(l) for l in open(os.path.join(
+      run, 'metrics.jsonl'))]
+  records = read(tmp_path / 'a')
   assert [r['step'] for r in records] == [2, 4]
   for record in records:
     assert 0.0 <= record[train.MONITOR_METRIC] <= 100.0
-  assert all(train.MONITOR_METRIC not in r for r in read('b'))
+  assert all(train.MONITOR_METRIC not in r for r in read(plain_workdir))
   progress = [l for l in lines if l.startswith('step 4/4')]
   assert len(progress) == 1 and 'monitor_knn_top1' in progress[0]
 
@@ -361,12 +370,12 @@ def test_resume_with_other_settings_is_refused(tmp_path, data_dir):
   assert rundir.read_config(workdir)['total_steps'] == 6
 
 
-def test_truncated_checkpoint_and_torn_metrics_line(tmp_path, data_dir,
-                                                    caplog):
-  config = tiny_config(data_dir, method='simclr')
-  straight = train.train(config, str(tmp_path / 'a')).state
+def test_truncated_checkpoint_and_torn_metrics_line(straight_run, tmp_path,
+                                                    data_dir, caplog):
+  config = tiny_config(data_dir)
+  straight_workdir, straight = straight_run
   workdir = tmp_path / 'b'
-  train.train(config, str(workdir))
+  shutil.copytree(straight_workdir, workdir)
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
   # half-written metrics line.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
