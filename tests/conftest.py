@@ -109,3 +109,20 @@ def assert_usage_error(caplog, match: str, run) -> None:
             if r.levelno >= logging.ERROR]
   assert len(errors) == 1, errors
   assert re.search(match, errors[0]), errors[0]
+
+
+class SignalsInAFinaliser:
+  """Sends `signum` to this process from `__del__`, where a raise is dropped.
+
+  Create one and drop it at once: Python runs the signal's handler inside the
+  finaliser, which prints and discards what the handler raises, as when a
+  signal lands in JAX's garbage-collection callback.
+  """
+
+  def __init__(self, signum):
+    self.signum = signum
+
+  def __del__(self):
+    os.kill(os.getpid(), self.signum)
+    for _ in range(10_000):  # The handler runs in here.
+      pass

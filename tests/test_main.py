@@ -21,6 +21,7 @@ from otclr_jax import train
 from otclr_jax.evaluation import features
 from tests.folder_trees import REPO_ROOT
 from tests.folder_trees import save_image
+from tests.conftest import SignalsInAFinaliser
 from tests.conftest import assert_usage_error
 from tests.conftest import shrink_digits
 from tests.conftest import tiny_config
@@ -211,14 +212,6 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
-class _SignalsInAFinaliser:
-
-  def __del__(self):
-    os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(10_000):  # The handler runs in here; its raise is dropped.
-      pass
-
-
 def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
     moco_run, tmp_path, data_dir, monkeypatch, caplog):
   # As when the signal lands in JAX's garbage-collection callback.
@@ -226,7 +219,7 @@ def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
   real = features.extract_features
 
   def interrupted(*args, **kwargs):
-    _SignalsInAFinaliser()
+    SignalsInAFinaliser(signal.SIGTERM)
     return real(*args, **kwargs)
 
   monkeypatch.setattr(features, 'extract_features', interrupted)

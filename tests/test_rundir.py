@@ -12,6 +12,7 @@ import pytest
 
 from otclr_jax import methods
 from otclr_jax import rundir
+from tests.conftest import SignalsInAFinaliser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,24 +135,11 @@ def test_stop_on_signals_raises_and_restores_the_handlers(signum):
   assert not isinstance(stopped.value, Exception)
 
 
-class _SignalsInAFinaliser:
-  """Sends `signum` to this process from `__del__`, where a raise is dropped."""
-
-  def __init__(self, signum):
-    self.signum = signum
-
-  def __del__(self):
-    os.kill(os.getpid(), self.signum)
-    for _ in range(10_000):  # Python runs the handler in here.
-      pass
-
-
 def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
   ran_on = []
   with pytest.raises(rundir.StopRequested) as stopped:
     with rundir.stop_on_signals():
-      del ran_on[:]  # a bytecode boundary before the finaliser runs
-      _SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
+      SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
       ran_on.append('after the finaliser')
       rundir.check_stop()
       ran_on.append('after check_stop')
@@ -163,7 +151,7 @@ def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
 
 def test_work_that_ends_before_a_check_has_ended():
   with rundir.stop_on_signals():
-    _SignalsInAFinaliser(signal.SIGINT)
+    SignalsInAFinaliser(signal.SIGINT)
   rundir.check_stop()  # the next block starts with nothing pending
   with rundir.stop_on_signals():
     rundir.check_stop()
