@@ -12,9 +12,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 16
 
 
-def run_python(code, cwd):
-  """Runs `code` in a fresh interpreter with the repository importable."""
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+def run_python(code, cwd, env=None):
+  """Runs `code` in a fresh interpreter with the repository importable.
+
+  Args:
+    code: the program (dedented).
+    cwd: where it runs.
+    env: variables to set on top of this process's environment; a value of
+      None removes that variable.
+  """
+  changes = dict(env or {}, PYTHONPATH=REPO_ROOT)
+  env = {k: v for k, v in dict(os.environ, **changes).items() if v is not None}
   return subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
                         cwd=cwd, env=env, capture_output=True, text=True,
                         timeout=120, check=False)

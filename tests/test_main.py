@@ -19,7 +19,7 @@ from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import features
-from tests.folder_trees import REPO_ROOT
+from tests.folder_trees import run_python
 from tests.folder_trees import save_image
 from tests.conftest import SignalsInAFinaliser
 from tests.conftest import assert_usage_error
@@ -289,20 +289,19 @@ def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
 
 def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
   cache = tmp_path / 'xla'
-  code = (
-      'import jax\n'
-      'from configs import default\n'
-      'from otclr_jax import experiment\n'
-      'config = default.get_config()\n'
-      f'config.compilation_cache_dir = {str(cache)!r}\n'
-      'print(experiment.use_compilation_cache(config))\n'
-      'jax.jit(lambda x: x * 2.0 + 1.0)(3.0).block_until_ready()\n')
-  # Without the test session's own cache variable, which would take over.
-  env = {k: v for k, v in os.environ.items()
-         if k != 'JAX_COMPILATION_CACHE_DIR'}
-  env.update(PYTHONPATH=REPO_ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  out = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120, check=False)
+  out = run_python(f"""
+      import jax
+      from configs import default
+      from otclr_jax import experiment
+      config = default.get_config()
+      config.compilation_cache_dir = {str(cache)!r}
+      print(experiment.use_compilation_cache(config))
+      jax.jit(lambda x: x * 2.0 + 1.0)(3.0).block_until_ready()
+      """, cwd=tmp_path, env={
+          # Without the test session's own cache variable, which would take
+          # over.
+          'JAX_COMPILATION_CACHE_DIR': None,
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'})
   assert out.returncode == 0, out.stderr
   used = out.stdout.strip().splitlines()[-1]
   assert os.path.dirname(used) == str(cache)
