@@ -105,7 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.datasets = ('cifar10',)
   config.eval.at_end = False  # evaluate right after pretraining.
   config.eval.batch_size = 512  # images per feature-extraction batch.
-  config.eval.probe_steps = 500  # max L-BFGS iterations of the linear probe.
+  config.eval.probe_steps = 500  # max Newton iterations per linear-probe fit.
   config.eval.num_view_images = 500  # test images for the view metrics (paper).
   # Embedding of the cluster / view metrics and t-SNE: 'z' (the paper's
   # l2-normalised projection output) or 'h' (backbone features).

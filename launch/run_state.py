@@ -134,7 +134,8 @@ def _probe_protocol_conflict(results: dict) -> str | None:
   # Imported here: it loads JAX, which a sweep needs for nothing else.
   from otclr_jax.evaluation import probe  # pylint: disable=g-import-not-at-top
   current = {'l2_grid': list(probe.L2_GRID),
-             'probe_tolerance': probe.PROBE_TOLERANCE}
+             'probe_tolerance': probe.GRAD_TOL,
+             'probe': probe.SOLVER}
   changed = [f'{key} {protocol.get(key)} (now {value})'
              for key, value in current.items() if protocol.get(key) != value]
   return ('its linear probe was fitted with another protocol: '

@@ -923,15 +923,15 @@ def test_a_signal_ends_the_sweep_with_75_and_one_line(tmp_path, signum):
 
 
 def test_results_of_another_probe_protocol_are_not_finished(four_runs):
-  # The L2 grid and tolerance are code: results fitted before they changed
-  # must be evaluated again, not averaged beside new ones.
+  # The L2 grid, tolerance and solver are code: results fitted before they
+  # changed must be evaluated again, not averaged beside new ones.
   sweep, workdir, names = four_runs
   run = sweep.runs(workdir)[0]
   config = _config_of(sweep, run)
   write_run_files(run.workdir, config)
   path = os.path.join(run.workdir, 'eval', 'results.json')
-  protocol = {'probe': 'L-BFGS', 'l2_grid': list(probe.L2_GRID),
-              'probe_tolerance': probe.PROBE_TOLERANCE}
+  protocol = {'probe': probe.SOLVER, 'l2_grid': list(probe.L2_GRID),
+              'probe_tolerance': probe.GRAD_TOL}
 
   def write(protocol):
     with open(path, 'w') as f:
@@ -940,7 +940,8 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
   write(protocol)
   assert run_state.is_finished(config, run.workdir)
   for key, old in (('l2_grid', [0.0] + list(probe.L2_GRID)),
-                   ('probe_tolerance', 1e-6)):
+                   ('probe_tolerance', 1e-6),
+                   ('probe', 'full-batch L-BFGS (optax.lbfgs)')):
     write({**protocol, key: old})
     assert not run_state.is_finished(config, run.workdir)
     assert key in run_state.stale_results_reason(config, run.workdir)

@@ -1,15 +1,17 @@
 """The linear probe: softmax regression on standardised frozen features.
 
-Full-batch L-BFGS; the L2 strength is chosen on a stratified held-out part of
-the TRAIN split, then the probe is refitted on all of it (docs/method.md
-section 7). The grid is fitted as a regularisation path, strongest penalty
-first, each fit warm-started from the previous one and stopped on a relative
-gradient tolerance; the refit starts from the selected solution.
+Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) to its
+optimum: float64, a trust-region Newton method with exact Hessian-vector
+products (SciPy's `trust-ncg`), judged converged when the gradient norm with
+respect to (W, b) is at most `GRAD_TOL`. The L2 strength is chosen on a
+stratified held-out part of the TRAIN split, then the probe is refitted on all
+of it (docs/method.md section 7). The grid is fitted as a regularisation path,
+strongest penalty first, each fit warm-started from the previous one; the
+refit starts from the selected solution.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -19,8 +21,8 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import optax.tree_utils as otu
+from scipy import optimize
+from scipy import special
 
 from otclr_jax import fileio
 from otclr_jax.evaluation import features
@@ -33,14 +35,18 @@ from otclr_jax.evaluation import features
 L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 HOLDOUT_FRACTION = 0.1
 HOLDOUT_SEED = 0
-# Stop L-BFGS once the gradient norm with respect to (W, b) is this fraction
-# of its norm at zero weights. On CIFAR-10 features of a random-init
-# ResNet-18, 1e-5 and 1e-6 choose the same lambda and give the same test
-# top-1, 1e-5 in a quarter fewer steps; scikit-learn's default (an absolute
-# 1e-4 on the largest gradient entry) is looser.
-PROBE_TOLERANCE = 1e-5
-
+# A fit has reached its optimum when the Euclidean norm of the loss's
+# gradient with respect to (W, b) is at most this. Absolute, not relative:
+# the loss is a mean, O(1) at zero weights, and float64 computes its
+# gradient to about 1e-14 on 50,000 x 512 features, so the bound is
+# reachable with room to spare; Newton's method gets from 1e-4 to 1e-8 in
+# one or two steps.
+GRAD_TOL = 1e-8
+# Newton iterations per fit; the fits of every supported dataset converge
+# in tens. A fit that stops here has not converged and is flagged.
 DEFAULT_PROBE_STEPS = 500
+SOLVER = ('softmax regression on standardised features, float64 trust-region '
+          f'Newton (scipy trust-ncg) to a (W, b) gradient norm <= {GRAD_TOL:g}')
 
 
 def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
@@ -73,246 +79,260 @@ def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
   return held
 
 
-def _moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Float64 column mean and standard deviation [D] of x [N, D]."""
+def _standardiser(x: np.ndarray):
+  """The float64 map x -> (x - mean) / std of x [N, D]'s column moments."""
   mean = x.mean(axis=0, dtype=np.float64)
   std = x.std(axis=0, dtype=np.float64)
   # A constant feature (e.g. a dead ReLU channel) is centred, not scaled.
-  return mean, np.where(std > 0, std, 1.0)
+  std = np.where(std > 0, std, 1.0)
+  return mean, std
 
 
-def _matmul(a, b):
-  # Full float32 products: TF32 noise would perturb the line search and the
-  # kNN ranking differently on different accelerators.
-  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+def _eigenbasis(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Eigenvalues [D] (>= 0) and eigenvectors [D, D] of x's second moment."""
+  eigenvalues, vectors = np.linalg.eigh(x.T @ x / len(x))
+  return np.maximum(eigenvalues, 0.0), vectors
 
 
-def _eigenbasis(x: jax.Array, weights: jax.Array):
-  """Eigenvalues [D] and eigenvectors [D, D] of x's weighted second moment.
-
-  Float64 on the host: the smallest eigenvalues set the preconditioner.
-  """
-  moment = np.asarray(_matmul((x * weights[:, None]).T, x), np.float64)
-  eigenvalues, vectors = np.linalg.eigh(moment / float(jnp.sum(weights)))
-  return (jnp.asarray(np.maximum(eigenvalues, 0.0), jnp.float32),
-          jnp.asarray(vectors, jnp.float32))
+# Rows per block of `_hessian_product`: large enough for full-speed
+# products, small enough (2 MiB at D = 512) that a block read for x dW is
+# still in cache for x^T dP.
+BLOCK_ROWS = 1024
 
 
-# Rows per block of the probe's fused pass over the features (`_blocks`):
-# large enough for full-speed products, small enough (4 MiB at D = 512) that
-# a block read for the logits is still in cache for the gradient.
-BLOCK_ROWS = 2048
+def _blocks(x: np.ndarray) -> jax.Array:
+  """x [N, ...] as [K, BLOCK_ROWS, ...] on the device, zero rows padding."""
+  k = -(-len(x) // BLOCK_ROWS)
+  pad = [(0, k * BLOCK_ROWS - len(x))] + [(0, 0)] * (x.ndim - 1)
+  return jnp.asarray(np.pad(x, pad).reshape(k, BLOCK_ROWS, *x.shape[1:]))
 
 
 @jax.jit
-def _blocks(x, y, weights):
-  """Splits the rows into equal blocks for `_weighted_ce`, padding with zeros.
+def _hessian_product(x, p, dw, db):
+  """The softmax loss's summed Hessian applied to (dW, db), block by block.
 
   Args:
-    x: float32 [N, D].
-    y: int32 [N].
-    weights: float32 [N].
+    x: float32 [K, R, D] feature blocks (`_blocks`).
+    p: float32 [K, R, C] softmax probabilities (0 on padding rows).
+    dw: float32 [D, C].
+    db: float32 [C].
 
   Returns:
-    x [K, R, D], y [K, R], weights [K, R] with K = ceil(N / BLOCK_ROWS) and
-    R = ceil(N / K); the K * R - N padding rows have weight 0.
+    (x^T dP [D, C], sum of dP [C]) with dP = (diag(p) - p p^T) (x dW + db)
+    row by row: each block's two products share one read of the block.
   """
-  n = x.shape[0]
-  k = -(-n // BLOCK_ROWS)
-  rows = -(-n // k)
-  pad = k * rows - n
-  return (jnp.pad(x, ((0, pad), (0, 0))).reshape(k, rows, x.shape[1]),
-          jnp.pad(y, (0, pad)).reshape(k, rows),
-          jnp.pad(weights, (0, pad)).reshape(k, rows))
+  def block(carry, xp):
+    xb, pb = xp
+    dz = jnp.matmul(xb, dw, precision=jax.lax.Precision.HIGHEST) + db
+    dp = pb * (dz - jnp.sum(pb * dz, axis=1, keepdims=True))
+    return (carry[0] + jnp.matmul(xb.T, dp,
+                                  precision=jax.lax.Precision.HIGHEST),
+            carry[1] + jnp.sum(dp, axis=0)), None
+
+  (hw, hb), _ = jax.lax.scan(block, (jnp.zeros_like(dw), jnp.zeros_like(db)),
+                             (x, p))
+  return hw, hb
 
 
-def _ce_and_grad(w, b, x, y, weights):
-  """Weighted cross-entropy sum and its gradient in one pass over the rows.
+class _Objective:
+  """mean CE(x W + b, y) + l2 / 2 ||W||^2 as a function of theta = (Z, z).
 
-  Each block's logits and its share of the gradient are computed together,
-  so the features are read from memory once per evaluation instead of once
-  for the logits and again for the gradient: the probe is bound by that
-  traffic on CPU (N x D floats against C = 10 classes).
-
-  Args:
-    w: float32 [C, D], class-major.
-    b: float32 [C].
-    x: float32 [K, R, D] blocks (`_blocks`).
-    y: int32 [K, R].
-    weights: float32 [K, R].
-
-  Returns:
-    (sum_i weights_i CE_i, its gradient [C, D] in w, its gradient [C] in b).
+  x [N, D] holds the features in the eigenbasis of their second moment M
+  (an orthogonal change of basis, which leaves ||W||^2 unchanged) and theta
+  is (W, b) rescaled by a Kronecker approximation of the Hessian at the
+  starting point, A (x) M + l2 with A the mean softmax curvature
+  diag(p) - p p^T [C, C]: W = (Z * scale) U^T and b = (z * bias_scale) U^T,
+  with U the eigenvectors of A. In these coordinates the curvature is close
+  to uniform, so Newton's conjugate-gradient inner solves take few products.
   """
-  def block(carry, xyw):
-    total, grad_w, grad_b = carry
-    xb, yb, wb = xyw
-    log_p = jax.nn.log_softmax(_matmul(xb, w.T) + b, axis=1)  # [R, C]
-    onehot = jax.nn.one_hot(yb, w.shape[0], dtype=log_p.dtype)
-    total = total - jnp.sum(wb * jnp.sum(onehot * log_p, axis=1))
-    delta = wb[:, None] * (jnp.exp(log_p) - onehot)  # d total / d logits
-    return (total, grad_w + _matmul(delta.T, xb),
-            grad_b + jnp.sum(delta, axis=0)), None
 
-  zero = jnp.zeros((), w.dtype)
-  (total, grad_w, grad_b), _ = jax.lax.scan(
-      block, (zero, jnp.zeros_like(w), jnp.zeros_like(b)), (x, y, weights))
-  return total, grad_w, grad_b
+  def __init__(self, x, y, eigenvalues, l2, num_classes, w, b):
+    self.x, self.y, self.l2 = x, y, l2
+    # The Hessian products only steer the conjugate-gradient steps: float32
+    # blocks (`_hessian_product`) halve their memory traffic, which bounds
+    # their speed; the value and gradient, which decide where the fit
+    # stops, stay float64.
+    self.blocks = _blocks(x.astype(np.float32))
+    self.shape = (x.shape[1], num_classes)
+    self.onehot = np.eye(num_classes)[y]
+    p = special.softmax(x @ w + b, axis=1)
+    curvature, self.rotation = np.linalg.eigh(np.diag(p.mean(axis=0))
+                                              - p.T @ p / len(p))
+    # Directions without curvature (no feature variance, or the softmax's
+    # shift invariance: one class direction of A is 0) carry no data
+    # gradient; the floors keep their scales from amplifying rounding.
+    curvature = np.maximum(curvature, 1e-3 * max(float(curvature.max()),
+                                                 1e-30))
+    hessian = np.outer(eigenvalues, curvature)
+    self.scale = 1.0 / np.sqrt(np.maximum(hessian, 1e-8 * max(
+        float(hessian.max()), 1e-30)) + l2)
+    self.bias_scale = 1.0 / np.sqrt(curvature)
+    self.theta = self.pack(w, b)
+    self._theta = None
 
+  def unpack(self, theta):
+    size = self.shape[0] * self.shape[1]
+    return ((self.scale * theta[:size].reshape(self.shape)) @ self.rotation.T,
+            (self.bias_scale * theta[size:]) @ self.rotation.T)
 
-@jax.custom_vjp
-def _weighted_ce(w, b, x, y, weights):
-  """sum_i weights_i CE(x_i w^T + b, y_i) over `_blocks` rows (`_ce_and_grad`).
+  def pack(self, w, b):
+    return np.concatenate([((w @ self.rotation) / self.scale).ravel(),
+                           (b @ self.rotation) / self.bias_scale])
 
-  Its forward pass computes the gradient too and its backward pass only
-  scales it: L-BFGS asks for the gradient at nearly every point whose value
-  it asks for, and the fused pass costs about what the logits alone do.
-  """
-  return _ce_and_grad(w, b, x, y, weights)[0]
+  def max_inverse_scale(self) -> float:
+    """How much larger a (W, b) gradient can be than its theta version."""
+    return float(max(np.max(1.0 / self.scale), np.max(1.0 / self.bias_scale)))
 
+  def _probabilities(self, theta):
+    # SciPy asks for the value and gradient at a point, then for many
+    # Hessian products at that same point: keep its softmax.
+    if self._theta is None or not np.array_equal(self._theta, theta):
+      w, b = self.unpack(theta)
+      logits = self.x @ w + b
+      log_z = special.logsumexp(logits, axis=1)
+      self._p = np.exp(logits - log_z[:, None])
+      self._p_blocks = _blocks(self._p.astype(np.float32))
+      self._value = (np.mean(log_z - logits[np.arange(len(logits)), self.y])
+                     + 0.5 * self.l2 * np.sum(w * w))
+      self._theta = theta.copy()
+    return self._p, self._value
 
-def _weighted_ce_fwd(w, b, x, y, weights):
-  total, grad_w, grad_b = _ce_and_grad(w, b, x, y, weights)
-  return total, (grad_w, grad_b)
+  def _to_theta(self, grad_w, grad_b):
+    """The chain rule from a (W, b) gradient to the theta gradient."""
+    return np.concatenate([(self.scale * (grad_w @ self.rotation)).ravel(),
+                           self.bias_scale * (grad_b @ self.rotation)])
 
+  def value_and_grad(self, theta):
+    p, value = self._probabilities(theta)
+    w, _ = self.unpack(theta)
+    residual = (p - self.onehot) / len(p)
+    return value, self._to_theta(self.x.T @ residual + self.l2 * w,
+                                 residual.sum(axis=0))
 
-def _weighted_ce_bwd(grads, g):
-  grad_w, grad_b = grads
-  return g * grad_w, g * grad_b, None, None, None
+  def hessp(self, theta, v):
+    self._probabilities(theta)
+    dw, db = self.unpack(v)
+    hw, hb = (np.asarray(h, np.float64) / len(self.x) for h in
+              _hessian_product(self.blocks, self._p_blocks,
+                               dw.astype(np.float32), db.astype(np.float32)))
+    return self._to_theta(hw + self.l2 * dw, hb)
 
-
-_weighted_ce.defvjp(_weighted_ce_fwd, _weighted_ce_bwd)
-
-
-@functools.partial(jax.jit, static_argnames=('max_steps',))
-def _fit_probe(blocks, l2, eigenvalues, init, *, max_steps):
-  """Weighted softmax regression by preconditioned L-BFGS from `init`.
-
-  `blocks` = (x, y, weights) from `_blocks`, x holding the features in the
-  eigenbasis of their second moment (an orthogonal change of basis, which
-  leaves ||W||^2 unchanged), with `eigenvalues` [D]. L-BFGS runs on
-  W' = W * sqrt(eigenvalue + l2) row by row, in which the penalised loss's
-  curvature is nearly uniform, so it converges in tens of steps where the
-  raw problem can take thousands.
-
-  Returns:
-    ({'w' [D, C] in the eigenbasis, 'b' [C]}, L-BFGS steps taken). Stops
-    when the gradient norm falls to `PROBE_TOLERANCE` times its norm at
-    zero weights, or after `max_steps` iterations.
-  """
-  total = jnp.sum(blocks[2])
-  # Directions without variance carry no gradient; the floor only keeps
-  # their scale finite at l2 = 0.
-  floor = 1e-8 * jnp.max(eigenvalues)
-  # Class-major [C, D] inside the fit (`_weighted_ce`).
-  scale = jax.lax.rsqrt(jnp.maximum(eigenvalues, floor) + l2)[None, :]
-
-  def loss(p):
-    w = scale * p['w']
-    return (_weighted_ce(w, p['b'], *blocks) / total
-            + 0.5 * l2 * jnp.sum(w**2))
-
-  start = {'w': init['w'].T / scale, 'b': init['b']}
-
-  def weight_space_norm(grad):
-    # The gradient with respect to (W, b), not to the preconditioned W':
-    # W' has the W-gradient divided by (eigenvalue + l2)^(1/2), which at
-    # l2 = 0 explodes along directions of (numerically) no variance, so a
-    # tolerance in W' would mean something different for every lambda.
-    return otu.tree_norm({'w': grad['w'] / scale, 'b': grad['b']})
-
-  reference = weight_space_norm(jax.grad(loss)(jax.tree.map(jnp.zeros_like,
-                                                            start)))
-  opt = optax.lbfgs()
-  value_and_grad = optax.value_and_grad_from_state(loss)
-
-  def step(carry):
-    p, state = carry
-    value, grad = value_and_grad(p, state=state)
-    updates, state = opt.update(grad, state, p, value=value, grad=grad,
-                                value_fn=loss)
-    return optax.apply_updates(p, updates), state
-
-  def keep_going(carry):
-    _, state = carry
-    count = otu.tree_get(state, 'count')
-    grad_norm = weight_space_norm(otu.tree_get(state, 'grad'))
-    # The state's gradient is only filled in by the first step.
-    return (count == 0) | ((count < max_steps)
-                           & (grad_norm > PROBE_TOLERANCE * reference))
-
-  params, state = jax.lax.while_loop(keep_going, step,
-                                     (start, opt.init(start)))
-  return ({'w': (scale * params['w']).T, 'b': params['b']},
-          otu.tree_get(state, 'count'))
+  def grad_norm(self, theta) -> float:
+    """The gradient's Euclidean norm with respect to (W, b), not theta."""
+    _, grad = self.value_and_grad(theta)
+    size = self.shape[0] * self.shape[1]
+    grad_w = (grad[:size].reshape(self.shape) / self.scale) @ self.rotation.T
+    grad_b = (grad[size:] / self.bias_scale) @ self.rotation.T
+    return float(np.sqrt(np.sum(grad_w**2) + np.sum(grad_b**2)))
 
 
-@jax.jit
-def _logits(params, x):
-  return _matmul(x, params['w']) + params['b']
+class Fit(NamedTuple):
+  """One solved lambda: weights [D, C] and bias [C] in the solve's basis."""
+  w: np.ndarray
+  b: np.ndarray
+  l2: float
+  steps: int
+  grad_norm: float
+  converged: bool
+
+  def record(self) -> dict[str, Any]:
+    return {'lambda': self.l2, 'steps': self.steps,
+            'grad_norm': self.grad_norm, 'converged': self.converged}
 
 
-@jax.jit
-def _scores(params, x, y):
-  """Top-1 hits, top-5 hits and cross-entropy per example."""
-  logits = _logits(params, x)
-  label_logit = jnp.take_along_axis(logits, y[:, None], axis=1)
+def _solve(x, y, eigenvalues, l2, num_classes, w, b, max_steps) -> Fit:
+  """Minimises the probe's loss at `l2` from (w [D, C], b [C]), in float64."""
+  objective = _Objective(x, y, eigenvalues, l2, num_classes, w, b)
+  # SciPy stops on the theta gradient; the (W, b) gradient is at most
+  # `max_inverse_scale` times larger, so this bound implies GRAD_TOL.
+  gtol = GRAD_TOL / max(1.0, objective.max_inverse_scale())
+  result = optimize.minimize(
+      objective.value_and_grad, objective.theta, jac=True,
+      hessp=objective.hessp, method='trust-ncg',
+      options={'gtol': gtol, 'maxiter': max_steps})
+  w, b = objective.unpack(result.x)
+  finite = bool(np.isfinite(result.x).all())
+  grad_norm = objective.grad_norm(result.x) if finite else math.inf
+  return Fit(w, b, l2, int(result.nit), grad_norm, grad_norm <= GRAD_TOL)
+
+
+def _scores(w, b, x, y):
+  """Top-1 hits, top-5 hits and cross-entropy [N] of float64 logits."""
+  logits = x @ w + b
+  label_logit = np.take_along_axis(logits, y[:, None], axis=1)
   # Rank = number of classes scoring strictly higher than the label; with
   # fewer than 5 classes every rank is < 5, so top-5 is 100%.
-  rank = jnp.sum(logits > label_logit, axis=1)
-  top1 = jnp.argmax(logits, axis=1) == y
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  return top1, rank < 5, ce
+  rank = np.sum(logits > label_logit, axis=1)
+  ce = special.logsumexp(logits, axis=1) - label_logit[:, 0]
+  return np.argmax(logits, axis=1) == y, rank < 5, ce
 
 
-def _l2_path(fit, x, y, weights, held, eigenvalues, l2_grid, params):
-  """Fits every lambda of `l2_grid` and picks one on the held-out rows.
+def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
+  """Fits every lambda of `l2_grid` on the kept rows, picks one on `held`.
 
-  The regularisation path runs strongest penalty first: each fit starts from
-  the previous solution (the first from `params`), which is close to its own.
+  The regularisation path runs strongest penalty first, each fit starting
+  from the previous solution, which is close to its own.
 
   Args:
-    fit: `_fit_probe` with its static arguments bound.
-    x: float32 [N, D] standardised train features in their eigenbasis.
-    y: int32 [N] labels.
-    weights: float32 [N], 0 on the held-out rows.
+    x: float64 [N, D] train features standardised with the kept rows.
+    y: int [N] labels.
     held: bool [N], the held-out rows.
-    eigenvalues: [D], of the fitted rows' second moment.
+    num_classes: C.
     l2_grid: the candidate lambdas.
-    params: zero {'w' [D, C], 'b' [C]}.
+    max_steps: Newton iterations per fit.
 
   Returns:
-    (the chosen lambda, its held-out top-1 in [0, 1], its params). The best
-    held-out top-1 wins, then the lower held-out cross-entropy, then the
-    first in `l2_grid`; a diverged fit (non-finite weights) ranks last.
+    (the fit chosen by `select`, with w in the original basis, its held-out
+    top-1 in percent, the records of every fit in grid order).
   """
-  zeros, candidates, solutions = params, [], {}
-  blocks = _blocks(x, y, weights)
+  eigenvalues, basis = _eigenbasis(x[~held])
+  fit_x, held_x = x[~held] @ basis, x[held] @ basis
+  w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
+  fits, records = {}, {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
-    l2 = float(l2_grid[index])
-    params, steps = fit(blocks, jnp.float32(l2), eigenvalues, params)
-    if not all(np.isfinite(v).all() for v in jax.device_get(params).values()):
-      # The path restarts from zero after a diverged fit.
-      params = zeros
-      val_top1, val_ce = 0.0, math.inf
+    fit = _solve(fit_x, y[~held], eigenvalues, float(l2_grid[index]),
+                 num_classes, w, b, max_steps)
+    if np.isfinite(fit.grad_norm):
+      top1, _, ce = _scores(fit.w, fit.b, held_x, y[held])
+      val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
+      w, b = fit.w, fit.b
     else:
-      top1, _, ce = jax.device_get(_scores(params, x, y))
-      val_top1, val_ce = float(np.mean(top1[held])), float(np.mean(ce[held]))
-    logging.info('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
-                 'L-BFGS steps)', l2, 100 * val_top1, val_ce, int(steps))
-    candidates.append((-val_top1, val_ce if math.isfinite(val_ce) else math.inf,
-                       index))
-    solutions[index] = params
-  neg_val_top1, _, index = min(candidates)
-  return float(l2_grid[index]), -neg_val_top1, solutions[index]
+      # The path restarts from zero after a diverged fit.
+      val_top1, val_ce = 0.0, math.inf
+      w, b = np.zeros_like(w), np.zeros_like(b)
+    log = logging.info if fit.converged else logging.warning
+    log('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d Newton steps, '
+        'gradient norm %.1e%s)', fit.l2, 100 * val_top1, val_ce, fit.steps,
+        fit.grad_norm, '' if fit.converged else ', NOT CONVERGED')
+    fits[index] = fit
+    records[index] = dict(fit.record(), val_top1=100.0 * val_top1,
+                          val_ce=val_ce)
+  records = [records[i] for i in range(len(l2_grid))]
+  index = select(records)
+  chosen = fits[index]
+  return (chosen._replace(w=basis @ chosen.w), records[index]['val_top1'],
+          records)
+
+
+def select(records: list[dict[str, Any]]) -> int:
+  """The index of the chosen fit among the grid's records, in grid order.
+
+  The best held-out top-1 of a converged fit wins, then the lower held-out
+  cross-entropy, then the first in the grid; a fit that did not converge
+  ranks below every one that did, so its number is reported only when no
+  fit converged, and then flagged by its record.
+  """
+  return min(range(len(records)), key=lambda i: (
+      not records[i]['converged'], -records[i]['val_top1'],
+      records[i]['val_ce'], i))
 
 
 class Probe(NamedTuple):
   """A fitted linear probe: `logits = ((h - mean) / std) @ w + b`.
 
   Attributes:
-    w: float32 [D, C].
-    b: float32 [C].
+    w: float64 [D, C].
+    b: float64 [C].
     mean: float64 [D], the train features' mean.
     std: float64 [D], their standard deviation (1 for constant features).
     weight_decay: the L2 strength it was fitted with.
@@ -324,18 +344,16 @@ class Probe(NamedTuple):
   weight_decay: float
 
   def logits(self, features: np.ndarray) -> np.ndarray:
-    """Class scores float32 [N, C] of encoder features [N, D].
+    """Class scores float64 [N, C] of encoder features [N, D].
 
-    The same float32 computation as the probe's evaluation, so predictions
-    reproduce the reported accuracies exactly.
+    The computation of the probe's evaluation, so predictions reproduce the
+    reported accuracies exactly.
     """
     features = np.asarray(features, np.float32)
     if features.ndim != 2 or features.shape[1] != len(self.mean):
       raise ValueError(f'features must be [N, {len(self.mean)}], got '
                        f'{features.shape}.')
-    x = ((features - self.mean) / self.std).astype(np.float32)
-    return np.asarray(_logits({'w': jnp.asarray(self.w),
-                               'b': jnp.asarray(self.b)}, jnp.asarray(x)))
+    return ((features - self.mean) / self.std) @ self.w + self.b
 
 
 def probe_path(workdir: str, step: int, name: str) -> str:
@@ -385,9 +403,9 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   For each lambda in `l2_grid`, a probe is fitted on 90% of the train split
   (standardised with that part's statistics) and scored on the held-out,
   stratified 10%; the best lambda (top-1, then lower cross-entropy, then the
-  first in the grid) is refitted on the whole train split, standardised with
-  the train statistics, and scored on the test split. `test_x` and `test_y`
-  are not touched before that last step.
+  first in the grid, among the fits that converged) is refitted on the whole
+  train split, standardised with the train statistics, and scored on the
+  test split. `test_x` and `test_y` are not touched before that last step.
 
   Args:
     train_x: float [N, D] features.
@@ -395,8 +413,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     test_x: float [M, D].
     test_y: int [M].
     num_classes: C >= 2.
-    l2_grid: candidate lambdas >= 0.
-    max_steps: maximum L-BFGS iterations per fit.
+    l2_grid: candidate lambdas > 0.
+    max_steps: maximum Newton iterations per fit.
     holdout_fraction: share of each class held out for the selection.
     holdout_seed: seed of the held-out split.
     return_probe: also return the final probe.
@@ -404,12 +422,14 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   Returns:
     {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
     lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
-    'num_test'}; with `return_probe`, the pair (that dict, `Probe`).
+    'num_test', 'fits' (per lambda of `l2_grid`, then the refit: lambda,
+    Newton steps, final gradient norm, converged, and for the grid the
+    held-out top-1)}; with `return_probe`, the pair (that dict, `Probe`).
   """
   train_x = np.asarray(train_x, np.float32)
   test_x = np.asarray(test_x, np.float32)
-  train_y = np.asarray(train_y, np.int32)
-  test_y = np.asarray(test_y, np.int32)
+  train_y = np.asarray(train_y, np.int64)
+  test_y = np.asarray(test_y, np.int64)
   if (train_x.ndim != 2 or test_x.ndim != 2
       or train_x.shape[1] != test_x.shape[1]):
     raise ValueError(f'features must be [N, D] and [M, D], got {train_x.shape} '
@@ -422,52 +442,39 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
       raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
                        'unlabelled examples (-1) cannot be probed.')
-  if not l2_grid or min(l2_grid) < 0:
-    raise ValueError(f'l2_grid must be non-empty and >= 0, got {l2_grid}.')
-  fit = functools.partial(_fit_probe, max_steps=max_steps)
+  if not l2_grid or min(l2_grid) <= 0:
+    raise ValueError(f'l2_grid must be non-empty and > 0, got {l2_grid}.')
 
   held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
-  fit_mean, fit_std = _moments(train_x[~held])
-  scale = lambda v: ((v - fit_mean) / fit_std).astype(np.float32)
-  # Standardised once, on the device once, for the whole grid; the held-out
-  # rows get weight 0 rather than being cut out, so that the grid and the
-  # refit share one compiled fit.
-  x, y = jnp.asarray(scale(train_x)), jnp.asarray(train_y)
-  weights = jnp.asarray(~held, jnp.float32)
-  eigenvalues, basis = _eigenbasis(x, weights)
-  x = _matmul(x, basis)
-  best, val_top1, selected = _l2_path(
-      fit, x, y, weights, held, eigenvalues, l2_grid,
-      {'w': jnp.zeros((x.shape[1], num_classes), jnp.float32),
-       'b': jnp.zeros((num_classes,), jnp.float32)})
+  fit_mean, fit_std = _standardiser(train_x[~held])
+  chosen, val_top1, records = _l2_path(
+      (train_x - fit_mean) / fit_std, train_y, held, num_classes, l2_grid,
+      max_steps)
 
-  mean, std = _moments(train_x)
-  scale = lambda v: ((v - mean) / std).astype(np.float32)
+  mean, std = _standardiser(train_x)
+  x = (train_x - mean) / std
+  eigenvalues, basis = _eigenbasis(x)
   # Warm start: the selected probe rewritten for the full split's
   # standardisation and eigenbasis, so that it computes the same logits.
-  w, b = (np.asarray(v, np.float64) for v in jax.device_get(
-      (_matmul(basis, selected['w']), selected['b'])))
-  x = jnp.asarray(scale(train_x))
-  weights = jnp.ones(len(train_y), jnp.float32)
-  eigenvalues, basis = _eigenbasis(x, weights)
-  init = {'w': _matmul(basis.T,
-                       jnp.asarray((std / fit_std)[:, None] * w, jnp.float32)),
-          'b': jnp.asarray(b + ((mean - fit_mean) / fit_std) @ w, jnp.float32)}
-  x = _matmul(x, basis)
-  params, _ = fit(_blocks(x, y, weights), jnp.float32(best), eigenvalues,
-                  init)
-  params = {'w': _matmul(basis, params['w']), 'b': params['b']}
-  top1, top5, _ = jax.device_get(
-      _scores(params, jnp.asarray(scale(test_x)), jnp.asarray(test_y)))
+  w = (std / fit_std)[:, None] * chosen.w
+  b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
+  refit = _solve(x @ basis, train_y, eigenvalues, chosen.l2, num_classes,
+                 basis.T @ w, b, max_steps)
+  if not refit.converged:
+    logging.warning('probe refit at lambda=%g did not converge (gradient '
+                    'norm %.1e after %d Newton steps).', chosen.l2,
+                    refit.grad_norm, refit.steps)
+  w = basis @ refit.w
+  top1, top5, _ = _scores(w, refit.b, (test_x - mean) / std, test_y)
   row = {'top1': 100.0 * float(np.mean(top1)),
          'top5': 100.0 * float(np.mean(top5)),
-         'weight_decay': best, 'val_top1': 100.0 * val_top1,
-         'num_train': int(len(train_y)), 'num_test': int(len(test_y))}
+         'weight_decay': chosen.l2, 'val_top1': val_top1,
+         'num_train': int(len(train_y)), 'num_test': int(len(test_y)),
+         'fits': records + [dict(refit.record(), refit=True)]}
   if not return_probe:
     return row
-  w, b = jax.device_get((params['w'], params['b']))
-  return row, Probe(w=np.asarray(w), b=np.asarray(b), mean=mean, std=std,
-                    weight_decay=float(best))
+  return row, Probe(w=w, b=refit.b, mean=mean, std=std,
+                    weight_decay=chosen.l2)
 
 
 def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -480,8 +487,9 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
     ctx: the evaluation's `evaluate.Context`.
 
   Yields:
-    `((row, dataset, metric), value)` for the rows of `ctx.encoders`, and the
-    probe's settings under `('protocol', ...)`.
+    `((row, dataset, metric), value)` for the rows of `ctx.encoders`, every
+    fit's record under `('probe_fits', row, dataset)`, and the probe's
+    settings under `('protocol', ...)`.
   """
   max_steps = int(ctx.config.eval.probe_steps)
   for name in ctx.datasets:
@@ -498,12 +506,12 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
         save_probe(probe_path(ctx.workdir, ctx.step, name), fitted,
                    dataset=name, step=ctx.step, top1=row['top1'],
                    weights=ctx.weights)
+      yield ('probe_fits', row_name, name), row.pop('fits')
       for metric, value in row.items():
         yield (row_name, name, metric), value
-  yield ('protocol', 'probe'), ('softmax regression on standardised features, '
-                                'full-batch L-BFGS (optax.lbfgs)')
+  yield ('protocol', 'probe'), SOLVER
   yield ('protocol', 'probe_max_steps'), max_steps
-  yield ('protocol', 'probe_tolerance'), PROBE_TOLERANCE
+  yield ('protocol', 'probe_tolerance'), GRAD_TOL
   yield ('protocol', 'l2_grid'), list(L2_GRID)
   yield ('protocol', 'holdout_fraction'), HOLDOUT_FRACTION
   yield ('protocol', 'holdout_seed'), HOLDOUT_SEED
