@@ -2,7 +2,7 @@
 
 No download: the 8 x 8 grey images ship inside scikit-learn. The loss, the
 optimiser and the OT views are the paper's; the input and the augmentation are
-changed for 8 x 8 grey digits, as the ablation in the README measured:
+changed for 8 x 8 grey digits:
 
 - Native 8 px with the cifar stem (3 x 3 conv, stride 1, no max-pool), so the
   four stages see 8, 4, 2 and 1 px. Upsampled to 16 px, the imagenet stem

@@ -18,8 +18,8 @@ import numpy as np
 # (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
 IMAGE_RANGE_ATOL = 1e-4
 
-# The Sinkhorn cores (otclr_jax/ot.py's docstring); the README gives the
-# default's measured step time.
+# The Sinkhorn cores (otclr_jax/ot.py's docstring says why 'separable' is
+# the default).
 CORES = ('separable', 'ott')
 
 

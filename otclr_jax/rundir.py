@@ -13,16 +13,18 @@ Exit statuses of `python -m otclr_jax.main` (sysexits.h values where one fits):
       result-changing settings differ from the stored config.json.
   65  `EXIT_DIVERGED` (EX_DATAERR): stopped on a non-finite loss, gradient or
       state; no non-finite checkpoint was written.
-  73  `EXIT_LOCKED` (EX_CANTCREAT): another process holds the workdir lock.
+  73  `EXIT_LOCKED` (EX_CANTCREAT): another process holds the workdir lock;
+      `EXIT_CANT_CREATE`, the same value: the workdir cannot be written.
   75  `EXIT_STOPPED` (EX_TEMPFAIL): stopped before `total_steps` (SIGTERM/SIGINT
       preemption or `stop_after_steps`); the checkpoint is good and rerunning
       the same command resumes.
   1   anything else (status.json says "failed").
 
 The other tools (the sweep, figures, export) keep the same statuses: 2 for a
-usage error, 73 for a directory another process holds or an output path
-that cannot be written (`EXIT_CANT_CREATE`), 75 when SIGTERM or
-SIGINT stops them (`stop_on_signals`), each with one line and no traceback.
+usage error, 73 for a directory another process holds (the sweep) or an
+output path that cannot be written (export, `EXIT_CANT_CREATE`), 75 when
+SIGTERM or SIGINT stops them (`stop_on_signals`), each with one line and no
+traceback.
 """
 
 from __future__ import annotations

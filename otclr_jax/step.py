@@ -9,7 +9,8 @@ the method's extra state included, is in `TrainState`; randomness is
 ``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.
 
 For ``simclr`` with ``augment`` or ``ot`` views its first steps' metrics are
-pinned bit for bit in tests/test_step.py.
+pinned in tests/test_step.py, to the rounding that separates CPU instruction
+sets.
 """
 
 from __future__ import annotations

@@ -266,7 +266,8 @@ def test_horizon_lowers_the_momentum_of_short_runs_only():
 def test_digits_byol_and_dino_keep_their_momentum():
   # configs/digits.py: BYOL's and DINO's targets keep 0.99 over the 132 steps,
   # BYOL and DINO train at base_lr 0.1, DINO's teacher is sharpened at 0.02 and
-  # centred on the last batch alone (docs/methods.md, issue 19); MoCo's
+  # centred on the last batch alone (docs/methods.md, "BYOL and DINO on
+  # digits"); MoCo's
   # momentum stays fitted to the run.
   config = digits.get_config()
   assert base.schedule_base_tau(config.byol, 132) == 0.99

@@ -419,7 +419,7 @@ class TestCores:
 
 
 class TestInputRanges:
-  """Issue 8 item 10: no garbage from wrong image ranges or histograms."""
+  """No garbage from wrong image ranges or histograms."""
 
   x = jnp.full((1, 8, 8, 3), 0.5)
 

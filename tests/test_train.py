@@ -265,7 +265,7 @@ def test_bfloat16_trains(tmp_path, data_dir):
 
 
 # ----------------------------------------------------------------------------
-# Issue 8: results that cannot be wrong silently (see also tests/test_rundir.py).
+# Results that cannot be wrong silently (see also tests/test_rundir.py).
 
 
 def _poison_batch_stats_at(monkeypatch, bad_step):
