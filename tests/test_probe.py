@@ -236,6 +236,15 @@ def test_a_fit_that_did_not_converge_ranks_below_converged_ones():
                        record(False, 85.0, 0.9)]) == 1
 
 
+def test_the_probe_leaves_the_shared_features_unchanged():
+  # kNN and the probe read the same cached feature arrays.
+  (train_x, train_y), (test_x, test_y) = _digits_features()
+  copies = [a.copy() for a in (train_x, train_y, test_x, test_y)]
+  probe.linear_probe(train_x, train_y, test_x, test_y, 10, l2_grid=(1e-2,))
+  for array, copy in zip((train_x, train_y, test_x, test_y), copies):
+    np.testing.assert_array_equal(array, copy)
+
+
 def test_regularisation_choice_never_reads_test():
   # Overlapping blobs with few examples per dimension: test accuracy depends
   # on lambda, and a selection that peeked at the test labels would pick a
