@@ -1,6 +1,8 @@
-"""Shared test set-up: the digits cache, the tiny run config, the slow tier."""
+"""Shared test set-up: the digits cache, the tiny run config, the slow tier,
+and the rounding tolerance of float comparisons."""
 
 import logging
+import math
 import os
 import re
 
@@ -126,3 +128,106 @@ class SignalsInAFinaliser:
     os.kill(os.getpid(), self.signum)
     for _ in range(10_000):  # The handler runs in here.
       pass
+
+
+# Machine epsilons, twice the unit roundoffs u (2**-24 for float32).
+EPS32 = float(np.finfo(np.float32).eps)
+EPS64 = float(np.finfo(np.float64).eps)
+# How many standard deviations the probabilistic bound allows (see
+# `rounding_tol`): its failure probability per result, 2 exp(-LAMBDA**2 / 2),
+# is 2.5e-14, so even the ten million results of a network's gradient are
+# all inside it with probability 1 - 3e-7.
+LAMBDA = 8.0
+# `rounding_tol`'s count for one transcendental function.
+TRANSCENDENTAL = 12
+
+
+def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
+  """How far two roundings of one real-valued result may lie apart, relatively.
+
+  A result computed through a chain of n rounded operations (see below) is
+  the exact result times prod_i (1 + d_i), |d_i| <= u = eps / 2 (Higham,
+  Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1). Two
+  bounds on the relative error, for the same product:
+
+  * the worst case, gamma_n = n u / (1 - n u) ~ n u, certain, whatever order
+    the terms are accumulated in (XLA:CPU's AVX2 or AVX-512 vector lanes, a
+    GEMM's blocking, NumPy's pairwise sums, another fusion);
+  * the probabilistic one, lambda sqrt(n) u (Higham and Mary, SIAM J. Sci.
+    Comput. 41(5), 2019, Theorem 2.4: the d_i as independent zero-mean
+    random variables), exceeded with probability at most
+    2 exp(-lambda**2 / 2); lambda = LAMBDA = 8.
+
+  The tolerance is the smaller of the two, n u for a chain shorter than 64
+  and 8 sqrt(n) u from 64 on, doubled: two evaluations that each meet it (two
+  programs, two instruction sets, two summation orders) differ by at most
+  twice the bound; float32 against a float64 reference has a factor 2 to
+  spare.
+
+  Counting n: a sum, mean or dot product of m terms counts m; a product,
+  quotient, square root, subtraction or rounding of a constant to the format
+  counts 1; a transcendental function (exp, log, cos, tanh, erf) counts 12:
+  implementations are accurate to a few ulp, not correctly rounded (NumPy's
+  AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and log to 1 ulp,
+  its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained stages add: a
+  network's layers count their reductions one after another
+  (`resnet18_chain`).
+
+  k is the growth factor, stated at each call: how much the formula amplifies
+  a relative error of its terms, i.e. its condition number (1 for a sum of
+  terms of one sign; the sum of the terms' magnitudes over the result's when
+  they cancel; |x| for exp(x)). For an absolute tolerance, multiply by the
+  scale of the terms instead.
+
+  Args:
+    n: rounded operations on the longest chain from the inputs to the result.
+    k: growth factor (condition number), >= 1.
+    eps: machine epsilon of the format the result is computed in (EPS64 for
+      float64 arithmetic).
+
+  Returns:
+    2 k min(n, 8 sqrt(n)) u = k min(n, 8 sqrt(n)) eps.
+  """
+  if n < 1 or k < 1:
+    raise ValueError(f'rounding_tol needs n >= 1 and k >= 1, got {n}, {k}.')
+  return k * min(n, LAMBDA * math.sqrt(n)) * eps
+
+
+def _batchnorm_chain(batch: int, size: int) -> int:
+  # Mean and variance over batch x size x size values, then subtract, divide
+  # by sqrt(var + eps), scale and shift.
+  return 2 * batch * size * size + 5
+
+
+def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
+  """`rounding_tol`'s n for the pooled features of `models.ResNet18` (train mode).
+
+  The longest chain runs through the stem and every block's two 3 x 3
+  convolutions (fan-in 9 x input channels each; the 1 x 1 shortcut is
+  shorter), each followed by BatchNorm's statistics over the batch, then the
+  global average pool. Max-pooling and ReLU round nothing. In eval mode
+  BatchNorm's running averages round less; the count still bounds it.
+
+  Args:
+    stem: 'imagenet' (7 x 7 / 2 convolution, 3 x 3 / 2 max-pool) or 'cifar'
+      (3 x 3 / 1 convolution).
+    image_size: side of the square input images.
+    batch: images in the batch BatchNorm normalises over.
+  """
+  halve = lambda s: -(-s // 2)  # stride 2 with 'same'-style padding
+  size = image_size
+  if stem == 'imagenet':
+    size = halve(size)
+    n = 7 * 7 * 3 + _batchnorm_chain(batch, size)
+    size = halve(size)
+  else:
+    n = 3 * 3 * 3 + _batchnorm_chain(batch, size)
+  channels = 64
+  for stage, features in enumerate((64, 128, 256, 512)):
+    for block in range(2):
+      if stage > 0 and block == 0:
+        size = halve(size)
+      n += 9 * channels + 9 * features + 2 * _batchnorm_chain(batch, size)
+      n += 1  # the residual sum
+      channels = features
+  return n + size * size
