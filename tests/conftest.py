@@ -231,3 +231,52 @@ def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
       n += 1  # the residual sum
       channels = features
   return n + size * size
+
+
+def sinkhorn_chain(grid_size: int, num_iters: int) -> int:
+  """`rounding_tol`'s n for the Sinkhorn scalings u, v of `ot` on an m x m grid.
+
+  The per-axis kernel exp(-cost / eps) takes 20 (coordinates, cost, the
+  division, exp); the exponent's rounding is amplified by cost / eps, on
+  entries scaled by exp(-cost / eps), and x exp(-x) <= 1 / e. Each of the
+  2 num_iters half-iterations b / (Kx V Kx) adds two matmuls of m terms and
+  the division, 2m + 1, on top of the previous one's error (relative errors
+  of positive scalings pass through K and the division unamplified).
+  """
+  return 20 + 2 * num_iters * (2 * grid_size + 1)
+
+
+def sinkhorn_cost_chain(grid_size: int, num_iters: int) -> int:
+  """`rounding_tol`'s n for `ot.cost_from_scalings` of the scalings' chain.
+
+  After the scalings: K v and its product with u (2m + 1), log (12), the
+  product (1), the sum over m^2 entries, the three sums' combination and
+  the factor eps (4). The terms cancel (S_eps may be negative): their
+  magnitudes, not the cost, set the scale the tolerance multiplies.
+  """
+  m = grid_size
+  return sinkhorn_chain(m, num_iters) + 2 * m + 1 + 12 + 1 + m * m + 4
+
+
+def measure_chain(height: int, width: int, grid_size: int) -> int:
+  """`rounding_tol`'s n for `ot.image_to_measure`: resize, shift, normalise.
+
+  The separable resize sums at most `height` then `width` terms, the shift
+  and DELTA (2), the mass sums m^2 and the division (1).
+  """
+  return height + width + 2 + grid_size ** 2 + 1
+
+
+def ot_views_chain(height: int, width: int, grid_size: int,
+                   num_iters: int) -> int:
+  """`rounding_tol`'s n for `ot.ot_views`: measures, scalings, splat, image.
+
+  The splat factors (kernel times hat weights, 7) and the three contractions
+  of m terms; then mass and offset interpolated (4), the product and sums
+  back to pixels (3) and the upsampling's sums over at most m rows and m
+  columns. Every pixel is at most 1 + DELTA before clipping, so the chain's
+  relative error is also an absolute one.
+  """
+  m = grid_size
+  return (measure_chain(height, width, m) + sinkhorn_chain(m, num_iters)
+          + 7 + 3 * m + 4 + 3 + 2 * m)
