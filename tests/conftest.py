@@ -176,20 +176,20 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
   k is the growth factor, stated at each call: how much the formula amplifies
   a relative error of its terms, i.e. its condition number (1 for a sum of
   terms of one sign; the sum of the terms' magnitudes over the result's when
-  they cancel; |x| for exp(x)). For an absolute tolerance, multiply by the
-  scale of the terms instead.
+  they cancel; |x| for exp(x), which damps the rounding of an x below 1).
+  For an absolute tolerance, multiply by the scale of the terms instead.
 
   Args:
     n: rounded operations on the longest chain from the inputs to the result.
-    k: growth factor (condition number), >= 1.
+    k: growth factor (condition number), >= 0.
     eps: machine epsilon of the format the result is computed in (EPS64 for
       float64 arithmetic).
 
   Returns:
     2 k min(n, 8 sqrt(n)) u = k min(n, 8 sqrt(n)) eps.
   """
-  if n < 1 or k < 1:
-    raise ValueError(f'rounding_tol needs n >= 1 and k >= 1, got {n}, {k}.')
+  if n < 1 or k < 0:
+    raise ValueError(f'rounding_tol needs n >= 1 and k >= 0, got {n}, {k}.')
   return k * min(n, LAMBDA * math.sqrt(n)) * eps
 
 
