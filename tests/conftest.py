@@ -164,9 +164,10 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
   twice the bound; float32 against a float64 reference has a factor 2 to
   spare.
 
-  Counting n: a sum, mean or dot product of m terms counts m; a product,
-  quotient, square root, subtraction or rounding of a constant to the format
-  counts 1; a transcendental function (exp, log, cos, tanh, erf) counts 12:
+  Counting n: a sum or dot product of m terms counts m (Higham's gamma_m
+  bounds both), a mean m + 1; a product, square root, subtraction or rounding
+  of a constant to the format counts 1, a quotient 2 (XLA may rewrite x / y
+  as x * (1 / y)); a transcendental function (exp, log, cos, tanh, erf) counts 12:
   implementations are accurate to a few ulp, not correctly rounded (NumPy's
   AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and log to 1 ulp,
   its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained stages add: a
