@@ -281,3 +281,28 @@ def ot_views_chain(height: int, width: int, grid_size: int,
   m = grid_size
   return (measure_chain(height, width, m) + sinkhorn_chain(m, num_iters)
           + 7 + 3 * m + 4 + 3 + 2 * m)
+
+
+def mean_std_rtol(values) -> tuple[float, float]:
+  """`rounding_tol`s of float64 NumPy means and sample deviations of `values`.
+
+  Against any other float64 evaluation (statistics.fmean and stdev round
+  about once). The mean: the sum over n and the division (n + 2). The
+  standard deviation (ddof=1): each deviation x - mean carries the mean's
+  error and its own rounding, absolutely at the scale |x| + |mean| (n + 3),
+  which moves the sum of squares by 2 sum |dev| (|x| + |mean|) times it,
+  relative to sum dev^2 (k); the squares, their sum and the division round
+  relative (n + 3); the square root halves the variance's error and rounds
+  once.
+
+  Returns:
+    (rtol of the mean, rtol of the standard deviation).
+  """
+  x = np.asarray(values, np.float64)
+  n = len(x)
+  dev = x - x.mean()
+  k = 2 * np.sum(np.abs(dev) * (np.abs(x) + abs(x.mean()))) / np.sum(dev ** 2)
+  rtol_std = 0.5 * (rounding_tol(n + 3, k=k, eps=EPS64)
+                    + rounding_tol(n + 3, eps=EPS64)) + rounding_tol(
+                        1, eps=EPS64)
+  return rounding_tol(n + 2, eps=EPS64), rtol_std
