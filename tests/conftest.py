@@ -138,8 +138,6 @@ EPS64 = float(np.finfo(np.float64).eps)
 # is 2.5e-14, so even the ten million results of a network's gradient are
 # all inside it with probability 1 - 3e-7.
 LAMBDA = 8.0
-# `rounding_tol`'s count for one transcendental function.
-TRANSCENDENTAL = 12
 
 
 def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
@@ -153,10 +151,11 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
   * the worst case, gamma_n = n u / (1 - n u) ~ n u, certain, whatever order
     the terms are accumulated in (XLA:CPU's AVX2 or AVX-512 vector lanes, a
     GEMM's blocking, NumPy's pairwise sums, another fusion);
-  * the probabilistic one, lambda sqrt(n) u (Higham and Mary, SIAM J. Sci.
-    Comput. 41(5), 2019, Theorem 2.4: the d_i as independent zero-mean
-    random variables), exceeded with probability at most
-    2 exp(-lambda**2 / 2); lambda = LAMBDA = 8.
+  * the probabilistic one, about lambda sqrt(n) u (Higham and Mary, "A New
+    Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci.
+    Comput. 41(5), 2019: the d_i as independent zero-mean random
+    variables), exceeded with probability at most 2 exp(-lambda**2 / 2);
+    lambda = LAMBDA = 8.
 
   The tolerance is the smaller of the two, n u for a chain shorter than 64
   and 8 sqrt(n) u from 64 on, doubled: two evaluations that each meet it (two
@@ -167,11 +166,11 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
   Counting n: a sum or dot product of m terms counts m (Higham's gamma_m
   bounds both), a mean m + 1; a product, square root, subtraction or rounding
   of a constant to the format counts 1, a quotient 2 (XLA may rewrite x / y
-  as x * (1 / y)); a transcendental function (exp, log, cos, tanh, erf) counts 12:
-  implementations are accurate to a few ulp, not correctly rounded (NumPy's
-  AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and log to 1 ulp,
-  its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained stages add: a
-  network's layers count their reductions one after another
+  as x * (1 / y)); a transcendental function (exp, log, cos, tanh, erf)
+  counts 12: implementations are accurate to a few ulp, not correctly
+  rounded (NumPy's AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and
+  log to 1 ulp, its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained
+  stages add: a network's layers count their reductions one after another
   (`resnet18_chain`).
 
   k is the growth factor, stated at each call: how much the formula amplifies
@@ -195,13 +194,13 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
 
 
 def _batchnorm_chain(batch: int, size: int) -> int:
-  # Mean and variance over batch x size x size values, then subtract, divide
-  # by sqrt(var + eps), scale and shift.
-  return 2 * batch * size * size + 5
+  # Mean and variance over batch x size x size values, then subtract (1),
+  # + eps and sqrt (2), the division (2), scale and shift (2).
+  return 2 * batch * size * size + 7
 
 
 def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
-  """`rounding_tol`'s n for the pooled features of `models.ResNet18` (train mode).
+  """`rounding_tol`'s n for the pooled features of `models.ResNet18`.
 
   The longest chain runs through the stem and every block's two 3 x 3
   convolutions (fan-in 9 x input channels each; the 1 x 1 shortcut is

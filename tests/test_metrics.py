@@ -46,31 +46,42 @@ def _with_singleton(z, assign, k):
 # with growth factors read off the data.
 
 
-def _gram_distance_rtol(z):
-  """Relative error of one float32 distance from the Gram form.
+def _distance_sums_rtol(z, assign):
+  """Relative error of float32 sums of Gram-form distances to each cluster.
 
   sq = |z_i|^2 + |z_j|^2 - 2 z_i.z_j takes d products' sums and two sums
-  (d + 2), each rounding relative to terms of at most 4 max |z|^2 in all,
-  which sq / 2 (the square root halves) amplifies by 2 max |z|^2 / sq; then
-  sqrt (1). The data hold no two coincident points.
+  (d + 2), rounding absolutely at the scale 4 max |z|^2, and sqrt turns an
+  error e of sq into e / (2 d_ij); sqrt then rounds once. Summed over the
+  members j of a cluster, the errors make a relative error of at most
+  2 max |z|^2 sum_j 1 / d_ij / sum_j d_ij of the sum, whose largest ratio
+  over points and clusters (k) also bounds every sum of such sums. The
+  data hold no two coincident points.
   """
   z = np.asarray(z, np.float64)
-  sq = np.sum((z[:, None] - z[None]) ** 2, -1)[np.triu_indices(len(z), 1)]
-  assert np.min(sq) > 0
-  k = 2 * np.max(np.sum(z * z, 1)) / np.min(sq)
+  dist = np.linalg.norm(z[:, None] - z[None], axis=-1)
+  np.fill_diagonal(dist, np.nan)
+  assert np.nanmin(dist) > 0
+  ratio = 0.0
+  for c in np.unique(assign):
+    members = dist[:, assign == c]
+    count = np.sum(~np.isnan(members), axis=1)
+    sums = np.nansum(members, axis=1)
+    inverse = np.nansum(1.0 / members, axis=1)
+    ratio = max(ratio, float(np.max((inverse / sums)[count > 0])))
+  k = 2 * np.max(np.sum(z * z, 1)) * ratio
   return rounding_tol(z.shape[1] + 2, k=k) + rounding_tol(1)
 
 
-def _silhouette_atol(z):
+def _silhouette_atol(z, assign):
   """s_i = (b - a) / max(a, b) with a and b means of Gram distances.
 
-  a and b: the distances' error, then sums over at most n points and the
+  a and b: the distance sums' error, then sums over at most n points and the
   division (n + 2). s_i moves by at most 3 times their relative error (its
   terms are at most max(a, b)); its division (2) and the mean over n points
   (n + 1) round relative to |s_i| <= 1.
   """
   n = len(z)
-  rel_ab = _gram_distance_rtol(z) + rounding_tol(n + 2)
+  rel_ab = _distance_sums_rtol(z, assign) + rounding_tol(n + 2)
   return 3 * rel_ab + rounding_tol(n + 3)
 
 
@@ -100,7 +111,7 @@ def _inter_intra_rtol(z, assign):
   """
   num = len(np.unique(assign))
   inter = _centroid_rtol(z, assign) + rounding_tol(num * num + 1)
-  intra = _gram_distance_rtol(z) + rounding_tol(2 * len(z) + num + 3)
+  intra = _distance_sums_rtol(z, assign) + rounding_tol(2 * len(z) + num + 3)
   return inter + intra + rounding_tol(2)
 
 
@@ -198,7 +209,8 @@ def test_silhouette_chunked_equals_unchunked(block_size):
   chunked = metrics.silhouette(z, assign, num_clusters=3,
                                block_size=block_size)
   # Two programs (row blocks against one block) of one float32 computation.
-  np.testing.assert_allclose(chunked, full, rtol=0, atol=_silhouette_atol(z))
+  np.testing.assert_allclose(chunked, full, rtol=0,
+                             atol=_silhouette_atol(z, assign))
   full_r = metrics.inter_intra_ratio(z, assign, num_clusters=3,
                                      block_size=None)
   chunked_r = metrics.inter_intra_ratio(z, assign, num_clusters=3,
@@ -328,7 +340,7 @@ def test_empty_cluster_ids_are_masked():
   sparse = np.array([0, 3, 5], np.int32)[assign]
   # Two programs (K = 7 against K = 3) of one float32 computation.
   tolerances = {
-      metrics.silhouette: dict(rtol=0, atol=_silhouette_atol(z)),
+      metrics.silhouette: dict(rtol=0, atol=_silhouette_atol(z, assign)),
       metrics.compactness: dict(rtol=_compactness_rtol(z, assign)),
       metrics.centroid_margin: dict(rtol=_centroid_rtol(z, assign)
                                     + rounding_tol(3)),
