@@ -17,6 +17,7 @@ from tests.conftest import EPS64
 from tests.conftest import measure_chain
 from tests.conftest import ot_views_chain
 from tests.conftest import rounding_tol
+from tests.conftest import sinkhorn_chain
 from tests.conftest import sinkhorn_cost_chain
 
 EPS = 0.05
@@ -61,6 +62,24 @@ def _cost_scale(a, b, num_iters=20, epsilon=EPS):
       axis=(-2, -1))))
 
 
+def _plan_rtol(num_iters):
+  """Relative error of a float32 plan entry u_i K_ij v_j, m = 16.
+
+  The scalings' chain and the plan's kron and two products (3); the
+  kernel's exponent takes 11 roundings (test_kernel_comes_from_ott_grid),
+  each absolute at the cost's scale, amplified by up to 1 / eps in an entry.
+  """
+  return (rounding_tol(sinkhorn_chain(16, num_iters) + 3)
+          + rounding_tol(11, k=1 / EPS))
+
+
+# The scalings' |log u| and |log v| are at most L = 1 / eps +
+# 2 |log(DELTA / m^2)| + log(m^2) for histograms of at least DELTA / m^2
+# on a kernel in [exp(-1 / eps), 1] (here the histograms' floor is 1e-3 /
+# (1.001 m^2), larger).
+_LOG_SCALING = 1 / EPS + 2 * abs(math.log(ot.DELTA / 256)) + math.log(256)
+
+
 # The splat of `ot.displace`: the factors Kx w (7: the hat weights' four
 # operations on rounded positions, the product), then three contractions of
 # m = 16 terms.
@@ -100,7 +119,9 @@ class TestSinkhorn:
                             numItermax=num_iters, stopThr=0)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
     assert plan.shape == (256, 256)
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # float32 against POT's float64 iterations.
+    np.testing.assert_allclose(plan, expected, rtol=_plan_rtol(num_iters),
+                               atol=0)
 
   @pytest.mark.parametrize('num_iters', [1, 5, 20])
   def test_plan_matches_ott_grid_solver(self, pair, num_iters):
@@ -115,7 +136,13 @@ class TestSinkhorn:
     f, g = np.asarray(out.f, np.float64), np.asarray(out.g, np.float64)
     expected = np.exp((f[:, None] + g[None, :] - ot.grid_cost(16)) / EPS)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # Two float32 programs; ott-jax's potentials f = eps log u, g = eps log v
+    # round log and product (13 each), absolutely at |log u|, |log v| <= L,
+    # which exp((f + g - C) / eps) turns into a relative error.
+    np.testing.assert_allclose(
+        plan, expected,
+        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
+        atol=0)
 
   def test_marginals(self, pair):
     a, b = pair
@@ -391,7 +418,12 @@ class TestCores:
                             b.ravel().astype(np.float64), ot.grid_cost(16),
                             reg=EPS, numItermax=num_iters, stopThr=0)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters, core='ott'))
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # ott-jax's scalings come from its potentials (exp(f / eps): 13 more
+    # roundings each, absolute at |log u| <= L).
+    np.testing.assert_allclose(
+        plan, expected,
+        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
+        atol=0)
 
   @pytest.mark.parametrize('num_iters', [1, 5, 20])
   def test_cores_agree_on_views(self, num_iters):
