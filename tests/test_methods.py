@@ -448,12 +448,13 @@ def test_byol_normalises_each_view_on_its_own():
   # Two programs (both views in one jitted loss against one network run per
   # view) of one float32 computation. Its longest chain: the ResNet at batch
   # 4, the head 512 -> 16 -> BatchNorm -> 8, the predictor 8 -> 16 ->
-  # BatchNorm -> 8, normalising 8 entries (8 + 2), the difference and its
-  # square (2), their sum (8), the batch mean (4) and the two views' sum (1).
-  # Growth: squaring doubles a relative error, and the difference of two unit
+  # BatchNorm -> 8 (each BatchNorm over 4: 2 x 4 + 7), normalising 8
+  # entries (8, sqrt and division: 11), the difference and its square (2),
+  # their sum (8), the batch mean (5) and the two views' sum (1). Growth:
+  # squaring doubles a relative error, and the difference of two unit
   # vectors amplifies their errors by 2 / |p - z|.
   n = (resnet18_chain('cifar', 8, 4) + 512 + 16 + 8 + 16
-       + 2 * (2 * 4 + 5) + 10 + 2 + 8 + 4 + 1)
+       + 2 * (2 * 4 + 7) + 11 + 2 + 8 + 5 + 1)
   k = 2 * 2 / min(np.min(np.linalg.norm(a - b, axis=-1)) for a, b in pairs)
   rtol = rounding_tol(n, k)
   np.testing.assert_allclose(float(value), expected, rtol=rtol)

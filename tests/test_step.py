@@ -95,7 +95,7 @@ _OT_VIEWS = 2 * ot_views_chain(_SIDE, _SIDE, _GRID, 20)
 # The network up to the projections: the encoder, the head's 512-term Dense,
 # its BatchNorm over 32 and its 32-term Dense with the bias.
 _NETWORK = (resnet18_chain('imagenet', _SIDE, 2 * _BATCH) + 512
-            + 2 * 2 * _BATCH + 5 + 32 + 1)
+            + 2 * 2 * _BATCH + 7 + 32 + 1)
 # NT-Xent on 16-dim projections, batch 16 (tests/test_losses.py).
 _NT_XENT = (16 + 2) + 16 + 1 + 2 + 12 + (2 * _BATCH - 1) + 12 + 1 + (
     2 * _BATCH + 1)
