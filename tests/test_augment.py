@@ -15,8 +15,26 @@ from scipy import ndimage
 from scipy import stats
 
 from otclr_jax import augment
+from tests.conftest import rounding_tol
 
 LUMA = np.array([0.2989, 0.587, 0.114])
+
+# Tolerances of the float32 colour operations against the float64 formulas
+# below, on pixels in [0, 1] (absolute). Luma: the three constants, products
+# and two sums (8). A blend f x + (1 - f) d: the factor, 1 - f, two products
+# and the sum (5) after d's own chain, on terms of at most
+# f + |1 - f| <= 2 for factors in [0, 1.4].
+_LUMA_ATOL = rounding_tol(8)
+_BRIGHTNESS_ATOL = rounding_tol(5) * 2
+_SATURATION_ATOL = rounding_tol(8 + 5) * 2
+# Contrast: d is the mean of the 6 x 7 lumas (43).
+_CONTRAST_ATOL = rounding_tol(8 + 43 + 5) * 2
+# Hue, absolute errors in units of u: the chroma's reciprocal and product at
+# scale 1 (3), + 2 or + 4 at scale 5 (5), the shift (constant, product, sum)
+# and its wrap (reciprocal product, floor, product, difference) at scale 8
+# (56), k and 4 - k at scale 11 (22), the product with the chroma and the
+# difference from the value at scale 1 (2): 88u, rounding_tol(44).
+_HUE_ATOL = rounding_tol(44)
 
 # Every operation off and the crop fixed to the whole image: the pipeline is
 # then the identity, and one operation at a time can be switched on.
@@ -164,8 +182,17 @@ def test_crop_box_fallback_is_centred(height, width, ratio, expected):
       k, height, width, scale=(1.0, 1.0), ratio=ratio))(keys))
   bh, bw = expected
   want = np.array([(height - bh) / 2, (width - bw) / 2, bh, bw])
+  # The fallback is computed in float64 and rounded to float32 once.
   np.testing.assert_allclose(boxes, np.broadcast_to(want, boxes.shape),
-                             rtol=1e-6, atol=1e-5)
+                             rtol=rounding_tol(1), atol=0)
+
+
+# resized_crop against scipy's float64 interpolation, absolute on pixels in
+# [0, 1]: each output coordinate start + (o + 0.5) extent / size - 0.5 and its
+# clamp and fraction take 6 roundings at the scale of the image side (up to
+# 16), which move each of the 2 x 2 bilinear weights absolutely (k = 16), and
+# each axis's 2 weights (2 x 2 axes); the 2 x 2 products and sums (6).
+_CROP_ATOL = rounding_tol(6, k=16) * 2 * 2 + rounding_tol(6)
 
 
 def test_resized_crop_matches_scipy():
@@ -175,11 +202,12 @@ def test_resized_crop_matches_scipy():
     box = augment.sample_crop_box(key, 12, 16)
     got = np.asarray(augment.resized_crop(jnp.asarray(image), box))
     np.testing.assert_allclose(got, _np_resized_crop(image, np.asarray(box)),
-                               rtol=0, atol=2e-6)
+                               rtol=0, atol=_CROP_ATOL)
   # Sub-pixel box touching the border, where the edge clamp matters.
   box = np.array([0.0, 11.3, 3.7, 4.7], np.float32)
   got = np.asarray(augment.resized_crop(jnp.asarray(image), jnp.asarray(box)))
-  np.testing.assert_allclose(got, _np_resized_crop(image, box), atol=2e-6)
+  np.testing.assert_allclose(got, _np_resized_crop(image, box), rtol=0,
+                             atol=_CROP_ATOL)
 
 
 def test_resized_crop_full_box_is_identity_and_flip_mirrors():
@@ -189,9 +217,13 @@ def test_resized_crop_full_box_is_identity_and_flip_mirrors():
   np.testing.assert_array_equal(
       augment.resized_crop(image, full, flip=True), image[:, ::-1])
   box = jnp.array([1.5, 2.25, 6.0, 9.5])
+  # The same weights, reversed: each output pixel sums the same 2 x 2
+  # products (4 products of two factors and their sums, 12 roundings at most
+  # on pixels <= 1), possibly in another vector lane or order.
   np.testing.assert_allclose(
       augment.resized_crop(image, box, flip=True),
-      augment.resized_crop(image, box)[:, ::-1], rtol=0, atol=1e-6)
+      augment.resized_crop(image, box)[:, ::-1], rtol=0,
+      atol=rounding_tol(12))
   np.testing.assert_array_equal(augment.horizontal_flip(image),
                                 np.flip(np.asarray(image), axis=1))
 
@@ -205,11 +237,14 @@ def test_blend_ops_match_closed_forms(factor):
   x = _images(1, 6, 7, seed=6)[0]
   xj = jnp.asarray(x)
   np.testing.assert_allclose(augment.adjust_brightness(xj, factor),
-                             _np_brightness(x, factor), atol=1e-6)
+                             _np_brightness(x, factor), rtol=0,
+                             atol=_BRIGHTNESS_ATOL)
   np.testing.assert_allclose(augment.adjust_contrast(xj, factor),
-                             _np_contrast(x, factor), atol=1e-6)
+                             _np_contrast(x, factor), rtol=0,
+                             atol=_CONTRAST_ATOL)
   np.testing.assert_allclose(augment.adjust_saturation(xj, factor),
-                             _np_saturation(x, factor), atol=1e-6)
+                             _np_saturation(x, factor), rtol=0,
+                             atol=_SATURATION_ATOL)
 
 
 @pytest.mark.parametrize('delta', [0.1, -0.1, 0.037, 0.5, -0.5])
@@ -218,7 +253,7 @@ def test_hue_matches_colorsys(delta):
   # Include grey, saturated and boundary colours.
   x[0, :5] = [[0.5, 0.5, 0.5], [1, 0, 0], [0, 1, 1], [0, 0, 0], [1, 1, 1]]
   np.testing.assert_allclose(augment.adjust_hue(jnp.asarray(x), delta),
-                             _np_hue(x, delta), rtol=0, atol=1e-6)
+                             _np_hue(x, delta), rtol=0, atol=_HUE_ATOL)
 
 
 def test_zero_strength_is_identity():
@@ -240,7 +275,7 @@ def test_grayscale_equal_channels_and_luma():
   g = np.asarray(augment.grayscale(jnp.asarray(x)))
   np.testing.assert_array_equal(g[..., 0], g[..., 1])
   np.testing.assert_array_equal(g[..., 0], g[..., 2])
-  np.testing.assert_allclose(g[..., 0], _np_luma(x), atol=1e-6)
+  np.testing.assert_allclose(g[..., 0], _np_luma(x), rtol=0, atol=_LUMA_ATOL)
 
 
 @pytest.mark.parametrize('order', [
@@ -254,7 +289,13 @@ def test_apply_jitter_follows_order(order):
     want = _NP_OPS[op](want, factors[op])
   got = augment.apply_jitter(jnp.asarray(x), jnp.asarray(factors),
                              jnp.asarray(order, jnp.int32))
-  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+  # Each operation adds its own error (the atols above) and passes on the
+  # earlier ones amplified by at most f + |1 - f| (1.35, 1, 1.6) or, for
+  # hue, by the 3 of its three-way differences at scale 1: a product of 6.5
+  # bounds every order.
+  atol = 6.5 * (_BRIGHTNESS_ATOL + _CONTRAST_ATOL + _SATURATION_ATOL
+                + _HUE_ATOL)
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
   np.testing.assert_array_equal(
       augment.apply_jitter(jnp.asarray(x), jnp.array(augment.IDENTITY_FACTORS),
                            jnp.asarray(order, jnp.int32)), x)
@@ -306,20 +347,29 @@ def test_gaussian_blur_matches_scipy(sigma, size):
   taps = np.arange(size) - size // 2
   w = np.exp(-taps**2 / (2 * sigma**2))
   w /= w.sum()
+  # The exponent: sigma's rounding, the division and the square (3), each
+  # relative, so absolute at the exponent's scale, at most (r / sigma)^2 / 2
+  # = 2 here (k = 2); exp (12), the sum over the taps and the division.
+  w_rtol = rounding_tol(3, k=2) + rounding_tol(12 + size + 2)
   np.testing.assert_allclose(augment.gaussian_kernel(sigma, size), w,
-                             rtol=1e-6)
+                             rtol=w_rtol)
   # scipy's 'mirror' is reflection without repeating the edge pixel.
   want = ndimage.correlate1d(x.astype(np.float64), w, axis=0, mode='mirror')
   want = ndimage.correlate1d(want, w, axis=1, mode='mirror')
+  # Two passes, each moved by the weights' relative error on pixels <= 1,
+  # and each summing `size` products (2 size).
   np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, size),
-                             want, rtol=0, atol=1e-6)
+                             want, rtol=0,
+                             atol=2 * w_rtol + rounding_tol(2 * 2 * size))
 
 
 def test_blur_preserves_constant_image():
   x = jnp.full((9, 12, 3), 0.37, jnp.float32)
+  # The normalised weights sum to 1 up to their sum and division (5 + 2);
+  # each pass sums 5 products (10); two passes, relative to 0.37.
   for sigma in (0.1, 1.0, 2.0):
     np.testing.assert_allclose(augment.gaussian_blur(x, sigma, 5), x,
-                               rtol=0, atol=1e-6)
+                               rtol=2 * rounding_tol(7 + 10), atol=0)
 
 
 def test_blur_rejects_bad_kernel():
@@ -360,7 +410,8 @@ def test_grayscale_frequency():
   gray = np.all(out == out[..., :1], axis=(1, 2, 3))
   np.testing.assert_array_equal(gray, _changed(out, x))
   _assert_frequency(gray, 0.2, 'grayscale')
-  np.testing.assert_allclose(out[gray][..., 0], _np_luma(x[gray]), atol=1e-6)
+  np.testing.assert_allclose(out[gray][..., 0], _np_luma(x[gray]), rtol=0,
+                             atol=_LUMA_ATOL)
 
 
 def test_blur_frequency():

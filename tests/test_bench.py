@@ -12,6 +12,8 @@ from otclr_jax.bench import __main__ as bench
 from otclr_jax.bench import common
 from otclr_jax.bench import ot_views
 from otclr_jax import ot
+from tests.conftest import EPS64
+from tests.conftest import rounding_tol
 
 TINY = ['ot', '--batch_sizes=2,3', '--repeats=1', '--image_size=8',
         '--grid_size=4', '--num_iters=3', '--min_time_s=0']
@@ -94,8 +96,17 @@ def test_numpy_splat_tables_match_dense_displace():
   index, weight = ot_views.numpy_splat_tables(m, alpha)
   got = np.bincount(index.ravel(), (weight * plan).ravel(), minlength=m * m)
   expected = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
-  np.testing.assert_allclose(got.reshape(m, m), expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(weight.sum(0), 1.0, atol=1e-12)
+  # float64 tables against dense_displace in float32: the plan's rounding
+  # (1), each packet's weight (positions, their scaling by m - 1, the
+  # fraction, the weights' product: 8, in grid units up to m - 1 = 4) and
+  # product (1), and up to all 25 x 25 x 4 packets scattered into one
+  # vertex (tests/test_ot.py's dense splat).
+  np.testing.assert_allclose(got.reshape(m, m), expected,
+                             rtol=rounding_tol(1 + 8 + 1 + 2500, k=4), atol=0)
+  # A packet's four weights: 1 - t and t per axis (2), their four products
+  # (4) and sum (3), the fractions (3): float64, relative to 1.
+  np.testing.assert_allclose(weight.sum(0), 1.0, rtol=0,
+                             atol=rounding_tol(12, eps=EPS64))
 
 
 @pytest.mark.parametrize('flag, value', [('--repeats', '0'),

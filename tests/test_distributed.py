@@ -26,6 +26,7 @@ from otclr_jax import config_files
 from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax import rundir
+from tests import test_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Seconds any one start of the processes may take (compiling the training
@@ -281,7 +282,10 @@ def test_two_processes_stop_resume_and_match_one_process(tmp_path, data_dir):
     np.testing.assert_allclose(a, b, rtol=0, atol=PARAMS_ATOL)
   two, one = _metrics(workdir)[0], _metrics(reference)[0]
   assert two['step'] == one['step'] == compared
-  np.testing.assert_allclose(two['loss'], one['loss'], rtol=1e-6)
+  # Two programs (the gradient's all-reduce in another order) of the tiny
+  # OT step; step 2's loss carries step 1's gradients (tests/test_step.py).
+  np.testing.assert_allclose(two['loss'], one['loss'],
+                             rtol=test_step.pinned_rtol('ot', 1, {})['loss'])
   assert two['monitor_knn_top1'] == pytest.approx(one['monitor_knn_top1'],
                                                   abs=100 / 32 + 1e-9)
 

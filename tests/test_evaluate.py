@@ -25,6 +25,8 @@ from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
 from tests.folder_trees import save_image
+from tests.conftest import resnet18_chain
+from tests.conftest import rounding_tol
 from tests.conftest import shrink_digits
 from tests.conftest import tiny_config
 
@@ -162,6 +164,32 @@ def _tiny_net(seed=0, num_images=50):
   return model, variables, images
 
 
+def _head_atol(variables, h):
+  """How far two float32 evaluations of the projection head on h may differ.
+
+  The hidden Dense sums 512 products, rounding relative to |h| |W1|; eval
+  BatchNorm (subtract, divide by sqrt(var + eps), scale, shift: 6) scales
+  that by g = |scale| / sqrt(var + eps) and rounds relative to its own
+  terms; the output Dense sums `hidden` products and the bias, relative to
+  |a| |W2| + |b|, and carries the hidden layer's error through |W2|.
+  """
+  head = jax.tree.map(lambda t: np.asarray(t, np.float64),
+                      variables['params']['head'])
+  stats = jax.tree.map(lambda t: np.asarray(t, np.float64),
+                       variables['batch_stats']['head']['bn'])
+  h = np.asarray(h, np.float64)
+  w1, w2 = head['hidden']['kernel'], head['out']['kernel']
+  g = head['bn']['scale'] / np.sqrt(stats['var'] + 1e-5)
+  pre = h @ w1
+  a = np.maximum(0.0, (pre - stats['mean']) * g + head['bn']['bias'])
+  err_a = rounding_tol(512 + 6) * (
+      np.abs(g) * (np.abs(h) @ np.abs(w1) + np.abs(stats['mean']))
+      + np.abs(head['bn']['bias']))
+  err_z = err_a @ np.abs(w2) + rounding_tol(w1.shape[1] + 1) * (
+      a @ np.abs(w2) + np.abs(head['out']['bias']))
+  return float(np.max(err_z))
+
+
 def _bn_inputs(model, variables, images):
   """{BatchNorm path: float64 input [N, ..., C]} of one training-mode pass.
 
@@ -235,9 +263,11 @@ def test_project_equals_the_networks_z():
   model, variables, images = _tiny_net(seed=1, num_images=12)
   h, z = model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
                      train=False)
+  # Two programs (jitted batches of 5 against the eager network) of the
+  # head on the same h.
   np.testing.assert_allclose(
       clusters.project(model, variables, np.asarray(h), batch_size=5),
-      np.asarray(z), rtol=1e-5, atol=1e-6)
+      np.asarray(z), rtol=0, atol=_head_atol(variables, h))
 
 
 def test_embedding_config_is_checked():
@@ -524,16 +554,20 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
                              / 255.0, train=False)[0])
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
   # is [8, ...] (the smaller splits padded), the features those of the
-  # unpadded network.
+  # unpadded network. Two programs (jitted and padded against eager) of the
+  # encoder, whose chain resnet18_chain counts, on features of the scale of
+  # the largest.
+  rtol = rounding_tol(resnet18_chain('cifar', 8, 8))
+  atol = rtol * float(np.max(np.abs(h)))
   for split in (images, images[:5], images[7:10]):
     np.testing.assert_allclose(
         features.extract_features(encoder, variables, split, 8,
                                   log_progress=False),
         model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
-                    train=False)[0], rtol=1e-5, atol=1e-5)
+                    train=False)[0], rtol=rtol, atol=atol)
   np.testing.assert_allclose(h[7:10], features.extract_features(
       encoder, variables, images[7:10], 8, log_progress=False),
-                             rtol=1e-5, atol=1e-5)
+                             rtol=rtol, atol=atol)
   assert encoder._apply._cache_size() == 1
 
 
@@ -556,17 +590,25 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
                                        num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
   assert encoder._apply._cache_size() == 1
-  z = np.asarray(model.apply(
+  h, z = (np.asarray(t, np.float64) for t in model.apply(
       variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0,
-      train=False)[1], np.float64)
+      train=False)[:2])
+  # Two programs (the compiled, padded encoder against the eager network):
+  # the encoder's chain relative to z, the head's bound, then normalising
+  # (4 squares' sum, sqrt and division: 7), which turns an error of z into
+  # one of the unit rows at most twice as large relative to |z|.
+  z_norm = np.linalg.norm(z, axis=1, keepdims=True)
+  err = (rounding_tol(resnet18_chain('cifar', 8, 8)) * np.abs(z)
+         + _head_atol(variables, h))
   np.testing.assert_allclose(
-      views.anchors, z / np.linalg.norm(z, axis=1, keepdims=True),
-      rtol=1e-5, atol=1e-6)
+      views.anchors, z / z_norm, rtol=0,
+      atol=float(np.max(2 * err / z_norm)) + rounding_tol(7))
   for pair in (views.simclr, views.otclr):
     for z_view in pair:
       assert z_view.shape == (10, 4)
+      # Unit rows in float32 (7), whose norm NumPy takes in float32 (5).
       np.testing.assert_allclose(np.linalg.norm(z_view, axis=1), 1.0,
-                                 rtol=1e-5)
+                                 rtol=rounding_tol(12))
   assert not np.allclose(views.simclr[0], views.otclr[0])
 
 

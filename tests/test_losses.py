@@ -14,6 +14,9 @@ import pytest
 from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax import ot
+from tests.conftest import measure_chain
+from tests.conftest import rounding_tol
+from tests.conftest import sinkhorn_cost_chain
 
 # Jitted entry points: one compilation per shape is much cheaper on a shared CPU
 # than eager op-by-op dispatch. Eager calls remain where behaviour may differ.
@@ -40,6 +43,21 @@ def _nt_xent_reference(z1, z2, temperature):
   return total / n, correct / n
 
 
+def _nt_xent_atol(batch, dim, temperature=0.5, extra=0):
+  """How far two float32 evaluations of NT-Xent may differ.
+
+  Chain: normalising (dim + 2), the dot products (dim), / temperature (1),
+  logsumexp (the shift 2, exp 12, the sum over 2 batch - 1 logits, log 12),
+  - positive (1), the mean over 2 batch anchors; `extra` roundings of the
+  inputs before. The positive logit and the logsumexp are each 1-Lipschitz
+  in logits of magnitude up to 1 / temperature: an absolute scale of
+  2 / temperature.
+  """
+  n = (extra + dim + 2 + dim + 1 + 2 + 12 + 2 * batch - 1 + 12 + 1
+       + 2 * batch)
+  return rounding_tol(n) * 2 / temperature
+
+
 def _random_pair(seed, batch, dim, noise=1.0):
   rng = np.random.default_rng(seed)
   z1 = rng.normal(size=(batch, dim))
@@ -56,8 +74,10 @@ def test_nt_xent_matches_numpy_reference(batch, dim, temperature):
   loss, top1 = _nt_xent(jnp.asarray(z1), jnp.asarray(z2), temperature)
   ref_loss, ref_top1 = _nt_xent_reference(z1, z2, temperature)
   assert loss.dtype == jnp.float32 and loss.shape == ()
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  np.testing.assert_allclose(top1, ref_top1, rtol=0, atol=1e-7)
+  np.testing.assert_allclose(loss, ref_loss, rtol=0,
+                             atol=_nt_xent_atol(batch, dim, temperature))
+  # A count over 2B anchors, divided once in float32.
+  np.testing.assert_allclose(top1, ref_top1, rtol=rounding_tol(1), atol=0)
 
 
 def test_nt_xent_top1_fractional_count_matches_numpy():
@@ -66,26 +86,28 @@ def test_nt_xent_top1_fractional_count_matches_numpy():
   _, top1 = _nt_xent(jnp.asarray(z1), jnp.asarray(z2))
   _, ref_top1 = _nt_xent_reference(z1, z2, 0.5)
   assert 0.0 < ref_top1 < 1.0
-  np.testing.assert_allclose(top1, ref_top1, rtol=0, atol=1e-7)
+  np.testing.assert_allclose(top1, ref_top1, rtol=rounding_tol(1), atol=0)
 
 
 def test_nt_xent_identical_views_have_top1_one():
   z, _ = _random_pair(4, 12, 6)
   loss, top1 = _nt_xent(jnp.asarray(z), jnp.asarray(z))
   assert float(top1) == 1.0
-  np.testing.assert_allclose(loss, _nt_xent_reference(z, z, 0.5)[0], rtol=1e-5)
+  np.testing.assert_allclose(loss, _nt_xent_reference(z, z, 0.5)[0], rtol=0,
+                             atol=_nt_xent_atol(12, 6))
 
 
 def test_nt_xent_closed_forms():
   # B = 1: the positive is the only other embedding, so the softmax is 1.
   loss, top1 = losses.nt_xent(jnp.array([[1.0, 2.0]]), jnp.array([[-3.0, 0.5]]))
-  np.testing.assert_allclose(loss, 0.0, atol=1e-7)
+  np.testing.assert_allclose(loss, 0.0, rtol=0, atol=_nt_xent_atol(1, 2))
   assert float(top1) == 1.0
   # Collapse: all 2B logits equal, loss log(2B - 1), and ties count as wrong.
   batch = 4
   z = jnp.ones((batch, 3))
   loss, top1 = _nt_xent(z, z)
-  np.testing.assert_allclose(loss, np.log(2 * batch - 1), rtol=1e-6)
+  np.testing.assert_allclose(loss, np.log(2 * batch - 1), rtol=0,
+                             atol=_nt_xent_atol(batch, 3))
   assert float(top1) == 0.0
 
 
@@ -97,7 +119,10 @@ def test_nt_xent_symmetry_and_invariances():
   for other in (_nt_xent(z2, z1),
                 _nt_xent(z1[perm], z2[perm]),
                 _nt_xent(3.0 * z1, 0.2 * z2)):
-    np.testing.assert_allclose(other[0], base[0], rtol=1e-6)
+    # One program; the swaps reorder its sums and the scalings round the
+    # inputs once more.
+    np.testing.assert_allclose(other[0], base[0], rtol=0,
+                               atol=_nt_xent_atol(10, 8, extra=1))
     np.testing.assert_allclose(other[1], base[1], rtol=0, atol=0)
 
 
@@ -106,7 +131,9 @@ def test_nt_xent_jit_bfloat16_and_gradients_are_finite():
   z1, z2 = jnp.asarray(z1), jnp.asarray(z2)
   eager = losses.nt_xent(z1, z2)
   jitted = jax.jit(losses.nt_xent)(z1, z2)
-  np.testing.assert_allclose(jitted[0], eager[0], rtol=1e-6)
+  # Two programs: op by op, and one fused computation.
+  np.testing.assert_allclose(jitted[0], eager[0], rtol=0,
+                             atol=_nt_xent_atol(8, 4))
 
   loss16, _ = _nt_xent(z1.astype(jnp.bfloat16), z2.astype(jnp.bfloat16))
   assert loss16.dtype == jnp.float32
@@ -120,7 +147,8 @@ def test_nt_xent_jit_bfloat16_and_gradients_are_finite():
 
 
 def test_nt_xent_with_batch_sharded_over_devices_uses_global_negatives():
-  # A fresh process: the host device count is fixed when JAX starts.
+  # A fresh process: the host device count is fixed when JAX starts. The
+  # sharded loss reduces over devices in another order: another program.
   script = textwrap.dedent("""
       import jax, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -133,10 +161,10 @@ def test_nt_xent_with_batch_sharded_over_devices_uses_global_negatives():
       fn = jax.jit(losses.nt_xent)
       loss, top1 = fn(jax.device_put(z1, shard), jax.device_put(z2, shard))
       ref_loss, ref_top1 = fn(z1, z2)
-      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+      np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=ATOL)
       np.testing.assert_allclose(top1, ref_top1, rtol=0, atol=0)
       print('OK', float(loss))
-  """)
+  """).replace('ATOL', repr(_nt_xent_atol(8, 5)))
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,20 +192,49 @@ def _images(seed, batch=3, size=8):
 OT_KW = dict(grid_size=4, epsilon=0.05, num_iters=5)
 
 
+def _regulariser_atol(x, xs1, xs2, xh1, xh2):
+  """How far two float32 evaluations of `sinkhorn_regulariser` may differ.
+
+  Each of its four image costs takes the measures of 8 x 8 images on the
+  4 x 4 grid and the cost's chain (conftest), relative to the magnitudes the
+  cost adds up (eps (|row log u| + |col log v| + row), bounding the
+  potentials that carry the measures' errors too); then the sum of four,
+  the mean over the batch and the factor 1/2 (3 + 3 + 1). The result is
+  half the sum of four such costs: 2 x the largest scale.
+  """
+  n = measure_chain(8, 8, 4) + sinkhorn_cost_chain(4, 5) + 7
+  scale = 0.0
+  for a, b in ((xh1, x), (xh2, x), (xh1, xs1), (xh2, xs2)):
+    p, q = (ot.image_to_measure(t, 4)[0] for t in (a, b))
+    u, v = (np.asarray(t, np.float64)
+            for t in ot.sinkhorn_scalings(p, q, 0.05, 5))
+    kx = np.exp(-ot.axis_cost(4) / 0.05)
+    row = u * (kx @ v @ kx)
+    col = v * (kx @ u @ kx)
+    terms = (np.abs(row * np.log(u)) + np.abs(col * np.log(v))) * 0.05 + (
+        0.05 * row)
+    scale = max(scale, float(np.max(np.sum(terms, axis=(-2, -1)))))
+  return rounding_tol(n) * 2 * scale
+
+
 def test_sinkhorn_regulariser_is_the_written_combination():
   x, xs1, xs2 = _images(0)
   xh1 = _ot_views(x, xs1, alpha=0.5, **OT_KW)
   xh2 = _ot_views(x, xs2, alpha=0.5, **OT_KW)
   reg = losses.sinkhorn_regulariser(x, xs1, xs2, xh1, xh2, **OT_KW)
+  # Two programs each: eager against jitted, and one fused regulariser
+  # against four jitted costs combined in float64.
+  atol = _regulariser_atol(x, xs1, xs2, xh1, xh2)
   np.testing.assert_allclose(
-      _regulariser(x, xs1, xs2, xh1, xh2, **OT_KW), reg, rtol=1e-6)
+      _regulariser(x, xs1, xs2, xh1, xh2, **OT_KW), reg, rtol=0, atol=atol)
   s = lambda a, b: np.asarray(_image_cost(a, b, **OT_KW), np.float64)
   expected = 0.5 * np.mean(s(xh1, x) + s(xh2, x) + s(xh1, xs1) + s(xh2, xs2))
   assert reg.shape == () and reg.dtype == jnp.float32
-  np.testing.assert_allclose(reg, expected, rtol=1e-6)
-  # The generated view is the source measure: the swapped order differs.
+  np.testing.assert_allclose(reg, expected, rtol=0, atol=atol)
+  # The generated view is the source measure: the swapped order differs, by
+  # more than the tolerance that told the others apart.
   swapped = 0.5 * np.mean(s(x, xh1) + s(x, xh2) + s(xs1, xh1) + s(xs2, xh2))
-  assert abs(swapped - expected) > 1e-5 * abs(expected)
+  assert abs(swapped - expected) > 10 * atol, (swapped, expected, atol)
 
 
 def test_sinkhorn_regulariser_bad_shapes_raise():
@@ -193,12 +250,21 @@ def test_pretrain_loss_combines_parts():
   nce, top1 = _nt_xent(jnp.asarray(z1), jnp.asarray(z2), 0.5)
   loss, parts = losses.pretrain_loss(z1, z2, jnp.float32(0.25),
                                      temperature=0.5, beta=2.0)
-  np.testing.assert_allclose(loss, nce + 0.5, rtol=1e-6)
+  # The loss adds beta x sinkhorn = 0.5 (exact) to its NT-Xent in one
+  # float32 sum: the same sum here.
+  assert float(loss) == float(np.float32(parts['nce']) + np.float32(0.5))
+  # Eager NT-Xent against the jitted one: two programs.
+  np.testing.assert_allclose(parts['nce'], nce, rtol=0,
+                             atol=_nt_xent_atol(6, 4))
   assert set(parts) == {'loss', 'nce', 'top1', 'sinkhorn'}
-  np.testing.assert_allclose(parts['sinkhorn'], 0.25)
-  np.testing.assert_allclose(parts['top1'], top1)
+  assert float(parts['sinkhorn']) == 0.25
+  np.testing.assert_array_equal(parts['top1'], top1)
+  nce_eager = parts['nce']
   loss, parts = losses.pretrain_loss(z1, z2, temperature=0.5, beta=2.0)
-  np.testing.assert_allclose(loss, nce, rtol=0)
+  # Without a regulariser the loss is the NT-Xent, computed by the same
+  # eager operations as in the call above.
+  np.testing.assert_array_equal(loss, parts['nce'])
+  np.testing.assert_array_equal(loss, nce_eager)
   assert set(parts) == {'loss', 'nce', 'top1'}
   with pytest.raises(ValueError, match='scalar'):
     losses.pretrain_loss(z1, z2, jnp.ones(3))
@@ -247,7 +313,15 @@ def test_fixed_alpha_regulariser_does_not_change_parameter_gradients():
 
   # S_eps includes the entropy term, so it can be negative; it must not vanish.
   assert abs(float(parts1['sinkhorn'])) > 1e-3
-  np.testing.assert_allclose(loss1 - loss0, parts1['sinkhorn'], rtol=1e-5)
+  # One program: its NT-Xent part does not depend on beta, so loss0 is that
+  # NT-Xent bit for bit and loss1 rounds it plus the regulariser once; the
+  # difference rounds once more.
+  np.testing.assert_array_equal(parts0['nce'], parts1['nce'])
+  np.testing.assert_array_equal(loss0, parts0['nce'])
+  np.testing.assert_allclose(
+      loss1 - loss0, parts1['sinkhorn'], rtol=0,
+      atol=rounding_tol(1) * (abs(float(loss1))
+                              + abs(float(parts1['sinkhorn']))))
   leaves0, leaves1 = jax.tree.leaves(grads0), jax.tree.leaves(grads1)
   assert any(np.any(g != 0) for g in leaves0)
   for g0, g1 in zip(leaves0, leaves1):
@@ -280,13 +354,16 @@ def test_learnable_alpha_gets_a_sinkhorn_gradient():
 
 
 def test_alpha_logit_round_trip():
+  # float32 sigmoid: its exp (12), sum and division (2); rounding the logit
+  # x to float32 moves alpha by (1 - alpha) |x| u relative: k = |x|.
+  rtol = lambda x: rounding_tol(14) + rounding_tol(1, k=abs(x))
   for alpha in (0.1, 0.5, 0.9):
     logit = losses.alpha_to_logit(alpha)
     np.testing.assert_allclose(losses.alpha_from_logit(logit), alpha,
-                               rtol=1e-6)
-  np.testing.assert_allclose(losses.alpha_from_logit(0.0), 0.5)
+                               rtol=rtol(logit))
+  np.testing.assert_allclose(losses.alpha_from_logit(0.0), 0.5, rtol=rtol(0))
   np.testing.assert_allclose(losses.alpha_from_logit(np.log(3.0)), 0.75,
-                             rtol=1e-6)
+                             rtol=rtol(np.log(3.0)))
   for bad in (0.0, 1.0, -0.2):
     with pytest.raises(ValueError, match='strictly'):
       losses.alpha_to_logit(bad)

@@ -1,5 +1,7 @@
 """Tests of otclr_jax.ot against POT, ott-jax, NumPy and closed forms."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,12 @@ from ott.solvers.linear import sinkhorn
 
 from otclr_jax import ot
 from tests import folder_trees
+from tests.conftest import EPS64
+from tests.conftest import measure_chain
+from tests.conftest import ot_views_chain
+from tests.conftest import rounding_tol
+from tests.conftest import sinkhorn_chain
+from tests.conftest import sinkhorn_cost_chain
 
 EPS = 0.05
 
@@ -38,21 +46,66 @@ def _centroid(h):
   return (np.asarray(h, np.float64).reshape(-1, 1) * r).sum(0)
 
 
+def _cost_scale(a, b, num_iters=20, epsilon=EPS):
+  """The magnitudes `ot.cost_from_scalings` adds up, for its tolerance.
+
+  eps (sum |row log u| + sum |col log v| + sum row), in float64 from the
+  float32 scalings; the largest over a batch.
+  """
+  u, v = (np.asarray(t, np.float64)
+          for t in ot.sinkhorn_scalings(a, b, epsilon, num_iters))
+  kx = np.exp(-ot.axis_cost(u.shape[-1]) / epsilon)
+  row = u * (kx @ v @ kx)
+  col = v * (kx @ u @ kx)
+  return epsilon * float(np.max(np.sum(
+      np.abs(row * np.log(u)) + np.abs(col * np.log(v)) + row,
+      axis=(-2, -1))))
+
+
+def _plan_rtol(num_iters):
+  """Relative error of a float32 plan entry u_i K_ij v_j, m = 16.
+
+  The scalings' chain and the plan's kron and two products (3); the
+  kernel's exponent takes 11 roundings (test_kernel_comes_from_ott_grid),
+  each absolute at the cost's scale, amplified by up to 1 / eps in an entry.
+  """
+  return (rounding_tol(sinkhorn_chain(16, num_iters) + 3)
+          + rounding_tol(11, k=1 / EPS))
+
+
+# The scalings' |log u| and |log v| are at most L = 1 / eps +
+# 2 |log(DELTA / m^2)| + log(m^2) for histograms of at least DELTA / m^2
+# on a kernel in [exp(-1 / eps), 1] (here the histograms' floor is 1e-3 /
+# (1.001 m^2), larger).
+_LOG_SCALING = 1 / EPS + 2 * abs(math.log(ot.DELTA / 256)) + math.log(256)
+
+
+# The splat of `ot.displace`: the factors Kx w (7: the hat weights' four
+# operations on rounded positions, the product), then three contractions of
+# m = 16 terms.
+_SPLAT = 7 + 3 * 16
+
+
 class TestGrid:
 
   def test_cost_is_normalised_squared_distance(self):
     c = ot.grid_cost(4)
     r = ot.grid_points(4)
-    np.testing.assert_allclose(c[1, 4], np.sum((r[1] - r[4]) ** 2) / 2.0)
-    assert c.max() == pytest.approx(1.0)
-    assert c[0, 15] == pytest.approx(1.0)
+    # The same float64 operations in the same order (the maximum squared
+    # distance is 2, and dividing by it is exact); x / x is exactly 1.
+    assert c[1, 4] == np.sum((r[1] - r[4]) ** 2) / 2.0
+    assert c.max() == 1.0
+    assert c[0, 15] == 1.0
 
   def test_cost_is_separable(self):
     m = 5
     cx = ot.axis_cost(m)
     full = cx[:, None, :, None] + cx[None, :, None, :]
+    # float64, entries <= 1: i / (m - 1) or (i - j) / (m - 1) (1-2), the
+    # difference (1), the square (1), the sum (1), the division by the
+    # maximum (1): n = 6 on either side.
     np.testing.assert_allclose(full.reshape(m * m, m * m), ot.grid_cost(m),
-                               atol=1e-12)
+                               rtol=0, atol=rounding_tol(6, eps=EPS64))
 
 
 class TestSinkhorn:
@@ -66,7 +119,9 @@ class TestSinkhorn:
                             numItermax=num_iters, stopThr=0)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
     assert plan.shape == (256, 256)
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # float32 against POT's float64 iterations.
+    np.testing.assert_allclose(plan, expected, rtol=_plan_rtol(num_iters),
+                               atol=0)
 
   @pytest.mark.parametrize('num_iters', [1, 5, 20])
   def test_plan_matches_ott_grid_solver(self, pair, num_iters):
@@ -81,12 +136,22 @@ class TestSinkhorn:
     f, g = np.asarray(out.f, np.float64), np.asarray(out.g, np.float64)
     expected = np.exp((f[:, None] + g[None, :] - ot.grid_cost(16)) / EPS)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # Two float32 programs; ott-jax's potentials f = eps log u, g = eps log v
+    # round log and product (13 each), absolutely at |log u|, |log v| <= L,
+    # which exp((f + g - C) / eps) turns into a relative error.
+    np.testing.assert_allclose(
+        plan, expected,
+        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
+        atol=0)
 
   def test_marginals(self, pair):
     a, b = pair
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
-    np.testing.assert_allclose(plan.sum(1), a.ravel(), rtol=1e-5)
+    # The last half-iteration sets u = a / (K v), and the plan's rows sum
+    # u K v again: K v by two matmuls of m = 16 terms (32) and the division
+    # (1), against the plan's kron and two products (3, summed in float64):
+    # n = 36, all terms positive.
+    np.testing.assert_allclose(plan.sum(1), a.ravel(), rtol=rounding_tol(36))
     np.testing.assert_allclose(plan.sum(0), b.ravel(), rtol=1e-3, atol=1e-7)
 
   def test_cost_matches_numpy_formula(self, pair):
@@ -96,14 +161,20 @@ class TestSinkhorn:
                         reg=EPS, numItermax=20, stopThr=0)
     expected = (plan * ot.grid_cost(16)).sum() + EPS * (
         plan * (np.log(plan) - 1.0)).sum()
-    assert float(ot.sinkhorn_cost(a, b)) == pytest.approx(expected, rel=1e-5)
+    # float32 against POT's float64 iterations on the same histograms.
+    assert float(ot.sinkhorn_cost(a, b)) == pytest.approx(
+        expected, rel=0,
+        abs=rounding_tol(sinkhorn_cost_chain(16, 20)) * _cost_scale(a, b))
 
   def test_cost_batched(self, pair):
     a, b = pair
     batch = ot.sinkhorn_cost(np.stack([a, b]), np.stack([b, a]))
     assert batch.shape == (2,)
-    assert float(batch[0]) == pytest.approx(float(ot.sinkhorn_cost(a, b)),
-                                            rel=1e-6)
+    # Two programs (a batch of two against one problem) of one float32
+    # computation.
+    assert float(batch[0]) == pytest.approx(
+        float(ot.sinkhorn_cost(a, b)), rel=0,
+        abs=rounding_tol(sinkhorn_cost_chain(16, 20)) * _cost_scale(a, b))
 
 
 class TestDisplace:
@@ -132,28 +203,46 @@ class TestDisplace:
             w = (t[0] if dr else 1 - t[0]) * (t[1] if dc else 1 - t[1])
             expected[k[0] + dr, k[1] + dc] += plan[i, j] * w
     got = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    # float32 against float64: the plan's rounding (1), each packet's weight
+    # (positions (1 - alpha) r_i + alpha r_j and their scaling by m - 1,
+    # the fraction, the weights' product: 8) and product (1), and up to all
+    # 16 x 16 x 4 packets scattered into one vertex. Positions are rounded
+    # in grid units, up to m - 1 = 3, and a weight's error is absolute: k = 3.
+    np.testing.assert_allclose(got, expected,
+                               rtol=rounding_tol(1 + 8 + 1 + 1024, k=3))
 
   @pytest.mark.parametrize('alpha', [0.1, 0.5, 0.9])
   def test_mass_and_centroid_are_exact(self, pair, alpha):
     a, b = pair
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
     out = np.asarray(ot.displace(a, b, alpha), np.float64)
-    assert out.sum() == pytest.approx(plan.sum(), rel=1e-5)
+    # The splat's hat weights of each packet sum to 1 and keep its centroid;
+    # the same scalings make both sides, so the difference is the splat's
+    # chain against the plan's kron and two products (3); all terms are
+    # positive, and the float64 sums add nothing.
+    rtol = rounding_tol(_SPLAT + 3)
+    assert out.sum() == pytest.approx(plan.sum(), rel=rtol)
     r = ot.grid_points(16)
     expected = ((1 - alpha) * (plan.sum(1)[:, None] * r).sum(0)
                 + alpha * (plan.sum(0)[:, None] * r).sum(0))
-    np.testing.assert_allclose(_centroid(out), expected, rtol=1e-5)
+    np.testing.assert_allclose(_centroid(out), expected, rtol=rtol)
 
   def test_alpha_zero_returns_source(self, pair):
     a, b = pair
-    np.testing.assert_allclose(ot.displace(a, b, 0.0), a, rtol=1e-5)
+    # alpha = 0 splats u K v onto each source vertex: its row sums, which
+    # the last half-iteration set to a (test_marginals, 36), by the splat's
+    # chain: all terms positive.
+    np.testing.assert_allclose(ot.displace(a, b, 0.0), a,
+                               rtol=rounding_tol(36 + _SPLAT))
 
   def test_alpha_one_returns_column_marginal(self, pair):
     a, b = pair
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
     out = np.asarray(ot.displace(a, b, 1.0))
-    np.testing.assert_allclose(out.ravel(), plan.sum(0), rtol=1e-5)
+    # The plan's column sums, by the splat's chain against the plan's kron
+    # and two products (3).
+    np.testing.assert_allclose(out.ravel(), plan.sum(0),
+                               rtol=rounding_tol(_SPLAT + 3))
     np.testing.assert_allclose(out, b, rtol=1e-3)
 
   def test_translated_blob_moves_half_way(self):
@@ -237,8 +326,13 @@ class TestOTViews:
     p, _, _ = ot.image_to_measure(x, 16)
     q, _, _ = ot.image_to_measure(y, 16)
     expected = np.mean(np.asarray(ot.sinkhorn_cost(p, q)), axis=-1)
-    np.testing.assert_allclose(ot.image_sinkhorn_cost(x, y), expected,
-                               rtol=1e-6)
+    # Two programs: the measures (32 x 32 images on a 16 x 16 grid), the
+    # cost and the mean over 3 channels. The cost is linear in the measures
+    # with coefficients (the potentials eps log u) inside the cost's terms'
+    # scale, so both chains count relative to that scale.
+    n = measure_chain(32, 32, 16) + sinkhorn_cost_chain(16, 20) + 3
+    np.testing.assert_allclose(ot.image_sinkhorn_cost(x, y), expected, rtol=0,
+                               atol=rounding_tol(n) * _cost_scale(p, q))
 
 
 class TestErrors:
@@ -324,7 +418,12 @@ class TestCores:
                             b.ravel().astype(np.float64), ot.grid_cost(16),
                             reg=EPS, numItermax=num_iters, stopThr=0)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters, core='ott'))
-    np.testing.assert_allclose(plan, expected, rtol=2e-4, atol=1e-9)
+    # ott-jax's scalings come from its potentials (exp(f / eps): 13 more
+    # roundings each, absolute at |log u| <= L).
+    np.testing.assert_allclose(
+        plan, expected,
+        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
+        atol=0)
 
   @pytest.mark.parametrize('num_iters', [1, 5, 20])
   def test_cores_agree_on_views(self, num_iters):
@@ -369,7 +468,14 @@ class TestCores:
 
   def test_kernel_comes_from_ott_grid(self):
     kx = ot.axis_kernel(6, EPS)
-    np.testing.assert_allclose(kx, np.exp(-ot.axis_cost(6) / EPS), rtol=1e-5)
+    # float32 against float64. The exponent -cost / eps takes 11 roundings
+    # (coordinates (2), / sqrt 2 and its constant (2), two squares and a
+    # product (3), two sums (2), / eps and its constant (2)), each absolute
+    # on terms of at most 1, so amplified by 1 / eps in exp's relative
+    # error; exp itself 12.
+    np.testing.assert_allclose(
+        kx, np.exp(-ot.axis_cost(6) / EPS),
+        rtol=rounding_tol(11, k=1 / EPS) + rounding_tol(12))
     geom = ot.grid_geometry(6, EPS)
     assert geom.shape == (36, 36)
 
@@ -401,10 +507,12 @@ class TestCores:
   def test_public_scalings_and_splat_compose_to_displace(self, pair):
     a, b = pair
     u, v = ot.sinkhorn_scalings(a, b, EPS, 5)
-    np.testing.assert_allclose(ot.displace_from_scalings(u, v, 0.4, EPS),
-                               ot.displace(a, b, 0.4, EPS, 5), rtol=1e-6)
-    np.testing.assert_allclose(ot.cost_from_scalings(u, v, EPS),
-                               ot.sinkhorn_cost(a, b, EPS, 5), rtol=1e-6)
+    # The same eager operations on the same arrays as displace and
+    # sinkhorn_cost run inside: equal bit for bit.
+    np.testing.assert_array_equal(ot.displace_from_scalings(u, v, 0.4, EPS),
+                                  ot.displace(a, b, 0.4, EPS, 5))
+    np.testing.assert_array_equal(ot.cost_from_scalings(u, v, EPS),
+                                  ot.sinkhorn_cost(a, b, EPS, 5))
 
   def test_jit_with_static_core(self):
     x = jnp.full((1, 8, 8, 3), 0.5)
@@ -489,8 +597,13 @@ class TestSeparableViewsLayout:
     expected = jax.image.resize(x, (2, out_size, 3), method='linear')
     mat = ot.resize_matrix(in_size, out_size)
     assert mat.shape == (out_size, in_size)
+    # Two programs of one weighted mean of pixels in [0, 1]: each output sums
+    # the 2 ceil(max(in / out, 1)) + 1 pixels its triangle covers (the rest
+    # add exact zeros), on either side, and resize computes its weights in
+    # float32 (offsets, scale, hat, normalising: 6).
+    taps = 2 * math.ceil(max(in_size / out_size, 1)) + 1
     np.testing.assert_allclose(np.einsum('oi,bic->boc', mat, x), expected,
-                               atol=1e-6)
+                               rtol=0, atol=rounding_tol(2 * taps + 6))
 
   def test_chunks_give_the_views_and_gradients_of_one_call(self):
     # 10 images in chunks of 4: two full chunks and one padded with copies.
@@ -507,7 +620,10 @@ class TestSeparableViewsLayout:
                    static_argnums=2)
     (gx_one, ga_one), views_one = grad(x, 0.4, None)
     (gx_chunk, ga_chunk), views_chunk = grad(x, 0.4, 4)
-    np.testing.assert_allclose(views_chunk, views_one, atol=1e-6)
+    # Two programs (chunks of 4 against the batch) of one float32
+    # computation; pixels are at most 1.
+    np.testing.assert_allclose(views_chunk, views_one, rtol=0,
+                               atol=rounding_tol(ot_views_chain(16, 16, 8, 20)))
     np.testing.assert_allclose(
         views_one, ot.ot_views(x, xs, 0.4, grid_size=8, core='ott'),
         atol=1e-5)

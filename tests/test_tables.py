@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 
 from otclr_jax import tables
+from tests.conftest import EPS64
+from tests.conftest import mean_std_rtol
+from tests.conftest import rounding_tol
 
 
 def _run(method, seed, top1, floor, batch_size=256, pretrain='cifar10'):
@@ -40,14 +43,18 @@ def test_aggregate_matches_numpy():
   runs[2]['linear']['cifar10']['top5'] = None  # a missing value
   (group,) = tables.aggregate(runs)
   top1 = group['linear']['cifar10']['top1']
-  np.testing.assert_allclose(top1['mean'], np.mean(values), rtol=1e-12)
-  np.testing.assert_allclose(top1['std'], np.std(values, ddof=1), rtol=1e-12)
+  rtol_mean, rtol_std = mean_std_rtol(values)
+  np.testing.assert_allclose(top1['mean'], np.mean(values), rtol=rtol_mean)
+  np.testing.assert_allclose(top1['std'], np.std(values, ddof=1),
+                             rtol=rtol_std)
   assert top1['n'] == 3
   assert group['linear']['cifar10']['top5'] == {'mean': 90.0, 'std': 0.0,
                                                 'n': 2}
   assert (group['n'], group['seeds'], group['steps']) == (3, [0, 1, 2],
                                                           [100] * 3)
-  assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(0.17)
+  # The mean of three equal values: 3 + 2 roundings.
+  assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(
+      0.17, rel=rounding_tol(5, eps=EPS64))
 
 
 def test_aggregate_groups_and_orders():
@@ -227,16 +234,28 @@ def test_paired_differences_match_the_t_test_by_hand():
                                  r['metric']) == ('otclr', 'simclr',
                                                   'cifar10', 'top1'))
   diffs = np.subtract(otclr, simclr)
-  np.testing.assert_allclose(row['differences'], diffs, rtol=1e-12)
+  # Differences of halves: exact.
+  np.testing.assert_array_equal(row['differences'], diffs)
   t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(3))
+  # float64: the mean's and deviation's errors, sqrt(3) and two divisions
+  # (5).
+  rtol_mean, rtol_std = mean_std_rtol(diffs)
+  rtol_t = rtol_mean + rtol_std + rounding_tol(5, eps=EPS64)
+  np.testing.assert_allclose(row['t'], t, rtol=rtol_t)
   # Student's t with 2 degrees of freedom: P(|T| > t) = 1 - t / sqrt(t^2 + 2).
-  np.testing.assert_allclose(row['t'], t, rtol=1e-12)
-  np.testing.assert_allclose(row['p'], 1 - t / np.sqrt(t**2 + 2), rtol=1e-9)
+  # t's error moves p by |dp/dt| t / p = 2 t / ((t^2 + 2)^1.5 p) relative;
+  # the closed form (5) and scipy's survival function (a special function,
+  # 12) round relative to 1, which 1 - ... cancels down to p (k = 1 / p).
+  p = 1 - t / np.sqrt(t**2 + 2)
+  rtol_p = (2 * t / ((t**2 + 2) ** 1.5 * p) * rtol_t
+            + rounding_tol(5 + 12, k=1 / p, eps=EPS64))
+  np.testing.assert_allclose(row['p'], p, rtol=rtol_p)
   assert (row['seeds'], row['wins'], row['n']) == ([0, 1, 2], 2, 3)
   floor = next(r for r in rows if (r['method'], r['baseline'], r['metric'])
                == ('simclr', 'random_init', 'top1'))
-  np.testing.assert_allclose(floor['differences'],
-                             np.subtract(simclr, floors), rtol=1e-12)
+  # Halves minus integers: exact.
+  np.testing.assert_array_equal(floor['differences'],
+                                np.subtract(simclr, floors))
   # Only seeds both sides have are paired; one common seed is no comparison.
   rows = tables.paired_differences(_paired_runs(otclr, simclr[:1], floors))
   assert not [r for r in rows if r['baseline'] == 'simclr']
