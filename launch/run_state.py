@@ -95,7 +95,10 @@ def identity_conflict(config, workdir: str) -> str | None:
               'them')
     return None
   new = config.to_dict()
-  names = rundir.result_changing_diff(stored, new)
+  # A sweep's run is its settings, length included: a longer rerun would
+  # continue finished runs on a stretched schedule and report them as runs
+  # of the new length. Lengthening is a single run's deliberate choice.
+  names = rundir.result_changing_diff(stored, new, length=True)
   return (f'it was run with other settings: '
           f'{rundir.describe_diff(stored, new, names)}' if names else None)
 
@@ -111,7 +114,7 @@ def _eval_config_conflict(config, workdir: str) -> str | None:
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     return f'{path} is not valid JSON ({e})'
   new = json.loads(json.dumps(config.to_dict()))
-  names = rundir.result_changing_diff(stored, new)
+  names = rundir.result_changing_diff(stored, new, length=True)
   # Evaluation settings change the reported numbers (not the training).
   flat_stored, flat_new = rundir.flatten(stored), rundir.flatten(new)
   names += sorted(n for n in set(flat_stored) | set(flat_new)

@@ -41,6 +41,7 @@ import numpy as np
 from otclr_jax import config_files
 from otclr_jax import fileio
 from otclr_jax import models
+from otclr_jax import ot_checks
 from otclr_jax import rundir
 
 FORMAT = 'otclr_jax.encoder'
@@ -135,12 +136,51 @@ def load_encoder_config(path: str) -> dict[str, Any]:
   return json.loads(_read(path)['config'])
 
 
-def _check_images(images: jax.Array) -> None:
+def _check_images(images, image_size: int) -> jax.Array:
+  """The OT functions' input contract (`ot_checks`), plus the stored size.
+
+  Concrete images outside `[0, 1]`, non-finite or of an integer dtype raise a
+  one-line ValueError; traced ones outside `[0, 1]` become NaN (values cannot
+  raise under `jit`), so 0-255 data never yields plausible features.
+  """
+  images = images if isinstance(images, jax.core.Tracer) else np.asarray(
+      images)
   if images.ndim != 4 or images.shape[-1] != 3:
     raise ValueError(f'images must be [B, H, W, 3], got shape {images.shape}.')
+  if images.shape[1:3] != (image_size, image_size):
+    raise ValueError(
+        f'images are {images.shape[1]} x {images.shape[2]}; this encoder was '
+        f'trained at image_size {image_size} (load_encoder_config): resize '
+        'them first.')
   if not jnp.issubdtype(images.dtype, jnp.floating):
     raise ValueError(f'images have dtype {images.dtype}; the encoder takes '
                      'float RGB in [0, 1] (divide uint8 data by 255).')
+  ot_checks.check_finite('images', images)
+  return ot_checks.check_image_values('images', images)
+
+
+def _check_architecture(path: str, encoder, meta: dict[str, Any],
+                        variables: Any) -> None:
+  """Refuses weights that the stored architecture cannot apply, at load."""
+  size = int(meta['image_size'])
+  expected = jax.eval_shape(
+      lambda: encoder.init(jax.random.key(0),
+                           jnp.zeros((1, size, size, 3), jnp.float32),
+                           train=False))
+  shape = lambda tree: {
+      jax.tree_util.keystr(k): tuple(v.shape)
+      for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  want = shape({c: expected[c] for c in ('params', 'batch_stats')})
+  got = shape(variables)
+  if want != got:
+    wrong = sorted(set(want) ^ set(got)) or sorted(
+        k for k in want if want[k] != got[k])
+    raise ValueError(
+        f'{path}: its weights do not fit the architecture it names (stem '
+        f'{meta["stem"]!r}, image_size {size}); first mismatch at '
+        f'{wrong[0]} ({got.get(wrong[0], "absent")} stored, '
+        f'{want.get(wrong[0], "absent")} expected). The file was edited or '
+        'written by other code: export it again.')
 
 
 def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
@@ -151,17 +191,35 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
 
   Returns:
     `(apply_fn, variables)`: `apply_fn(variables, images)` maps float images
-    `[B, H, W, 3]` in `[0, 1]` to features `[B, 512]` (float32), the frozen
-    encoder in inference mode (BatchNorm running statistics), jitted.
+    `[B, H, W, 3]` in `[0, 1]` at the stored `image_size` to features
+    `[B, 512]` (float32), the frozen encoder in inference mode (BatchNorm
+    running statistics), jitted. Images break that contract with a
+    ValueError when concrete, as `ot.ot_views` does; traced ones outside
+    `[0, 1]` give NaN features.
 
   Raises:
     FileNotFoundError: no file.
-    ValueError: not an encoder file, or one of another format version.
+    ValueError: not an encoder file, one of another format version, or
+      weights that do not fit the stored architecture.
   """
   payload = _read(path)
   meta = json.loads(payload['config'])
-  encoder = models.ResNet18(stem=meta['stem'], dtype=_DTYPES[meta['dtype']])
+  if meta.get('dtype') not in _DTYPES:
+    raise ValueError(f'{path}: dtype {meta.get("dtype")!r} is not one of '
+                     f'{tuple(_DTYPES)}.')
+  try:
+    encoder = models.ResNet18(stem=meta['stem'], dtype=_DTYPES[meta['dtype']])
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'{path}: cannot build its encoder ({e}).') from e
   variables = jax.tree_util.tree_map(jnp.asarray, payload['variables'])
+  try:
+    _check_architecture(path, encoder, meta, variables)
+  except ValueError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'{path}: its stored architecture (stem '
+                     f'{meta.get("stem")!r}) cannot be built: {e}') from e
+  image_size = int(meta['image_size'])
 
   @jax.jit
   def features(variables, images):
@@ -169,9 +227,7 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
 
   @functools.wraps(features)
   def apply_fn(variables, images):
-    images = jnp.asarray(images)
-    _check_images(images)
-    return features(variables, images)
+    return features(variables, _check_images(images, image_size))
 
   return apply_fn, variables
 

@@ -404,8 +404,20 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   row = u * apply_kernel(kx, v)
   col = v * apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
-  return epsilon * (jnp.sum(row * jnp.log(u), axis=(-2, -1))
-                    + jnp.sum(col * jnp.log(v), axis=(-2, -1)) - total)
+  return epsilon * (jnp.sum(_xlog(row, u), axis=(-2, -1))
+                    + jnp.sum(_xlog(col, v), axis=(-2, -1)) - total)
+
+
+def _xlog(weight: jax.Array, scaling: jax.Array) -> jax.Array:
+  """`weight * log(scaling)`, 0 where the scaling is 0 (an empty cell).
+
+  A zero mass gives a zero scaling and a zero weight: `0 log 0 = 0`, as in the
+  entropy. The inner `where` keeps the gradient finite too (the derivative of
+  `log` at 0 would be inf, and inf * 0 NaN).
+  """
+  positive = scaling > 0
+  safe = jnp.where(positive, scaling, 1.0)
+  return jnp.where(positive, weight * jnp.log(safe), 0.0)
 
 
 def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,

@@ -150,44 +150,68 @@ def flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
   return flat
 
 
-def _ignored(name: str, unread: tuple[str, ...]) -> bool:
-  return (name in IGNORED_FIELDS or name in LENGTH_FIELDS
+def _ignored(name: str, unread: tuple[str, ...], length: bool) -> bool:
+  return (name in IGNORED_FIELDS or (not length and name in LENGTH_FIELDS)
           or name.startswith(IGNORED_PREFIXES) or name.startswith(unread))
 
 
-def result_changing_diff(stored: dict[str, Any],
-                         new: dict[str, Any]) -> list[str]:
+def _unread_blocks(*methods: Any) -> tuple[str, ...]:
+  # A block is read if either config's method reads it: evaluating a MoCo
+  # run from a config file that says SimCLR must still take `moco.*` from
+  # the run.
+  return tuple(f'{block}.' for block in METHOD_BLOCKS if block not in methods)
+
+
+def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
+  """The settings that decide a run's result, as {dotted name: value}.
+
+  The one answer to "which fields make two runs different runs": the resume
+  check, the sweep's conflicts, the evaluation's staleness and the summary's
+  rows all compare these. Left out are the free settings
+  (`IGNORED_FIELDS`, `eval.*`, `monitor.*`), the blocks of methods the run
+  does not train, and with `length=False` the run length.
+
+  Args:
+    config: a config as a dict (`ConfigDict.to_dict()` or a stored
+      config.json); compared after a JSON round trip, so a tuple equals the
+      list it was stored as.
+    length: whether `total_steps` and `num_epochs` count.
+  """
+  flat = flatten(json.loads(json.dumps(config)))
+  unread = _unread_blocks(config.get('method'))
+  return {n: v for n, v in flat.items() if not _ignored(n, unread, length)}
+
+
+def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
+                         length: bool = False) -> list[str]:
   """Dotted names of the settings that differ and change a run's result.
 
   Ignored: `mode`, `data_dir`, `compilation_cache_dir`, `log_every_steps`,
   `checkpoint_every_steps`, `keep_checkpoints`, everything under `eval.` and
   `monitor.`, the settings blocks of methods that neither config's `method`
   names (a SimCLR run never reads `dino.*`, so a field added there later does
-  not stop it resuming), and the run length (`total_steps`, `num_epochs`),
-  which the caller rules on: training allows a resolved total that is at
-  least the stored one (see otclr_jax/train.py).
+  not stop it resuming), and unless `length` the run length (`total_steps`,
+  `num_epochs`), which a single run's resume rules on itself: training allows
+  a resolved total that is at least the stored one (see otclr_jax/train.py),
+  while a sweep (`length=True`) treats another length as another run.
   A key present in one dict only is a difference. Values are compared after a
   JSON round trip, so a tuple equals the list it was stored as.
 
   Args:
     stored: the stored config (`read_config`).
     new: the config of this invocation (`ConfigDict.to_dict()`).
+    length: whether the run length counts.
 
   Returns:
     The differing names, sorted.
   """
-  # A block is read if either config's method reads it: evaluating a MoCo
-  # run from a config file that says SimCLR must still take `moco.*` from
-  # the run.
-  methods = (stored.get('method'), new.get('method'))
-  unread = tuple(f'{block}.' for block in METHOD_BLOCKS
-                 if block not in methods)
+  unread = _unread_blocks(stored.get('method'), new.get('method'))
   stored = flatten(json.loads(json.dumps(stored)))
   new = flatten(json.loads(json.dumps(new)))
   missing = object()
   return sorted(
       name for name in set(stored) | set(new)
-      if not _ignored(name, unread)
+      if not _ignored(name, unread, length)
       and stored.get(name, missing) != new.get(name, missing))
 
 

@@ -4,17 +4,21 @@ Pure Python (no JAX). Every function takes a list of results dicts as written
 by `otclr_jax.evaluation.evaluate` (`<workdir>/eval/results.json`, one per
 run) and returns a string; `fmt` is 'markdown' or 'latex'.
 
-Runs sharing (pretrain_dataset, batch_size, method) are one row: each number is
-the mean over the runs (usually seeds) and, with n > 1 runs, the sample
+Runs are one row when they differ in the seed alone: results carrying the
+run's `config` are grouped by every result-changing setting
+(`rundir.identity`) but the seed, and a row's label names the settings in
+which it differs from the others (e.g. `OTCLR (ot.epsilon=0.05)`); results
+without it by (pretrain_dataset, batch_size, method). Each number is
+the mean over the runs (the seeds) and, with n > 1 runs, the sample
 standard deviation (ddof = 1), shown as `46.90 ± 0.40 (n=3)`; a single run
 shows the value alone. `aggregate` exposes that grouping.
 
 Tables (the paper's files in parentheses):
 
 * `linear_table` (full_linear_eval): methods x datasets, Top-1 / Top-5
-  columns, plus a 'Random init' floor row per (pretraining dataset, batch
-  size); the floor pools runs with distinct seeds, since an untrained encoder
-  does not depend on the method. Runs evaluated with recomputed BatchNorm
+  columns, plus a 'Random init' floor row per setting (the rows' settings
+  less the method's); the floor pools runs with distinct seeds, since an
+  untrained encoder does not depend on the method. Runs evaluated with recomputed BatchNorm
   statistics get two rows, labelled 'BN: stored' and 'BN: clean train'.
 * `ablation_table` (half_linear_eval): rows pretraining dataset x batch size x
   method, one 'Top-1 / Top-5' cell per dataset.
@@ -36,10 +40,13 @@ down arrow. The LaTeX needs `booktabs`, `multirow` and `colortbl` (for
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
 from typing import Any, Iterable, NamedTuple, Sequence
+
+from otclr_jax import rundir
 
 # Row names of results written before results.json held its 'title'.
 METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
@@ -140,47 +147,112 @@ def run_id(result: dict[str, Any]) -> str:
   return f'{method}+ot' if views == 'ot' else method
 
 
-def _run_key(result: dict[str, Any]) -> tuple[str, int, str]:
+# Identity fields a row's other labels already show (title, setting), or
+# that tell runs of one row apart (the seed).
+_SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
+_METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
+
+
+def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+  """The run's result-changing settings (`rundir.identity`) but the seed.
+
+  Pairs of (dotted name, JSON text of the value), sorted; empty for results
+  that do not carry the run's `config` (written before they did), which then
+  group by pretraining dataset, batch size and method alone.
+  """
+  config = result.get('config')
+  if not isinstance(config, dict):
+    return ()
+  return tuple(sorted(
+      (name, json.dumps(value, sort_keys=True))
+      for name, value in rundir.identity(config).items()
+      if name not in _SHOWN_FIELDS))
+
+
+RunKey = tuple[str, int, str, tuple[tuple[str, str], ...]]
+
+
+def _run_key(result: dict[str, Any]) -> RunKey:
+  """Runs with equal keys are seeds of one run: one row."""
   missing = [k for k in ('pretrain_dataset', 'batch_size', 'method')
              if k not in result]
   if missing:
     raise ValueError(f'results dict lacks {missing}; expected the output of '
                      'otclr_jax.evaluation.evaluate.')
   return (str(result['pretrain_dataset']), int(result['batch_size']),
-          run_id(result))
+          run_id(result), _settings(result))
 
 
-def _sort_key(key: tuple[str, int, str]):
+def _setting_of(key: RunKey) -> tuple:
+  """The block of rows a run competes in, and whose floor it shares.
+
+  The run key less the method: its id and its own method block.
+  """
+  shared = tuple(p for p in key[3] if not p[0].startswith(_METHOD_PREFIXES))
+  return (key[0], key[1], shared)
+
+
+def _sort_key(key: RunKey):
   # Batch sizes descending, as in the paper (512 before 256).
-  return (key[0], -key[1], _method_rank(key[2]))
+  return (key[0], -key[1], key[3], _method_rank(key[2]))
+
+
+def _differing(keys: Sequence[RunKey]) -> list[str]:
+  """The setting names whose values differ between the given runs."""
+  values: dict[str, set[str]] = {}
+  for key in keys:
+    for name, value in key[3]:
+      values.setdefault(name, set()).add(value)
+  return sorted(n for n, v in values.items() if len(v) > 1)
+
+
+def _label(key: RunKey, names: Sequence[str]) -> str:
+  """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
+  own = dict(key[3])
+  return ', '.join(f'{n}={_plain(own[n])}' for n in names if n in own)
+
+
+def _plain(text: str) -> str:
+  value = json.loads(text)
+  return value if isinstance(value, str) else text
 
 
 def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Groups runs by (pretrain_dataset, batch_size, `run_id`).
+  """Groups the seeds of each run: equal result-changing settings but the seed.
 
   Args:
-    results: results dicts of `otclr_jax.evaluation.evaluate`, one per run.
+    results: results dicts of `otclr_jax.evaluation.evaluate`, one per run;
+      those carrying the run's `config` group by every setting of
+      `rundir.identity` but the seed, older ones by (pretrain_dataset,
+      batch_size, `run_id`).
 
   Returns:
-    One dict per group, sorted by pretraining dataset, batch size (descending)
-    and method (SimCLR, OTCLR, others): 'pretrain_dataset', 'batch_size',
-    'method' (the `run_id`), 'title' (the row name the results give, e.g.
-    'MoCo + OT views'), 'n' (runs), 'seeds', 'steps', and for each of
-    `SECTIONS`
-    ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn'; empty
-    when the runs lack it) the results' nested dicts with every
-    number replaced by `stat` of its values over the runs (a run lacking a
-    value, or with null or non-finite, is left out of that value's n).
+    One dict per group, sorted by pretraining dataset, batch size (descending),
+    other settings and method (SimCLR, OTCLR, others): 'pretrain_dataset',
+    'batch_size', 'method' (the `run_id`), 'title' (the row name the results
+    give, e.g. 'MoCo + OT views'), 'label' (the settings in which this group
+    differs from others, e.g. 'ot.epsilon=0.05'; empty when only the method,
+    dataset or batch size does), 'settings' ({name: value} of its
+    result-changing settings but the seed), 'n' (runs), 'seeds', 'steps', and
+    for each of `SECTIONS` ('linear', 'random_init', 'clusters', 'views',
+    'linear_clean_bn'; empty when the runs lack it) the results' nested dicts
+    with every number replaced by `stat` of its values over the runs (a run
+    lacking a value, or with null or non-finite, is left out of that value's
+    n).
   """
-  groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+  groups: dict[RunKey, list[dict[str, Any]]] = {}
   for result in results:
     groups.setdefault(_run_key(result), []).append(result)
+  names = _differing(list(groups))
   out = []
   for key in sorted(groups, key=_sort_key):
     runs = groups[key]
     group = {'pretrain_dataset': key[0], 'batch_size': key[1],
              'method': key[2],
              'title': runs[0].get('title') or method_name(key[2]),
+             'label': _label(key, names),
+             'settings': {n: json.loads(v) for n, v in key[3]},
+             'setting': _setting_of(key),
              'n': len(runs),
              'seeds': [r.get('seed') for r in runs],
              'steps': [r.get('step') for r in runs]}
@@ -190,12 +262,11 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
-def _floors(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int], Any]:
-  """random_init stats per (pretrain_dataset, batch_size), one run per seed."""
-  by_setting: dict[tuple[str, int], dict[Any, dict[str, Any]]] = {}
+def _floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
+  """random_init stats per setting (`_setting_of`), one run per seed."""
+  by_setting: dict[tuple, dict[Any, dict[str, Any]]] = {}
   for result in results:
-    pretrain, batch, _ = _run_key(result)
-    by_setting.setdefault((pretrain, batch), {}).setdefault(
+    by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
         result.get('seed'), result.get('random_init') or {})
   return {k: _aggregate_tree(list(v.values())) for k, v in by_setting.items()}
 
@@ -407,18 +478,25 @@ def _datasets(groups, section: str) -> list[str]:
 
 
 def _several_settings(groups) -> bool:
-  return len({(g['pretrain_dataset'], g['batch_size']) for g in groups}) > 1
+  return len({g['setting'] for g in groups}) > 1
 
 
 def _last_of_setting(groups, i: int) -> bool:
-  """Whether group i is the last of its (pretrain_dataset, batch_size)."""
-  return i + 1 == len(groups) or (
-      (groups[i + 1]['pretrain_dataset'], groups[i + 1]['batch_size'])
-      != (groups[i]['pretrain_dataset'], groups[i]['batch_size']))
+  """Whether group i is the last of its setting (`_setting_of`)."""
+  return (i + 1 == len(groups)
+          or groups[i + 1]['setting'] != groups[i]['setting'])
 
 
-def _setting_suffix(pretrain: str, batch_size: int) -> str:
-  return f' ({dataset_name(pretrain)}, b={batch_size})'
+def _suffix(g: dict[str, Any], several: bool) -> str:
+  """' (Digits, b=64, ot.epsilon=0.05)': what tells this row's run apart.
+
+  The pretraining dataset and batch size when the table holds several
+  settings, and every other result-changing setting in which its rows differ.
+  """
+  parts = ([dataset_name(g['pretrain_dataset']), f'b={g["batch_size"]}']
+           if several else [])
+  parts += [g['label']] if g.get('label') else []
+  return f' ({", ".join(parts)})' if parts else ''
 
 
 def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
@@ -459,8 +537,8 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   floors = _floors(results) if include_random_init else {}
   rows = []
   for i, g in enumerate(groups):
-    setting = (g['pretrain_dataset'], g['batch_size'])
-    suffix = _setting_suffix(*setting) if several else ''
+    setting = g['setting']
+    suffix = _suffix(g, several)
     clean = g.get('linear_clean_bn')
     name = g['title']
     rows.append(_Row((name + (BN_STORED_LABEL if clean else '') + suffix,),
@@ -501,9 +579,10 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
 
   rows = []
   for i, g in enumerate(groups):
-    setting = (g['pretrain_dataset'], g['batch_size'])
+    setting = g['setting']
     labels = (dataset_name(setting[0]), str(setting[1]))
-    rows.append(_Row(labels + (g['title'],), cells(g['linear']),
+    rows.append(_Row(labels + (g['title'] + _suffix(g, False),),
+                     cells(g['linear']),
                      block=setting, highlight=g['method'] == 'otclr',
                      section=setting[0]))
     if _last_of_setting(groups, i) and floors.get(setting):
@@ -534,8 +613,7 @@ def augmentation_table(results: Sequence[dict[str, Any]],
   rows = []
   for g in groups:
     encoder = g['title']
-    if several:
-      encoder += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
+    encoder += _suffix(g, several)
     for generator in sorted(g['views'], key=_method_rank):
       values = g['views'][generator]
       rows.append(_Row((encoder, method_name(generator)),
@@ -560,14 +638,11 @@ def cluster_table(results: Sequence[dict[str, Any]],
     for g in groups:
       if dataset not in g['clusters']:
         continue
-      label = g['title']
-      if several:
-        label += _setting_suffix(g['pretrain_dataset'], g['batch_size'])
+      label = g['title'] + _suffix(g, several)
       rows.append(_Row((dataset_name(dataset), label),
                        tuple((g['clusters'][dataset].get(k),)
                              for k, _, _ in CLUSTER_METRICS),
-                       block=(dataset, g['pretrain_dataset'],
-                              g['batch_size']),
+                       block=(dataset, g['setting']),
                        highlight=g['method'] == 'otclr', section=dataset))
   return _render(spec, rows, fmt)
 
@@ -672,13 +747,14 @@ def paired_differences(results: Sequence[dict[str, Any]]
     when the differences do not vary), 'wins' (seeds with a positive
     difference).
   """
-  by_run: dict[tuple[str, int, str], dict[Any, dict[str, Any]]] = {}
+  by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
   for result in results:
     by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
                                                        result)
+  names = _differing(list(by_run))
   rows = []
   for key in sorted(by_run, key=_sort_key):
-    pretrain, batch, run = key
+    pretrain, batch, run, settings = key
     runs = by_run[key]
     datasets = list(dict.fromkeys(
         d for r in runs.values() for d in (r.get('linear') or {})))
@@ -686,7 +762,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
     baselines.append(('random_init', 'random_init'))
     for baseline, base_section in baselines:
       base_runs = (runs if baseline == 'random_init'
-                   else by_run.get((pretrain, batch, baseline), {}))
+                   else by_run.get((pretrain, batch, baseline, settings), {}))
       for dataset in datasets:
         for metric, _ in PAIRED_METRICS:
           paired = _paired(
@@ -694,13 +770,15 @@ def paired_differences(results: Sequence[dict[str, Any]]
               _by_seed(base_runs, base_section, dataset, metric))
           if paired:
             rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
+                         'label': _label(key, names),
                          'method': run, 'baseline': baseline,
                          'dataset': dataset, 'metric': metric, **paired})
   metrics = [m for m, _ in PAIRED_METRICS]
   # Per setting: the view comparisons before the floor's, datasets in the
   # paper's order.
   rows.sort(key=lambda r: (
-      _sort_key((r['pretrain_dataset'], r['batch_size'], ''))[:2],
+      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
+      r['label'],
       r['baseline'] == 'random_init', _method_rank(r['method']),
       _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
   return rows
@@ -723,8 +801,7 @@ def paired_table(results: Sequence[dict[str, Any]],
     base = (FLOOR_LABEL if r['baseline'] == 'random_init'
             else titles.get(r['baseline'], method_name(r['baseline'])))
     comparison = f'{titles.get(r["method"], method_name(r["method"]))} − {base}'
-    if several:
-      comparison += _setting_suffix(r['pretrain_dataset'], r['batch_size'])
+    comparison += _suffix(r, several)
     per_seed = ', '.join(f'{d:+.2f}' for d in r['differences'])
     mean = _value_text(r, 2, fmt)
     body.append([dataset_name(r['dataset']), comparison, names[r['metric']],

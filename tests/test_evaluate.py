@@ -620,3 +620,19 @@ def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
   assert (monitor_._encoder._apply
           is features.Encoder(experiment.create_model(config))._apply)
   assert monitor_._batch_size == config.eval.batch_size
+
+
+def test_view_metrics_do_not_depend_on_the_evaluation_batch_size(data_dir):
+  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
+  model, _, images = _tiny_net(seed=3, num_images=12)
+  variables = model.init(jax.random.key(3), jnp.zeros((2, 8, 8, 3)),
+                         train=False)
+  small, large = (view_quality.view_embeddings(
+      config, model, variables, images, num_images=10, batch_size=b)
+                  for b in (4, 16))
+  # A throughput setting: the same views, embedded in other row counts.
+  np.testing.assert_allclose(small.pixel_l2, large.pixel_l2, rtol=1e-5)
+  np.testing.assert_allclose(small.pixel_rms, large.pixel_rms, rtol=1e-5)
+  for a, b in ((small.simclr, large.simclr), (small.otclr, large.otclr)):
+    for za, zb in zip(a, b):
+      np.testing.assert_allclose(za, zb, rtol=1e-4, atol=1e-5)

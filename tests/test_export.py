@@ -205,3 +205,48 @@ def test_a_signal_ends_the_export_with_75_and_one_line(signum):
   assert done.returncode == rundir.EXIT_STOPPED, done.stderr
   assert done.stderr.strip().splitlines() == [
       f'Export stopped by {signal.Signals(signum).name}; nothing was written.']
+
+
+# ----------------------------------------------------------------------------
+# One input contract with the OT functions; architecture checked at load.
+
+
+def test_apply_fn_refuses_images_outside_0_1_like_ot_views(tmp_path, trained):
+  from otclr_jax import ot  # pylint: disable=g-import-not-at-top
+  config, _, variables, x = trained
+  path = str(tmp_path / 'encoder.msgpack')
+  export.export_encoder(path, variables, config)
+  apply_fn, loaded = export.load_encoder(path)
+  bytes_as_float = np.asarray(x) * 255
+  with pytest.raises(ValueError, match=r'\[0, 1\]'):
+    ot.ot_views(bytes_as_float, bytes_as_float, grid_size=4)
+  with pytest.raises(ValueError, match=r'\[0, 1\]'):
+    apply_fn(loaded, bytes_as_float)
+  with pytest.raises(ValueError, match='NaN'):
+    apply_fn(loaded, np.full((1, 8, 8, 3), np.nan, np.float32))
+  # Traced images cannot raise: out-of-range ones give NaN features, as OT
+  # views give NaN views.
+  poisoned = jax.jit(apply_fn)(loaded, bytes_as_float)
+  assert np.isnan(np.asarray(poisoned)).all()
+  np.testing.assert_array_equal(jax.jit(apply_fn)(loaded, x),
+                                apply_fn(loaded, x))
+
+
+def test_apply_fn_refuses_another_image_size(tmp_path, trained):
+  config, _, variables, _ = trained
+  path = str(tmp_path / 'encoder.msgpack')
+  export.export_encoder(path, variables, config)
+  apply_fn, loaded = export.load_encoder(path)
+  with pytest.raises(ValueError, match='image_size 8'):
+    apply_fn(loaded, np.zeros((2, 16, 16, 3), np.float32))
+
+
+def test_an_architecture_that_does_not_match_the_weights_fails_at_load(
+    tmp_path, trained):
+  config, _, variables, _ = trained
+  path = str(tmp_path / 'encoder.msgpack')
+  wrong = config.copy_and_resolve_references()
+  wrong.model.stem = 'imagenet'  # the weights are the cifar stem's
+  export.export_encoder(path, variables, wrong)
+  with pytest.raises(ValueError, match='encoder.msgpack.*stem'):
+    export.load_encoder(path)

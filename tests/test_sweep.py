@@ -952,3 +952,21 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
                              aggregate=False) == 0
   assert (names[0], 'eval') in launcher.calls
   assert (names[0], 'train') not in launcher.calls
+
+
+def test_a_rerun_with_another_length_is_a_conflict_not_a_lengthening(
+    tmp_path, capsys):
+  path = write_sweep(tmp_path / 's.py', tiny_grid())
+  workdir = str(tmp_path / 'out')
+  assert sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
+                             launcher=FakeLauncher(), aggregate=False) == 0
+  launcher = FakeLauncher()
+  longer = sweep_lib.load_sweep(path, ['--config.total_steps=4'])
+  with pytest.raises(sweep_lib.RunConflictError,
+                     match=r'seed=0,method=otclr: .*total_steps: 2 -> 4'):
+    sweep_lib.run_sweep(longer, workdir, launcher=launcher, aggregate=False)
+  assert launcher.calls == []
+  capsys.readouterr()
+  assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
+                         '--config.total_steps=4']) == 2
+  assert 'total_steps: 2 -> 4' in capsys.readouterr().err

@@ -275,3 +275,47 @@ def test_paired_table_is_in_the_report_with_several_seeds_only():
   single = _paired_runs([46.0], [45.0], [40])
   assert tables.paired_table(single) == ''
   assert 'Paired differences' not in tables.render_report(single)
+
+
+# ----------------------------------------------------------------------------
+# Runs share a row only when their stored configs agree on all but the seed.
+
+
+def _configured(method, seed, top1, floor, **fields):
+  from configs import default  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.method, config.seed, config.dataset = method, seed, 'digits'
+  config.batch_size = 64
+  for name, value in fields.items():
+    *parents, leaf = name.split('.')
+    node = config
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  result = _run(method, seed, top1, floor, batch_size=64, pretrain='digits')
+  result['config'] = config.to_dict()
+  return result
+
+
+def test_runs_of_other_settings_are_other_rows_labelled_by_what_differs():
+  results = [_configured('otclr', 0, 94.7, 30.0, **{'ot.epsilon': 0.05}),
+             _configured('otclr', 0, 97.5, 30.0, **{'ot.epsilon': 0.5})]
+  groups = tables.aggregate(results)
+  assert [g['n'] for g in groups] == [1, 1]
+  table = tables.linear_table(results, metrics=('top1',))
+  assert '(n=2)' not in table and '±' not in table
+  assert 'ot.epsilon=0.05' in table and 'ot.epsilon=0.5' in table
+  # The floors follow the rows: one per setting, never pooled across them.
+  assert table.count(tables.FLOOR_LABEL) == 2
+  # Seeds of one setting still share a row, and then no label is needed.
+  seeds = [_configured('otclr', s, 90.0 + s, 30.0) for s in (0, 1)]
+  (group,) = tables.aggregate(seeds)
+  assert group['n'] == 2
+  assert 'ot.epsilon' not in tables.linear_table(seeds)
+
+
+def test_only_fields_that_change_a_result_split_rows():
+  results = [_configured('otclr', 0, 94.7, 30.0, log_every_steps=5),
+             _configured('otclr', 1, 97.5, 30.0, **{'eval.probe_steps': 9})]
+  (group,) = tables.aggregate(results)
+  assert group['n'] == 2

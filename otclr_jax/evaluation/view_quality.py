@@ -14,6 +14,7 @@ from typing import Any, Iterator, NamedTuple
 from absl import logging
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -57,7 +58,8 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   """Both generators' positive pairs of test images, embedded by one encoder.
 
   `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
-  strong augmentations each from `jax.random.key(seed)`; the SimCLR pair is
+  strong augmentations each from `jax.random.key(seed)` folded with the
+  image's position (so the views do not depend on `batch_size`); the SimCLR pair is
   (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
   run's `config.ot` settings and alpha (learnt alpha if any). The network
   `variables` embeds both pairs and the clean images: l2-normalised z (the
@@ -90,8 +92,14 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
                'batch_stats': variables['batch_stats']}
   embedding = clusters.embedding_of(config)
 
-  batch_views = jax.jit(
-      lambda x, key: views_lib.make_views(both, x, key, alpha))
+  def one_image(x, key):
+    return tuple(v[0] for v in views_lib.make_views(both, x[None], key,
+                                                    alpha))
+
+  # Each image's views come from its own key (the key folded with its
+  # position among the chosen images), never from the batch it lands in, so
+  # the metrics do not depend on `batch_size`, a throughput setting.
+  batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
 
   # The evaluation's own encoder (`features.Encoder`), compiled for the
   # features at these rows (`extract_features`), embeds all five image sets.
@@ -107,10 +115,14 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   views_batch = min(batch_size, n)
   key = jax.random.key(seed)
   parts, l2_sum, rms_sum = [], 0.0, 0.0
-  for index, batch in enumerate(data.eval_batches(images, views_batch)):
+  start = 0
+  for batch in data.eval_batches(images, views_batch):
     real = len(batch)
     x = features.to_unit(features.pad_rows(batch, views_batch))
-    o1, o2, s1, s2 = batch_views(x, jax.random.fold_in(key, index))
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
+        jnp.arange(start, start + views_batch, dtype=jnp.uint32))
+    start += real
+    o1, o2, s1, s2 = batch_views(x, keys)
     parts.append([embed(v, real) for v in (x, s1, s2, o1, o2)])
     # The paper's (1 / 2n) sum_i sum_k: both views of every image.
     l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
