@@ -300,7 +300,10 @@ def mean_std_rtol(values) -> tuple[float, float]:
   x = np.asarray(values, np.float64)
   n = len(x)
   dev = x - x.mean()
-  k = 2 * np.sum(np.abs(dev) * (np.abs(x) + abs(x.mean()))) / np.sum(dev ** 2)
+  spread = np.sum(dev ** 2)
+  # Values without spread (a single one) leave no deviation to amplify.
+  k = (2 * np.sum(np.abs(dev) * (np.abs(x) + abs(x.mean()))) / spread
+       if spread > 0 else 0.0)
   rtol_std = 0.5 * (rounding_tol(n + 3, k=k, eps=EPS64)
                     + rounding_tol(n + 3, eps=EPS64)) + rounding_tol(
                         1, eps=EPS64)
