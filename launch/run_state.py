@@ -1,8 +1,9 @@
 """What a sweep reads off a run directory: how far it got, whether to trust it.
 
 Training stores the run's resolved config in `config.json` and keeps
-`status.json` current; evaluation writes `eval/results.json` and
-`eval/config.json` (otclr_jax/rundir.py). A run is finished when status.json
+`status.json` current; evaluation writes `eval/results.json` last, holding
+the config it was made with and binding its other files by digest
+(otclr_jax/rundir.py). A run is finished when status.json
 says "finished" at its final step and its results are for that step, made
 with this sweep's evaluation settings; a run directory made with other
 result-changing settings is a conflict (`identity_conflict`). Nothing here
@@ -16,31 +17,19 @@ import os
 
 from otclr_jax import rundir
 
-RESULTS = os.path.join('eval', 'results.json')
-
-
-def latest_checkpoint_step(workdir: str) -> int | None:
-  # Orbax names complete checkpoints by their step alone; in-flight saves
-  # carry a suffix and must not count.
-  directory = os.path.join(workdir, 'checkpoints')
-  steps = [int(d) for d in os.listdir(directory)
-           if d.isdigit()] if os.path.isdir(directory) else []
-  return max(steps) if steps else None
+RESULTS = rundir.RESULTS_FILE
+latest_checkpoint_step = rundir.latest_checkpoint_step
 
 
 def _records(workdir: str) -> list[dict]:
-  """The complete records of metrics.jsonl (a torn last line is skipped)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
+  """metrics.jsonl's records; [] when a damaged line makes them unknown.
+
+  Training itself refuses such a file in one line when it resumes.
+  """
+  try:
+    return rundir.read_metrics(workdir)
+  except rundir.CorruptFileError:
     return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue  # A crash or a full disk tore it.
-  return records
 
 
 def final_step(config, workdir: str) -> int | None:
@@ -60,19 +49,13 @@ def final_step(config, workdir: str) -> int | None:
 
 
 def read_results(workdir: str) -> dict | None:
-  """DIR/<run>/eval/results.json, or None if absent.
+  """DIR/<run>/eval/results.json with the files it binds, or None if absent.
 
   Raises:
-    ValueError: the file is not valid JSON (the message names it).
+    ValueError: the file is not a JSON object, or an evaluation was
+      interrupted between its writes (the message names the file).
   """
-  path = os.path.join(workdir, RESULTS)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f'{path} is not valid JSON ({e}).') from e
+  return rundir.read_results(workdir)
 
 
 def identity_conflict(config, workdir: str) -> str | None:
@@ -103,16 +86,25 @@ def identity_conflict(config, workdir: str) -> str | None:
           f'{rundir.describe_diff(stored, new, names)}' if names else None)
 
 
-def _eval_config_conflict(config, workdir: str) -> str | None:
-  """Why results.json does not belong to `config`'s evaluation, or None."""
-  path = os.path.join(workdir, 'eval', 'config.json')
-  try:
-    with open(path) as f:
-      stored = json.load(f)
-  except FileNotFoundError:
-    return f'no {path} records how it was evaluated'
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    return f'{path} is not valid JSON ({e})'
+def _eval_config_conflict(config, workdir: str,
+                          results: dict) -> str | None:
+  """Why results.json does not belong to `config`'s evaluation, or None.
+
+  The config results.json carries is the one it was made with; results
+  written before they carried it are read with eval/config.json.
+  """
+  stored = results.get('config')
+  if not isinstance(stored, dict):
+    path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
+    try:
+      with open(path) as f:
+        stored = json.load(f)
+    except FileNotFoundError:
+      return f'no {path} records how it was evaluated'
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return f'{path} is not valid JSON ({e})'
+    if not isinstance(stored, dict):
+      return f'{path} is not a JSON object'
   new = json.loads(json.dumps(config.to_dict()))
   names = rundir.result_changing_diff(stored, new, length=True)
   # Evaluation settings change the reported numbers (not the training).
@@ -157,7 +149,7 @@ def stale_results_reason(config, workdir: str) -> str | None:
   if total is None or results.get('step') != total:
     return f'its results are for step {results.get("step")}, not {total}'
   return (_probe_protocol_conflict(results)
-          or _eval_config_conflict(config, workdir))
+          or _eval_config_conflict(config, workdir, results))
 
 
 def is_trained(config, workdir: str) -> bool:

@@ -28,7 +28,10 @@ from typing import Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from otclr_jax import cli
 from otclr_jax import config_files
+from otclr_jax import fileio
+from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,11 +190,11 @@ def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
     **kwargs: `multinode_script`'s keyword arguments.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
+  rundir.check_directory(workdir, '--workdir')
   text = multinode_script(run_argv, REPO, workdir, **kwargs)
   os.makedirs(os.path.join(workdir, 'slurm'), exist_ok=True)
   path = os.path.join(workdir, 'run.sbatch')
-  with open(path, 'w') as f:
-    f.write(text)
+  fileio.write_text(path, text)
   os.chmod(path, 0o755)
   return path
 
@@ -265,4 +268,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main(sys.argv))
+  cli.run(main)

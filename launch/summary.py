@@ -1,20 +1,23 @@
 """A sweep's summary: mean ± std tables over the finished runs of DIR.
 
 Only runs whose status.json says "finished" at their final step, with results
-for that step, are averaged; every other run with a results.json is listed
-under "Not averaged" with the reason.
+for that step, are averaged; every other run of the sweep (each run DIR/runs.json
+lists, or without it each run directory) is listed under "Not averaged" with
+the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import sys
 from typing import Sequence
 
+RUNS_FILE = 'runs.json'
+
 from launch import run_state
+from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
 
@@ -25,8 +28,9 @@ class Collected:
 
   Attributes:
     results: results dicts of finished runs (averaged in the summary).
-    excluded: (run directory, reason) of every other run with a results.json:
-      unfinished, diverged, stopped, without status.json, or unreadable.
+    excluded: (run directory, reason) of every other run: not started,
+      unfinished, diverged, failed, not evaluated, without status.json, or
+      unreadable.
     unreadable: how many of `excluded` had a results.json that failed to read.
   """
   results: list[dict]
@@ -34,59 +38,104 @@ class Collected:
   unreadable: int = 0
 
 
-def _why_not_averaged(run_dir: str, results: dict) -> str | None:
+def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
   """Why a run's results must not enter a mean, or None if it finished."""
   try:
     status = rundir.read_status(run_dir)
   except ValueError as e:
     return str(e)
   if status is None:
+    if not os.path.isdir(run_dir):
+      return 'not started'
     return f'no {rundir.STATUS_FILE}: cannot tell whether training finished'
   state, step = status.get('state'), status.get('step')
   total = status.get('total_steps')
   if state != 'finished' or step != total:
     return f'training {state} at step {step} of {total}'
+  if results is None:
+    return f'trained, not evaluated (no {run_state.RESULTS})'
   if results.get('step') != total:
     return f'results are for step {results.get("step")}, not the final {total}'
   return None
 
 
-def _listed_runs(workdir: str) -> set[str] | None:
-  """The run names DIR/runs.json lists (the sweep's), or None without one."""
+def listed_runs(workdir: str) -> list[str] | None:
+  """The run names DIR/runs.json lists (the sweep's), or None without one.
+
+  Raises:
+    rundir.CorruptFileError: runs.json is torn or not a run list.
+  """
+  path = os.path.join(workdir, RUNS_FILE)
   try:
-    with open(os.path.join(workdir, 'runs.json')) as f:
-      return {e['name'] for e in json.load(f)['runs']}
-  except FileNotFoundError:
-    return None
+    listed = rundir.read_json_file(path)
+    if listed is None:
+      return None
+    return [str(e['name']) for e in listed['runs']]
+  except (KeyError, TypeError) as e:
+    raise rundir.CorruptFileError(
+        f'{path} is not a run list ({type(e).__name__}: {e}); write it again '
+        'with the sweep command, or delete it.') from None
+
+
+def _with_config(run_dir: str, results: dict) -> dict:
+  """`results` carrying the config it was made with.
+
+  Results written before they carried it take eval/config.json's.
+  """
+  if isinstance(results.get('config'), dict):
+    return results
+  try:
+    stored = rundir.read_json_file(os.path.join(run_dir,
+                                                rundir.EVAL_CONFIG_FILE))
+  except ValueError:
+    stored = None
+  return {**results, 'config': stored} if stored else results
 
 
 def collect_results(workdir: str) -> Collected:
-  """Every DIR/*/eval/results.json, in run-name order, sorted by trust.
+  """The results of the sweep's runs, in run-name order, sorted by trust.
 
-  With a DIR/runs.json, only the runs it lists are averaged: a run directory
-  of another sweep in DIR (other names, maybe the same settings) would count
-  a seed twice.
+  With a DIR/runs.json, the runs it lists are the sweep's: each is either
+  averaged or listed as excluded with the reason (not started, diverged,
+  failed, not evaluated, ...), and any other run directory in DIR is
+  excluded as not the sweep's (another sweep's run, maybe with the same
+  settings, would count a seed twice). Without one, every DIR/* holding a
+  results.json or status.json counts.
+
+  Raises:
+    rundir.CorruptFileError: DIR/runs.json is torn.
   """
   collected = Collected([], [])
-  listed = _listed_runs(workdir)
-  for path in sorted(glob.glob(os.path.join(workdir, '*', run_state.RESULTS))):
-    run_dir = os.path.dirname(os.path.dirname(path))
-    if listed is not None and os.path.basename(run_dir) not in listed:
-      collected.excluded.append((run_dir, 'not a run of this sweep '
-                                 '(runs.json does not list it)'))
-      continue
+  listed = listed_runs(workdir)
+  present = sorted(
+      os.path.basename(os.path.dirname(os.path.dirname(p)))
+      for p in glob.glob(os.path.join(workdir, '*', run_state.RESULTS)))
+  if listed is None:
+    names = sorted(set(present) | {
+        os.path.basename(os.path.dirname(p)) for p in glob.glob(
+            os.path.join(workdir, '*', rundir.STATUS_FILE))})
+  else:
+    names = list(dict.fromkeys(listed))
+    collected.excluded += [
+        (os.path.join(workdir, n), 'not a run of this sweep (runs.json does '
+         'not list it)') for n in present if n not in set(listed)]
+  for name in names:
+    run_dir = os.path.join(workdir, name)
     try:
       results = run_state.read_results(run_dir)
-      if not isinstance(results, dict):
-        raise ValueError(f'{path} holds {type(results).__name__}, not a '
-                         'results object.')
+      if results is not None and not isinstance(results, dict):
+        raise ValueError(f'{os.path.join(run_dir, run_state.RESULTS)} holds '
+                         f'{type(results).__name__}, not a results object.')
+    except rundir.IncompleteEvaluationError as e:
+      collected.excluded.append((run_dir, f'incomplete evaluation: {e}'))
+      continue
     except (OSError, ValueError) as e:
       collected.excluded.append((run_dir, f'unreadable: {e}'))
       collected.unreadable += 1
       continue
     why = _why_not_averaged(run_dir, results)
     if why is None:
-      collected.results.append(results)
+      collected.results.append(_with_config(run_dir, results))
     else:
       collected.excluded.append((run_dir, why))
   return collected
@@ -107,12 +156,12 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 def aggregate_dir(workdir: str) -> str | None:
   """Writes DIR/summary.{md,tex,json}; returns the Markdown.
 
-  Grouping by (pretrain_dataset, batch_size, method) into mean ± std, with a
-  random-init floor row, and the rendering are otclr_jax.tables' (`aggregate`
-  -> summary.json, `render_report` -> summary.md / summary.tex). Only
-  finished runs are averaged; every other run with a results.json (see
-  `collect_results`) is listed under "Not averaged" in summary.md /
-  summary.tex and on the console.
+  Grouping the seeds of each run into mean ± std, with a random-init floor
+  row, and the rendering are otclr_jax.tables' (`aggregate` -> summary.json's
+  `rows`, `render_report` -> summary.md / summary.tex). Only finished runs
+  are averaged; every other run of the sweep (see `collect_results`) is
+  listed under "Not averaged" in summary.md / summary.tex, in summary.json's
+  `not_averaged` and on the console. Each file is written atomically.
   """
   collected = collect_results(workdir)
   results, excluded = collected.results, collected.excluded
@@ -126,12 +175,15 @@ def aggregate_dir(workdir: str) -> str | None:
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
            '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  with open(os.path.join(workdir, 'summary.md'), 'w') as f:
-    f.write(markdown)
-  with open(os.path.join(workdir, 'summary.tex'), 'w') as f:
-    f.write(latex)
-  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(tables.aggregate(results) if results else [], f, indent=1)
+  fileio.write_text(os.path.join(workdir, 'summary.md'), markdown)
+  fileio.write_text(os.path.join(workdir, 'summary.tex'), latex)
+  rows = tables.aggregate(results) if results else []
+  for row in rows:
+    del row['setting']  # the grouping key; `settings` and `label` say it
+  rundir.write_json(os.path.join(workdir, 'summary.json'), {
+      'rows': rows,
+      'not_averaged': [{'run': os.path.basename(d), 'workdir': d, 'why': why}
+                       for d, why in excluded]})
   print(f'{len(results)} finished runs tabulated ({len(excluded)} not '
         f'averaged) in {workdir}/summary.{{md,tex,json}}:\n\n{markdown}')
   return markdown

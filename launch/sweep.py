@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import re
 import shlex
@@ -47,7 +46,9 @@ from launch import launcher as launcher_lib
 from launch import run_state
 from launch import slurm
 from launch import summary
+from otclr_jax import cli
 from otclr_jax import config_files
+from otclr_jax import fileio
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +185,10 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
       raise ValueError(f'{flag}: {path} sweeps config.{key}; change it there.')
   sweep = Sweep(path, config, tuple(cli_flags), hypers)
   names = [r.name for r in sweep.runs(REPO)]
-  if not names or len(set(names)) != len(names):
+  if not names:
+    raise ValueError(f'{path}: get_hyper gives no runs (an empty grid); '
+                     'give each hyper.sweep at least one value.')
+  if len(set(names)) != len(names):
     raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
                      'remove repeated values.')
   # Lazily: the check needs the model code, the rest of this module does not.
@@ -286,7 +290,7 @@ def _report(head: str, outcome: Outcome) -> Outcome:
   return outcome
 
 
-class RunConflictError(ValueError):
+class RunConflictError(cli.UsageError):
   """A run directory holds a run made with other result-changing settings."""
 
 
@@ -377,25 +381,22 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
 
 def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
   """Writes DIR/runs.json: the sweep's runs, their settings and commands."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, 'runs.json')
+  path = os.path.join(workdir, summary.RUNS_FILE)
   entries = [{'index': r.index, 'name': r.name, 'workdir': r.workdir,
               'overrides': dict(r.overrides),
               'train': shlex.join(command(sweep, r, 'train')),
               'eval': shlex.join(command(sweep, r, 'eval'))} for r in runs]
-  with open(path, 'w') as f:
-    json.dump({'sweep': sweep.path, 'runs': entries}, f, indent=1)
+  rundir.write_json(path, {'sweep': sweep.path, 'runs': entries})
   return path
 
 
 def _check_run_list(runs: Sequence[Run], workdir: str) -> None:
   # An array task maps its index through the sweep file as it is now; if the
   # file changed after submission the index would silently name another run.
-  path = os.path.join(workdir, 'runs.json')
-  if not os.path.exists(path):
+  path = os.path.join(workdir, summary.RUNS_FILE)
+  listed = summary.listed_runs(workdir)
+  if listed is None:
     return
-  with open(path) as f:
-    listed = [e['name'] for e in json.load(f)['runs']]
   if listed != [r.name for r in runs]:
     raise ValueError(f'{path} lists other runs than the sweep file now '
                      'expands to; the sweep file changed after the job was '
@@ -411,9 +412,8 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   task = [sys.executable, '-m', 'launch.sweep', f'--config={sweep.path}',
           f'--workdir={workdir}', *sweep.flags]
   path = os.path.join(workdir, 'sweep.sbatch')
-  with open(path, 'w') as f:
-    f.write(slurm.slurm_script(task, REPO, workdir, [r.name for r in runs],
-                               **kwargs))
+  fileio.write_text(path, slurm.slurm_script(
+      task, REPO, workdir, [r.name for r in runs], **kwargs))
   os.chmod(path, 0o755)
   return path
 
@@ -495,6 +495,7 @@ def _main(argv: Sequence[str]) -> int:
                  '--workdir=DIR [--config.a.b=v ...] [--slurm | --dry_run] '
                  '(or --workdir=DIR --aggregate_only); see --help.')
   workdir = os.path.abspath(os.path.expanduser(fv.workdir))
+  rundir.check_directory(workdir, '--workdir')
   if fv.aggregate_only:
     if not os.path.isdir(workdir):
       return _fail(2, f'--aggregate_only: sweep directory {workdir} does not '
@@ -536,4 +537,4 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main(sys.argv))
+  cli.run(main)

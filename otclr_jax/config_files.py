@@ -22,6 +22,8 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
+from otclr_jax import cli
+
 # The flag name `main` defines; overrides are `--config.<dotted field>=<value>`.
 FLAG = 'config'
 
@@ -145,7 +147,7 @@ def set_field(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
   node[leaf] = value
 
 
-class UsageError(ValueError):
+class UsageError(cli.UsageError):
   """A bad command line: an unknown flag or field, or a bad value."""
 
 

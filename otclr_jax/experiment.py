@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import methods
 from otclr_jax import models
@@ -49,7 +50,7 @@ MIN_EPSILON = 1.0 / (126 * math.log(2))
 OPTIMIZERS = ('sgd', 'lars')
 
 
-class ConfigError(ValueError):
+class ConfigError(cli.UsageError):
   """A config field is invalid, or conflicts with the run stored in the workdir."""
 
 
@@ -87,7 +88,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(str(e)) from e
   _require(c.dtype in base.DTYPES, 'dtype',
            f'must be one of {tuple(base.DTYPES)}', c.dtype)
-  _require(_is_int(c.seed), 'seed', 'must be an integer', c.seed)
+  # Seeds become uint32 PRNG key data (jax.random.key) and NumPy seeds.
+  _require(_is_int(c.seed) and 0 <= c.seed < 2**32, 'seed',
+           'must be an integer in [0, 2**32)', c.seed)
   _require(isinstance(c.dataset, str) and c.dataset, 'dataset',
            'must name a dataset', c.dataset)
   _require(_is_int(c.image_size)
@@ -173,6 +176,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(str(e)) from e
   _require(c.ot.core in ot.CORES, 'ot.core', f'must be one of {ot.CORES}',
            c.ot.core)
+  if method == 'moco':
+    # The queue takes a whole batch of keys per step (methods/moco.py).
+    _require(_is_int(c.moco.queue_size)
+             and c.moco.queue_size >= c.batch_size, 'moco.queue_size',
+             f'must be an integer >= config.batch_size ({c.batch_size})',
+             c.moco.queue_size)
 
 
 def _validate_optim(opt: ml_collections.ConfigDict, path: str) -> None:

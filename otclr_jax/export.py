@@ -25,7 +25,6 @@ finishes; any checkpoint of a run is exported on demand with
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
@@ -38,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import fileio
 from otclr_jax import models
@@ -266,6 +266,10 @@ def export_checkpoint(workdir: str, step: int | None = None,
         f'{config_path} does not exist: the encoder is rebuilt from the '
         "run's stored config (written by `python -m otclr_jax.main` when a "
         'run starts).')
+  if out is not None and os.path.isdir(out):
+    raise config_files.UsageError(
+        f'--out {out} is a directory; give the file to write, e.g. '
+        f'{os.path.join(out, ENCODER_FILE)}.')
   config = config_files.load(config_path)
   _, restored, step = evaluate.restore(config, workdir, step)
   variables = {'params': restored['params'],
@@ -290,10 +294,11 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 def main(argv: Sequence[str]) -> int:
   """`python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]`.
 
-  Exit statuses (otclr_jax/rundir.py): 0 exported; 1 no config.json or no
-  such checkpoint, or non-finite variables; 2 a bad flag; 73 the output
-  cannot be written (a read-only path); 75 stopped by SIGTERM/SIGINT
-  (nothing half-written). Each failure is one line on stderr.
+  Exit statuses (otclr_jax/cli.py): 0 exported; 2 a bad flag, no
+  config.json, no such checkpoint, a --workdir or --out of the wrong kind;
+  65 non-finite variables; 73 the output cannot be written (a read-only
+  path); 75 stopped by SIGTERM/SIGINT (nothing half-written). Each failure
+  is one line on stderr.
 
   Args:
     argv: the command line, program name first.
@@ -310,29 +315,20 @@ def main(argv: Sequence[str]) -> int:
             'usage: python -m otclr_jax.export --workdir=DIR [--step=S] '
             '[--out=PATH]')
       out = os.path.expanduser(fv.out) if fv.out else None
+      rundir.check_directory(os.path.expanduser(fv.workdir), '--workdir')
       path, step = export_checkpoint(os.path.expanduser(fv.workdir), fv.step,
                                      out)
-  except config_files.UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
   except rundir.StopRequested as e:
     print(f'Export stopped by {e.name}; nothing was written.',
           file=sys.stderr)
     return rundir.EXIT_STOPPED
-  except (FileNotFoundError, ValueError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 1
-  except OSError as e:
-    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-      raise
-    print(f'error: {e.strerror}: {e.filename or out} (--out must be a '
-          'writable path).', file=sys.stderr)
-    return rundir.EXIT_CANT_CREATE
+  except Exception as e:  # pylint: disable=broad-except
+    # The project's status table (otclr_jax/cli.py); this command's
+    # ValueErrors all describe its inputs (a step, a file, --out).
+    return cli.report(e, usage_errors=(ValueError,))
   print(f'Exported the encoder of step {step} to {path}')
   return 0
 
 
 if __name__ == '__main__':
-  status = main(sys.argv)
-  if status != 0:
-    rundir.exit_now(status)
+  cli.run(main, usage_errors=(ValueError,))

@@ -39,12 +39,12 @@ import jax
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import evaluate
-from otclr_jax.evaluation import features
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Training configuration file.', lock_config=True)
@@ -249,6 +249,15 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       refused (the run's own settings are used for everything else).
   """
   workdir = os.path.expanduser(workdir)
+  try:
+    # Paths of the wrong kind are refused before anything is created (the
+    # compilation cache, data caches, the workdir).
+    rundir.check_directory(workdir, '--workdir')
+    if config.data_dir:
+      rundir.check_directory(config.data_dir, '--config.data_dir')
+  except rundir.PathError as e:
+    logging.error('%s', e)
+    return EXIT_USAGE
   cache = experiment.use_compilation_cache(config)
   if cache:
     logging.info('XLA compilation cache: %s', cache)
@@ -272,22 +281,23 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
                    jax.process_index())
       return 0
     with rundir.stop_on_signals():
-      evaluate_and_draw(config, workdir)
+      if config.mode == 'train':
+        try:
+          evaluate_and_draw(config, workdir)
+        except rundir.WorkdirLockedError as e:
+          # The training finished, which is what this command reports; the
+          # evaluation running meanwhile writes eval/ itself.
+          logging.warning('Training finished; its evaluation is skipped: '
+                          'the evaluation lock is in use (%s). Rerun with '
+                          '--config.mode=eval once it ends if its settings '
+                          'differ.', e)
+      else:
+        evaluate_and_draw(config, workdir)
     return 0
   except rundir.StopRequested as e:
     logging.error('%s during evaluation: stopped with nothing half-written; '
                   'rerun the same command to evaluate %s.', e.name, workdir)
     return rundir.EXIT_STOPPED
-  except (experiment.ConfigError, rundir.CorruptFileError,
-          data.DataError) as e:
-    logging.error('%s', e)
-    return EXIT_USAGE
-  except (train.DivergedError, features.NonFiniteError) as e:
-    logging.error('%s', e)
-    return rundir.EXIT_DIVERGED
-  except rundir.WorkdirLockedError as e:
-    logging.error('%s', e)
-    return rundir.EXIT_LOCKED
   except Exception as e:  # pylint: disable=broad-except
     if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
       # A collective failed: a peer died or cannot be reached. Ending here,
@@ -307,7 +317,14 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       return rundir.EXIT_CANT_CREATE
     where = disk_full_path(e, workdir)
     if where is None:
-      raise
+      # The project's table (otclr_jax/cli.py): usage 2, diverged 65,
+      # locked 73; anything it does not know is a bug and keeps its
+      # traceback.
+      mapped = cli.status_of(e)
+      if mapped is None:
+        raise
+      logging.error('%s', mapped[1])
+      return mapped[0]
     logging.error('Disk full: could not write %s (No space left on device). '
                   'Free space there and rerun the same command to resume from '
                   'the newest complete checkpoint in %s.', where, workdir)
@@ -357,4 +374,5 @@ def _parse_flags(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(lambda argv: app.run(cli.guarded(main), argv=argv,
+                               flags_parser=_parse_flags))

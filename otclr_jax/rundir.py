@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -42,6 +43,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from absl import logging
 
+from otclr_jax import cli
 from otclr_jax import fileio
 
 EXIT_STOPPED = 75
@@ -58,6 +60,17 @@ SWEEP_LOCK_FILE = '.sweep.lock'
 # Evaluation writes eval/ under its own lock, so a run can be evaluated from
 # its read-only checkpoints while it trains, but never by two writers at once.
 EVAL_LOCK_FILE = '.eval.lock'
+METRICS_FILE = 'metrics.jsonl'
+# What the run trains on (dataset, image and class counts, a digest of the
+# source files), written at the start: a resume on other data is refused.
+DATA_FILE = 'data.json'
+CHECKPOINTS_DIR = 'checkpoints'
+# What an evaluation writes, relative to the workdir. `results.json` is
+# written last and binds the others by digest (`write_evaluation`): it is the
+# one file readers trust.
+EVAL_DIR = 'eval'
+RESULTS_FILE = os.path.join(EVAL_DIR, 'results.json')
+EVAL_CONFIG_FILE = os.path.join(EVAL_DIR, 'config.json')
 
 STATES = ('running', 'finished', 'stopped', 'diverged', 'failed')
 
@@ -81,16 +94,52 @@ class WorkdirLockedError(RuntimeError):
   """Another process holds the workdir's lock."""
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(cli.UsageError):
   """A stored file of the workdir is not the JSON object it should be."""
 
 
+class PathError(cli.UsageError):
+  """A path the user named is of the wrong kind (a file for a directory)."""
+
+
+def check_directory(path: str, what: str) -> None:
+  """Refuses an existing `path` that is not a directory, before anything is made.
+
+  Args:
+    path: a directory the command will create or use.
+    what: how the user gave it, for the message (e.g. '--workdir').
+
+  Raises:
+    PathError: `path`, or a parent of it, exists and is not a directory.
+  """
+  probe = os.path.abspath(os.path.expanduser(path))
+  while True:
+    if os.path.lexists(probe):
+      if not os.path.isdir(probe):
+        kind = ('a dangling symlink' if os.path.islink(probe)
+                and not os.path.exists(probe) else 'not a directory')
+        raise PathError(f'{what} {path}: {probe} is {kind}; give a '
+                        'directory (or a path that does not exist yet).')
+      return
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      return
+    probe = parent
+
+
+class IncompleteEvaluationError(ValueError):
+  """eval/ holds files of more than one evaluation (one was interrupted)."""
+
+
 def _read_json(path: str) -> dict[str, Any] | None:
-  if not os.path.exists(path):
-    return None
   try:
     with open(path) as f:
       value = json.load(f)
+  except FileNotFoundError:
+    return None
+  except IsADirectoryError:
+    raise CorruptFileError(f'{path} is a directory, not a JSON file; '
+                           'move it away.') from None
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CorruptFileError(
         f'{path} is corrupt ({e}); delete it (a run\'s config is also stored '
@@ -100,6 +149,15 @@ def _read_json(path: str) -> dict[str, Any] | None:
     raise CorruptFileError(f'{path} is corrupt: expected a JSON object, got '
                            f'{type(value).__name__}.')
   return value
+
+
+def read_json_file(path: str) -> dict[str, Any] | None:
+  """A JSON object the project wrote, or None if absent.
+
+  Raises:
+    CorruptFileError: it is torn or not a JSON object (the message names it).
+  """
+  return _read_json(path)
 
 
 def read_status(workdir: str) -> dict[str, Any] | None:
@@ -284,6 +342,129 @@ def adopt_stored(config: Any, stored: dict[str, Any],
   for name in names:
     _set(config, name, flat_stored[name])
   return names
+
+
+def write_json(path: str, value: Any) -> None:
+  """Atomically writes `value` as indented JSON (every JSON the project writes)."""
+  fileio.write_text(path, json.dumps(value, indent=1, sort_keys=True,
+                                     allow_nan=False) + '\n')
+
+
+def _digest(path: str) -> str | None:
+  try:
+    with open(path, 'rb') as f:
+      return hashlib.sha256(f.read()).hexdigest()
+  except FileNotFoundError:
+    return None
+
+
+def write_evaluation(workdir: str, results: dict[str, Any],
+                     files: dict[str, str]) -> dict[str, Any]:
+  """Writes one evaluation's outputs so that they read as one unit or not at all.
+
+  Each file of `files` is written (atomically) first, then
+  `eval/results.json`, which records their sha256 under `files`. A signal,
+  kill -9 or full disk between two writes leaves either the previous
+  results.json, whose digests no longer match the files it bound (so
+  `read_results` refuses it), or the new one with all its files.
+
+  Args:
+    workdir: the run directory.
+    results: the results dict (JSON-safe).
+    files: {name relative to eval/: text}, e.g. tables.md, config.json.
+
+  Returns:
+    `results` as written, with `files`.
+  """
+  out_dir = os.path.join(workdir, EVAL_DIR)
+  os.makedirs(out_dir, exist_ok=True)
+  digests = {}
+  for name, text in files.items():
+    fileio.write_text(os.path.join(out_dir, name), text)
+    digests[name] = hashlib.sha256(text.encode('utf-8')).hexdigest()
+  results = {**results, 'files': digests}
+  write_json(os.path.join(workdir, RESULTS_FILE), results)
+  return results
+
+
+def read_results(workdir: str) -> dict[str, Any] | None:
+  """`eval/results.json` once every file it binds is the one it was written with.
+
+  Returns:
+    The results dict, or None when the run has none.
+
+  Raises:
+    CorruptFileError: results.json is not a JSON object.
+    IncompleteEvaluationError: a file it binds (`write_evaluation`) is
+      missing or was rewritten by another evaluation that did not finish.
+  """
+  results = _read_json(os.path.join(workdir, RESULTS_FILE))
+  if results is None:
+    return None
+  for name, digest in (results.get('files') or {}).items():
+    path = os.path.join(workdir, EVAL_DIR, name)
+    if _digest(path) != digest:
+      raise IncompleteEvaluationError(
+          f'{path} does not belong to {os.path.join(workdir, RESULTS_FILE)} '
+          '(an evaluation was interrupted between its writes); evaluate '
+          'again.')
+  return results
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The records of `metrics.jsonl`, in file order; [] without the file.
+
+  The one rule for a damaged line: a torn last line (what a crash or a full
+  disk leaves mid-write) is dropped with a warning; any other line that is
+  not a JSON object with a `step` is an error naming the file and line.
+
+  Raises:
+    CorruptFileError: a line before the last is not a record.
+  """
+  path = os.path.join(workdir, METRICS_FILE)
+  try:
+    with open(path, encoding='utf-8', errors='replace') as f:
+      lines = f.readlines()
+  except FileNotFoundError:
+    return []
+  except IsADirectoryError as e:
+    raise CorruptFileError(f'{path} is a directory, not the metrics file.') \
+        from e
+  last = max((n for n, l in enumerate(lines, 1) if l.strip()), default=0)
+  records = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict) or not isinstance(
+          record.get('step'), int):
+        raise ValueError('not a record with an integer "step"')
+    except ValueError as e:
+      if number == last:
+        logging.warning('Dropping the torn last line %d of %s (%s): %r',
+                        number, path, e, line[:80])
+        continue
+      raise CorruptFileError(
+          f'{path} line {number} is not a metrics record ({e}); fix or '
+          'delete that line and rerun.') from None
+    records.append(record)
+  return records
+
+
+def latest_checkpoint_step(workdir: str) -> int | None:
+  """The newest complete checkpoint's step, by its directory name, or None.
+
+  Orbax names complete checkpoints by their step alone; in-flight saves
+  carry a suffix and do not count.
+  """
+  directory = os.path.join(workdir, CHECKPOINTS_DIR)
+  try:
+    names = os.listdir(directory)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  steps = [int(d) for d in names if d.isdigit()]
+  return max(steps) if steps else None
 
 
 def is_locked(workdir: str, name: str = LOCK_FILE) -> bool:

@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import export
@@ -44,7 +45,7 @@ _FINITE = 'state_finite'
 # Logged by the kNN monitor (otclr_jax/evaluation/monitor.py) on its steps.
 MONITOR_METRIC = 'monitor_knn_top1'
 
-class DivergedError(FloatingPointError):
+class DivergedError(FloatingPointError, cli.DivergedRunError):
   """The loss, a gradient or the training state became non-finite."""
 
 
@@ -61,7 +62,8 @@ class MetricLogger:
     self.steps_per_epoch = steps_per_epoch
     self.batch_size = batch_size
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.workdir = workdir
+    self.path = os.path.join(workdir, rundir.METRICS_FILE)
     self._tb = None
     if self.enabled:
       self._truncate_after(start_step)
@@ -76,23 +78,11 @@ class MetricLogger:
     # redone; keeping them would duplicate steps in the curves.
     if not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      lines = f.readlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        if number == len(lines):
-          # What a crash or a full disk leaves: a line cut short.
-          logging.warning('Dropping the torn last line %d of %s (%s): %r',
-                          number, self.path, e, line[:80])
-          continue
-        raise ValueError(f'{self.path} line {number} is not JSON ({e}); '
-                         'fix or delete that line and rerun.') from e
-      if record['step'] <= step:
-        kept.append(line)
-    fileio.write_text(self.path, ''.join(kept))
+    # One torn-line rule for every reader (`rundir.read_metrics`): a torn
+    # last line is dropped, a damaged earlier one refuses the resume.
+    kept = [r for r in rundir.read_metrics(self.workdir) if r['step'] <= step]
+    fileio.write_text(self.path,
+                      ''.join(json.dumps(r) + '\n' for r in kept))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     now = time.perf_counter()
@@ -340,6 +330,54 @@ def check_total(stored: dict[str, Any] | None, total: int,
                   'step on.', workdir, old, total, total)
 
 
+def data_identity(config: ml_collections.ConfigDict,
+                  split: data.Split) -> dict[str, Any]:
+  """What the run trains on: the source (a folder tree's file digest, a tfds
+  split's name), its image count and class count."""
+  return {'dataset': config.dataset, 'images': int(len(split.images)),
+          'classes': int(split.num_classes),
+          'source': data.describe_source(config.dataset, 'train')}
+
+
+def check_data(workdir: str, now: dict[str, Any], resuming: bool) -> None:
+  """Refuses to resume a run on other data than it started on.
+
+  A folder tree that grew between a preemption and the resume would continue
+  the run on other images: a result-changing change like any other.
+
+  Raises:
+    ConfigError: the stored data identity (`rundir.DATA_FILE`) differs,
+      naming what changed.
+    rundir.CorruptFileError: the stored file is torn.
+  """
+  if not resuming:
+    return
+  path = os.path.join(workdir, rundir.DATA_FILE)
+  stored = rundir.read_json_file(path)
+  if stored is None:
+    logging.warning('%s has no %s (a run started before it was written): '
+                    'its data cannot be compared; recording this data.',
+                    workdir, rundir.DATA_FILE)
+    return
+  stored = json.loads(json.dumps(stored))
+  now = json.loads(json.dumps(now))
+  changes = [f'{stored.get(k)} -> {now.get(k)} {k}' for k in ('images',
+                                                              'classes')
+             if stored.get(k) != now.get(k)]
+  if stored.get('dataset') != now.get('dataset'):
+    changes.insert(0, f'dataset {stored.get("dataset")!r} -> '
+                   f'{now.get("dataset")!r}')
+  if stored.get('source') != now.get('source'):
+    changes.append('the source files changed (digest of '
+                   f'{(stored.get("source") or {}).get("kind", "source")} '
+                   'differs)')
+  if changes:
+    raise experiment.ConfigError(
+        f'{workdir} was trained on other data than it would resume on: '
+        f'{", ".join(changes)} (stored in {path}). Restore the data it was '
+        'trained on, or start the run in another --workdir.')
+
+
 @dataclasses.dataclass
 class RunResult:
   """What `train` returns.
@@ -401,6 +439,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   # Only process 0 writes the workdir's own files (config, status, metrics,
   # encoder); every process takes part in the checkpoints' collective saves.
   main = jax.process_index() == 0
+  # A data source that cannot be read (a missing folder tree, a dangling
+  # symlink in it) is refused before the workdir exists.
+  data.describe_source(config.dataset, 'train')
   with workdir_lock(workdir):
     stored = stored_run_config(workdir)
     check_resume(stored, config, workdir)
@@ -452,6 +493,8 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   run = experiment.setup(config, spe)
   total = run.total_steps
   check_total(stored, total, spe, workdir)
+  trained_on = data_identity(config, train_data)
+  check_data(workdir, trained_on, resuming=stored is not None)
 
   state = experiment.initial_state(config, run, mesh)
   # Jitted onto the mesh, so that every process holds the same replicated key.
@@ -470,6 +513,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   start = int(state.step)
   if main:
     rundir.write_config(workdir, config.to_dict())
+    rundir.write_json(os.path.join(workdir, rundir.DATA_FILE), trained_on)
     rundir.write_status(workdir, 'running', start, total)
   progress.update(step=start, total=total, started=True)
   logging.info(

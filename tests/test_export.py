@@ -148,9 +148,9 @@ def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
   out = str(tmp_path / 'mine.msgpack')
   assert export.main(['export', f'--workdir={workdir}', f'--out={out}']) == 0
   assert export.load_encoder_config(out)['step'] == 4
-  assert export.main(['export', f'--workdir={workdir}', '--step=3']) == 1
+  assert export.main(['export', f'--workdir={workdir}', '--step=3']) == 2
   assert 'No checkpoint for step 3' in capsys.readouterr().err
-  assert export.main(['export', f'--workdir={tmp_path}']) == 1
+  assert export.main(['export', f'--workdir={tmp_path}']) == 2
   assert 'config.json does not exist' in capsys.readouterr().err
   assert export.main(['export', '--workdir']) == 2
   assert export.main(['export', f'--workdir={workdir}', '--out=a', 'b']) == 2

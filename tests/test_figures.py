@@ -74,7 +74,7 @@ def test_interpolation_figure_is_written(tmp_path):
 
 def test_interpolation_rejects_bad_output_suffix(tmp_path, capsys):
   assert figures_cli.main(['figures', 'interpolation', '--out',
-                           str(tmp_path / 'fig.jpg'), '--size', '16']) == 1
+                           str(tmp_path / 'fig.jpg'), '--size', '16']) == 2
   assert '.png' in capsys.readouterr().err
 
 
@@ -275,7 +275,7 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
                                rtol=rounding_tol(21, eps=EPS64))
   capsys.readouterr()
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['otclr'],
-                           '--index', '60', '--out', str(out)]) == 1
+                           '--index', '60', '--out', str(out)]) == 2
   assert '--index' in capsys.readouterr().err
 
 
@@ -326,7 +326,7 @@ def test_curves_command(tmp_path, capsys):
     curves.curves_for_runs([str(tmp_path / 'none')], str(tmp_path / 'c.png'))
   capsys.readouterr()
   assert figures_cli.main(['figures', 'curves', '--workdir',
-                           str(tmp_path / 'none')]) == 1
+                           str(tmp_path / 'none')]) == 2
   err = capsys.readouterr().err
   assert 'metrics.jsonl' in err and 'Traceback' not in err
 

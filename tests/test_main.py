@@ -317,3 +317,25 @@ def test_compilation_cache_leaves_jax_alone_when_told(monkeypatch):
   monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR')
   config.compilation_cache_dir = ''
   assert experiment.use_compilation_cache(config) is None
+
+
+def test_training_that_finished_is_0_while_another_evaluation_runs(
+    tmp_path, data_dir, caplog):
+  import fcntl  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  # A manual evaluation of this workdir, in another process, holds eval/.
+  held = open(workdir / rundir.EVAL_LOCK_FILE, 'w')
+  fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  try:
+    with caplog.at_level(logging.INFO):
+      status = main.run(_config(data_dir, **{'eval.at_end': True}),
+                        str(workdir))
+  finally:
+    held.close()
+  assert status == 0
+  assert rundir.read_status(str(workdir))['state'] == 'finished'
+  lines = [r.getMessage() for r in caplog.records
+           if 'evaluat' in r.getMessage() and 'in use' in r.getMessage()]
+  assert len(lines) == 1, lines
+  assert not (workdir / 'eval' / 'results.json').exists()

@@ -173,3 +173,57 @@ def test_other_dropped_exceptions_are_still_reported():
   finally:
     sys.unraisablehook = hook
   assert [type(info.exc_value) for info in seen] == [ValueError]
+
+
+# ----------------------------------------------------------------------------
+# An evaluation's outputs read as one unit; one torn-line rule for metrics.
+
+
+def _evaluation(name, step):
+  return ({'step': step, 'top1': float(step), 'config': {'name': name}},
+          {'tables.md': f'| {name} |\n', 'tables.tex': f'% {name}\n',
+           'config.json': f'{{"name": "{name}"}}\n',
+           f'results_step{step}.json': f'{{"name": "{name}"}}\n'})
+
+
+@pytest.mark.parametrize('fail_at', range(5))
+def test_an_interrupted_evaluation_is_never_read_as_finished(
+    tmp_path, monkeypatch, fail_at):
+  workdir = str(tmp_path)
+  old = rundir.write_evaluation(workdir, *_evaluation('old', 2))
+  assert rundir.read_results(workdir) == old
+  writes = []
+  real = rundir.fileio.write_text
+
+  def failing(path, text):
+    if len(writes) == fail_at:
+      raise OSError(28, 'No space left on device', path)
+    writes.append(path)
+    real(path, text)
+
+  monkeypatch.setattr(rundir.fileio, 'write_text', failing)
+  with pytest.raises(OSError):
+    rundir.write_evaluation(workdir, *_evaluation('new', 4))
+  monkeypatch.setattr(rundir.fileio, 'write_text', real)
+  if fail_at == 0:
+    assert rundir.read_results(workdir) == old  # nothing was replaced
+  else:
+    # Some files are the new evaluation's: the old results do not bind them.
+    with pytest.raises(rundir.IncompleteEvaluationError,
+                       match='evaluate again'):
+      rundir.read_results(workdir)
+  new = rundir.write_evaluation(workdir, *_evaluation('new', 4))
+  assert rundir.read_results(workdir) == new
+
+
+def test_metrics_have_one_torn_line_rule(tmp_path, caplog):
+  path = tmp_path / rundir.METRICS_FILE
+  assert rundir.read_metrics(str(tmp_path)) == []
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+                  '{"step": 3, "lo')
+  assert [r['step'] for r in rundir.read_metrics(str(tmp_path))] == [1, 2]
+  assert 'torn last line 3' in caplog.text
+  path.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
+  with pytest.raises(rundir.CorruptFileError,
+                     match=r'metrics.jsonl line 2 is not a metrics record'):
+    rundir.read_metrics(str(tmp_path))

@@ -559,7 +559,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
   os.makedirs(tmp_path / 'slurm')
   assert aggregate_only(tmp_path) == 0
 
-  rows = json.load(open(tmp_path / 'summary.json'))
+  rows = json.load(open(tmp_path / 'summary.json'))['rows']
   by_key = {(r['method'], r['batch_size']): r for r in rows}
   assert set(by_key) == set(top1)
   for key, values in top1.items():
@@ -707,7 +707,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
   _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
                {'state': 'stopped', 'step': 50, 'total_steps': 100})
   assert aggregate_only(tmp_path) == 0
-  (row,) = json.load(open(tmp_path / 'summary.json'))
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
   markdown = open(tmp_path / 'summary.md').read()
@@ -725,7 +725,7 @@ def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
   (tmp_path / 'runs.json').write_text(json.dumps(
       {'runs': [{'name': 'seed=0,method=otclr'}]}))
   assert aggregate_only(tmp_path) == 0
-  (row,) = json.load(open(tmp_path / 'summary.json'))
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
   assert 'old_name_s0`: not a run of this sweep' in open(
@@ -749,7 +749,7 @@ def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
   assert aggregate_only(tmp_path) == 1
   err = capsys.readouterr().err
   assert str(broken) in err
-  (row,) = json.load(open(tmp_path / 'summary.json'))
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
   assert row['linear']['digits']['top1']['n'] == 1
   assert str(broken) in open(tmp_path / 'summary.md').read()
 
@@ -970,3 +970,88 @@ def test_a_rerun_with_another_length_is_a_conflict_not_a_lengthening(
   assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
                          '--config.total_steps=4']) == 2
   assert 'total_steps: 2 -> 4' in capsys.readouterr().err
+
+
+def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
+  # The example of launch/sweep.py's docstring: seeds x ot.epsilon. Results
+  # written before they carried their config are identified by
+  # eval/config.json.
+  path = write_sweep(tmp_path / 's.py', {'ot.epsilon': [0.05, 0.5]})
+  sweep = sweep_lib.load_sweep(path)
+  workdir = tmp_path / 'out'
+  for run, top1 in zip(sweep.runs(str(workdir)), (94.7, 97.5)):
+    config = sweep.run_config(run)
+    _results_run(workdir, run.name, top1, {'state': 'finished', 'step': 2,
+                                          'total_steps': 2})
+    (workdir / run.name / 'eval' / 'config.json').write_text(
+        json.dumps({**config.to_dict(), 'mode': 'eval'}))
+  assert aggregate_only(workdir) == 0
+  rows = json.load(open(workdir / 'summary.json'))['rows']
+  assert [r['n'] for r in rows] == [1, 1]
+  assert [r['label'] for r in rows] == ['ot.epsilon=0.05', 'ot.epsilon=0.5']
+  markdown = open(workdir / 'summary.md').read()
+  assert '(n=2)' not in markdown and 'ot.epsilon=0.5' in markdown
+
+
+def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
+  names = ['seed=0', 'seed=1', 'seed=2', 'seed=3']
+  (tmp_path / 'runs.json').write_text(json.dumps(
+      {'runs': [{'name': n} for n in names]}))
+  _results_run(tmp_path, names[0], 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  # Diverged before any evaluation; failed at start; never started.
+  os.makedirs(tmp_path / names[1])
+  (tmp_path / names[1] / 'status.json').write_text(json.dumps(
+      {'state': 'diverged', 'step': 6, 'total_steps': 100}))
+  os.makedirs(tmp_path / names[2])
+  (tmp_path / names[2] / 'status.json').write_text(json.dumps(
+      {'state': 'failed', 'step': 0, 'total_steps': 100}))
+  assert aggregate_only(tmp_path) == 0
+  summary = json.load(open(tmp_path / 'summary.json'))
+  assert [r['n'] for r in summary['rows']] == [1]
+  why = {e['run']: e['why'] for e in summary['not_averaged']}
+  assert set(why) == set(names[1:])
+  assert 'diverged at step 6 of 100' in why[names[1]]
+  assert 'failed at step 0 of 100' in why[names[2]]
+  assert 'not started' in why[names[3]]
+  for ext in ('md', 'tex'):
+    text = open(tmp_path / f'summary.{ext}').read()
+    assert all(n in text for n in names[1:]), ext
+
+
+def test_an_evaluation_cut_between_its_writes_is_never_finished(
+    tmp_path, monkeypatch):
+  from otclr_jax import fileio  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
+  path = write_sweep(tmp_path / 's.py', tiny_grid())
+  sweep = sweep_lib.load_sweep(path)
+  (run,) = sweep.runs(str(tmp_path / 'out'))
+  old, new = sweep.run_config(run), sweep_lib.load_sweep(
+      path, ['--config.eval.probe_steps=7']).run_config(run)
+  write_run_files(run.workdir, old, evaluated=False)
+
+  def results_of(config):
+    return {'step': 2, 'method': 'otclr', 'seed': 0, 'batch_size': 16,
+            'pretrain_dataset': 'digits', 'config': config.to_dict(),
+            'linear': {'digits': {'top1': 90.0, 'top5': 99.0}}}
+
+  evaluate.write_results(results_of(old), run.workdir, old)
+  assert run_state.is_finished(old, run.workdir)
+  real = fileio.write_text
+
+  def full_disk_at_the_config(path, text):
+    if path.endswith(os.path.join('eval', 'config.json')):
+      raise OSError(28, 'No space left on device', path)
+    real(path, text)
+
+  monkeypatch.setattr(fileio, 'write_text', full_disk_at_the_config)
+  with pytest.raises(OSError):
+    evaluate.write_results(results_of(new), run.workdir, new)
+  monkeypatch.setattr(fileio, 'write_text', real)
+  # Neither evaluation's settings may find it finished: evaluate again.
+  assert not run_state.is_finished(old, run.workdir)
+  assert not run_state.is_finished(new, run.workdir)
+  assert 'interrupted' in run_state.stale_results_reason(old, run.workdir)
+  evaluate.write_results(results_of(new), run.workdir, new)
+  assert run_state.is_finished(new, run.workdir)
+  assert not run_state.is_finished(old, run.workdir)

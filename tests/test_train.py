@@ -529,3 +529,30 @@ def test_command_line_config_errors_exit_2(tmp_path, override, message):
   # The message is what the user sees last, not buried above a traceback.
   assert message in '\n'.join(result.stderr.strip().splitlines()[-2:])
   assert not os.path.exists(workdir)
+
+
+def test_a_resume_on_other_data_is_refused(tmp_path, data_dir):
+  from tests.folder_trees import save_image  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  root = tmp_path / 'tree'
+
+  def add_class(name, count):
+    for i in range(count):
+      save_image(str(root), 'train', name, f'{i}.png',
+                 rng.integers(0, 256, (8, 8, 3), np.uint8))
+
+  for name in ('a', 'b', 'c'):
+    add_class(name, 10)
+  config = tiny_config(str(tmp_path / 'data'), dataset=f'folder:{root}',
+                       total_steps=4)
+  workdir = str(tmp_path / 'run')
+  train.train(config, workdir, stop_after_steps=2)
+  status = rundir.read_status(workdir)
+  add_class('d', 10)  # the tree grew between a preemption and the resume
+  with pytest.raises(experiment.ConfigError,
+                     match=r'other data.*30 -> 40 images.*3 -> 4 classes'):
+    train.train(config, workdir)
+  assert rundir.read_status(workdir) == status
+  # Back to the data it was trained on, it resumes.
+  shutil.rmtree(root / 'train' / 'd')
+  assert train.train(config, workdir).status == 'finished'

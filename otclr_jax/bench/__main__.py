@@ -41,6 +41,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from otclr_jax import cli
 from otclr_jax.bench import ot_views
 from otclr_jax.bench import resnet
 from otclr_jax.bench import train_step
@@ -102,7 +103,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 def run() -> None:
   """`python -m otclr_jax.bench <ot|train|resnet> [flags]`."""
   define_flags()
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: app.run(cli.guarded(main), argv=argv))
 
 
 if __name__ == '__main__':

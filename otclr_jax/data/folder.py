@@ -78,7 +78,12 @@ def scan(root: str, split: str) -> Tree:
                       if e.name.lower().endswith(_IMAGE_EXTENSIONS)),
                      key=lambda e: e.name)
     for entry in entries:
-      stat = entry.stat()
+      try:
+        stat = entry.stat()
+      except OSError as e:  # a dangling symlink, a file gone meanwhile
+        raise types.DataError(
+            f'folder dataset image {entry.path} cannot be read '
+            f'({e.strerror}); remove or fix it.') from None
       files.append((entry.path, label_of[c]))
       digest.update(f'{c}/{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n'
                     .encode('utf-8', 'surrogateescape'))

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from otclr_jax import cli
+
 
 class Split(NamedTuple):
   """One split of a dataset, held in host memory.
@@ -22,7 +24,7 @@ class Split(NamedTuple):
   class_names: list[str]
 
 
-class DataError(ValueError):
+class DataError(cli.UsageError):
   """A dataset, split or batch size that cannot work, said in one line.
 
   Every message names the dataset (and split, sizes or file) concerned; a

@@ -33,9 +33,11 @@ checkpoint with non-finite variables or features is refused
 
 Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
 of docs/method.md section 11, with a `protocol` entry recording the
-settings), `tables.md` and `tables.tex` (`otclr_jax.tables`), the probe of
-each dataset (`probe.save_probe`) and `config.json`, the run's config; the
-probe table is printed to stdout. This module does not import the figures;
+settings and `config`, the run's config), `tables.md` and `tables.tex`
+(`otclr_jax.tables`), the probe of each dataset (`probe.save_probe`) and
+`config.json`, the run's config; results.json is written last and binds the
+others by digest (`rundir.write_evaluation`), so an interrupted evaluation
+never reads as finished. The probe table is printed to stdout. This module does not import the figures;
 `main.py` draws them from the returned `Evaluation`.
 
 The checkpoint directory is opened read-only, so a run that is still training
@@ -60,7 +62,6 @@ import numpy as np
 from otclr_jax import checkpoint
 from otclr_jax import data
 from otclr_jax import experiment
-from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax import views as views_lib
@@ -115,9 +116,17 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
     ValueError: no checkpoint for `step`.
     RuntimeError: no checkpoint restores.
   """
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  directory = os.path.join(os.path.abspath(workdir), rundir.CHECKPOINTS_DIR)
   how = ('pretrain first, e.g. `python -m otclr_jax.main '
          '--config=configs/<config>.py --workdir=' + workdir + '`')
+  if rundir.latest_checkpoint_step(workdir) is None:
+    status = rundir.read_status(workdir) or {}
+    if status.get('state') == 'diverged':
+      raise features.NonFiniteError(
+          f'{workdir} diverged at step {status.get("step")} before its first '
+          f'checkpoint ({os.path.join(workdir, rundir.STATUS_FILE)}): there '
+          'is nothing finite to evaluate. Retrain it, e.g. with a smaller '
+          'learning rate.')
   if not os.path.isdir(directory):
     raise FileNotFoundError(f'No checkpoints in {workdir} ({directory} does '
                             f'not exist); {how}.')
@@ -362,11 +371,11 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     logging.info('Evaluator %s done in %.1f s.', name,
                  time.perf_counter() - t0)
   results['protocol']['seconds'] = time.perf_counter() - start
-  results = _json_safe(results)
-  write_results(results, workdir)
-  # The figure commands rebuild the encoder and find the data from this.
-  fileio.write_text(os.path.join(workdir, 'eval', 'config.json'),
-                    config.to_json(indent=2) + '\n')
+  # The config travels inside the results, so that what identifies the run
+  # (tables' rows, a sweep's staleness check) can never come from another
+  # evaluation's file.
+  results['config'] = config.to_dict()
+  results = write_results(_json_safe(results), workdir, config)
   if 'linear' in results:
     print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s',
@@ -377,13 +386,21 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   return Evaluation(results, views, test)
 
 
-def write_results(results: dict[str, Any], workdir: str) -> None:
-  """Writes results.json, results_step<S>.json, tables.md and tables.tex."""
-  out_dir = os.path.join(workdir, 'eval')
-  os.makedirs(out_dir, exist_ok=True)
+def write_results(results: dict[str, Any], workdir: str,
+                  config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Writes eval/'s results, tables and config.json as one unit.
+
+  tables.md, tables.tex, results_step<S>.json and config.json (the config
+  the figure commands rebuild the encoder from) first, then results.json,
+  which binds them by digest (`rundir.write_evaluation`); readers trust
+  results.json alone.
+
+  Returns:
+    The results as written to results.json.
+  """
   text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
-  for name in ('results.json', f'results_step{results["step"]}.json'):
-    fileio.write_text(os.path.join(out_dir, name), text)
+  files = {f'results_step{results["step"]}.json': text,
+           'config.json': config.to_json(indent=2) + '\n'}
   for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
-    report = tables.render_report([results], fmt=fmt)
-    fileio.write_text(os.path.join(out_dir, f'tables.{ext}'), report)
+    files[f'tables.{ext}'] = tables.render_report([results], fmt=fmt)
+  return rundir.write_evaluation(workdir, results, files)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import fileio
@@ -268,7 +269,7 @@ def _load_cached(path: str, name: str, image_size: int,
   return features, labels, num_classes
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(cli.DivergedRunError):
   """A checkpoint or its features hold NaN or inf: no result can be trusted."""
 
 

@@ -12,8 +12,9 @@ A figure that restores an encoder (tsne, report) reads the run's config from
 given; overrides follow it as `--config.a.b=v`. The default output is
 `<first workdir>/eval/figures/<figure>.png`, with a PDF beside it.
 
-Exit statuses: 0 drawn; 1 missing or inconsistent inputs (one line says
-which); 2 a bad flag; 75 stopped by SIGTERM/SIGINT.
+Exit statuses (otclr_jax/cli.py): 0 drawn; 2 a bad flag, or missing or
+inconsistent inputs (one line says which); 73 an output that cannot be
+written; 75 stopped by SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import rundir
 
@@ -135,20 +137,16 @@ def main(argv: Sequence[str]) -> int:
             f'name one figure of {", ".join(FIGURES)}, got {rest}; see '
             '--help.')
       _draw(rest[0], fv)
-  except config_files.UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
   except rundir.StopRequested as e:
     print(f'Figures stopped by {e.name}; rerun to draw them.',
           file=sys.stderr)
     return rundir.EXIT_STOPPED
-  except (FileNotFoundError, ValueError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 1
+  except Exception as e:  # pylint: disable=broad-except
+    # The project's status table (otclr_jax/cli.py); the figures'
+    # ValueErrors all describe their inputs (a flag, a run, an image).
+    return cli.report(e, usage_errors=(ValueError,))
   return 0
 
 
 if __name__ == '__main__':
-  status = main(sys.argv)
-  if status != 0:
-    rundir.exit_now(status)
+  cli.run(main, usage_errors=(ValueError,))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
@@ -12,6 +11,7 @@ from matplotlib.backends import backend_agg
 import ml_collections
 
 from otclr_jax import config_files
+from otclr_jax import rundir
 from otclr_jax import tables
 
 # The paper's markers: SimCLR views, OTCLR views, clean anchors.
@@ -51,7 +51,7 @@ def save_figure(fig: mpl_figure.Figure, out: str | os.PathLike[str]
 
 def figures_dir(workdir: str) -> pathlib.Path:
   """`<workdir>/eval/figures`, where the figures of a run go by default."""
-  return pathlib.Path(workdir) / 'eval' / 'figures'
+  return pathlib.Path(workdir) / rundir.EVAL_DIR / 'figures'
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -60,7 +60,10 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   Raises:
     FileNotFoundError: the run is not evaluated; the message says how to.
   """
-  path = os.path.join(workdir, 'eval', 'config.json')
+  path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
+  # Only the config of an evaluation that finished writing (results.json
+  # binds it).
+  rundir.read_results(workdir)
   if not os.path.exists(path):
     raise FileNotFoundError(f'No {path}; '
                             + EVALUATE_FIRST.format(workdir=workdir)
@@ -69,12 +72,13 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def load_results(workdir: str) -> dict[str, Any] | None:
-  """`<workdir>/eval/results.json`, or None when the run is not evaluated."""
-  path = os.path.join(workdir, 'eval', 'results.json')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  """`<workdir>/eval/results.json`, or None when the run is not evaluated.
+
+  Raises:
+    ValueError: it is corrupt, or an evaluation was interrupted between its
+      writes (`rundir.read_results`; the message names the file).
+  """
+  return rundir.read_results(workdir)
 
 
 def run_label(workdir: str, results: dict[str, Any] | None = None) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any, Sequence
@@ -11,6 +10,7 @@ from matplotlib import figure as mpl_figure
 from matplotlib import lines
 import numpy as np
 
+from otclr_jax import rundir
 from otclr_jax.figures import common
 
 
@@ -32,17 +32,14 @@ def read_metrics(workdir: str) -> dict[str, np.ndarray]:
 
   Raises:
     FileNotFoundError: no metrics.jsonl.
+    rundir.CorruptFileError: a line before the last is not a record (a torn
+      last line is dropped; `rundir.read_metrics`).
   """
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = os.path.join(workdir, rundir.METRICS_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f'No {path}; pretrain first (`python -m '
                             f'otclr_jax.main --config=... --workdir={workdir}`).')
-  records = {}
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        record = json.loads(line)
-        records[int(record['step'])] = record
+  records = {int(r['step']): r for r in rundir.read_metrics(workdir)}
   if not records:
     raise ValueError(f'{path} holds no records yet.')
   steps = sorted(records)

@@ -57,8 +57,11 @@ def load_image(path: str | None, size: int) -> np.ndarray:
   else:
     if not pathlib.Path(path).is_file():
       raise ValueError(f'image path {path!r} is not a file.')
-    with Image.open(path) as f:
-      image = f.convert('RGB')
+    try:
+      with Image.open(path) as f:
+        image = f.convert('RGB')
+    except OSError as e:  # truncated, empty or not an image
+      raise ValueError(f'image {path} cannot be decoded ({e}).') from None
   width, height = image.size
   side = min(width, height)
   left, top = (width - side) // 2, (height - side) // 2

@@ -1,0 +1,203 @@
+"""How every command-line tool ends: one exception -> status table, one line.
+
+`python -m otclr_jax.main`, `launch.sweep`, `launch.slurm`,
+`otclr_jax.export`, `otclr_jax.figures` and `otclr_jax.bench` end through
+`run(main)` (or `guarded(main)` under absl's `app.run`). An exception that
+escapes a tool's own handling is mapped by `status_of` to the statuses of
+docs/operations.md and printed as one line naming the file or field; only an
+exception the table does not know (a bug in the project) keeps its traceback
+and ends with 1.
+
+| status | raised as |
+|---|---|
+| 2  | `UsageError` (a bad flag, config field, stored file or data set), a path
+       the user named that is missing, a file, or a directory where the other
+       is needed |
+| 65 | `DivergedRunError` (non-finite loss, state or features) |
+| 73 | `rundir.WorkdirLockedError`; a path that cannot be written (EACCES,
+       EPERM, EROFS) |
+| 75 | `rundir.StopRequested` (SIGTERM, SIGINT), also during start-up |
+| 1  | a full disk (the line names the path); anything else |
+
+`install_early_stop` runs before the heavy imports (otclr_jax/__init__.py
+calls it for `python -m`), so that a preemption while JAX loads or data is
+prepared still ends with 75 and the job is requeued, instead of 143.
+This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 65
+EXIT_LOCKED = 73
+EXIT_CANT_CREATE = 73
+EXIT_STOPPED = 75
+
+
+class UsageError(ValueError):
+  """A mistake the user can fix: a flag, config field, stored file or dataset.
+
+  The project's own usage errors (`experiment.ConfigError`,
+  `config_files.UsageError`, `data.DataError`, `rundir.CorruptFileError`)
+  derive from it, so that every tool gives them status 2.
+  """
+
+
+class DivergedRunError(ValueError):
+  """A run or checkpoint is not finite (status 65)."""
+
+
+# A path the user named is of the wrong kind or absent: a usage error.
+_PATH_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                errno.ELOOP, errno.ENAMETOOLONG)
+_CANT_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def one_line(error: BaseException) -> str:
+  """The error's message on one line (no traceback, no line breaks)."""
+  text = ' '.join(str(error).split())
+  return text or type(error).__name__
+
+
+def status_of(error: BaseException) -> tuple[int, str] | None:
+  """(exit status, one line) for an expected failure; None for a bug."""
+  # Imported here: rundir imports absl, which this module must not need
+  # before the early stop handler is in place.
+  from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
+  if isinstance(error, rundir.StopRequested):
+    return EXIT_STOPPED, (f'Stopped by {error.name}; nothing is half-written. '
+                          'Rerun the same command to resume.')
+  if isinstance(error, KeyboardInterrupt):
+    return EXIT_STOPPED, ('Stopped by SIGINT; rerun the same command to '
+                          'resume.')
+  if isinstance(error, rundir.WorkdirLockedError):
+    return EXIT_LOCKED, one_line(error)
+  if isinstance(error, DivergedRunError):
+    return EXIT_DIVERGED, one_line(error)
+  from absl import app  # pylint: disable=g-import-not-at-top
+  if isinstance(error, (UsageError, app.UsageError,
+                        rundir.IncompleteEvaluationError)):
+    return EXIT_USAGE, one_line(error)
+  if isinstance(error, FileNotFoundError) and error.errno is None:
+    return EXIT_USAGE, one_line(error)  # a file or run the user named
+  if isinstance(error, OSError):
+    where = error.filename or ''
+    what = f'{where}: ' if where else ''
+    if error.errno == errno.ENOSPC:
+      return EXIT_FAILED, (f'Disk full: could not write {where or "a file"} '
+                           '(No space left on device). Free space and rerun '
+                           'the same command.')
+    if error.errno in _CANT_WRITE_ERRNOS:
+      return EXIT_CANT_CREATE, (f'Cannot write {what}{error.strerror}; give a '
+                                'path this user can write.')
+    if error.errno in _PATH_ERRNOS:
+      return EXIT_USAGE, (f'{what}{error.strerror or one_line(error)}; check '
+                          'the path given on the command line.')
+  return None
+
+
+def report(error: BaseException,
+           usage_errors: tuple[type[BaseException], ...] = ()) -> int:
+  """Prints `error` as one line (a bug: its traceback); returns the status.
+
+  Args:
+    error: what ended the tool.
+    usage_errors: further exception types that are usage errors for this
+      tool (one whose every ValueError describes its input files says so).
+  """
+  mapped = status_of(error)
+  if mapped is None and isinstance(error, usage_errors):
+    mapped = EXIT_USAGE, one_line(error)
+  if mapped is None:
+    import traceback  # pylint: disable=g-import-not-at-top
+    traceback.print_exception(type(error), error, error.__traceback__)
+    return EXIT_FAILED
+  status, line = mapped
+  print(line if status == EXIT_STOPPED else f'error: {line}',
+        file=sys.stderr, flush=True)
+  return status
+
+
+def guarded(main: Callable[[Sequence[str]], Any]
+            ) -> Callable[[Sequence[str]], Any]:
+  """`main` for absl's `app.run`: expected failures end in one line."""
+
+  def wrapped(argv):
+    try:
+      status = main(argv)
+    except SystemExit:
+      raise
+    except BaseException as e:  # pylint: disable=broad-except
+      _exit(report(e))
+    if status:
+      _exit(int(status))
+    return status
+
+  return wrapped
+
+
+def call(main: Callable[[Sequence[str]], Any], argv: Sequence[str],
+         usage_errors: tuple[type[BaseException], ...] = ()) -> int:
+  """`main(argv)`'s exit status, an escaped exception mapped by the table."""
+  try:
+    status = main(list(argv))
+  except SystemExit as e:
+    status = e.code
+  except BaseException as e:  # pylint: disable=broad-except
+    return report(e, usage_errors)
+  if status is None:
+    return EXIT_OK
+  return status if isinstance(status, int) else EXIT_FAILED
+
+
+def run(main: Callable[[Sequence[str]], Any],
+        argv: Sequence[str] | None = None,
+        usage_errors: tuple[type[BaseException], ...] = ()) -> None:
+  """Runs a tool's `main(argv)` and exits with its status (see the table)."""
+  install_early_stop()
+  _exit(call(main, sys.argv if argv is None else argv, usage_errors))
+
+
+def _exit(status: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if status == 0:
+    sys.exit(0)
+  # Without the interpreter's shutdown: a computation dispatched before the
+  # failure may still run, and tearing the runtime down under it crashes.
+  try:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.flush()
+  except ImportError:
+    pass
+  os._exit(status)  # pylint: disable=protected-access
+
+
+def _stop_during_start_up(signum, _):
+  name = signal.Signals(signum).name
+  try:
+    os.write(2, f'Stopped by {name} while starting; nothing was changed. '
+             'Rerun the same command.\n'.encode())
+  finally:
+    os._exit(EXIT_STOPPED)  # pylint: disable=protected-access
+
+
+def install_early_stop() -> None:
+  """SIGTERM/SIGINT end the process with 75 until a tool installs its own.
+
+  Every file the project writes is written atomically, so ending at once is
+  safe; the tools' own handlers (`rundir.stop_on_signals`, training's)
+  replace this one and restore it when they return.
+  """
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler,
+                                    None):
+      signal.signal(signum, _stop_during_start_up)

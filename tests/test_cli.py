@@ -1,0 +1,242 @@
+"""Every tool against bad inputs: the documented status, one line, nothing made.
+
+The statuses are docs/operations.md's table (otclr_jax/cli.py maps the
+exceptions): 2 a usage error, 65 diverged, 73 locked or unwritable, 75
+stopped, 1 anything else. A traceback would mean a bug in the project.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import slurm as slurm_lib
+from launch import sweep as sweep_lib
+from otclr_jax import cli
+from otclr_jax import export
+from otclr_jax import rundir
+from otclr_jax.figures import __main__ as figures_cli
+from tests.conftest import tiny_config
+from tests.folder_trees import save_image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIGITS = ['--config=configs/digits.py', '--config.total_steps=2',
+          '--config.image_size=8', '--config.ot.grid_size=4']
+
+
+def _snapshot(root):
+  return sorted(os.path.relpath(os.path.join(d, n), root)
+                for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+def _check_one_line(err, status, expected, match):
+  assert status == expected, err
+  assert 'Traceback' not in err, err
+  errors = [line for line in err.splitlines()
+            if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm'))]
+  assert len(errors) == 1, err
+  assert match in errors[0], errors[0]
+
+
+# ----------------------------------------------------------------------------
+# python -m otclr_jax.main and python -m otclr_jax.bench: one process each,
+# started together (each start imports JAX).
+
+
+def _main_cases(root, data_dir):
+  """(name, argv, status, text of the error line, paths that must not exist)."""
+  afile = root / 'a_file'
+  afile.write_text('not a directory\n')
+  diverged = root / 'diverged'
+  diverged.mkdir()
+  (diverged / rundir.STATUS_FILE).write_text(json.dumps(
+      {'state': 'diverged', 'step': 3, 'total_steps': 10}))
+  tree = root / 'tree'
+  for cls in ('a', 'b'):
+    for i in range(3):
+      save_image(str(tree), 'train', cls, f'{i}.png',
+                 __import__('numpy').zeros((8, 8, 3), 'uint8'))
+  os.symlink(str(root / 'gone.png'), str(tree / 'train' / 'a' / 'x.png'))
+  main = [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
+          f'--config.data_dir={data_dir}']
+  return [
+      ('negative seed', main + ['--config.seed=-1', f'--workdir={root}/w1'],
+       2, 'config.seed', [root / 'w1']),
+      ('seed past int64', main + [f'--config.seed={2**63}',
+                                  f'--workdir={root}/w2'],
+       2, 'config.seed', [root / 'w2']),
+      ('workdir is a file', main + [f'--workdir={afile}/run'], 2,
+       'not a directory', []),
+      ('data_dir is a file', [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
+                              f'--config.data_dir={afile}',
+                              f'--workdir={root}/w3'],
+       2, 'data_dir', [root / 'w3']),
+      ('moco queue below the batch', main + [
+          '--config.method=moco', '--config.moco.queue_size=8',
+          f'--workdir={root}/w4'], 2, 'moco.queue_size', [root / 'w4']),
+      ('dangling symlink in a folder tree', main + [
+          f'--config.dataset=folder:{tree}', '--config.eval.at_end=False',
+          f'--workdir={root}/w5'], 2, 'x.png', [root / 'w5']),
+      ('evaluating a run that diverged before a checkpoint', main + [
+          '--config.mode=eval', f'--workdir={diverged}'], 65,
+       'diverged at step 3', [diverged / 'eval']),
+      ('evaluating an empty workdir', main + [
+          '--config.mode=eval', f'--workdir={root}/w6'], 2,
+       'pretrain first', [root / 'w6' / 'eval']),
+      ('bench without a subcommand', [sys.executable, '-m', 'otclr_jax.bench'],
+       2, 'subcommand', []),
+  ]
+
+
+def test_the_command_lines_refuse_bad_inputs_in_one_line(tmp_path, data_dir):
+  cases = _main_cases(tmp_path, data_dir)
+  procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+           for _, argv, *_ in cases]
+  failures = []
+  for (name, _, status, match, absent), proc in zip(cases, procs):
+    _, err = proc.communicate(timeout=600)
+    try:
+      _check_one_line(err, proc.returncode, status, match)
+      for path in absent:
+        assert not os.path.exists(path), f'{path} was created'
+    except AssertionError as e:
+      failures.append(f'{name}: {e}')
+  assert not failures, '\n\n'.join(failures)
+
+
+def _catches(pid, signum):
+  with open(f'/proc/{pid}/status') as f:
+    for line in f:
+      if line.startswith('SigCgt:'):
+        return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+  return False
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'),
+                    reason='reads the signal mask from /proc')
+def test_a_stop_during_start_up_exits_75(tmp_path):
+  # SIGTERM while the tool still imports JAX: a preempted SLURM job must see
+  # 75 (requeue), not 143.
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
+       f'--workdir={tmp_path}/run'], cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  # Once the handler is in (SigCgt of /proc), the process is still importing
+  # JAX: its first lines run before any heavy import.
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline and not _catches(proc.pid,
+                                                     signal.SIGTERM):
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 75, err
+  assert 'Traceback' not in err and 'SIGTERM' in err
+  assert not os.path.exists(tmp_path / 'run')
+
+
+# ----------------------------------------------------------------------------
+# The other tools, in this process, through the same runner.
+
+
+def _sweep_file(path, body):
+  path.write_text('from configs import digits\n\n\ndef get_config():\n'
+                  '  return digits.get_config()\n\n\n'
+                  f'def get_hyper(hyper):\n  return {body}\n')
+  return str(path)
+
+
+def _in_process_cases(root, data_dir):
+  afile = root / 'a_file'
+  afile.write_text('x')
+  empty = _sweep_file(root / 'empty.py', 'hyper.zipit([])')
+  one = _sweep_file(root / 'one.py',
+                    "hyper.sweep('config.seed', [0])")
+  torn = root / 'torn'
+  torn.mkdir()
+  (torn / 'runs.json').write_text('{"runs": [{"name": "a"')
+  run = root / 'run'
+  run.mkdir()
+  rundir.write_config(str(run), tiny_config(data_dir).to_dict())
+  outdir = root / 'outdir'
+  outdir.mkdir()
+  bad_png = root / 'bad.png'
+  bad_png.write_bytes(b'\x89PNG\r\n\x1a\n' + b'\0' * 20)
+  metrics = root / 'metrics_run'
+  metrics.mkdir()
+  (metrics / rundir.METRICS_FILE).write_text(
+      '{"step": 1, "loss": 1}\n{"step": 2, "lo\n{"step": 3, "loss": 1}\n')
+  return [
+      ('sweep with an empty grid', sweep_lib.main,
+       ['sweep', f'--config={empty}', f'--workdir={root}/s1'], 2,
+       'no runs', [root / 's1']),
+      ('sweep into a file', sweep_lib.main,
+       ['sweep', f'--config={one}', f'--workdir={afile}'], 2,
+       'not a directory', []),
+      ('sweep summary of a torn runs.json', sweep_lib.main,
+       ['sweep', f'--workdir={torn}', '--aggregate_only'], 2, 'runs.json',
+       [torn / 'summary.md', torn / 'summary.json']),
+      ('export into a directory', export.main,
+       ['export', f'--workdir={run}', f'--out={outdir}'], 2,
+       'is a directory', []),
+      ('export a workdir that is a file', export.main,
+       ['export', f'--workdir={afile}'], 2, 'not a directory', []),
+      ('export a workdir without checkpoints', export.main,
+       ['export', f'--workdir={run}'], 2, 'pretrain first', []),
+      ('interpolation of a truncated image', figures_cli.main,
+       ['figures', 'interpolation', f'--image={bad_png}',
+        f'--out={root}/i.png', '--size=16'], 2, 'bad.png', [root / 'i.png']),
+      ('curves of a metrics.jsonl with a corrupt middle line',
+       figures_cli.main, ['figures', 'curves', f'--workdir={metrics}',
+                          f'--out={root}/c.png'], 2, 'line 2',
+       [root / 'c.png']),
+      ('slurm into a file', slurm_lib.main,
+       ['slurm', '--config=configs/digits.py', f'--workdir={afile}/x',
+        '--nodes=2', '--gpus_per_node=1'], 2, 'not a directory', []),
+  ]
+
+
+def test_every_tool_refuses_bad_inputs_in_one_line(tmp_path, data_dir,
+                                                   capsys):
+  cases = _in_process_cases(tmp_path, data_dir)
+  failures = []
+  for name, main, argv, status, match, absent in cases:
+    capsys.readouterr()
+    before = _snapshot(tmp_path)
+    code = cli.call(main, argv, usage_errors=())
+    err = capsys.readouterr().err
+    try:
+      _check_one_line(err, code, status, match)
+      for path in absent:
+        assert not os.path.exists(path), f'{path} was created'
+      assert _snapshot(tmp_path) == before, 'files were created'
+    except AssertionError as e:
+      failures.append(f'{name}: {e}')
+  assert not failures, '\n\n'.join(failures)
+
+
+@pytest.mark.parametrize('error, status', [
+    (rundir.CorruptFileError('x.json is corrupt'), 2),
+    (rundir.WorkdirLockedError('in use'), 73),
+    (rundir.StopRequested(signal.SIGTERM), 75),
+    (OSError(28, 'No space left on device', '/full/x'), 1),
+    (PermissionError(13, 'Permission denied', '/ro/x'), 73),
+    (NotADirectoryError(20, 'Not a directory', '/f/x'), 2),
+    (FileNotFoundError('No checkpoints in /w'), 2),
+])
+def test_the_status_table(error, status, capsys):
+  assert cli.report(error) == status
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+
+
+def test_a_bug_keeps_its_traceback(capsys):
+  try:
+    {}['oops']
+  except KeyError as e:
+    assert cli.report(e) == 1
+  assert 'Traceback' in capsys.readouterr().err
