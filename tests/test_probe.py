@@ -67,66 +67,68 @@ def test_scores_top1_top5_match_a_count():
 def _objective(l2=1e-3, n=50, d=6, c=4, seed=0):
   rng = np.random.default_rng(seed)
   x, y = rng.normal(size=(n, d)), rng.integers(0, c, size=n)
-  eigenvalues = rng.uniform(0.1, 3.0, size=d)
-  # A non-zero start, so that the class rotation is not the identity.
-  start_w, start_b = rng.normal(size=(d, c)), rng.normal(size=c)
-  return probe._Objective(x, y, eigenvalues, l2, c, start_w, start_b), x, y
+  return probe._Objective(x, y, l2, c), x, y
 
 
 def test_objective_value_and_gradient_equal_their_definition():
   objective, x, y = _objective()
   rng = np.random.default_rng(1)
   w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
-  theta = objective.pack(w, b)
-  np.testing.assert_allclose(objective.unpack(theta)[0], w, rtol=0,
-                             atol=1e-12)
-  value, grad = objective.value_and_grad(theta)
+  value, grad_w, grad_b, p = objective.value_and_grad(w, b)
   logits = x @ w + b
   log_p = logits - np.log(np.exp(logits).sum(1, keepdims=True))
   expected = -np.mean(log_p[np.arange(50), y]) + 0.5e-3 * np.sum(w * w)
   # float64 sums of 50 terms of size < 10: far below 1e-12.
   assert value == pytest.approx(expected, rel=0, abs=1e-12)
+  np.testing.assert_allclose(p, np.exp(log_p), rtol=0, atol=1e-15)
   # The gradient against central differences of the value: truncation
   # error h^2 f''' / 6 ~ 1e-11 and rounding eps f / h ~ 1e-10 at h = 1e-5.
   h = 1e-5
-  numeric = np.array([
-      (objective.value_and_grad(theta + h * e)[0]
-       - objective.value_and_grad(theta - h * e)[0]) / (2 * h)
-      for e in np.eye(len(theta))])
-  np.testing.assert_allclose(grad, numeric, rtol=0, atol=1e-8)
+  theta = np.concatenate([w.ravel(), b])
+  loss = lambda t: objective.value_and_grad(t[:24].reshape(6, 4), t[24:])[0]
+  numeric = np.array([(loss(theta + h * e) - loss(theta - h * e)) / (2 * h)
+                      for e in np.eye(len(theta))])
+  np.testing.assert_allclose(np.concatenate([grad_w.ravel(), grad_b]),
+                             numeric, rtol=0, atol=1e-8)
 
 
 def test_objective_hessian_product_equals_the_explicit_hessian():
   objective, x, _ = _objective(l2=1e-2)
   rng = np.random.default_rng(2)
-  theta = rng.normal(size=6 * 4 + 4)
-  v = rng.normal(size=theta.shape)
+  w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
+  dw, db = rng.normal(size=(6, 4)), rng.normal(size=4)
   # The Hessian in (W, b) written out: sum_i (diag(p_i) - p_i p_i^T) (x)
-  # [x_i, 1] [x_i, 1]^T / n, plus l2 on the W block; theta maps linearly to
-  # (W, b), so the Hessian in theta is J^T H J with J's columns the images
-  # of theta's unit vectors.
-  w, b = objective.unpack(theta)
-  logits = x @ w + b
-  p = np.exp(logits - logits.max(1, keepdims=True))
-  p /= p.sum(1, keepdims=True)
+  # [x_i, 1] [x_i, 1]^T / n, plus l2 on the W block.
+  p = objective.value_and_grad(w, b)[3]
   xb = np.concatenate([x, np.ones((len(x), 1))], axis=1)  # [N, D + 1]
   hessian = sum(np.kron(np.outer(xi, xi), np.diag(pi) - np.outer(pi, pi))
                 for xi, pi in zip(xb, p)) / len(x)
   hessian[:24, :24] += 1e-2 * np.eye(24)  # (d, c) row-major, like W.ravel()
-
-  def as_wb(t):
-    w_, b_ = objective.unpack(t)
-    return np.concatenate([w_.ravel(), b_])
-
-  jacobian = np.stack([as_wb(e) for e in np.eye(len(theta))], axis=1)
+  v = np.concatenate([dw.ravel(), db])
   # hessp multiplies by x in float32, summing N rows and D + 1 columns:
   # the standard bound on the rounding of such sums is (N + D + 1) eps32
   # times the same products of absolute values.
-  bound = (50 + 6 + 1) * np.finfo(np.float32).eps * (
-      np.abs(jacobian).T @ np.abs(hessian) @ np.abs(jacobian) @ np.abs(v))
-  error = np.abs(objective.hessp(theta, v)
-                 - jacobian.T @ hessian @ jacobian @ v)
+  bound = (50 + 6 + 1) * np.finfo(np.float32).eps * (np.abs(hessian)
+                                                     @ np.abs(v))
+  hw, hb = objective.hessp(probe._blocks(p.astype(np.float32)), dw, db)
+  error = np.abs(np.concatenate([hw.ravel(), hb]) - hessian @ v)
   assert np.all(error <= bound), np.max(error / bound)
+
+
+def test_the_preconditioner_inverts_the_class_blocks():
+  # With two classes the ones-complement has one direction, whose block is
+  # the whole Hessian there: the preconditioned gradient is the exact Newton
+  # direction, up to float32 blocks (D + 1 + N roundings) and the bias floor.
+  objective, x, _ = _objective(l2=1e-2, c=2)
+  rng = np.random.default_rng(3)
+  w, b = rng.normal(size=(6, 2)), rng.normal(size=2)
+  w, b = w - w.mean(1, keepdims=True), b - b.mean()
+  _, gw, gb, p = objective.value_and_grad(w, b)
+  sw, sb = probe._class_preconditioner(x, p, 1e-2)(gw, gb)
+  hw, hb = objective.hessp(probe._blocks(p.astype(np.float32)), sw, sb)
+  np.testing.assert_allclose(np.concatenate([hw.ravel(), hb]),
+                             np.concatenate([gw.ravel(), gb]),
+                             rtol=0, atol=1e-5 * np.abs(gw).max())
 
 
 def _reference_protocol(train_x, train_y, test_x, test_y, grid):

@@ -1,14 +1,13 @@
 """The linear probe: softmax regression on standardised frozen features.
 
 Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) to its
-optimum: float64, a trust-region Newton method with exact Hessian-vector
-products (SciPy's `trust-ncg`), judged converged when the gradient norm with
-respect to (W, b) is at most `GRAD_TOL`. The L2 strength is chosen on a
-stratified held-out part of the TRAIN split, then the probe is refitted on all
-of it (docs/method.md section 7). The grid is fitted as a regularisation path,
-strongest penalty first, each fit warm-started from the previous one; the
-refit starts from the selected solution.
-"""
+optimum: float64 values and gradients, Newton's method with preconditioned
+conjugate-gradient directions (`_solve`), judged converged when the gradient
+norm with respect to (W, b) is at most `GRAD_TOL`. The L2 strength is chosen
+on a stratified held-out part of the TRAIN split, then the probe is refitted
+on all of it (docs/method.md section 7). The grid is fitted as a
+regularisation path, strongest penalty first, each fit warm-started from the
+previous one; the refit starts from the selected solution."""
 
 from __future__ import annotations
 
@@ -21,18 +20,21 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import optimize
+from scipy import linalg
 from scipy import special
 
 from otclr_jax import fileio
+from otclr_jax import rundir
 from otclr_jax.evaluation import features
 
 
 # L2 strengths lambda of the probe, loss = mean CE + lambda / 2 ||W||^2 on
 # standardised features (bias not penalised). No lambda = 0: on separable
 # features that loss has no minimum, and where the fit stops would decide
-# the result.
-L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+# the result. No 1e-6: on CIFAR-10 it was never the held-out choice, and on
+# random-init features its fit took two thirds of the probe's Hessian
+# products (docs/results.md, "Performance").
+L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 HOLDOUT_FRACTION = 0.1
 HOLDOUT_SEED = 0
 # A fit has reached its optimum when the Euclidean norm of the loss's
@@ -45,8 +47,9 @@ GRAD_TOL = 1e-8
 # Newton iterations per fit; the fits of every supported dataset converge
 # in tens. A fit that stops here has not converged and is flagged.
 DEFAULT_PROBE_STEPS = 500
-SOLVER = ('softmax regression on standardised features, float64 trust-region '
-          f'Newton (scipy trust-ncg) to a (W, b) gradient norm <= {GRAD_TOL:g}')
+SOLVER = ('softmax regression on standardised features, float64 Newton with '
+          'class-block-preconditioned conjugate gradients, to a (W, b) '
+          f'gradient norm <= {GRAD_TOL:g}')
 
 
 def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
@@ -88,10 +91,13 @@ def _standardiser(x: np.ndarray):
   return mean, std
 
 
-def _eigenbasis(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Eigenvalues [D] (>= 0) and eigenvectors [D, D] of x's second moment."""
-  eigenvalues, vectors = np.linalg.eigh(x.T @ x / len(x))
-  return np.maximum(eigenvalues, 0.0), vectors
+def _eigenbasis(x: np.ndarray) -> np.ndarray:
+  """The eigenvectors [D, D] of x's second moment.
+
+  In this basis the features are uncorrelated, so the Hessian's class blocks
+  (`_class_preconditioner`) hold most of its weight.
+  """
+  return np.linalg.eigh(x.T @ x / len(x))[1]
 
 
 # Rows per block of `_hessian_product`: large enough for full-speed
@@ -135,95 +141,80 @@ def _hessian_product(x, p, dw, db):
 
 
 class _Objective:
-  """mean CE(x W + b, y) + l2 / 2 ||W||^2 as a function of theta = (Z, z).
+  """mean CE(z W + b, y) + l2 / 2 ||W||^2 and its derivatives.
 
-  x [N, D] holds the features in the eigenbasis of their second moment M
-  (an orthogonal change of basis, which leaves ||W||^2 unchanged) and theta
-  is (W, b) rescaled by a Kronecker approximation of the Hessian at the
-  starting point, A (x) M + l2 with A the mean softmax curvature
-  diag(p) - p p^T [C, C]: W = (Z * scale) U^T and b = (z * bias_scale) U^T,
-  with U the eigenvectors of A. In these coordinates the curvature is close
-  to uniform, so Newton's conjugate-gradient inner solves take few products.
+  z [N, D] holds the standardised features in the eigenbasis of their second
+  moment (an orthogonal change of basis: ||W||^2 and the gradient norm are
+  the same in either basis).
   """
 
-  def __init__(self, x, y, eigenvalues, l2, num_classes, w, b):
-    self.x, self.y, self.l2 = x, y, l2
-    # The Hessian products only steer the conjugate-gradient steps: float32
-    # blocks (`_hessian_product`) halve their memory traffic, which bounds
-    # their speed; the value and gradient, which decide where the fit
-    # stops, stay float64.
-    self.blocks = _blocks(x.astype(np.float32))
-    self.shape = (x.shape[1], num_classes)
+  def __init__(self, z, y, l2, num_classes):
+    self.z, self.y, self.l2 = z, y, l2
     self.onehot = np.eye(num_classes)[y]
-    p = special.softmax(x @ w + b, axis=1)
-    curvature, self.rotation = np.linalg.eigh(np.diag(p.mean(axis=0))
-                                              - p.T @ p / len(p))
-    # Directions without curvature (no feature variance, or the softmax's
-    # shift invariance: one class direction of A is 0) carry no data
-    # gradient; the floors keep their scales from amplifying rounding.
-    curvature = np.maximum(curvature, 1e-3 * max(float(curvature.max()),
-                                                 1e-30))
-    hessian = np.outer(eigenvalues, curvature)
-    self.scale = 1.0 / np.sqrt(np.maximum(hessian, 1e-8 * max(
-        float(hessian.max()), 1e-30)) + l2)
-    self.bias_scale = 1.0 / np.sqrt(curvature)
-    self.theta = self.pack(w, b)
-    self._theta = None
+    # The Hessian products only steer the conjugate-gradient steps: float32
+    # blocks halve their memory traffic, which bounds their speed; the value
+    # and gradient, which decide where the fit stops, stay float64.
+    self.blocks = _blocks(z.astype(np.float32))
 
-  def unpack(self, theta):
-    size = self.shape[0] * self.shape[1]
-    return ((self.scale * theta[:size].reshape(self.shape)) @ self.rotation.T,
-            (self.bias_scale * theta[size:]) @ self.rotation.T)
-
-  def pack(self, w, b):
-    return np.concatenate([((w @ self.rotation) / self.scale).ravel(),
-                           (b @ self.rotation) / self.bias_scale])
-
-  def max_inverse_scale(self) -> float:
-    """How much larger a (W, b) gradient can be than its theta version."""
-    return float(max(np.max(1.0 / self.scale), np.max(1.0 / self.bias_scale)))
-
-  def _probabilities(self, theta):
-    # SciPy asks for the value and gradient at a point, then for many
-    # Hessian products at that same point: keep its softmax.
-    if self._theta is None or not np.array_equal(self._theta, theta):
-      w, b = self.unpack(theta)
-      logits = self.x @ w + b
-      log_z = special.logsumexp(logits, axis=1)
-      self._p = np.exp(logits - log_z[:, None])
-      self._p_blocks = _blocks(self._p.astype(np.float32))
-      self._value = (np.mean(log_z - logits[np.arange(len(logits)), self.y])
-                     + 0.5 * self.l2 * np.sum(w * w))
-      self._theta = theta.copy()
-    return self._p, self._value
-
-  def _to_theta(self, grad_w, grad_b):
-    """The chain rule from a (W, b) gradient to the theta gradient."""
-    return np.concatenate([(self.scale * (grad_w @ self.rotation)).ravel(),
-                           self.bias_scale * (grad_b @ self.rotation)])
-
-  def value_and_grad(self, theta):
-    p, value = self._probabilities(theta)
-    w, _ = self.unpack(theta)
+  def value_and_grad(self, w, b):
+    """(value, dW [D, C], db [C], softmax probabilities [N, C]) at (w, b)."""
+    logits = self.z @ w + b
+    log_z = special.logsumexp(logits, axis=1)
+    p = np.exp(logits - log_z[:, None])
+    value = (np.mean(log_z - logits[np.arange(len(logits)), self.y])
+             + 0.5 * self.l2 * np.sum(w * w))
     residual = (p - self.onehot) / len(p)
-    return value, self._to_theta(self.x.T @ residual + self.l2 * w,
-                                 residual.sum(axis=0))
+    return (value, self.z.T @ residual + self.l2 * w, residual.sum(axis=0),
+            p)
 
-  def hessp(self, theta, v):
-    self._probabilities(theta)
-    dw, db = self.unpack(v)
-    hw, hb = (np.asarray(h, np.float64) / len(self.x) for h in
-              _hessian_product(self.blocks, self._p_blocks,
-                               dw.astype(np.float32), db.astype(np.float32)))
-    return self._to_theta(hw + self.l2 * dw, hb)
+  def hessp(self, p_blocks, dw, db):
+    """The Hessian at the point of `p_blocks` (`_blocks` of p) times (dW, db)."""
+    hw, hb = (np.asarray(h, np.float64) / len(self.z) for h in
+              _hessian_product(self.blocks, p_blocks, dw.astype(np.float32),
+                               db.astype(np.float32)))
+    return hw + self.l2 * dw, hb
 
-  def grad_norm(self, theta) -> float:
-    """The gradient's Euclidean norm with respect to (W, b), not theta."""
-    _, grad = self.value_and_grad(theta)
-    size = self.shape[0] * self.shape[1]
-    grad_w = (grad[:size].reshape(self.shape) / self.scale) @ self.rotation.T
-    grad_b = (grad[size:] / self.bias_scale) @ self.rotation.T
-    return float(np.sqrt(np.sum(grad_w**2) + np.sum(grad_b**2)))
+
+def _class_preconditioner(z, p, l2):
+  """The Hessian's class-diagonal blocks, factored: an approximate inverse.
+
+  The softmax is unchanged by adding one vector to every class's weights, so
+  the solve works in the classes' orthonormal complement of the ones vector
+  (`q` [C, C - 1], rotated to diagonalise the mean curvature). There the
+  Hessian's blocks on the diagonal, one per rotated class a, are
+  mean_i q_a^T S_i q_a [z_i, 1] [z_i, 1]^T (+ l2 on the W part), with S_i =
+  diag(p_i) - p_i p_i^T: exact within a class, only the coupling between
+  classes is left to the conjugate-gradient iterations.
+
+  Returns:
+    A function mapping a gradient-shaped ([D, C], [C]) pair to its
+    approximate Newton direction.
+  """
+  n, num_classes = p.shape
+  ones_complement = np.linalg.qr(np.eye(num_classes)
+                                 - 1.0 / num_classes)[0][:, :-1]
+  mean_curvature = np.diag(p.mean(axis=0)) - p.T @ p / n
+  _, rotation = np.linalg.eigh(ones_complement.T @ mean_curvature
+                               @ ones_complement)
+  q = ones_complement @ rotation
+  pq = p @ q
+  weights = (p @ (q * q) - pq * pq).astype(np.float32)  # [N, C - 1]
+  z1 = np.concatenate([z, np.ones((n, 1))], axis=1).astype(np.float32)
+  ridge = np.append(np.full(z.shape[1], l2), 0.0)
+  factors = []
+  for a in range(weights.shape[1]):
+    block = (z1.T @ (z1 * weights[:, a:a + 1])).astype(np.float64) / n
+    block[np.diag_indices_from(block)] += ridge
+    # The bias is not penalised; a floor keeps its block invertible.
+    block[-1, -1] += 1e-12 + 1e-9 * block[-1, -1]
+    factors.append(linalg.cho_factor(block))
+
+  def apply(gw, gb):
+    g = np.concatenate([gw, gb[None]]) @ q  # [D + 1, C - 1]
+    out = np.stack([linalg.cho_solve(f, g[:, a])
+                    for a, f in enumerate(factors)], axis=1) @ q.T
+    return out[:-1], out[-1]
+  return apply
 
 
 class Fit(NamedTuple):
@@ -240,20 +231,60 @@ class Fit(NamedTuple):
             'grad_norm': self.grad_norm, 'converged': self.converged}
 
 
-def _solve(x, y, eigenvalues, l2, num_classes, w, b, max_steps) -> Fit:
-  """Minimises the probe's loss at `l2` from (w [D, C], b [C]), in float64."""
-  objective = _Objective(x, y, eigenvalues, l2, num_classes, w, b)
-  # SciPy stops on the theta gradient; the (W, b) gradient is at most
-  # `max_inverse_scale` times larger, so this bound implies GRAD_TOL.
-  gtol = GRAD_TOL / max(1.0, objective.max_inverse_scale())
-  result = optimize.minimize(
-      objective.value_and_grad, objective.theta, jac=True,
-      hessp=objective.hessp, method='trust-ncg',
-      options={'gtol': gtol, 'maxiter': max_steps})
-  w, b = objective.unpack(result.x)
-  finite = bool(np.isfinite(result.x).all())
-  grad_norm = objective.grad_norm(result.x) if finite else math.inf
-  return Fit(w, b, l2, int(result.nit), grad_norm, grad_norm <= GRAD_TOL)
+# Conjugate-gradient iterations per Newton step; a solve cut here still gives
+# a descent direction.
+MAX_CG_STEPS = 250
+
+
+def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
+  """Minimises the probe's loss at `l2` from (w [D, C], b [C]), in float64.
+
+  Newton's method with a line search; each Newton direction is solved by
+  preconditioned conjugate gradients (`_class_preconditioner`, built at the
+  start) to a relative residual of min(0.5, sqrt(|g|)) (superlinear
+  convergence), no tighter than reaching `GRAD_TOL` needs.
+  """
+  objective = _Objective(z, y, l2, num_classes)
+  value, gw, gb, p = objective.value_and_grad(w, b)
+  precondition = _class_preconditioner(z, p, l2)
+  dot = lambda a, b_: float(np.sum(a[0] * b_[0]) + np.sum(a[1] * b_[1]))
+  steps = 0
+  while True:
+    grad_norm = math.sqrt(dot((gw, gb), (gw, gb)))
+    if not math.isfinite(grad_norm) or grad_norm <= GRAD_TOL:
+      break
+    if steps == max_steps:
+      break
+    steps += 1
+    p_blocks = _blocks(p.astype(np.float32))
+    tolerance = max(min(0.5, math.sqrt(grad_norm)),
+                    0.5 * GRAD_TOL / grad_norm) * grad_norm
+    sw, sb = np.zeros_like(gw), np.zeros_like(gb)
+    rw, rb = -gw, -gb
+    dw, db = precondition(rw, rb)
+    rz = dot((rw, rb), (dw, db))
+    for _ in range(MAX_CG_STEPS):
+      hw, hb = objective.hessp(p_blocks, dw, db)
+      alpha = rz / dot((dw, db), (hw, hb))
+      sw, sb = sw + alpha * dw, sb + alpha * db
+      rw, rb = rw - alpha * hw, rb - alpha * hb
+      if math.sqrt(dot((rw, rb), (rw, rb))) <= tolerance:
+        break
+      zw, zb = precondition(rw, rb)
+      rz, rz_old = dot((rw, rb), (zw, zb)), rz
+      dw, db = zw + (rz / rz_old) * dw, zb + (rz / rz_old) * db
+    # Backtracking (Armijo): the full Newton step near the optimum.
+    slope, t = dot((gw, gb), (sw, sb)), 1.0
+    for _ in range(40):
+      trial = objective.value_and_grad(w + t * sw, b + t * sb)
+      if trial[0] <= value + 1e-4 * t * slope:
+        break
+      t *= 0.5
+    else:
+      break  # No decrease left at float64's resolution.
+    w, b = w + t * sw, b + t * sb
+    value, gw, gb, p = trial
+  return Fit(w, b, l2, steps, grad_norm, grad_norm <= GRAD_TOL)
 
 
 def _scores(w, b, x, y):
@@ -285,13 +316,13 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
     (the fit chosen by `select`, with w in the original basis, its held-out
     top-1 in percent, the records of every fit in grid order).
   """
-  eigenvalues, basis = _eigenbasis(x[~held])
+  basis = _eigenbasis(x[~held])
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
   fits, records = {}, {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
-    fit = _solve(fit_x, y[~held], eigenvalues, float(l2_grid[index]),
-                 num_classes, w, b, max_steps)
+    fit = _solve(fit_x, y[~held], float(l2_grid[index]), num_classes, w, b,
+                 max_steps)
     if np.isfinite(fit.grad_norm):
       top1, _, ce = _scores(fit.w, fit.b, held_x, y[held])
       val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
@@ -358,8 +389,8 @@ class Probe(NamedTuple):
 
 def probe_path(workdir: str, step: int, name: str) -> str:
   """`<workdir>/eval/probe_step<step>_<dataset key>.npz`."""
-  return os.path.join(workdir, 'eval',
-                      f'probe_step{int(step)}_{features.dataset_key(name)}.npz')
+  return os.path.join(workdir,
+                      rundir.probe_file(step, features.dataset_key(name)))
 
 
 def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
@@ -453,13 +484,13 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
 
   mean, std = _standardiser(train_x)
   x = (train_x - mean) / std
-  eigenvalues, basis = _eigenbasis(x)
+  basis = _eigenbasis(x)
   # Warm start: the selected probe rewritten for the full split's
   # standardisation and eigenbasis, so that it computes the same logits.
   w = (std / fit_std)[:, None] * chosen.w
   b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
-  refit = _solve(x @ basis, train_y, eigenvalues, chosen.l2, num_classes,
-                 basis.T @ w, b, max_steps)
+  refit = _solve(x @ basis, train_y, chosen.l2, num_classes, basis.T @ w, b,
+                 max_steps)
   if not refit.converged:
     logging.warning('probe refit at lambda=%g did not converge (gradient '
                     'norm %.1e after %d Newton steps).', chosen.l2,
