@@ -14,12 +14,12 @@ import os
 import sys
 from typing import Sequence
 
-RUNS_FILE = 'runs.json'
-
 from launch import run_state
 from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
+
+RUNS_FILE = rundir.RUNS_FILE
 
 
 @dataclasses.dataclass
@@ -175,12 +175,13 @@ def aggregate_dir(workdir: str) -> str | None:
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
            '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  fileio.write_text(os.path.join(workdir, 'summary.md'), markdown)
-  fileio.write_text(os.path.join(workdir, 'summary.tex'), latex)
+  md_file, tex_file, json_file = rundir.SUMMARY_FILES
+  fileio.write_text(os.path.join(workdir, md_file), markdown)
+  fileio.write_text(os.path.join(workdir, tex_file), latex)
   rows = tables.aggregate(results) if results else []
   for row in rows:
     del row['setting']  # the grouping key; `settings` and `label` say it
-  rundir.write_json(os.path.join(workdir, 'summary.json'), {
+  rundir.write_json(os.path.join(workdir, json_file), {
       'rows': rows,
       'not_averaged': [{'run': os.path.basename(d), 'workdir': d, 'why': why}
                        for d, why in excluded]})

@@ -192,10 +192,10 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
                      'remove repeated values.')
   # Lazily: the check needs the model code, the rest of this module does not.
-  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
   for run in sweep.runs(REPO):
     try:
-      experiment.validate_config(sweep.run_config(run))
+      evaluate.validate(sweep.run_config(run))
     except ValueError as e:
       raise ValueError(f'{path} (run {run.name}): {e}') from None
   return sweep
@@ -242,6 +242,8 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   if hasattr(launcher, 'prefix'):
     launcher.prefix = f'{head}: '
   at = lambda: run_state.latest_checkpoint_step(wd)
+  train_log = os.path.join(wd, rundir.TRAIN_LOG)
+  eval_log = os.path.join(wd, rundir.EVAL_LOG)
   if run_state.is_trained(config, wd):
     stale = run_state.stale_results_reason(config, wd)
     print(f'{head}: trained, evaluating'
@@ -249,8 +251,8 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
           flush=True)
   else:
     resumed = f' (resuming from step {at()})' if at() else ''
-    print(f'{head}: training{resumed}, log {wd}/train.log', flush=True)
-    code = launcher(command(sweep, run, 'train'), f'{wd}/train.log')
+    print(f'{head}: training{resumed}, log {train_log}', flush=True)
+    code = launcher(command(sweep, run, 'train'), train_log)
     # A command killed by the sweep's signal exits non-zero: no failure.
     if stop() is not None:
       return report('interrupted', f'stopped at step {at()}; rerun to resume')
@@ -263,20 +265,20 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
       why = (' (diverged: non-finite loss or state)'
              if code == rundir.EXIT_DIVERGED else '')
       return report('failed', f'training exited {code}{why}, see '
-                    f'{wd}/train.log')
+                    f'{train_log}')
     final = run_state.final_step(config, wd)
     if not run_state.is_trained(config, wd) and final is not None:
       return report('failed', f'training exited at step {at()} of {final}, '
-                    f'see {wd}/train.log')
+                    f'see {train_log}')
     # Training may evaluate at its end itself (config.eval.at_end).
     if run_state.is_finished(config, wd):
       return report('done', elapsed())
-    print(f'{head}: evaluating, log {wd}/eval.log', flush=True)
-  code = launcher(command(sweep, run, 'eval'), f'{wd}/eval.log')
+    print(f'{head}: evaluating, log {eval_log}', flush=True)
+  code = launcher(command(sweep, run, 'eval'), eval_log)
   if stop() is not None:
     return report('interrupted', 'during evaluation')
   if code != 0:
-    return report('failed', f'evaluation exited {code}, see {wd}/eval.log')
+    return report('failed', f'evaluation exited {code}, see {eval_log}')
   if not run_state.is_finished(config, wd):
     why = run_state.stale_results_reason(config, wd) or 'none written'
     return report('failed', f'evaluation wrote no usable {run_state.RESULTS} '

@@ -11,6 +11,8 @@ from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
+from otclr_jax import rundir
+
 
 class _DropOrbaxInfo(logging.Filter):
   """Drops Orbax's INFO chatter (dozens of lines per save), keeps warnings."""
@@ -46,7 +48,7 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
 
 def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
   """`Checkpointer.stored_config` of `workdir`, read-only; None if no checkpoint."""
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+  if not os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS_DIR)):
     return None
   ckpt = Checkpointer(workdir, read_only=True)
   try:
@@ -57,7 +59,7 @@ def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
 
 def has_checkpoint(workdir: str) -> bool:
   """Whether `workdir/checkpoints` holds a complete checkpoint; creates nothing."""
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+  if not os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS_DIR)):
     return False
   ckpt = Checkpointer(workdir, read_only=True)
   try:
@@ -90,7 +92,8 @@ class Checkpointer:
     """
     if keep < 1:
       raise ValueError(f'keep_checkpoints must be >= 1, got {keep}.')
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = os.path.join(os.path.abspath(workdir),
+                                  rundir.CHECKPOINTS_DIR)
     self._read_only = read_only
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=(_STATE, _CONFIG),
@@ -209,7 +212,7 @@ class Checkpointer:
       return
     source = os.path.join(self.directory, str(step))
     aside = os.path.join(os.path.dirname(self.directory),
-                         'checkpoints_skipped')
+                         rundir.SKIPPED_CHECKPOINTS_DIR)
     os.makedirs(aside, exist_ok=True)
     dest, n = os.path.join(aside, str(step)), 1
     while os.path.exists(dest):
@@ -242,8 +245,7 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
   Raises:
     FileNotFoundError: no checkpoint `step` in `workdir`.
   """
-  path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step),
-                      _STATE)
+  path = os.path.join(rundir.checkpoint_dir(workdir, step), _STATE)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'No checkpoint for step {step}: {path} does not '
                             'exist.')

@@ -570,7 +570,7 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
   if found is None:
     return None
   stored, step = found
-  return stored, os.path.join(workdir, 'checkpoints', str(step))
+  return stored, rundir.checkpoint_dir(workdir, step)
 
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,

@@ -48,7 +48,7 @@ FORMAT = 'otclr_jax.encoder'
 VERSION = 1
 FEATURE_DIM = 512
 # Where a finished training run leaves its encoder, relative to the workdir.
-ENCODER_DIR = 'encoder'
+ENCODER_DIR = rundir.ENCODER_DIR
 ENCODER_FILE = 'encoder.msgpack'
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}

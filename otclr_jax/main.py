@@ -264,7 +264,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   try:
     if config.mode == 'eval':
       experiment.adopt_run_config(config, workdir, overridden)
-    experiment.validate_config(config)
+    evaluate.validate(config)
     if config.mode == 'train':
       if config.eval.at_end:
         check_evaluation_data(config)

@@ -71,6 +71,34 @@ CHECKPOINTS_DIR = 'checkpoints'
 EVAL_DIR = 'eval'
 RESULTS_FILE = os.path.join(EVAL_DIR, 'results.json')
 EVAL_CONFIG_FILE = os.path.join(EVAL_DIR, 'config.json')
+FEATURES_DIR = os.path.join(EVAL_DIR, 'features')
+FIGURES_DIR = os.path.join(EVAL_DIR, 'figures')
+# Checkpoints that failed to restore are moved here, not deleted.
+SKIPPED_CHECKPOINTS_DIR = 'checkpoints_skipped'
+TENSORBOARD_DIR = 'tensorboard'
+# The exported encoder (`otclr_jax.export`'s default output).
+ENCODER_DIR = 'encoder'
+# A sweep directory: its runs, their logs, the summary.
+RUNS_FILE = 'runs.json'
+TRAIN_LOG = 'train.log'
+EVAL_LOG = 'eval.log'
+SUMMARY_FILES = ('summary.md', 'summary.tex', 'summary.json')
+
+
+def checkpoint_dir(workdir: str, step: int) -> str:
+  """`<workdir>/checkpoints/<step>`, absolute."""
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR,
+                      str(int(step)))
+
+
+def probe_file(step: int, dataset_key: str) -> str:
+  """The probe an evaluation saves, relative to the workdir."""
+  return os.path.join(EVAL_DIR, f'probe_step{int(step)}_{dataset_key}.npz')
+
+
+def step_results_file(step: int) -> str:
+  """A step's own copy of results.json, relative to eval/."""
+  return f'results_step{int(step)}.json'
 
 STATES = ('running', 'finished', 'stopped', 'diverged', 'failed')
 

@@ -68,7 +68,7 @@ class MetricLogger:
     if self.enabled:
       self._truncate_after(start_step)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR))
     self._t0 = time.perf_counter()
     self._last_time, self._last_step = self._t0, start_step
     self._start_step = start_step

@@ -86,7 +86,7 @@ MAX_LISTINGS = 10
 
 def checkpoint_path(workdir: str, step: int) -> str:
   """`<workdir>/checkpoints/<step>`, absolute."""
-  return os.path.join(os.path.abspath(workdir), 'checkpoints', str(int(step)))
+  return rundir.checkpoint_dir(workdir, step)
 
 
 def _list_steps(workdir: str) -> list[int]:
@@ -165,6 +165,24 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
   reasons = '; '.join(f'step {s}: {why}' for s, why in failures.items())
   raise RuntimeError(f'No checkpoint in {directory} restores '
                      f'({reasons or "each was deleted while being read"}).')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every constraint on a config, training's and evaluation's, in one call.
+
+  The entry points (`otclr_jax.main`, `launch.sweep`) call it before they
+  create anything.
+
+  Raises:
+    experiment.ConfigError: naming the field.
+  """
+  experiment.validate_config(config)
+  try:
+    check_config(config)
+  except experiment.ConfigError:
+    raise
+  except ValueError as e:
+    raise experiment.ConfigError(str(e)) from e
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -380,7 +398,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s',
                ctx.step, time.perf_counter() - start,
-               os.path.join(workdir, 'eval'))
+               os.path.join(workdir, rundir.EVAL_DIR))
   views, test = ctx.view_embeddings() if 'views' in config.eval.evaluators \
       else (None, None)
   return Evaluation(results, views, test)
@@ -399,7 +417,7 @@ def write_results(results: dict[str, Any], workdir: str,
     The results as written to results.json.
   """
   text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
-  files = {f'results_step{results["step"]}.json': text,
+  files = {rundir.step_results_file(results['step']): text,
            'config.json': config.to_json(indent=2) + '\n'}
   for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
     files[f'tables.{ext}'] = tables.render_report([results], fmt=fmt)

@@ -27,6 +27,7 @@ from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import fileio
+from otclr_jax import rundir
 
 
 _SPLITS = ('train', 'test')
@@ -189,7 +190,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
 
 
 def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
-  return os.path.join(workdir, 'eval', 'features', tag,
+  return os.path.join(workdir, rundir.FEATURES_DIR, tag,
                       f'{dataset_key(name)}_{split}.npz')
 
 

@@ -51,7 +51,7 @@ def save_figure(fig: mpl_figure.Figure, out: str | os.PathLike[str]
 
 def figures_dir(workdir: str) -> pathlib.Path:
   """`<workdir>/eval/figures`, where the figures of a run go by default."""
-  return pathlib.Path(workdir) / rundir.EVAL_DIR / 'figures'
+  return pathlib.Path(workdir) / rundir.FIGURES_DIR
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:

@@ -8,6 +8,7 @@ from typing import Any
 import ml_collections
 
 from otclr_jax import data
+from otclr_jax import rundir
 from otclr_jax.evaluation import view_quality
 from otclr_jax.figures import common
 from otclr_jax.figures import curves
@@ -41,7 +42,7 @@ def report_single(config: ml_collections.ConfigDict, workdir: str, *,
       table_note='metrics: eval/results.json',
       title=tsne.figure_title(config, results['step'], dataset,
                               len(views.indices)))
-  if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
+  if os.path.exists(os.path.join(workdir, rundir.METRICS_FILE)):
     paths += curves.curves_for_runs([workdir], out / 'curves.png')
   return paths
 
