@@ -1,6 +1,8 @@
 """Tests of otclr_jax.rundir: stored files, config diffs and the workdir lock."""
 
+import ast
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -227,3 +229,43 @@ def test_metrics_have_one_torn_line_rule(tmp_path, caplog):
   with pytest.raises(rundir.CorruptFileError,
                      match=r'metrics.jsonl line 2 is not a metrics record'):
     rundir.read_metrics(str(tmp_path))
+
+
+_RUN_FILE_NAMES = (rundir.CONFIG_FILE, rundir.STATUS_FILE, rundir.METRICS_FILE,
+                   rundir.DATA_FILE, rundir.CHECKPOINTS_DIR,
+                   rundir.SKIPPED_CHECKPOINTS_DIR, rundir.TENSORBOARD_DIR,
+                   rundir.RUNS_FILE, rundir.TRAIN_LOG, rundir.EVAL_LOG,
+                   rundir.LOCK_FILE, rundir.EVAL_LOCK_FILE,
+                   rundir.SWEEP_LOCK_FILE, 'results.json',
+                   *rundir.SUMMARY_FILES)
+
+
+def _docstrings(tree):
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                         ast.AsyncFunctionDef)) and node.body:
+      first = node.body[0]
+      if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        yield first.value
+
+
+def test_only_rundir_spells_the_run_directory_file_names():
+  # Every other module reaches a run directory's files through rundir's
+  # names, so that one place knows the layout. Docstrings may name files.
+  root = pathlib.Path(__file__).resolve().parents[1]
+  found = []
+  for path in sorted([*root.glob('otclr_jax/**/*.py'),
+                      *root.glob('launch/**/*.py')]):
+    if path.name == 'rundir.py':
+      continue
+    tree = ast.parse(path.read_text())
+    skip = {id(node) for node in _docstrings(tree)}
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in skip):
+        for name in _RUN_FILE_NAMES:
+          text = node.value
+          if (text == name or text.endswith('/' + name)
+              or text.startswith(name + '/')):
+            found.append(f'{path.relative_to(root)}:{node.lineno} {text!r}')
+  assert not found, found

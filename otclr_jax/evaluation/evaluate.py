@@ -418,7 +418,8 @@ def write_results(results: dict[str, Any], workdir: str,
   """
   text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False) + '\n'
   files = {rundir.step_results_file(results['step']): text,
-           'config.json': config.to_json(indent=2) + '\n'}
+           os.path.basename(rundir.EVAL_CONFIG_FILE):
+               config.to_json(indent=2) + '\n'}
   for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
     files[f'tables.{ext}'] = tables.render_report([results], fmt=fmt)
   return rundir.write_evaluation(workdir, results, files)

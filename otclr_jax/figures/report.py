@@ -39,7 +39,7 @@ def report_single(config: ml_collections.ConfigDict, workdir: str, *,
              or tsne.views_dataset(config))
   paths = tsne.draw_tsne(
       views, test, out / 'tsne.png', view_rows=results['views'],
-      table_note='metrics: eval/results.json',
+      table_note=f'metrics: {rundir.RESULTS_FILE}',
       title=tsne.figure_title(config, results['step'], dataset,
                               len(views.indices)))
   if os.path.exists(os.path.join(workdir, rundir.METRICS_FILE)):

@@ -26,6 +26,7 @@ from sklearn import metrics as sk_metrics
 import threadpoolctl
 
 from otclr_jax import data
+from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import evaluate
@@ -381,7 +382,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
       and protocol.get('embedding', 'h') == views.embedding
       and protocol.get('views_seed', view_quality.VIEWS_SEED)
       == view_quality.VIEWS_SEED):
-    rows, note = results['views'], 'metrics: eval/results.json'
+    rows, note = results['views'], f'metrics: {rundir.RESULTS_FILE}'
   else:
     rows, note = None, 'metrics: computed on these views'
   return draw_tsne(views, test, out, view_rows=rows, table_note=note,
