@@ -6,13 +6,11 @@ no command line of its own: loading a run's stored `config.json` (export,
 figures), resolving a sweep's runs exactly as `main` will resolve their
 command lines (`apply_overrides`, the same parser: an unknown field fails with
 a suggestion, `ot.epsilonn` -> "Did you mean "epsilon""; a value of the wrong
-type fails; booleans take `true`/`false`), and setting typed fields in tests
-(`set_field`).
+type fails; booleans take `true`/`false`).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import json
 import os
@@ -28,12 +26,12 @@ from otclr_jax import cli
 FLAG = 'config'
 
 
-def _tuples(value: Any) -> Any:
+def tuples(value: Any) -> Any:
   """JSON lists back to the tuples the Python configs use (`eval.datasets`)."""
   if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
+    return {k: tuples(v) for k, v in value.items()}
   if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
+    return tuple(tuples(v) for v in value)
   return value
 
 
@@ -44,7 +42,7 @@ def load(path: str) -> ml_collections.ConfigDict:
   if not path.endswith('.py'):
     with open(path) as f:
       try:
-        return ml_collections.ConfigDict(_tuples(json.load(f)))
+        return ml_collections.ConfigDict(tuples(json.load(f)))
       except json.JSONDecodeError as e:
         raise ValueError(f'Config file {path} is not valid JSON: {e}') from e
   spec = importlib.util.spec_from_file_location('_otclr_config', path)
@@ -120,31 +118,6 @@ def apply_overrides(
         f'Bad config override in {argv[1:]}: {detail} (fields are those of '
         'the config file; see configs/default.py).') from e
   return flag_values[FLAG].value
-
-
-def set_field(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
-  """Sets an existing dotted field in place, e.g. `set_field(c, 'ot.beta', 1.)`.
-
-  For Python callers (tests) that hold typed values. Like the command line, an
-  unknown key fails with close matches rather than adding a field, and
-  ConfigDict refuses a value of another type.
-
-  Raises:
-    ValueError: `key` names no existing field.
-  """
-  node = config
-  *parents, leaf = key.split('.')
-  for depth, name in enumerate(parents + [leaf]):
-    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
-      siblings = list(node.keys()) if isinstance(
-          node, ml_collections.ConfigDict) else []
-      close = difflib.get_close_matches(name, siblings, n=3)
-      hint = f' Did you mean {", ".join(close)}?' if close else ''
-      raise ValueError(f'Unknown config field {key!r}: no '
-                       f'{".".join(parents[:depth] + [name])!r}.{hint}')
-    if depth < len(parents):
-      node = node[name]
-  node[leaf] = value
 
 
 class UsageError(cli.UsageError):

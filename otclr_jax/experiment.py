@@ -17,12 +17,11 @@ import hashlib
 import math
 import os
 import platform
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -32,6 +31,7 @@ from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import methods
 from otclr_jax import models
+from otclr_jax import optim
 from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
@@ -46,8 +46,6 @@ from otclr_jax.methods import base
 # the loss turn NaN at the first step.
 MIN_EPSILON = 1.0 / (126 * math.log(2))
 
-
-OPTIMIZERS = ('sgd', 'lars')
 
 
 class ConfigError(cli.UsageError):
@@ -185,8 +183,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_optim(opt: ml_collections.ConfigDict, path: str) -> None:
-  _require(opt.name in OPTIMIZERS, f'{path}.name',
-           f'must be one of {OPTIMIZERS}', opt.name)
+  _require(opt.name in optim.OPTIMIZERS, f'{path}.name',
+           f'must be one of {optim.OPTIMIZERS}', opt.name)
   for field, rule, ok in (
       ('base_lr', 'must be >= 0', lambda v: v >= 0),
       ('momentum', 'must lie in [0, 1)', lambda v: 0 <= v < 1),
@@ -231,127 +229,6 @@ def total_steps_for(config: ml_collections.ConfigDict,
   if config.total_steps > 0:
     return int(config.total_steps)
   return int(config.num_epochs * steps_per_epoch)
-
-
-def optim_settings(config: ml_collections.ConfigDict
-                   ) -> ml_collections.ConfigDict:
-  """The run's optimiser: its method's recipe, or the paper's `config.optim`.
-
-  A method whose block holds an ``optim`` sub-block (BYOL, DINO) trains with
-  it; the others (SimCLR, MoCo: the paper's rows) with ``config.optim``. The
-  learning-rate schedule's ``warmup_epochs`` is always ``config.optim``'s.
-  """
-  method = views_lib.resolve(config)[0]
-  block = config.get(method, None)
-  if block is not None and 'optim' in block:
-    return block.optim
-  return config.optim
-
-
-def learning_rate_schedule(config: ml_collections.ConfigDict,
-                           steps_per_epoch: int,
-                           total_steps: int) -> optax.Schedule:
-  """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0."""
-  peak = optim_settings(config).base_lr * config.batch_size / 256.0
-  warmup = min(int(config.optim.warmup_epochs * steps_per_epoch),
-               max(total_steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=warmup,
-      decay_steps=max(total_steps, warmup + 1), end_value=0.0)
-
-
-def _decay_mask(params):
-  # Convolution and dense kernels only: decaying BatchNorm scales, biases or
-  # the interpolation logit would pull them towards 0 for no benefit.
-  return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
-
-
-class LarsState(NamedTuple):
-  count: jax.Array
-  momentum: Any
-
-
-def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
-         eta: float, clip_lr: bool, eps: float = 1e-8
-         ) -> optax.GradientTransformation:
-  """LARS as solo-learn's ``solo/utils/lars.py`` (with ``exclude_bias_n_norm``).
-
-  For a parameter p with gradient g at learning rate lr (`schedule`):
-  when p is a kernel (ndim > 1) and ``|p|, |g| > 0``,
-  ``r = eta |p| / (|g| + weight_decay |p| + eps)``, with ``clip_lr``
-  ``r = min(r / lr, 1)``, and ``d = r (g + weight_decay p)``; otherwise
-  (biases, BatchNorm, scalars, zero norms) ``d = g``, neither adapted nor
-  decayed. Then heavy-ball momentum without dampening, ``v <- momentum v +
-  d`` (``v_1 = d``), and ``p <- p - lr v``.
-
-  Args:
-    schedule: learning rate per step.
-    momentum: mu in [0, 1).
-    weight_decay: beta >= 0.
-    eta: trust coefficient.
-    clip_lr: clip the adapted rate at the global one.
-    eps: denominator guard.
-
-  Returns:
-    An optax transformation needing ``params`` in ``update``.
-  """
-  def init_fn(params):
-    return LarsState(count=jnp.zeros((), jnp.int32),
-                     momentum=jax.tree_util.tree_map(jnp.zeros_like, params))
-
-  def update_fn(updates, state, params):
-    lr = schedule(state.count)
-
-    def direction(g, p):
-      p_norm = jnp.linalg.norm(p)
-      g_norm = jnp.linalg.norm(g)
-      ratio = eta * p_norm / (g_norm + p_norm * weight_decay + eps)
-      if clip_lr:
-        # lr = 0 (the warm-up's first step) gives inf: the ratio is 1.
-        ratio = jnp.minimum(ratio / lr, 1.0)
-      adapt = (p.ndim > 1) & (p_norm > 0) & (g_norm > 0)
-      return jnp.where(adapt, ratio * (g + weight_decay * p), g)
-
-    d = jax.tree_util.tree_map(direction, updates, params)
-    buf = jax.tree_util.tree_map(lambda v, x: momentum * v + x,
-                                 state.momentum, d)
-    return (jax.tree_util.tree_map(lambda v: -lr * v, buf),
-            LarsState(count=state.count + 1, momentum=buf))
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
-  """Scales each parameter's gradient to norm <= `max_norm` on its own.
-
-  DINO's ``utils.clip_gradients``: ``g <- g * min(1, max_norm / (|g| +
-  1e-6))`` per parameter tensor, not over the whole tree.
-  """
-  def update_fn(updates, state, params=None):
-    del params
-    def clip(g):
-      coef = max_norm / (jnp.linalg.norm(g) + 1e-6)
-      return jnp.where(coef < 1, g * coef, g)
-    return jax.tree_util.tree_map(clip, updates), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                      update_fn)
-
-
-def create_optimizer(config: ml_collections.ConfigDict,
-                     schedule: optax.Schedule) -> optax.GradientTransformation:
-  """The run's optimiser (`optim_settings`), gradient clipping first if any."""
-  opt = optim_settings(config)
-  if opt.name == 'lars':
-    tx = lars(schedule, momentum=opt.momentum, weight_decay=opt.weight_decay,
-              eta=opt.eta, clip_lr=opt.clip_lr)
-  else:
-    tx = optax.chain(
-        optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
-        optax.sgd(schedule, momentum=opt.momentum))
-  if opt.clip_grad > 0:
-    tx = optax.chain(clip_per_parameter(opt.clip_grad), tx)
-  return tx
 
 
 def count_params(tree) -> int:
@@ -448,8 +325,8 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   method_name, views = views_lib.resolve(config)
   method = methods.get(method_name)
   total = total_steps_for(config, steps_per_epoch)
-  schedule = learning_rate_schedule(config, steps_per_epoch, total)
-  opt = optim_settings(config)
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
+  opt = optim.optim_settings(config)
   logging.info('Optimiser: %s', ', '.join(
       f'{k}={v}' for k, v in sorted(opt.items())))
   block = config.get(method_name, None)
@@ -458,7 +335,7 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   return Setup(method=method, views=views,
                title=methods.title(method_name, views),
                model=method.create_model(config), schedule=schedule,
-               tx=create_optimizer(config, schedule),
+               tx=optim.create_optimizer(config, schedule),
                steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
@@ -528,8 +405,7 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
   """The network's `{'params', 'batch_stats'}` of checkpoint `step` in `workdir`.
 
   Only these two parts are read (Orbax partial restoration): a change of the
-  optimiser or of a method's extra state never breaks evaluating a run, and
-  checkpoints written before `TrainState.extra` existed still evaluate. A
+  optimiser or of a method's extra state never breaks evaluating a run. A
   learnt interpolation logit, if any, is returned under `'alpha_logit'`.
 
   Raises:

@@ -1,4 +1,4 @@
-"""Pretraining losses: NT-Xent, the Sinkhorn regulariser and their combination.
+"""Pretraining losses: NT-Xent and the Sinkhorn regulariser.
 
 docs/method.md section 6:
 
@@ -7,7 +7,8 @@ docs/method.md section 6:
   + S(x_hat_2, x_s2)]``, averaged over the batch, with ``S`` the entropic
   Sinkhorn cost of ``otclr_jax.ot.image_sinkhorn_cost`` (averaged over
   channels).
-* ``L_pre = L_NCE + beta * L_Sinkhorn``.
+* ``L_pre = L_NCE + beta * L_Sinkhorn``, summed by the train step
+  (otclr_jax/step.py).
 
 With a fixed interpolation coefficient ``alpha`` the images entering
 ``L_Sinkhorn`` do not depend on the network parameters, so its gradient with
@@ -22,8 +23,6 @@ Everything here is pure ``jax.numpy`` on global arrays: under ``jax.jit`` with
 the batch sharded over devices, the negatives of NT-Xent are the global batch
 without explicit collectives.
 """
-
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -134,38 +133,6 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
                                  epsilon=epsilon, num_iters=num_iters)
   per_image = jnp.sum(costs.reshape(4, x.shape[0]), axis=0)
   return 0.5 * jnp.mean(per_image)
-
-
-def pretrain_loss(
-    z1: jnp.ndarray, z2: jnp.ndarray, reg: Optional[jnp.ndarray] = None, *,
-    temperature: float = 0.5,
-    beta: float = 0.0) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
-  """``L_pre = L_NCE + beta * L_Sinkhorn``.
-
-  Args:
-    z1: projections of the first views [B, D].
-    z2: projections of the second views [B, D].
-    reg: ``L_Sinkhorn`` (scalar) from ``sinkhorn_regulariser``, or None for
-      plain SimCLR (then ``beta`` is ignored).
-    temperature: NT-Xent temperature.
-    beta: weight of the regulariser (may be traced).
-
-  Returns:
-    loss: scalar ``L_pre``.
-    parts: dict with ``'loss'``, ``'nce'``, ``'top1'`` and, when ``reg`` is
-      given, ``'sinkhorn'`` (unweighted), all scalars for logging.
-  """
-  nce, top1 = nt_xent(z1, z2, temperature)
-  parts = {'nce': nce, 'top1': top1}
-  loss = nce
-  if reg is not None:
-    reg = jnp.asarray(reg)
-    if reg.ndim != 0:
-      raise ValueError(f'reg must be a scalar, got shape {reg.shape}.')
-    loss = loss + beta * reg
-    parts['sinkhorn'] = reg
-  parts['loss'] = loss
-  return loss, parts
 
 
 def alpha_from_logit(logit: jnp.ndarray) -> jnp.ndarray:

@@ -44,6 +44,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from absl import logging
 
 from otclr_jax import cli
+from otclr_jax import config_files
 from otclr_jax import fileio
 
 EXIT_STOPPED = 75
@@ -315,14 +316,7 @@ def _set(config: Any, name: str, value: Any) -> None:
   *parents, leaf = name.split('.')
   for part in parents:
     config = config[part]
-  config[leaf] = _tuples(value)
-
-
-def _tuples(value: Any) -> Any:
-  """JSON lists back to the tuples the Python configs use (`eval.datasets`)."""
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
+  config[leaf] = config_files.tuples(value)
 
 
 def adopt_stored(config: Any, stored: dict[str, Any],
@@ -493,28 +487,6 @@ def latest_checkpoint_step(workdir: str) -> int | None:
     return None
   steps = [int(d) for d in names if d.isdigit()]
   return max(steps) if steps else None
-
-
-def is_locked(workdir: str, name: str = LOCK_FILE) -> bool:
-  """Whether a live process holds `workdir/name`; creates nothing.
-
-  A status.json that says 'running' while nobody holds the lock belongs to a
-  run that was killed (SIGKILL, a lost node): rerunning it resumes.
-  """
-  path = os.path.join(workdir, name)
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except FileNotFoundError:
-    return False
-  try:
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-  except OSError as e:
-    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-      return True
-    raise
-  finally:
-    os.close(fd)
-  return False
 
 
 # Paths this process holds a lock on, so that nested users (training, then its

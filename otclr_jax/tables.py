@@ -48,7 +48,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from otclr_jax import rundir
 
-# Row names of results written before results.json held its 'title'.
+# Display names of the method ids results.json stores.
 METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
 # Row order: each method, then it with OT views (run ids of `run_id`).
 RUN_ORDER = ('simclr', 'otclr', 'moco', 'moco+ot', 'byol', 'byol+ot', 'dino',
@@ -299,16 +299,6 @@ def _bold(text: str, fmt: str) -> str:
 def _number(value: float, digits: int) -> str:
   # digits == 0 marks counts such as throughput: thousands separators.
   return f'{value:,.0f}' if digits == 0 else f'{value:.{digits}f}'
-
-
-def format_stat(value: dict[str, Any] | None, digits: int = 2,
-                fmt: str = 'markdown') -> str:
-  """'46.90' for one run, '46.90 ± 0.40 (n=3)' for several, a dash if None."""
-  _check_fmt(fmt)
-  text = _value_text(value, digits, fmt)
-  if value is not None and value['n'] > 1:
-    text += f' (n={value["n"]})'
-  return text
 
 
 def _value_text(value, digits, fmt) -> str:

@@ -38,8 +38,8 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
 
   Args:
     config: the run's config. `config.method` names the objective (or the
-      alias ``'otclr'``); `config.views` (optional until every config has it)
-      names the view generator.
+      alias ``'otclr'``); `config.views` names the view generator, ``''``
+      (the default) the method's own.
 
   Returns:
     `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
@@ -59,7 +59,6 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
           "config.views='augment' for the baseline.")
     return 'simclr', 'ot'
   if views is None:
-    # Before `config.views` existed, 'simclr' meant SimCLR with augmentations.
     views = 'augment'
   return config.method, views
 

@@ -87,6 +87,12 @@ def _main_cases(root, data_dir):
       ('evaluating an empty workdir', main + [
           '--config.mode=eval', f'--workdir={root}/w6'], 2,
        'pretrain first', [root / 'w6' / 'eval']),
+      # Checked at the entry even when this command only trains: the
+      # evaluation that follows would refuse it after the training.
+      ('unknown evaluator', main + [
+          "--config.eval.evaluators=('probe', 'nope')",
+          '--config.eval.at_end=False', f'--workdir={root}/w7'], 2,
+       'eval.evaluators', [root / 'w7']),
       ('bench without a subcommand', [sys.executable, '-m', 'otclr_jax.bench'],
        2, 'subcommand', []),
   ]

@@ -26,6 +26,7 @@ from otclr_jax import config_files
 from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax import rundir
+from tests import helpers
 from tests import test_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,8 +133,7 @@ def _overrides(data_dir, total_steps):
 
 def _config(overrides):
   config = digits.get_config()
-  for key, value in overrides.items():
-    config_files.set_field(config, key, value)
+  config.update_from_flattened_dict(overrides)
   return config
 
 
@@ -240,7 +240,7 @@ def test_two_processes_stop_resume_and_match_one_process(tmp_path, data_dir):
   stopped_at = status['step']
   assert checkpoint.Checkpointer(workdir, read_only=True).latest_step() == (
       stopped_at)
-  assert not rundir.is_locked(workdir)
+  assert not helpers.is_locked(workdir)
 
   with _processes(workdir, overrides, logs + '/b', processes=2,
                   devices=2) as procs:
@@ -340,7 +340,7 @@ def test_a_killed_process_ends_the_other_and_the_workdir_resumes(tmp_path,
               'Terminating process because the JAX distributed service '
               'detected fatal errors' in text), text[-3000:]
   assert rundir.read_status(workdir)['state'] in ('failed', 'running')
-  assert not rundir.is_locked(workdir)
+  assert not helpers.is_locked(workdir)
   # One process resumes the run (the same global batch on its devices).
   resumed_logs = str(tmp_path / 'logs_resumed')
   overrides['total_steps'] = 400

@@ -245,31 +245,6 @@ def test_sinkhorn_regulariser_bad_shapes_raise():
     losses.sinkhorn_regulariser(x[0], xs1[0], xs2[0], x[0], x[0], **OT_KW)
 
 
-def test_pretrain_loss_combines_parts():
-  z1, z2 = _random_pair(7, 6, 4)
-  nce, top1 = _nt_xent(jnp.asarray(z1), jnp.asarray(z2), 0.5)
-  loss, parts = losses.pretrain_loss(z1, z2, jnp.float32(0.25),
-                                     temperature=0.5, beta=2.0)
-  # The loss adds beta x sinkhorn = 0.5 (exact) to its NT-Xent in one
-  # float32 sum: the same sum here.
-  assert float(loss) == float(np.float32(parts['nce']) + np.float32(0.5))
-  # Eager NT-Xent against the jitted one: two programs.
-  np.testing.assert_allclose(parts['nce'], nce, rtol=0,
-                             atol=_nt_xent_atol(6, 4))
-  assert set(parts) == {'loss', 'nce', 'top1', 'sinkhorn'}
-  assert float(parts['sinkhorn']) == 0.25
-  np.testing.assert_array_equal(parts['top1'], top1)
-  nce_eager = parts['nce']
-  loss, parts = losses.pretrain_loss(z1, z2, temperature=0.5, beta=2.0)
-  # Without a regulariser the loss is the NT-Xent, computed by the same
-  # eager operations as in the call above.
-  np.testing.assert_array_equal(loss, parts['nce'])
-  np.testing.assert_array_equal(loss, nce_eager)
-  assert set(parts) == {'loss', 'nce', 'top1'}
-  with pytest.raises(ValueError, match='scalar'):
-    losses.pretrain_loss(z1, z2, jnp.ones(3))
-
-
 def _numpy_variables(module, shape, seed=0):
   # module.init compiles one RNG kernel per parameter shape (slow on a shared
   # CPU); the structure comes from eval_shape and the values from NumPy.
@@ -303,7 +278,9 @@ def test_fixed_alpha_regulariser_does_not_change_parameter_gradients():
         {'params': params, 'batch_stats': variables['batch_stats']},
         jnp.concatenate([xh1, xh2]), train=True, mutable=['batch_stats'])
     reg = losses.sinkhorn_regulariser(x, xs1, xs2, xh1, xh2, **OT_KW)
-    return losses.pretrain_loss(z[:4], z[4:], reg, temperature=0.5, beta=beta)
+    # The train step's combination (otclr_jax/step.py).
+    nce, _ = losses.nt_xent(z[:4], z[4:], 0.5)
+    return nce + beta * reg, {'nce': nce, 'sinkhorn': reg}
 
   # beta is a traced argument: one compilation serves both values.
   grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))

@@ -12,6 +12,7 @@ import pytest
 from configs import default
 from configs import digits
 from otclr_jax import experiment
+from otclr_jax import optim
 from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax.methods import base
@@ -347,12 +348,12 @@ def test_digits_byol_and_dino_keep_their_momentum():
   assert float(dino.teacher_temperature(config, progress)) == pytest.approx(
       0.02, rel=rounding_tol(5))
   config.method = 'byol'
-  assert experiment.optim_settings(config).base_lr == 0.1
+  assert optim.optim_settings(config).base_lr == 0.1
   config.method = 'dino'
-  assert experiment.optim_settings(config).base_lr == 0.1
+  assert optim.optim_settings(config).base_lr == 0.1
   config.method = 'moco'
-  assert experiment.optim_settings(config).base_lr == 0.3
-  assert experiment.optim_settings(config) is config.optim
+  assert optim.optim_settings(config).base_lr == 0.3
+  assert optim.optim_settings(config) is config.optim
 
 
 def test_post_update_follows_the_fitted_schedule():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from otclr_jax import conv
 from otclr_jax import models
 from tests.conftest import rounding_tol
 
@@ -281,7 +282,7 @@ def test_conv_matmul_equals_lax_conv_with_gradients(size, cin, cout, k,
   (_, y_ref), (dx_ref, dk_ref) = _conv_loss(
       jax.lax.conv_general_dilated, strides, padding, probe)(x, kernel)
   (_, y), (dx, dk) = _conv_loss(
-      models.conv_matmul, strides, padding, probe)(x, kernel)
+      conv.conv_matmul, strides, padding, probe)(x, kernel)
   assert y.shape == y_ref.shape == out_shape
   # Two programs summing the same products in other orders. An output sums
   # k * k * cin products, an input's gradient k * k * cout, a kernel's
@@ -304,7 +305,7 @@ def _conv_matmul_jaxpr(size: int) -> str:
   x = jnp.ones((2, size, size, 4))
   kernel = jnp.ones((3, 3, 4, 5))
   return str(jax.make_jaxpr(
-      lambda x, k: models.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
+      lambda x, k: conv.conv_matmul(x, k, (1, 1), ((1, 1), (1, 1)),
                                       dimension_numbers=NHWC))(x, kernel))
 
 
@@ -326,25 +327,25 @@ def test_conv_matmul_multiplies_a_map_smaller_than_the_kernel_whole():
 def test_conv_matmul_rejects_dilation_and_groups():
   x, kernel = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 2))
   with pytest.raises(ValueError, match='undilated'):
-    models.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)),
+    conv.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)),
                        dimension_numbers=NHWC, rhs_dilation=(2, 2))
   with pytest.raises(ValueError, match='ungrouped'):
-    models.conv_matmul(x, jnp.ones((3, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
+    conv.conv_matmul(x, jnp.ones((3, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
                        dimension_numbers=NHWC, feature_group_count=2)
   with pytest.raises(ValueError, match='NHWC'):  # lax's default is NCHW
-    models.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)))
+    conv.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)))
 
 
 def test_auto_conv_picks_matmul_on_small_cpu_maps_only():
-  conv = models.conv_function('auto')
+  conv_fn = conv.conv_function('auto')
   def ops(size):
     x, kernel = jnp.ones((1, size, size, 2)), jnp.ones((3, 3, 2, 2))
     return str(jax.make_jaxpr(
-        lambda x, k: conv(x, k, (1, 1), ((1, 1), (1, 1)),
+        lambda x, k: conv_fn(x, k, (1, 1), ((1, 1), (1, 1)),
                           dimension_numbers=NHWC))(x, kernel))
   assert jax.default_backend() == 'cpu'
   # A 16 x 16 output is the largest `auto` hands to the matmul.
-  assert models.CONV_MATMUL_MAX_OUT_PIXELS == 16 * 16
+  assert conv.CONV_MATMUL_MAX_OUT_PIXELS == 16 * 16
   for size in (1, 2, 16):
     small = ops(size)
     assert 'dot_general' in small and 'conv_general_dilated' not in small
@@ -367,7 +368,7 @@ def test_separable_max_pool_equals_flax_max_pool_with_gradients(
           ((padding, padding), (padding, padding)))
   ref_pool = lambda x: flax.linen.max_pool(x, *args[:1], strides=args[1],
                                            padding=args[2])
-  sep_pool = lambda x: models.max_pool_separable(x, *args)
+  sep_pool = lambda x: conv.max_pool_separable(x, *args)
   y_ref = ref_pool(jax.nn.relu(x))
   probe = jax.random.normal(kp, y_ref.shape)
   def grad(pool):
@@ -388,7 +389,7 @@ def test_separable_max_pool_equals_flax_max_pool_with_gradients(
 def test_max_pool_follows_conv_impl():
   x = jnp.ones((1, 8, 8, 2))
   def ops(impl):
-    pool = models.max_pool_function(impl)
+    pool = conv.max_pool_function(impl)
     return str(jax.make_jaxpr(
         lambda x: pool(x, (3, 3), (2, 2), ((1, 1), (1, 1))))(x))
   assert jax.default_backend() == 'cpu'
@@ -399,9 +400,9 @@ def test_max_pool_follows_conv_impl():
 
 def test_unknown_conv_impl_raises():
   with pytest.raises(ValueError, match='conv_impl'):
-    models.conv_function('cudnn')
+    conv.conv_function('cudnn')
   with pytest.raises(ValueError, match='conv_impl'):
-    models.max_pool_function('cudnn')
+    conv.max_pool_function('cudnn')
   with pytest.raises(ValueError, match='conv_impl'):
     models.ResNet18(conv_impl='im2col')
 

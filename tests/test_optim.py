@@ -1,4 +1,4 @@
-"""The optimisers of otclr_jax/experiment.py against NumPy re-implementations."""
+"""The optimisers of otclr_jax/optim.py against NumPy re-implementations."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import pytest
 
 from configs import default
 from otclr_jax import experiment
+from otclr_jax import optim
 from tests.conftest import rounding_tol
 
 
@@ -68,7 +69,7 @@ def test_lars_matches_solo_learn_update(clip_lr):
   expected, scales = _solo_learn_lars(params, grads, lrs, momentum,
                                       weight_decay, eta, clip_lr)
 
-  tx = experiment.lars(schedule, momentum=momentum, weight_decay=weight_decay,
+  tx = optim.lars(schedule, momentum=momentum, weight_decay=weight_decay,
                        eta=eta, clip_lr=clip_lr)
   p = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
   state = tx.init(p)
@@ -97,7 +98,7 @@ def test_lars_matches_solo_learn_update(clip_lr):
 def test_lars_treats_a_scalar_as_a_bias():
   # solo-learn has no scalar parameters; the OT interpolation logit is one,
   # and like biases it is neither adapted nor decayed: plain momentum SGD.
-  tx = experiment.lars(optax.constant_schedule(0.1), momentum=0.9,
+  tx = optim.lars(optax.constant_schedule(0.1), momentum=0.9,
                        weight_decay=0.5, eta=0.02, clip_lr=True)
   p = {'alpha_logit': jnp.float32(0.7)}
   state = tx.init(p)
@@ -115,7 +116,7 @@ def test_lars_clip_lr_caps_the_adapted_rate_at_the_global_one():
   p = {'w': jnp.asarray([[1.0, 0.0]])}
   g = {'w': jnp.asarray([[1e-4, 0.0]])}
   for clip_lr, factor in ((True, 1.0), (False, 0.02 / (1e-4 + 1e-8))):
-    tx = experiment.lars(optax.constant_schedule(0.5), momentum=0.9,
+    tx = optim.lars(optax.constant_schedule(0.5), momentum=0.9,
                          weight_decay=0.0, eta=0.02, clip_lr=clip_lr)
     updates, _ = tx.update(g, tx.init(p), p)
     # The ratio: |g| (its square and sqrt, 2; |p| = 1 exactly), + eps and its
@@ -129,7 +130,7 @@ def test_lars_clip_lr_caps_the_adapted_rate_at_the_global_one():
 def test_per_parameter_clipping_is_dinos():
   rng = np.random.default_rng(1)
   grads = {'a': rng.normal(size=(5, 4)) * 3, 'b': rng.normal(size=(3,)) * 0.1}
-  tx = experiment.clip_per_parameter(1.5)
+  tx = optim.clip_per_parameter(1.5)
   out, _ = tx.update({k: jnp.asarray(v, jnp.float32) for k, v in grads.items()},
                      tx.init(grads))
   for name, g in grads.items():
@@ -153,14 +154,14 @@ def test_each_method_trains_with_its_recipe():
               'byol': ('lars', 1.0, 1e-5, 0.0), 'dino': ('lars', 0.3, 1e-6, 3.0)}
   for method, (name, lr, wd, clip) in expected.items():
     config.method = method
-    opt = experiment.optim_settings(config)
+    opt = optim.optim_settings(config)
     assert (opt.name, opt.base_lr, opt.weight_decay, opt.clip_grad) == (
         name, lr, wd, clip), method
     if name == 'lars':
       assert (opt.eta, opt.clip_lr, opt.momentum) == (0.02, True, 0.9)
   config.method = 'byol'
   config.byol.optim.base_lr = 0.5
-  schedule = experiment.learning_rate_schedule(config, 10, 100)
+  schedule = optim.learning_rate_schedule(config, 10, 100)
   # Peak base_lr * B / 256 at the end of the shared warm-up: optax's float32
   # peak (1) times its cosine factor at the decay's first step (cos 12, the
   # sums, products and division around it: 5).
@@ -187,8 +188,8 @@ def test_lars_state_trains_a_quadratic_down():
   # End to end through create_optimizer: a DINO recipe on a toy loss.
   config = default.get_config()
   config.method = 'dino'
-  schedule = experiment.learning_rate_schedule(config, 5, 50)
-  tx = experiment.create_optimizer(config, schedule)
+  schedule = optim.learning_rate_schedule(config, 5, 50)
+  tx = optim.create_optimizer(config, schedule)
   params = {'w': jnp.ones((3, 3)), 'b': jnp.ones((3,))}
   loss = lambda p: jnp.sum(jnp.square(p['w'] - 2.0)) + jnp.sum(
       jnp.square(p['b']))

@@ -14,6 +14,7 @@ import pytest
 
 from otclr_jax import methods
 from otclr_jax import rundir
+from tests import helpers
 from tests.conftest import SignalsInAFinaliser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,17 +111,17 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
       """)
   other = lambda: subprocess.run([sys.executable, '-c', script], cwd=REPO,
                                  capture_output=True, text=True, timeout=60)
-  assert not rundir.is_locked(workdir) and not os.path.exists(workdir)
+  assert not helpers.is_locked(workdir) and not os.path.exists(workdir)
   with rundir.lock(workdir):
     with rundir.lock(workdir):  # re-entrant in one process
       pass
-    assert rundir.is_locked(workdir)
+    assert helpers.is_locked(workdir)
     result = other()
     assert 'LOCKED' in result.stdout, result.stderr
     assert f'process {os.getpid()}' in result.stdout
     assert workdir in result.stdout
   assert 'FREE' in other().stdout
-  assert not rundir.is_locked(workdir)
+  assert not helpers.is_locked(workdir)
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])

@@ -15,6 +15,7 @@ import pytest
 
 from otclr_jax import data
 from otclr_jax import experiment
+from otclr_jax import optim
 from otclr_jax import methods
 from otclr_jax import ot
 from otclr_jax import step as step_lib
@@ -38,9 +39,9 @@ def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
   """(method, state, jitted step) for `config`, as training will build them."""
   method = methods.get(step_lib.views.resolve(config)[0])
   model = method.create_model(config)
-  schedule = experiment.learning_rate_schedule(config, steps_per_epoch,
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch,
                                                total_steps)
-  tx = experiment.create_optimizer(config, schedule)
+  tx = optim.create_optimizer(config, schedule)
   mesh = experiment.make_mesh() if mesh is None else mesh
   # Jitted and placed as training places it: targets copied from the online
   # network must not alias its buffers, or donating the state fails.

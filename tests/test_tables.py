@@ -71,17 +71,6 @@ def test_aggregate_groups_and_orders():
     tables.aggregate([{'method': 'otclr'}])
 
 
-def test_format_stat():
-  assert tables.format_stat({'mean': 46.9, 'std': 0.4, 'n': 3}, 1) == (
-      '46.9 ± 0.4 (n=3)')
-  assert tables.format_stat({'mean': 46.875, 'std': None, 'n': 1}) == '46.88'
-  assert tables.format_stat({'mean': 46.9, 'std': 0.4, 'n': 3}, 2,
-                            'latex') == r'46.90 $\pm$ 0.40 (n=3)'
-  assert tables.format_stat(None, fmt='latex') == '--'
-  with pytest.raises(ValueError, match='fmt'):
-    tables.format_stat(None, fmt='html')
-
-
 def test_linear_table_markdown():
   expected = (
       '| Method | CIFAR-10 Top-1 | CIFAR-10 Top-5 | SVHN Top-1 | SVHN Top-5 |\n'

@@ -20,6 +20,7 @@ from otclr_jax import checkpoint
 from otclr_jax import config_files
 from otclr_jax import data
 from otclr_jax import experiment
+from otclr_jax import optim
 from otclr_jax import losses
 from otclr_jax import main
 from otclr_jax import ot
@@ -174,7 +175,7 @@ def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
 def test_learning_rate_schedule(data_dir):
   config = tiny_config(data_dir, batch_size=512)
   config.optim.warmup_epochs = 2
-  schedule = experiment.learning_rate_schedule(config, steps_per_epoch=10,
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch=10,
                                                total_steps=100)
   peak = config.optim.base_lr * 2
   assert float(schedule(0)) == 0.0
@@ -196,11 +197,11 @@ def test_weight_decay_only_on_kernels(data_dir):
   params = {'net': {'conv': {'kernel': jnp.ones((3, 3, 1, 1)),
                              'bias': jnp.ones((1,))}},
             'alpha_logit': jnp.zeros(())}
-  tx = experiment.create_optimizer(config, optax.constant_schedule(0.0))
+  tx = optim.create_optimizer(config, optax.constant_schedule(0.0))
   updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params),
                          tx.init(params), params)
   # With lr = 0 nothing moves; with lr = 1 only the decayed kernel would.
-  tx1 = experiment.create_optimizer(config, optax.constant_schedule(1.0))
+  tx1 = optim.create_optimizer(config, optax.constant_schedule(1.0))
   updates, _ = tx1.update(jax.tree_util.tree_map(jnp.zeros_like, params),
                           tx1.init(params), params)
   assert float(jnp.abs(updates['net']['conv']['kernel']).sum()) > 0

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from otclr_jax import conv
 from otclr_jax import models
 from otclr_jax.bench import common
 
@@ -67,13 +68,13 @@ def _conv_layers(config) -> dict[tuple[Any, ...], int]:
 
 def _conv_step(impl: str, x_shape, kernel_shape, strides, padding):
   """Jitted forward + both gradients of one convolution, and its inputs."""
-  conv = models.conv_function(impl)
+  conv_fn = conv.conv_function(impl)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal(x_shape, np.float32))
   kernel = jnp.asarray(rng.standard_normal(kernel_shape, np.float32))
 
   def loss(x, kernel):
-    y = conv(x, kernel, strides, padding, dimension_numbers=(
+    y = conv_fn(x, kernel, strides, padding, dimension_numbers=(
         jax.lax.conv_dimension_numbers(x_shape, kernel_shape,
                                        ('NHWC', 'HWIO', 'NHWC'))))
     return jnp.sum(jnp.square(y))
@@ -94,7 +95,7 @@ def _print_layers(config, repeats: int) -> None:
       fn, args = _conv_step(impl, x_shape, k_shape, strides, padding)
       jax.block_until_ready(fn(*args))
       ms[impl], _ = common.time_ms(fn, *args, repeats=repeats)
-    auto = ('matmul' if models.matmul_is_faster(x_shape, k_shape, strides)
+    auto = ('matmul' if conv.matmul_is_faster(x_shape, k_shape, strides)
             else 'xla')
     print(f'| {list(x_shape)} | {list(k_shape)} | {strides[0]} | {count} '
           f'| {ms["xla"]:.1f} | {ms["matmul"]:.1f} '
@@ -105,7 +106,7 @@ def run_resnet(config, fv: flags.FlagValues) -> int:
   """The `resnet` subcommand: ResNet-18 fwd+bwd per `model.conv_impl`."""
   impls = list(fv.conv_impls)
   for impl in impls:
-    models.conv_function(impl)
+    conv.conv_function(impl)
   rng = np.random.default_rng(fv.seed)
   b, size = config.batch_size, config.image_size
   x = jnp.asarray(rng.random((b, size, size, 3), np.float32))

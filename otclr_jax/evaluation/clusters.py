@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Any, Iterator
 
@@ -31,12 +30,6 @@ MAX_BN_IMAGES = 50_000
 BN_SEED = 0
 
 
-def _finite_or_none(value: float) -> float | None:
-  # NaN / inf are not JSON; an undefined metric is written as null.
-  value = float(value)
-  return value if math.isfinite(value) else None
-
-
 _CLUSTER_KEYS = ('silhouette', 'compactness', 'centroid_margin',
                  'inter_intra_ratio')
 
@@ -57,7 +50,8 @@ def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
   except ValueError as e:
     logging.warning('Cluster metrics undefined: %s', e)
     return dict.fromkeys(_CLUSTER_KEYS)
-  return {k: _finite_or_none(result[k]) for k in _CLUSTER_KEYS}
+  # A NaN or inf is written as null (evaluate's `_json_safe`).
+  return {k: float(result[k]) for k in _CLUSTER_KEYS}
 
 
 def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,

@@ -168,7 +168,7 @@ class _Objective:
             p)
 
   def hessp(self, p_blocks, dw, db):
-    """The Hessian at the point of `p_blocks` (`_blocks` of p) times (dW, db)."""
+    """The Hessian at softmax p times (dW, db); p_blocks = `_blocks(p)`."""
     hw, hb = (np.asarray(h, np.float64) / len(self.z) for h in
               _hessian_product(self.blocks, p_blocks, dw.astype(np.float32),
                                db.astype(np.float32)))

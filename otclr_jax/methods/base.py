@@ -78,7 +78,7 @@ class Method:
     default_config: ``() -> ConfigDict`` of the method's own settings
       (``config.<name>``), or None when it has none. A block may hold an
       ``optim`` sub-block: the method's optimiser recipe, used instead of
-      ``config.optim`` (`experiment.optim_settings`).
+      ``config.optim`` (`optim.optim_settings`).
     network: the class of the online network `create_model` builds
       (`otclr_jax.methods.for_model` finds a model's method by it).
     embed: ``(model, variables, h) -> z``: the embedding [N, D] the cluster

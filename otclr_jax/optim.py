@@ -1,0 +1,140 @@
+"""The optimisers: SGD with masked weight decay, LARS, and their schedule.
+
+`create_optimizer` builds the run's from `optim_settings` (its method's recipe
+or the paper's `config.optim`); LARS follows solo-learn, per-parameter
+clipping DINO (docs/methods.md gives the sources).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from otclr_jax import views as views_lib
+
+OPTIMIZERS = ('sgd', 'lars')
+
+
+def optim_settings(config: ml_collections.ConfigDict
+                   ) -> ml_collections.ConfigDict:
+  """The run's optimiser: its method's recipe, or the paper's `config.optim`.
+
+  A method whose block holds an ``optim`` sub-block (BYOL, DINO) trains with
+  it; the others (SimCLR, MoCo: the paper's rows) with ``config.optim``. The
+  learning-rate schedule's ``warmup_epochs`` is always ``config.optim``'s.
+  """
+  method = views_lib.resolve(config)[0]
+  block = config.get(method, None)
+  if block is not None and 'optim' in block:
+    return block.optim
+  return config.optim
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict,
+                           steps_per_epoch: int,
+                           total_steps: int) -> optax.Schedule:
+  """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0."""
+  peak = optim_settings(config).base_lr * config.batch_size / 256.0
+  warmup = min(int(config.optim.warmup_epochs * steps_per_epoch),
+               max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+
+
+def _decay_mask(params):
+  # Convolution and dense kernels only: decaying BatchNorm scales, biases or
+  # the interpolation logit would pull them towards 0 for no benefit.
+  return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
+
+
+class LarsState(NamedTuple):
+  count: jax.Array
+  momentum: Any
+
+
+def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
+         eta: float, clip_lr: bool, eps: float = 1e-8
+         ) -> optax.GradientTransformation:
+  """LARS as solo-learn's ``solo/utils/lars.py`` (with ``exclude_bias_n_norm``).
+
+  For a parameter p with gradient g at learning rate lr (`schedule`):
+  when p is a kernel (ndim > 1) and ``|p|, |g| > 0``,
+  ``r = eta |p| / (|g| + weight_decay |p| + eps)``, with ``clip_lr``
+  ``r = min(r / lr, 1)``, and ``d = r (g + weight_decay p)``; otherwise
+  (biases, BatchNorm, scalars, zero norms) ``d = g``, neither adapted nor
+  decayed. Then heavy-ball momentum without dampening, ``v <- momentum v +
+  d`` (``v_1 = d``), and ``p <- p - lr v``.
+
+  Args:
+    schedule: learning rate per step.
+    momentum: mu in [0, 1).
+    weight_decay: beta >= 0.
+    eta: trust coefficient.
+    clip_lr: clip the adapted rate at the global one.
+    eps: denominator guard.
+
+  Returns:
+    An optax transformation needing ``params`` in ``update``.
+  """
+  def init_fn(params):
+    return LarsState(count=jnp.zeros((), jnp.int32),
+                     momentum=jax.tree_util.tree_map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params):
+    lr = schedule(state.count)
+
+    def direction(g, p):
+      p_norm = jnp.linalg.norm(p)
+      g_norm = jnp.linalg.norm(g)
+      ratio = eta * p_norm / (g_norm + p_norm * weight_decay + eps)
+      if clip_lr:
+        # lr = 0 (the warm-up's first step) gives inf: the ratio is 1.
+        ratio = jnp.minimum(ratio / lr, 1.0)
+      adapt = (p.ndim > 1) & (p_norm > 0) & (g_norm > 0)
+      return jnp.where(adapt, ratio * (g + weight_decay * p), g)
+
+    d = jax.tree_util.tree_map(direction, updates, params)
+    buf = jax.tree_util.tree_map(lambda v, x: momentum * v + x,
+                                 state.momentum, d)
+    return (jax.tree_util.tree_map(lambda v: -lr * v, buf),
+            LarsState(count=state.count + 1, momentum=buf))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
+  """Scales each parameter's gradient to norm <= `max_norm` on its own.
+
+  DINO's ``utils.clip_gradients``: ``g <- g * min(1, max_norm / (|g| +
+  1e-6))`` per parameter tensor, not over the whole tree.
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    def clip(g):
+      coef = max_norm / (jnp.linalg.norm(g) + 1e-6)
+      return jnp.where(coef < 1, g * coef, g)
+    return jax.tree_util.tree_map(clip, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update_fn)
+
+
+def create_optimizer(config: ml_collections.ConfigDict,
+                     schedule: optax.Schedule) -> optax.GradientTransformation:
+  """The run's optimiser (`optim_settings`), gradient clipping first if any."""
+  opt = optim_settings(config)
+  if opt.name == 'lars':
+    tx = lars(schedule, momentum=opt.momentum, weight_decay=opt.weight_decay,
+              eta=opt.eta, clip_lr=opt.clip_lr)
+  else:
+    tx = optax.chain(
+        optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
+        optax.sgd(schedule, momentum=opt.momentum))
+  if opt.clip_grad > 0:
+    tx = optax.chain(clip_per_parameter(opt.clip_grad), tx)
+  return tx
