@@ -192,7 +192,8 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
                      'remove repeated values.')
   # Lazily: the check needs the model code, the rest of this module does not.
-  from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from otclr_jax.evaluation import evaluate
   for run in sweep.runs(REPO):
     try:
       evaluate.validate(sweep.run_config(run))
