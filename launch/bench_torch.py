@@ -11,16 +11,23 @@ them, so the number compares with `bench resnet`'s).
 PyTorch is not a dependency of the project; run this in a side environment:
 
   python3 -m venv /work/venvs/torch
-  /work/venvs/torch/bin/pip install torch==2.14.1 torchvision==0.29.1
+  /work/venvs/torch/bin/pip install torch==2.14.1 torchvision==0.29.1 absl-py
   /work/venvs/torch/bin/python launch/bench_torch.py --batch_size=256
 """
 
-import argparse
 import statistics
 import time
 
+from absl import app
+from absl import flags
 import torch
 import torchvision
+
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', 256, 'Images per step.')
+_IMAGE_SIZE = flags.DEFINE_integer('image_size', 32, 'Image side in pixels.')
+_THREADS = flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
+_STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps first.')
 
 
 def _real_taps(size: int, kernel: int, stride: int, pad: int) -> int:
@@ -58,43 +65,37 @@ def conv_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
   return total
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--batch_size', type=int, default=256)
-  parser.add_argument('--image_size', type=int, default=32)
-  parser.add_argument('--threads', type=int, default=2)
-  parser.add_argument('--steps', type=int, default=5)
-  parser.add_argument('--warmup', type=int, default=2)
-  args = parser.parse_args()
-
-  torch.set_num_threads(args.threads)
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  batch_size, image_size = _BATCH_SIZE.value, _IMAGE_SIZE.value
+  torch.set_num_threads(_THREADS.value)
   torch.manual_seed(0)
   model = torchvision.models.resnet18().to(memory_format=torch.channels_last)
   model.train()
-  x = torch.rand(args.batch_size, 3, args.image_size, args.image_size
-                 ).to(memory_format=torch.channels_last)
+  x = torch.rand(batch_size, 3, image_size, image_size).to(
+      memory_format=torch.channels_last)
   flops = 3.0 * conv_flops(model, x)  # forward + two backward products
 
   def step():
     model.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
 
-  for _ in range(args.warmup):
+  for _ in range(_WARMUP.value):
     step()
   times = []
-  for _ in range(args.steps):
+  for _ in range(_STEPS.value):
     start = time.perf_counter()
     step()
     times.append(time.perf_counter() - start)
   ms = 1e3 * statistics.median(times)
   print(f'torch {torch.__version__} torchvision {torchvision.__version__}, '
         f'{torch.get_num_threads()} threads; ResNet-18 fwd+bwd, batch '
-        f'{args.batch_size}, {args.image_size}x{args.image_size}, '
+        f'{batch_size}, {image_size}x{image_size}, '
         f'channels-last float32: median {ms:.1f} ms/step (min '
-        f'{1e3 * min(times):.1f}) over {args.steps} steps, '
+        f'{1e3 * min(times):.1f}) over {_STEPS.value} steps, '
         f'{flops / ms / 1e6:.1f} GFLOP/s')
 
 
 if __name__ == '__main__':
-  main()
+  app.run(main)
