@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   # config.byol.optim and config.dino.optim (same fields); warmup_epochs is
   # this block's for every method.
   config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'sgd'  # or 'lars' (solo-learn's, experiment.lars).
+  config.optim.name = 'sgd'  # or 'lars' (solo-learn's, optim.lars).
   # [decision] The paper gives no learning rate: SimCLR's linear scaling,
   # lr = base_lr * batch_size / 256, linear warmup then cosine decay to 0.
   config.optim.base_lr = 0.3

@@ -367,6 +367,21 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
       init_key(config), variables)
 
 
+def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
+          mesh: Mesh) -> tuple[Setup, step_lib.TrainState, Callable[..., Any]]:
+  """A run's `setup`, its state at step 0 on `mesh`, and its jitted step.
+
+  The step is `step_fn(state, batch, key) -> (state, metrics)` with the
+  batch sharded over `mesh` (`global_batch`) and the state donated.
+  """
+  run = setup(config, steps_per_epoch)
+  state = initial_state(config, run, mesh)
+  step_fn = step_lib.jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  return run, state, step_fn
+
+
 def pretraining_params(state: step_lib.TrainState) -> int:
   """Parameters the pretraining state holds: the network's and its targets'.
 

@@ -490,13 +490,12 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
                                config.data_dir or None)
   spe = data.steps_per_epoch(len(train_data.images), config.batch_size,
                              f'{config.dataset}/train')
-  run = experiment.setup(config, spe)
-  total = run.total_steps
+  total = experiment.total_steps_for(config, spe)
   check_total(stored, total, spe, workdir)
   trained_on = data_identity(config, train_data)
   check_data(workdir, trained_on, resuming=stored is not None)
 
-  state = experiment.initial_state(config, run, mesh)
+  run, state, step_fn = experiment.build(config, spe, mesh)
   # Jitted onto the mesh, so that every process holds the same replicated key.
   train_key = jax.jit(functools.partial(experiment.train_key, config),
                       out_shardings=NamedSharding(mesh, P()))()
@@ -523,9 +522,6 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
       len(train_data.images), spe, total, config.batch_size, mesh.size,
       experiment.pretraining_params(state) / 1e6)
 
-  step_fn = step_lib.jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
   batches: Iterator[np.ndarray] = data.train_batches(
       train_data.images, config.batch_size, config.seed, start_step=start)
   logger = None

@@ -63,7 +63,6 @@ def tiny_config(data_dir, **overrides):
   """
   # Imported here: the environment above must be set before JAX loads.
   from configs import default  # pylint: disable=g-import-not-at-top
-  from otclr_jax import config_files  # pylint: disable=g-import-not-at-top
   config = default.get_config()
   config.dataset = 'digits'
   config.data_dir = data_dir
@@ -82,8 +81,9 @@ def tiny_config(data_dir, **overrides):
   config.dino.bottleneck_dim = 16
   config.dino.num_prototypes = 64
   config.dino.warmup_teacher_temp_epochs = 1.0
-  for key, value in overrides.items():
-    config_files.set_field(config, key, value)
+  config.lock()  # an unknown key raises instead of adding a field
+  config.update_from_flattened_dict(overrides)
+  config.unlock()
   return config
 
 

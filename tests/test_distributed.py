@@ -133,7 +133,9 @@ def _overrides(data_dir, total_steps):
 
 def _config(overrides):
   config = digits.get_config()
+  config.lock()  # an unknown key raises instead of adding a field
   config.update_from_flattened_dict(overrides)
+  config.unlock()
   return config
 
 

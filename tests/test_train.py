@@ -132,13 +132,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
 
 def test_train_step_compiles_once(data_dir):
   config = tiny_config(data_dir, method='simclr')
-  run = experiment.setup(config, steps_per_epoch=10)
   mesh = experiment.make_mesh()
-  # Placed as training places it, so the donated output matches.
-  state = experiment.initial_state(config, run, mesh)
-  step = step_lib.jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  # Built as training builds it, so the donated output matches.
+  _, state, step = experiment.build(config, 10, mesh)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
   for _ in range(3):
     state, _ = step(state, experiment.global_batch(batch, mesh),

@@ -67,12 +67,8 @@ class Variant:
 
 def _compile_variant(config, batch, key, mesh) -> Variant:
   """Compiles `config`'s step; counts its FLOPs and parameters."""
-  from otclr_jax import experiment, step as step_lib  # pylint: disable=g-import-not-at-top
-  run = experiment.setup(config, steps_per_epoch=100)
-  state = experiment.initial_state(config, run, mesh)
-  step = step_lib.jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
+  run, state, step = experiment.build(config, 100, mesh)
   compiled = step.lower(state, batch, key).compile()
   # Both views of the batch: the forward FLOPs of B image pairs through the
   # trained network. XLA counts only multiply-adds on real pixels, not on a
