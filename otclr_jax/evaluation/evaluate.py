@@ -84,11 +84,6 @@ EVALUATORS: dict[str, Evaluator] = {
 MAX_LISTINGS = 10
 
 
-def checkpoint_path(workdir: str, step: int) -> str:
-  """`<workdir>/checkpoints/<step>`, absolute."""
-  return rundir.checkpoint_dir(workdir, step)
-
-
 def _list_steps(workdir: str) -> list[int]:
   ckpt = checkpoint.Checkpointer(workdir, read_only=True)
   try:
@@ -150,15 +145,15 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
         return (model, experiment.restore_variables(config, workdir, candidate),
                 int(candidate))
       except Exception as e:  # pylint: disable=broad-except
-        if not os.path.isdir(checkpoint_path(workdir, candidate)):
+        if not os.path.isdir(rundir.checkpoint_dir(workdir, candidate)):
           logging.info('Checkpoint %s was deleted while being read (a run '
                        'rotating its checkpoints); listing them again.',
-                       checkpoint_path(workdir, candidate))
+                       rundir.checkpoint_dir(workdir, candidate))
           vanished = True
           break
         failures[candidate] = checkpoint.describe_error(e)
         logging.warning('Skipping checkpoint %s: %s',
-                        checkpoint_path(workdir, candidate),
+                        rundir.checkpoint_dir(workdir, candidate),
                         failures[candidate])
     if not vanished:
       break
@@ -235,7 +230,7 @@ class Context:
     self.datasets = tuple(config.eval.datasets)
     self.model, self.variables, self.step = restore(config, workdir, step)
     logging.info('Evaluating %s (step %d) on %s',
-                 checkpoint_path(workdir, self.step), self.step,
+                 rundir.checkpoint_dir(workdir, self.step), self.step,
                  ', '.join(self.datasets))
     trained = {'params': self.variables['params'],
                'batch_stats': self.variables['batch_stats']}
@@ -368,7 +363,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   start = time.perf_counter()
   ctx = Context(config, workdir, step)
   results: dict[str, Any] = {
-      'step': ctx.step, 'checkpoint': checkpoint_path(workdir, ctx.step),
+      'step': ctx.step, 'checkpoint': rundir.checkpoint_dir(workdir, ctx.step),
       'method': config.method, 'view_generator': views_lib.resolve(config)[1],
       'title': experiment.title_of(config),
       'seed': int(config.seed), 'batch_size': int(config.batch_size),

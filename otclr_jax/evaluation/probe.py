@@ -7,7 +7,8 @@ norm with respect to (W, b) is at most `GRAD_TOL`. The L2 strength is chosen
 on a stratified held-out part of the TRAIN split, then the probe is refitted
 on all of it (docs/method.md section 7). The grid is fitted as a
 regularisation path, strongest penalty first, each fit warm-started from the
-previous one; the refit starts from the selected solution."""
+previous one; the refit starts from the selected solution.
+"""
 
 from __future__ import annotations
 
