@@ -206,16 +206,14 @@ def make_monitor(config, model, train_split):
 def check_evaluation_data(config) -> None:
   """Checks every dataset evaluation will read, before hours of pretraining.
 
+  The `eval.*` settings themselves are checked at the entry
+  (`evaluate.validate`).
+
   Raises:
-    ConfigError: an `eval.*` setting that evaluation would refuse.
     data.NotEvaluableError: a dataset of `config.eval.datasets` is missing,
       lacks a train or test split, has one class, or has test classes that
       train lacks (the message names it).
   """
-  try:
-    evaluate.check_config(config)
-  except ValueError as e:
-    raise experiment.ConfigError(str(e)) from e
   names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
   for name in dict.fromkeys(n for n in names if n):
     found = data.check_evaluable(name, config.image_size,

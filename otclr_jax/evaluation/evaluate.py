@@ -224,7 +224,6 @@ class Context:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                step: int | None = None):
-    check_config(config)
     self.config = config
     self.workdir = workdir
     self.datasets = tuple(config.eval.datasets)
@@ -359,7 +358,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     ValueError: an unknown dataset or evaluator, a missing step, or a bad
       config.
   """
-  experiment.validate_config(config)
+  validate(config)
   start = time.perf_counter()
   ctx = Context(config, workdir, step)
   results: dict[str, Any] = {
