@@ -17,8 +17,6 @@ import os
 
 from otclr_jax import rundir
 
-RESULTS = rundir.RESULTS_FILE
-latest_checkpoint_step = rundir.latest_checkpoint_step
 
 
 def _records(workdir: str) -> list[dict]:
@@ -48,16 +46,6 @@ def final_step(config, workdir: str) -> int | None:
   return None
 
 
-def read_results(workdir: str) -> dict | None:
-  """DIR/<run>/eval/results.json with the files it binds, or None if absent.
-
-  Raises:
-    ValueError: the file is not a JSON object, or an evaluation was
-      interrupted between its writes (the message names the file).
-  """
-  return rundir.read_results(workdir)
-
-
 def identity_conflict(config, workdir: str) -> str | None:
   """Why the run in `workdir` is not the run `config` describes, or None.
 
@@ -71,8 +59,8 @@ def identity_conflict(config, workdir: str) -> str | None:
   except ValueError as e:
     return str(e)
   if stored is None:
-    if (latest_checkpoint_step(workdir) is not None
-        or os.path.exists(os.path.join(workdir, RESULTS))):
+    if (rundir.latest_checkpoint_step(workdir) is not None
+        or os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))):
       return (f'it holds checkpoints or results but no '
               f'{rundir.CONFIG_FILE} recording the settings that produced '
               'them')
@@ -140,7 +128,7 @@ def _probe_protocol_conflict(results: dict) -> str | None:
 def stale_results_reason(config, workdir: str) -> str | None:
   """Why existing results.json may not be reported for `config`, or None."""
   try:
-    results = read_results(workdir)
+    results = rundir.read_results(workdir)
   except ValueError as e:
     return str(e)
   if results is None:
@@ -163,14 +151,14 @@ def is_trained(config, workdir: str) -> bool:
     return False  # A damaged status.json: training rewrites it.
   if status is not None:
     return status.get('state') == 'finished' and status.get('step') == total
-  latest = latest_checkpoint_step(workdir)
+  latest = rundir.latest_checkpoint_step(workdir)
   return latest is not None and latest >= total
 
 
 def is_finished(config, workdir: str) -> bool:
   """Whether the run trained to its end and its results belong to `config`."""
   return (is_trained(config, workdir)
-          and os.path.exists(os.path.join(workdir, RESULTS))
+          and os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
           and stale_results_reason(config, workdir) is None)
 
 

@@ -14,7 +14,6 @@ import os
 import sys
 from typing import Sequence
 
-from launch import run_state
 from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
@@ -53,7 +52,7 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
   if state != 'finished' or step != total:
     return f'training {state} at step {step} of {total}'
   if results is None:
-    return f'trained, not evaluated (no {run_state.RESULTS})'
+    return f'trained, not evaluated (no {rundir.RESULTS_FILE})'
   if results.get('step') != total:
     return f'results are for step {results.get("step")}, not the final {total}'
   return None
@@ -109,7 +108,7 @@ def collect_results(workdir: str) -> Collected:
   listed = listed_runs(workdir)
   present = sorted(
       os.path.basename(os.path.dirname(os.path.dirname(p)))
-      for p in glob.glob(os.path.join(workdir, '*', run_state.RESULTS)))
+      for p in glob.glob(os.path.join(workdir, '*', rundir.RESULTS_FILE)))
   if listed is None:
     names = sorted(set(present) | {
         os.path.basename(os.path.dirname(p)) for p in glob.glob(
@@ -122,9 +121,9 @@ def collect_results(workdir: str) -> Collected:
   for name in names:
     run_dir = os.path.join(workdir, name)
     try:
-      results = run_state.read_results(run_dir)
+      results = rundir.read_results(run_dir)
       if results is not None and not isinstance(results, dict):
-        raise ValueError(f'{os.path.join(run_dir, run_state.RESULTS)} holds '
+        raise ValueError(f'{os.path.join(run_dir, rundir.RESULTS_FILE)} holds '
                          f'{type(results).__name__}, not a results object.')
     except rundir.IncompleteEvaluationError as e:
       collected.excluded.append((run_dir, f'incomplete evaluation: {e}'))
@@ -168,7 +167,7 @@ def aggregate_dir(workdir: str) -> str | None:
   for run_dir, why in excluded:
     print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
   if not results and not excluded:
-    print(f'No {run_state.RESULTS} under {workdir}/*/ yet; nothing to '
+    print(f'No {rundir.RESULTS_FILE} under {workdir}/*/ yet; nothing to '
           'tabulate.')
     return None
   markdown = (tables.render_report(results, 'markdown') if results else

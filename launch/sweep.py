@@ -242,13 +242,13 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
                                           time.gmtime(time.time() - start))
   if hasattr(launcher, 'prefix'):
     launcher.prefix = f'{head}: '
-  at = lambda: run_state.latest_checkpoint_step(wd)
+  at = lambda: rundir.latest_checkpoint_step(wd)
   train_log = os.path.join(wd, rundir.TRAIN_LOG)
   eval_log = os.path.join(wd, rundir.EVAL_LOG)
   if run_state.is_trained(config, wd):
     stale = run_state.stale_results_reason(config, wd)
     print(f'{head}: trained, evaluating'
-          + (f' again ({run_state.RESULTS}: {stale})' if stale else ''),
+          + (f' again ({rundir.RESULTS_FILE}: {stale})' if stale else ''),
           flush=True)
   else:
     resumed = f' (resuming from step {at()})' if at() else ''
@@ -282,7 +282,7 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     return report('failed', f'evaluation exited {code}, see {eval_log}')
   if not run_state.is_finished(config, wd):
     why = run_state.stale_results_reason(config, wd) or 'none written'
-    return report('failed', f'evaluation wrote no usable {run_state.RESULTS} '
+    return report('failed', f'evaluation wrote no usable {rundir.RESULTS_FILE} '
                   f'for step {run_state.final_step(config, wd)} ({why})')
   return report('done', elapsed())
 
