@@ -110,7 +110,7 @@ def test_objective_hessian_product_equals_the_explicit_hessian():
   # times the same products of absolute values.
   bound = (50 + 6 + 1) * np.finfo(np.float32).eps * (np.abs(hessian)
                                                      @ np.abs(v))
-  hw, hb = objective.hessp(probe._blocks(p.astype(np.float32)), dw, db)
+  hw, hb = objective.hessp(probe._transposed(p), dw, db)
   error = np.abs(np.concatenate([hw.ravel(), hb]) - hessian @ v)
   assert np.all(error <= bound), np.max(error / bound)
 
@@ -124,8 +124,8 @@ def test_the_preconditioner_inverts_the_class_blocks():
   w, b = rng.normal(size=(6, 2)), rng.normal(size=2)
   w, b = w - w.mean(1, keepdims=True), b - b.mean()
   _, gw, gb, p = objective.value_and_grad(w, b)
-  sw, sb = probe._class_preconditioner(x, p, 1e-2)(gw, gb)
-  hw, hb = objective.hessp(probe._blocks(p.astype(np.float32)), sw, sb)
+  sw, sb = probe._class_preconditioner(objective, p)(gw, gb)
+  hw, hb = objective.hessp(probe._transposed(p), sw, sb)
   np.testing.assert_allclose(np.concatenate([hw.ravel(), hb]),
                              np.concatenate([gw.ravel(), gb]),
                              rtol=0, atol=1e-5 * np.abs(gw).max())
