@@ -1,10 +1,44 @@
-"""Helpers shared by test modules; fixtures live in conftest.py."""
+"""Helpers shared by test modules: the tiny run config, rounding tolerances,
+chains of roundings, usage-error and lock checks; fixtures live in
+conftest.py."""
 
+import contextlib
 import errno
 import fcntl
+import logging
+import math
 import os
+import re
+
+import jax
+import numpy as np
 
 from otclr_jax import rundir
+
+
+_TRACE_EVENT = '/jax/core/compile/jaxpr_trace_duration'
+
+
+@contextlib.contextmanager
+def traces():
+  """The names of the functions `jax.jit` traces inside the block, in order.
+
+  A jitted call that reuses its compilation traces nothing, so a name that
+  is absent (or present once, from a cleared cache) means no recompilation:
+  the check `chex.assert_max_traces` makes, from outside the function.
+  """
+  names = []
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event == _TRACE_EVENT:
+      names.append(kwargs.get('fun_name'))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def is_locked(workdir: str, name: str = rundir.LOCK_FILE) -> bool:
@@ -26,3 +60,265 @@ def is_locked(workdir: str, name: str = rundir.LOCK_FILE) -> bool:
   finally:
     os.close(fd)
   return False
+
+
+def tiny_config(data_dir, **overrides):
+  """8 px digits, batch 16, 4 steps, small heads and a 4 x 4 OT grid.
+
+  Every method's block is small too (MoCo queue 64, BYOL predictor 32, DINO
+  32-16-64 with a one-epoch teacher warm-up), so any `method=` trains fast.
+
+  Args:
+    data_dir: where the digits cache goes (the `data_dir` fixture).
+    **overrides: dotted config fields, e.g. `**{'ot.beta': 1.0}`.
+
+  Returns:
+    The ConfigDict.
+  """
+  # Imported here: the environment above must be set before JAX loads.
+  from configs import default  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.dataset = 'digits'
+  config.data_dir = data_dir
+  config.image_size = 8
+  config.batch_size = 16
+  config.total_steps = 4
+  config.log_every_steps = 2
+  config.checkpoint_every_steps = 2
+  config.model.proj_hidden_dim = 32
+  config.model.proj_dim = 16
+  config.ot.grid_size = 4
+  config.eval.datasets = ('digits',)
+  config.moco.queue_size = 64
+  config.byol.pred_hidden_dim = 32
+  config.dino.hidden_dim = 32
+  config.dino.bottleneck_dim = 16
+  config.dino.num_prototypes = 64
+  config.dino.warmup_teacher_temp_epochs = 1.0
+  config.lock()  # an unknown key raises instead of adding a field
+  config.update_from_flattened_dict(overrides)
+  config.unlock()
+  return config
+
+
+def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):
+  """Makes `data.load_split` return the first images of each class."""
+  from otclr_jax import data  # pylint: disable=g-import-not-at-top
+  load = data.load_split
+
+  def small(name, split, image_size, data_dir=None, **kwargs):
+    full = load(name, split, image_size, data_dir, **kwargs)
+    per_class = train_per_class if split == 'train' else test_per_class
+    keep = np.sort(np.concatenate([np.flatnonzero(full.labels == c)[:per_class]
+                                   for c in range(full.num_classes)]))
+    return full._replace(images=full.images[keep], labels=full.labels[keep])
+
+  monkeypatch.setattr(data, 'load_split', small)
+
+
+def assert_usage_error(caplog, match: str, run) -> None:
+  """`run()` returns the usage status 2 and logs one error matching `match`."""
+  caplog.clear()
+  with caplog.at_level(logging.ERROR):
+    assert run() == 2
+  errors = [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.ERROR]
+  assert len(errors) == 1, errors
+  assert re.search(match, errors[0]), errors[0]
+
+
+class SignalsInAFinaliser:
+  """Sends `signum` to this process from `__del__`, where a raise is dropped.
+
+  Create one and drop it at once: Python runs the signal's handler inside the
+  finaliser, which prints and discards what the handler raises, as when a
+  signal lands in JAX's garbage-collection callback.
+  """
+
+  def __init__(self, signum):
+    self.signum = signum
+
+  def __del__(self):
+    os.kill(os.getpid(), self.signum)
+    for _ in range(10_000):  # The handler runs in here.
+      pass
+
+
+# Machine epsilons, twice the unit roundoffs u (2**-24 for float32).
+EPS32 = float(np.finfo(np.float32).eps)
+EPS64 = float(np.finfo(np.float64).eps)
+# How many standard deviations the probabilistic bound allows (see
+# `rounding_tol`): its failure probability per result, 2 exp(-LAMBDA**2 / 2),
+# is 2.5e-14, so even the ten million results of a network's gradient are
+# all inside it with probability 1 - 3e-7.
+LAMBDA = 8.0
+
+
+def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
+  """How far two roundings of one real-valued result may lie apart, relatively.
+
+  A result computed through a chain of n rounded operations (see below) is
+  the exact result times prod_i (1 + d_i), |d_i| <= u = eps / 2 (Higham,
+  Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1). Two
+  bounds on the relative error, for the same product:
+
+  * the worst case, gamma_n = n u / (1 - n u) ~ n u, certain, whatever order
+    the terms are accumulated in (XLA:CPU's AVX2 or AVX-512 vector lanes, a
+    GEMM's blocking, NumPy's pairwise sums, another fusion);
+  * the probabilistic one, about lambda sqrt(n) u (Higham and Mary, "A New
+    Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci.
+    Comput. 41(5), 2019: the d_i as independent zero-mean random
+    variables), exceeded with probability at most 2 exp(-lambda**2 / 2);
+    lambda = LAMBDA = 8.
+
+  The tolerance is the smaller of the two, n u for a chain shorter than 64
+  and 8 sqrt(n) u from 64 on, doubled: two evaluations that each meet it (two
+  programs, two instruction sets, two summation orders) differ by at most
+  twice the bound; float32 against a float64 reference has a factor 2 to
+  spare.
+
+  Counting n: a sum or dot product of m terms counts m (Higham's gamma_m
+  bounds both), a mean m + 1; a product, square root, subtraction or rounding
+  of a constant to the format counts 1, a quotient 2 (XLA may rewrite x / y
+  as x * (1 / y)); a transcendental function (exp, log, cos, tanh, erf)
+  counts 12: implementations are accurate to a few ulp, not correctly
+  rounded (NumPy's AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and
+  log to 1 ulp, its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained
+  stages add: a network's layers count their reductions one after another
+  (`resnet18_chain`).
+
+  k is the growth factor, stated at each call: how much the formula amplifies
+  a relative error of its terms, i.e. its condition number (1 for a sum of
+  terms of one sign; the sum of the terms' magnitudes over the result's when
+  they cancel; |x| for exp(x), which damps the rounding of an x below 1).
+  For an absolute tolerance, multiply by the scale of the terms instead.
+
+  Args:
+    n: rounded operations on the longest chain from the inputs to the result.
+    k: growth factor (condition number), >= 0.
+    eps: machine epsilon of the format the result is computed in (EPS64 for
+      float64 arithmetic).
+
+  Returns:
+    2 k min(n, 8 sqrt(n)) u = k min(n, 8 sqrt(n)) eps.
+  """
+  if n < 1 or k < 0:
+    raise ValueError(f'rounding_tol needs n >= 1 and k >= 0, got {n}, {k}.')
+  return k * min(n, LAMBDA * math.sqrt(n)) * eps
+
+
+def _batchnorm_chain(batch: int, size: int) -> int:
+  # Mean and variance over batch x size x size values, then subtract (1),
+  # + eps and sqrt (2), the division (2), scale and shift (2).
+  return 2 * batch * size * size + 7
+
+
+def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
+  """`rounding_tol`'s n for the pooled features of `models.ResNet18`.
+
+  The longest chain runs through the stem and every block's two 3 x 3
+  convolutions (fan-in 9 x input channels each; the 1 x 1 shortcut is
+  shorter), each followed by BatchNorm's statistics over the batch, then the
+  global average pool. Max-pooling and ReLU round nothing. In eval mode
+  BatchNorm's running averages round less; the count still bounds it.
+
+  Args:
+    stem: 'imagenet' (7 x 7 / 2 convolution, 3 x 3 / 2 max-pool) or 'cifar'
+      (3 x 3 / 1 convolution).
+    image_size: side of the square input images.
+    batch: images in the batch BatchNorm normalises over.
+  """
+  halve = lambda s: -(-s // 2)  # stride 2 with 'same'-style padding
+  size = image_size
+  if stem == 'imagenet':
+    size = halve(size)
+    n = 7 * 7 * 3 + _batchnorm_chain(batch, size)
+    size = halve(size)
+  else:
+    n = 3 * 3 * 3 + _batchnorm_chain(batch, size)
+  channels = 64
+  for stage, features in enumerate((64, 128, 256, 512)):
+    for block in range(2):
+      if stage > 0 and block == 0:
+        size = halve(size)
+      n += 9 * channels + 9 * features + 2 * _batchnorm_chain(batch, size)
+      n += 1  # the residual sum
+      channels = features
+  return n + size * size
+
+
+def sinkhorn_chain(grid_size: int, num_iters: int) -> int:
+  """`rounding_tol`'s n for the Sinkhorn scalings u, v of `ot` on an m x m grid.
+
+  The per-axis kernel exp(-cost / eps) takes 20 (coordinates, cost, the
+  division, exp); the exponent's rounding is amplified by cost / eps, on
+  entries scaled by exp(-cost / eps), and x exp(-x) <= 1 / e. Each of the
+  2 num_iters half-iterations b / (Kx V Kx) adds two matmuls of m terms and
+  the division, 2m + 1, on top of the previous one's error (relative errors
+  of positive scalings pass through K and the division unamplified).
+  """
+  return 20 + 2 * num_iters * (2 * grid_size + 1)
+
+
+def sinkhorn_cost_chain(grid_size: int, num_iters: int) -> int:
+  """`rounding_tol`'s n for `ot.cost_from_scalings` of the scalings' chain.
+
+  After the scalings: K v and its product with u (2m + 1), log (12), the
+  product (1), the sum over m^2 entries, the three sums' combination and
+  the factor eps (4). The terms cancel (S_eps may be negative): their
+  magnitudes, not the cost, set the scale the tolerance multiplies.
+  """
+  m = grid_size
+  return sinkhorn_chain(m, num_iters) + 2 * m + 1 + 12 + 1 + m * m + 4
+
+
+def measure_chain(height: int, width: int, grid_size: int) -> int:
+  """`rounding_tol`'s n for `ot.image_to_measure`: resize, shift, normalise.
+
+  The separable resize sums at most `height` then `width` terms, the shift
+  and DELTA (2), the mass sums m^2 and the division (1).
+  """
+  return height + width + 2 + grid_size ** 2 + 1
+
+
+def ot_views_chain(height: int, width: int, grid_size: int,
+                   num_iters: int) -> int:
+  """`rounding_tol`'s n for `ot.ot_views`: measures, scalings, splat, image.
+
+  The splat factors (kernel times hat weights, 7) and the three contractions
+  of m terms; then mass and offset interpolated (4), the product and sums
+  back to pixels (3) and the upsampling's sums over at most m rows and m
+  columns. Every pixel is at most 1 + DELTA before clipping, so the chain's
+  relative error is also an absolute one.
+  """
+  m = grid_size
+  return (measure_chain(height, width, m) + sinkhorn_chain(m, num_iters)
+          + 7 + 3 * m + 4 + 3 + 2 * m)
+
+
+def mean_std_rtol(values) -> tuple[float, float]:
+  """`rounding_tol`s of float64 NumPy means and sample deviations of `values`.
+
+  Against any other float64 evaluation (statistics.fmean and stdev round
+  about once). The mean: the sum over n and the division (n + 2). The
+  standard deviation (ddof=1): each deviation x - mean carries the mean's
+  error and its own rounding, absolutely at the scale |x| + |mean| (n + 3),
+  which moves the sum of squares by 2 sum |dev| (|x| + |mean|) times it,
+  relative to sum dev^2 (k); the squares, their sum and the division round
+  relative (n + 3); the square root halves the variance's error and rounds
+  once.
+
+  Returns:
+    (rtol of the mean, rtol of the standard deviation).
+  """
+  x = np.asarray(values, np.float64)
+  n = len(x)
+  dev = x - x.mean()
+  spread = np.sum(dev ** 2)
+  # Values without spread (a single one) leave no deviation to amplify.
+  k = (2 * np.sum(np.abs(dev) * (np.abs(x) + abs(x.mean()))) / spread
+       if spread > 0 else 0.0)
+  rtol_std = 0.5 * (rounding_tol(n + 3, k=k, eps=EPS64)
+                    + rounding_tol(n + 3, eps=EPS64)) + rounding_tol(
+                        1, eps=EPS64)
+  return rounding_tol(n + 2, eps=EPS64), rtol_std

@@ -15,7 +15,7 @@ from scipy import ndimage
 from scipy import stats
 
 from otclr_jax import augment
-from tests.conftest import rounding_tol
+from tests.helpers import rounding_tol
 
 LUMA = np.array([0.2989, 0.587, 0.114])
 

@@ -12,8 +12,8 @@ from otclr_jax.bench import __main__ as bench
 from otclr_jax.bench import common
 from otclr_jax.bench import ot_views
 from otclr_jax import ot
-from tests.conftest import EPS64
-from tests.conftest import rounding_tol
+from tests.helpers import EPS64
+from tests.helpers import rounding_tol
 
 TINY = ['ot', '--batch_sizes=2,3', '--repeats=1', '--image_size=8',
         '--grid_size=4', '--num_iters=3', '--min_time_s=0']

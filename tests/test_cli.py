@@ -20,7 +20,7 @@ from otclr_jax import cli
 from otclr_jax import export
 from otclr_jax import rundir
 from otclr_jax.figures import __main__ as figures_cli
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 from tests.folder_trees import save_image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

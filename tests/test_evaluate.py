@@ -25,10 +25,11 @@ from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
 from tests.folder_trees import save_image
-from tests.conftest import resnet18_chain
-from tests.conftest import rounding_tol
-from tests.conftest import shrink_digits
-from tests.conftest import tiny_config
+from tests.helpers import resnet18_chain
+from tests.helpers import rounding_tol
+from tests.helpers import shrink_digits
+from tests.helpers import tiny_config
+from tests.helpers import traces
 
 
 def _evaluate(config, workdir, step=None):
@@ -559,16 +560,17 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
   # the largest.
   rtol = rounding_tol(resnet18_chain('cifar', 8, 8))
   atol = rtol * float(np.max(np.abs(h)))
-  for split in (images, images[:5], images[7:10]):
-    np.testing.assert_allclose(
-        features.extract_features(encoder, variables, split, 8,
-                                  log_progress=False),
-        model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
-                    train=False)[0], rtol=rtol, atol=atol)
-  np.testing.assert_allclose(h[7:10], features.extract_features(
-      encoder, variables, images[7:10], 8, log_progress=False),
-                             rtol=rtol, atol=atol)
-  assert encoder._apply._cache_size() == 1
+  with traces() as traced:
+    for split in (images, images[:5], images[7:10]):
+      np.testing.assert_allclose(
+          features.extract_features(encoder, variables, split, 8,
+                                    log_progress=False),
+          model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
+                      train=False)[0], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(h[7:10], features.extract_features(
+        encoder, variables, images[7:10], 8, log_progress=False),
+                               rtol=rtol, atol=atol)
+  assert traced.count('apply') == 1, traced
 
 
 def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
@@ -586,10 +588,11 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
   monkeypatch.setattr(features.Encoder, 'embed', lambda self, v, x: (
       calls.append(x.shape), embed(self, v, x))[1])
   # 10 images in batches of 8 and 2, every set padded to the features' 8 rows.
-  views = view_quality.view_embeddings(config, model, variables, images,
-                                       num_images=10, batch_size=8)
+  with traces() as traced:
+    views = view_quality.view_embeddings(config, model, variables, images,
+                                         num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
-  assert encoder._apply._cache_size() == 1
+  assert 'apply' not in traced, traced
   h, z = (np.asarray(t, np.float64) for t in model.apply(
       variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0,
       train=False)[:2])

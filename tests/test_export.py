@@ -19,7 +19,7 @@ from otclr_jax import export
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -30,10 +30,10 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
 from otclr_jax import train
-from tests.conftest import EPS64
-from tests.conftest import rounding_tol
-from tests.conftest import shrink_digits
-from tests.conftest import tiny_config
+from tests.helpers import EPS64
+from tests.helpers import rounding_tol
+from tests.helpers import shrink_digits
+from tests.helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

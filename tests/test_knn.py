@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from otclr_jax.evaluation import knn
-from tests.conftest import EPS64
-from tests.conftest import rounding_tol
+from tests.helpers import EPS64
+from tests.helpers import rounding_tol
 
 
 

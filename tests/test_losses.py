@@ -14,9 +14,9 @@ import pytest
 from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax import ot
-from tests.conftest import measure_chain
-from tests.conftest import rounding_tol
-from tests.conftest import sinkhorn_cost_chain
+from tests.helpers import measure_chain
+from tests.helpers import rounding_tol
+from tests.helpers import sinkhorn_cost_chain
 
 # Jitted entry points: one compilation per shape is much cheaper on a shared CPU
 # than eager op-by-op dispatch. Eager calls remain where behaviour may differ.
@@ -196,11 +196,11 @@ def _regulariser_atol(x, xs1, xs2, xh1, xh2):
   """How far two float32 evaluations of `sinkhorn_regulariser` may differ.
 
   Each of its four image costs takes the measures of 8 x 8 images on the
-  4 x 4 grid and the cost's chain (conftest), relative to the magnitudes the
-  cost adds up (eps (|row log u| + |col log v| + row), bounding the
-  potentials that carry the measures' errors too); then the sum of four,
-  the mean over the batch and the factor 1/2 (3 + 3 + 1). The result is
-  half the sum of four such costs: 2 x the largest scale.
+  4 x 4 grid and the cost's chain (tests/helpers.py), relative to the
+  magnitudes the cost adds up (eps (|row log u| + |col log v| + row),
+  bounding the potentials that carry the measures' errors too); then the
+  sum of four, the mean over the batch and the factor 1/2 (3 + 3 + 1). The
+  result is half the sum of four such costs: 2 x the largest scale.
   """
   n = measure_chain(8, 8, 4) + sinkhorn_cost_chain(4, 5) + 7
   scale = 0.0

@@ -21,10 +21,10 @@ from otclr_jax import train
 from otclr_jax.evaluation import features
 from tests.folder_trees import run_python
 from tests.folder_trees import save_image
-from tests.conftest import SignalsInAFinaliser
-from tests.conftest import assert_usage_error
-from tests.conftest import shrink_digits
-from tests.conftest import tiny_config
+from tests.helpers import SignalsInAFinaliser
+from tests.helpers import assert_usage_error
+from tests.helpers import shrink_digits
+from tests.helpers import tiny_config
 
 
 def _config(data_dir, **overrides):

@@ -19,9 +19,9 @@ from otclr_jax.methods import base
 from otclr_jax.methods import byol
 from otclr_jax.methods import dino
 from otclr_jax.methods import moco
-from tests.conftest import EPS64
-from tests.conftest import resnet18_chain
-from tests.conftest import rounding_tol
+from tests.helpers import EPS64
+from tests.helpers import resnet18_chain
+from tests.helpers import rounding_tol
 
 
 def _unit(x):

@@ -9,7 +9,7 @@ import pytest
 from sklearn import metrics as sk_metrics
 
 from otclr_jax.evaluation import metrics
-from tests.conftest import rounding_tol
+from tests.helpers import rounding_tol
 
 RTOL = 1e-4
 ATOL = 1e-5

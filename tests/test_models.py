@@ -8,7 +8,7 @@ import pytest
 
 from otclr_jax import conv
 from otclr_jax import models
-from tests.conftest import rounding_tol
+from tests.helpers import rounding_tol
 
 
 def _count(tree):

@@ -9,7 +9,7 @@ import pytest
 from configs import default
 from otclr_jax import experiment
 from otclr_jax import optim
-from tests.conftest import rounding_tol
+from tests.helpers import rounding_tol
 
 
 def _solo_learn_lars(params, grads_per_step, lrs, momentum, weight_decay, eta,

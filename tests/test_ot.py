@@ -13,12 +13,12 @@ from ott.solvers.linear import sinkhorn
 
 from otclr_jax import ot
 from tests import folder_trees
-from tests.conftest import EPS64
-from tests.conftest import measure_chain
-from tests.conftest import ot_views_chain
-from tests.conftest import rounding_tol
-from tests.conftest import sinkhorn_chain
-from tests.conftest import sinkhorn_cost_chain
+from tests.helpers import EPS64
+from tests.helpers import measure_chain
+from tests.helpers import ot_views_chain
+from tests.helpers import rounding_tol
+from tests.helpers import sinkhorn_chain
+from tests.helpers import sinkhorn_cost_chain
 
 EPS = 0.05
 

@@ -15,7 +15,7 @@ import pytest
 from otclr_jax import methods
 from otclr_jax import rundir
 from tests import helpers
-from tests.conftest import SignalsInAFinaliser
+from tests.helpers import SignalsInAFinaliser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

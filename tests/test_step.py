@@ -19,12 +19,13 @@ from otclr_jax import optim
 from otclr_jax import methods
 from otclr_jax import ot
 from otclr_jax import step as step_lib
-from tests.conftest import measure_chain
-from tests.conftest import ot_views_chain
-from tests.conftest import resnet18_chain
-from tests.conftest import rounding_tol
-from tests.conftest import sinkhorn_cost_chain
-from tests.conftest import tiny_config
+from tests.helpers import measure_chain
+from tests.helpers import ot_views_chain
+from tests.helpers import resnet18_chain
+from tests.helpers import rounding_tol
+from tests.helpers import sinkhorn_cost_chain
+from tests.helpers import tiny_config
+from tests.helpers import traces
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMBINATIONS = [(m, v) for m in methods.NAMES for v in ('augment', 'ot')]
@@ -225,30 +226,31 @@ def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
   batches = [experiment.global_batch(images[16 * i:16 * (i + 1)], mesh)
              for i in range(2 * n)]
   key = jax.random.key(1)
-  progress = []
-  for i, batch in enumerate(batches):
-    if i == n:
-      saved = flax.serialization.to_bytes(state)
-    state, metrics = step(state, batch, key)
-    assert np.isfinite(float(metrics['loss'])), (i, metrics)
-    assert np.all(np.asarray(metrics['state_finite'])), i
-    progress.append(_progress_metric(method, metrics))
-  # Trains: the objective falls over 16 steps (means of 3: single tiny steps
-  # are noisy; over 8 steps MoCo on OT views looked flat). MoCo starts at
-  # step 1: at step 0 its negatives are the random initial queue, an easier
-  # task by construction.
-  start = 1 if method == 'moco' else 0
-  assert np.mean(progress[-3:]) < np.mean(progress[start:start + 3]), (
-      progress)
-  # Resumes: N steps, a serialised round trip, N more == 2N straight, bit for
-  # bit, extra state (targets, queue, centre) included.
-  resumed = jax.device_put(flax.serialization.from_bytes(template, saved),
-                           NamedSharding(mesh, P()))
-  assert int(resumed.step) == n
-  for batch in batches[n:]:
-    resumed, _ = step(resumed, batch, key)
+  with traces() as traced:
+    progress = []
+    for i, batch in enumerate(batches):
+      if i == n:
+        saved = flax.serialization.to_bytes(state)
+      state, metrics = step(state, batch, key)
+      assert np.isfinite(float(metrics['loss'])), (i, metrics)
+      assert np.all(np.asarray(metrics['state_finite'])), i
+      progress.append(_progress_metric(method, metrics))
+    # Trains: the objective falls over 16 steps (means of 3: single tiny steps
+    # are noisy; over 8 steps MoCo on OT views looked flat). MoCo starts at
+    # step 1: at step 0 its negatives are the random initial queue, an easier
+    # task by construction.
+    start = 1 if method == 'moco' else 0
+    assert np.mean(progress[-3:]) < np.mean(progress[start:start + 3]), (
+        progress)
+    # Resumes: N steps, a serialised round trip, N more == 2N straight, bit for
+    # bit, extra state (targets, queue, centre) included.
+    resumed = jax.device_put(flax.serialization.from_bytes(template, saved),
+                             NamedSharding(mesh, P()))
+    assert int(resumed.step) == n
+    for batch in batches[n:]:
+      resumed, _ = step(resumed, batch, key)
   # The extra state keeps its shapes and dtypes: one compilation, resume too.
-  assert step._cache_size() == 1
+  assert traced.count('step') == 1, traced
   straight, again = jax.device_get(state), jax.device_get(resumed)
   assert (jax.tree_util.tree_structure(straight)
           == jax.tree_util.tree_structure(again))
@@ -282,7 +284,7 @@ def test_four_devices_match_one_for_every_method(data_dir):
   script = textwrap.dedent(f"""
       import jax, numpy as np
       from otclr_jax import data, experiment, methods
-      from tests.conftest import tiny_config
+      from tests.helpers import tiny_config
       from tests.test_step import build, pinned_rtol
       assert jax.device_count() == 4
       images = data.load_split('digits', 'train', 8,

@@ -23,7 +23,7 @@ from otclr_jax import config_files
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax.evaluation import probe
-from tests.conftest import mean_std_rtol
+from tests.helpers import mean_std_rtol
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

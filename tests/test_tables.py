@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from otclr_jax import tables
-from tests.conftest import EPS64
-from tests.conftest import mean_std_rtol
-from tests.conftest import rounding_tol
+from tests.helpers import EPS64
+from tests.helpers import mean_std_rtol
+from tests.helpers import rounding_tol
 
 
 def _run(method, seed, top1, floor, batch_size=256, pretrain='cifar10'):

@@ -27,9 +27,10 @@ from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
-from tests.conftest import assert_usage_error
-from tests.conftest import rounding_tol
-from tests.conftest import tiny_config
+from tests.helpers import assert_usage_error
+from tests.helpers import rounding_tol
+from tests.helpers import tiny_config
+from tests.helpers import traces
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,10 +137,11 @@ def test_train_step_compiles_once(data_dir):
   # Built as training builds it, so the donated output matches.
   _, state, step = experiment.build(config, 10, mesh)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
-  for _ in range(3):
-    state, _ = step(state, experiment.global_batch(batch, mesh),
-                    jax.random.key(1))
-  assert step._cache_size() == 1
+  with traces() as traced:
+    for _ in range(3):
+      state, _ = step(state, experiment.global_batch(batch, mesh),
+                      jax.random.key(1))
+  assert traced.count('step') == 1, traced
 
 
 def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
@@ -157,10 +159,10 @@ def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
   # No two leaves share a buffer (a train step donates the state).
   pointers = [x.unsafe_buffer_pointer() for x in leaves]
   assert len(set(pointers)) == len(pointers)
-  compiled = experiment._compiled_init(run.model)._cache_size()
-  floor = experiment.initial_variables(config)
+  with traces() as traced:
+    floor = experiment.initial_variables(config)
   # The floor reuses the init training compiled.
-  assert experiment._compiled_init(run.model)._cache_size() == compiled
+  assert 'init' not in traced, traced
   for got, want in zip(jax.tree_util.tree_leaves(floor),
                        jax.tree_util.tree_leaves(
                            {'params': state.params['net'],
