@@ -43,3 +43,14 @@ def pytest_collection_modifyitems(config, items):
 def data_dir(tmp_path_factory):
   """One digits cache for the session (each xdist worker has its own)."""
   return str(tmp_path_factory.mktemp('data'))
+
+
+@pytest.fixture
+def four_runs(tmp_path):
+  """(sweep, workdir, run names) of a 2 methods x 2 seeds tiny sweep."""
+  from launch import sweep as sweep_lib  # pylint: disable=g-import-not-at-top
+  from tests.helpers import tiny_grid, write_sweep  # pylint: disable=g-import-not-at-top
+  path = write_sweep(tmp_path / 's.py', tiny_grid(('simclr', 'otclr'), (0, 1)))
+  sweep = sweep_lib.load_sweep(path)
+  workdir = str(tmp_path / 'out')
+  return sweep, workdir, [r.name for r in sweep.runs(workdir)]

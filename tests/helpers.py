@@ -5,15 +5,24 @@ conftest.py."""
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import math
 import os
 import re
+import signal
+import textwrap
+import threading
+import time
 
 import jax
 import numpy as np
 
+from launch import sweep as sweep_lib
+from otclr_jax import config_files
 from otclr_jax import rundir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 _TRACE_EVENT = '/jax/core/compile/jaxpr_trace_duration'
@@ -322,3 +331,153 @@ def mean_std_rtol(values) -> tuple[float, float]:
                     + rounding_tol(n + 3, eps=EPS64)) + rounding_tol(
                         1, eps=EPS64)
   return rounding_tol(n + 2, eps=EPS64), rtol_std
+
+
+# Sweeps: tiny sweep files, what runs leave behind, a fake launcher.
+
+
+TINY = {
+    'image_size': 8,
+    'total_steps': 2,
+    'log_every_steps': 1,
+    'checkpoint_every_steps': 2,
+    'model.proj_hidden_dim': 32,
+    'model.proj_dim': 16,
+    'ot.grid_size': 4,
+    'batch_size': 16,
+}
+
+
+def write_sweep(path, axes, fixed=None, base=None, config='digits'):
+  """A sweep file: `base` set in get_config, `axes` x `fixed` in get_hyper."""
+  body = [f'  config.{k} = {v!r}' for k, v in {**TINY, **(base or {})}.items()]
+  parts = [f'      hyper.sweep({"config." + k!r}, {v!r}),'
+           for k, v in axes.items()]
+  parts += [f'      hyper.fixed({"config." + k!r}, {v!r}),'
+            for k, v in (fixed or {}).items()]
+  path.write_text('\n'.join([
+      f'from configs import {config}', '', '', 'def get_config():',
+      f'  config = {config}.get_config()', *body, '  return config', '', '',
+      'def get_hyper(hyper):', '  return hyper.product([', *parts, '  ])',
+      '']))
+  return str(path)
+
+
+def tiny_grid(methods=('otclr',), seeds=(0,)):
+  return {'seed': list(seeds), 'method': list(methods)}
+
+
+def flags_of(argv):
+  return dict(a[2:].split('=', 1) for a in argv if a.startswith('--'))
+
+
+def aggregate_only(workdir):
+  return sweep_lib.main(['sweep', f'--workdir={workdir}', '--aggregate_only'])
+
+
+def sweep_file(name):
+  return os.path.join(REPO, 'launch', 'sweeps', f'{name}.py')
+
+
+# A stand-in for training: reports progress in its workdir's metrics.jsonl
+# and status.json (argv[3], if given), and on SIGTERM saves (here: writes a
+# file) and exits 0.
+STOPPABLE_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, time
+    def stop(*_):
+      open(sys.argv[1], 'w').write('stopped')
+      sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    if len(sys.argv) > 3:
+      with open(os.path.join(sys.argv[3], 'status.json'), 'w') as f:
+        json.dump({'state': 'running', 'step': 1, 'total_steps': 2}, f)
+      with open(os.path.join(sys.argv[3], 'metrics.jsonl'), 'w') as f:
+        f.write(json.dumps({'step': 1, 'loss': 2.5}) + '\\n')
+    print('a log line that is not progress', flush=True)
+    open(sys.argv[2], 'w').write('ready')
+    time.sleep(60)
+    sys.exit(3)
+""")
+
+
+def when_ready(path, action, timeout=30):
+  def wait():
+    deadline = time.time() + timeout
+    while not os.path.exists(path) and time.time() < deadline:
+      time.sleep(0.05)
+    action()
+  thread = threading.Thread(target=wait)
+  thread.start()
+  return thread
+
+
+def resolved_config(argv):
+  """The ConfigDict a `python -m otclr_jax.main` argv would run."""
+  return config_files.apply_overrides(
+      config_files.load(flags_of(argv)['config']),
+      [a for a in argv if a.startswith('--config.')])
+
+
+def write_run_files(workdir, config, *, state='finished', step=None,
+                    evaluated=True, results_step=None):
+  """What training (config.json, status.json, a checkpoint) and evaluation
+  (eval/results.json, eval/config.json) leave in a run directory."""
+  total = config.total_steps
+  step = total if step is None else step
+  os.makedirs(os.path.join(workdir, 'checkpoints', str(step)), exist_ok=True)
+  train_config = config.to_dict()
+  train_config['mode'] = 'train'
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(train_config, f)
+  with open(os.path.join(workdir, 'status.json'), 'w') as f:
+    json.dump({'state': state, 'step': step, 'total_steps': total,
+               'updated': '2026-11-21T00:00:00+00:00'}, f)
+  if evaluated:
+    fake_results(workdir, step if results_step is None else results_step)
+    with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
+      json.dump({**train_config, 'mode': 'eval'}, f)
+
+
+class FakeLauncher:
+  """Pretends to train/evaluate: writes what train.py and evaluate.py would."""
+
+  def __init__(self, fail=(), stop_during=None, stop_at_step=None,
+               exit_stopped=()):
+    self.calls = []
+    self.fail = set(fail)
+    self.stop_during = stop_during
+    self.stop_at_step = stop_at_step
+    self.exit_stopped = set(exit_stopped)  # runs whose training exits 75
+    self.stop_signal = None
+
+  def __call__(self, argv, log_path):
+    flags = flags_of(argv)
+    workdir = flags['workdir']
+    name = os.path.basename(workdir)
+    mode = flags.get('config.mode', 'train')
+    self.calls.append((name, mode))
+    assert os.path.dirname(log_path) == workdir
+    if (name, mode) in self.fail:
+      return 1
+    config = resolved_config(argv)
+    if mode == 'train':
+      if self.stop_during == name or name in self.exit_stopped:
+        if self.stop_during == name:
+          self.stop_signal = signal.SIGTERM
+        step = self.stop_at_step or 1
+        write_run_files(workdir, config, state='stopped', step=step,
+                        evaluated=False)
+        return 75 if name in self.exit_stopped else 0
+      write_run_files(workdir, config, evaluated=False)
+    else:
+      status = json.load(open(os.path.join(workdir, 'status.json')))
+      fake_results(workdir, status['step'])
+      with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
+        json.dump(config.to_dict(), f)
+    return 0
+
+
+def fake_results(workdir, step):
+  os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
+  with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
+    json.dump({'step': step}, f)

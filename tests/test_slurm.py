@@ -12,10 +12,15 @@ import sys
 
 from launch import slurm
 from launch import sweep as sweep_lib
-from tests.test_sweep import tiny_grid
-from tests.test_sweep import write_sweep
+import json
+import signal
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
+from tests.helpers import STOPPABLE_CHILD
+from tests.helpers import sweep_file
+from tests.helpers import tiny_grid
+from tests.helpers import when_ready
+from tests.helpers import write_sweep
 
 
 def _header(script):
@@ -132,3 +137,63 @@ def test_sweep_slurm_refuses_a_multinode_job_for_several_runs(tmp_path,
                          '--slurm', '--nodes=2']) == 2
   assert 'expands to 2 runs' in capsys.readouterr().err
   assert not (workdir / 'run.sbatch').exists()
+
+
+def test_slurm_script_has_one_task_per_run(tmp_path):
+  workdir = str(tmp_path / 'sweep')
+  code = sweep_lib.main(['sweep', f'--config={sweep_file("cifar10_paper")}',
+                         f'--workdir={workdir}', '--slurm', '--partition=gpu',
+                         '--time=02:00:00', '--config.data_dir=/tfds'])
+  assert code == 0
+  script = open(os.path.join(workdir, 'sweep.sbatch')).read()
+  header = [l for l in script.splitlines() if l.startswith('#SBATCH')]
+  for line in ('#SBATCH --array=0-11', '#SBATCH --requeue',
+               '#SBATCH --partition=gpu', '#SBATCH --time=02:00:00',
+               '#SBATCH --gres=gpu:1'):
+    assert line in header
+  assert any(l.startswith('#SBATCH --signal=B:TERM@') for l in header)
+  assert 'trap requeue TERM' in script
+  assert 'scontrol requeue' in script
+  (task,) = [l for l in script.splitlines()
+             if 'launch.sweep' in l and not l.startswith('#')]
+  argv = shlex.split(task.rstrip(' &'))
+  assert argv[:4] == [sys.executable, '-m', 'launch.sweep',
+                      f'--config={sweep_file("cifar10_paper")}']
+  assert f'--workdir={workdir}' in argv
+  assert '--config.data_dir=/tfds' in argv
+  assert '--only_index=$SLURM_ARRAY_TASK_ID' in argv
+  subprocess.run(['bash', '-n', os.path.join(workdir, 'sweep.sbatch')],
+                 check=True)
+
+  listed = json.load(open(os.path.join(workdir, 'runs.json')))['runs']
+  runs = sweep_lib.load_sweep(sweep_file('cifar10_paper')).runs(workdir)
+  assert [e['name'] for e in listed] == [r.name for r in runs]
+  assert [e['index'] for e in listed] == list(range(12))
+  assert '--config.data_dir=/tfds' in listed[5]['train']
+  assert listed[5]['eval'].endswith('--config.mode=eval')
+
+
+def test_slurm_task_passes_sigterm_on_and_requeues_itself(tmp_path):
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'scontrol').write_text(
+      f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.txt\n')
+  (bin_dir / 'scontrol').chmod(0o755)
+  (tmp_path / 'child.py').write_text(STOPPABLE_CHILD)
+  stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
+  script = slurm.slurm_script(['python', '-m', 'launch.sweep'], REPO,
+                             str(tmp_path), ['a', 'b'], job_name='t')
+  fake = shlex.join([sys.executable, str(tmp_path / 'child.py'), str(stopped),
+                     str(ready)])
+  script = '\n'.join(fake + ' &' if line.endswith(' &') else line
+                     for line in script.splitlines())
+  (tmp_path / 'job.sh').write_text(script)
+  env = {**os.environ, 'PATH': f'{bin_dir}:{os.environ["PATH"]}',
+         'SLURM_ARRAY_JOB_ID': '7', 'SLURM_ARRAY_TASK_ID': '1'}
+  job = subprocess.Popen(['bash', str(tmp_path / 'job.sh')], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  when_ready(str(ready), lambda: job.send_signal(signal.SIGTERM)).join()
+  out = job.communicate(timeout=30)[0].decode()
+  assert job.returncode == 0, out
+  assert stopped.read_text() == 'stopped'
+  assert (tmp_path / 'scontrol.txt').read_text().split() == ['requeue', '7_1']

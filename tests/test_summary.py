@@ -1,0 +1,165 @@
+"""A sweep's summary (launch/summary.py through `--aggregate_only`): means
+and spreads over seeds, one row per setting, every run not averaged listed."""
+
+import json
+import os
+
+import numpy as np
+
+from launch import sweep as sweep_lib
+from tests.helpers import aggregate_only
+from tests.helpers import mean_std_rtol
+from tests.helpers import write_sweep
+
+
+def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
+  top1 = {('otclr', 256): [50.0, 52.0, 57.0], ('simclr', 256): [40.0, 44.0],
+          ('otclr', 512): [61.5]}
+  for (method, batch), values in top1.items():
+    for seed, value in enumerate(values):
+      name = f'method={method},batch_size={batch},seed={seed}'
+      fake = {'step': 10, 'method': method, 'seed': seed, 'batch_size': batch,
+              'pretrain_dataset': 'cifar10',
+              'linear': {'cifar10': {'top1': value, 'top5': 90.0 + seed}},
+              'random_init': {'cifar10': {'top1': 20.0 + seed,
+                                          'top5': 50.0}}}
+      os.makedirs(tmp_path / name / 'eval')
+      (tmp_path / name / 'eval' / 'results.json').write_text(json.dumps(fake))
+      (tmp_path / name / 'status.json').write_text(json.dumps(
+          {'state': 'finished', 'step': 10, 'total_steps': 10}))
+  # Not a run: no eval/results.json.
+  os.makedirs(tmp_path / 'slurm')
+  assert aggregate_only(tmp_path) == 0
+
+  rows = json.load(open(tmp_path / 'summary.json'))['rows']
+  by_key = {(r['method'], r['batch_size']): r for r in rows}
+  assert set(by_key) == set(top1)
+  for key, values in top1.items():
+    got = by_key[key]['linear']['cifar10']['top1']
+    assert got['n'] == len(values)
+    rtol_mean, rtol_std = mean_std_rtol(values)
+    np.testing.assert_allclose(got['mean'], np.mean(values), rtol=rtol_mean)
+    if len(values) > 1:
+      np.testing.assert_allclose(got['std'], np.std(values, ddof=1),
+                                 rtol=rtol_std)
+  markdown = open(tmp_path / 'summary.md').read()
+  assert '53.00 ± 3.61' in markdown
+  assert '42.00 ± 2.83 (n=2)' in markdown
+  assert r'\pm' in open(tmp_path / 'summary.tex').read()
+  assert markdown in capsys.readouterr().out
+
+
+def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
+  assert aggregate_only(tmp_path) == 0
+  assert os.listdir(tmp_path) == []
+
+
+def _results_run(root, name, top1, status):
+  os.makedirs(root / name / 'eval')
+  (root / name / 'eval' / 'results.json').write_text(json.dumps({
+      'step': status['step'], 'method': 'otclr', 'seed': 0, 'batch_size': 16,
+      'pretrain_dataset': 'digits',
+      'linear': {'digits': {'top1': top1, 'top5': 99.0}}}))
+  (root / name / 'status.json').write_text(json.dumps(status))
+
+
+def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
+  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s1', 10.0,
+               {'state': 'diverged', 'step': 6, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
+               {'state': 'stopped', 'step': 50, 'total_steps': 100})
+  assert aggregate_only(tmp_path) == 0
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+  markdown = open(tmp_path / 'summary.md').read()
+  assert '## Not averaged' in markdown
+  assert 'digits_otclr_b16_s1`: training diverged at step 6 of 100' in markdown
+  assert 'digits_otclr_b16_s2`: training stopped at step 50 of 100' in markdown
+  assert '47.35' not in markdown and '±' not in markdown.split('## Not')[0]
+  assert 'Not averaged' in open(tmp_path / 'summary.tex').read()
+
+
+def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
+  for name, top1 in (('seed=0,method=otclr', 84.7), ('old_name_s0', 10.0)):
+    _results_run(tmp_path, name, top1,
+                 {'state': 'finished', 'step': 100, 'total_steps': 100})
+  (tmp_path / 'runs.json').write_text(json.dumps(
+      {'runs': [{'name': 'seed=0,method=otclr'}]}))
+  assert aggregate_only(tmp_path) == 0
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+  assert 'old_name_s0`: not a run of this sweep' in open(
+      tmp_path / 'summary.md').read()
+
+
+def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
+  missing = str(tmp_path / 'typo')
+  assert aggregate_only(missing) == 2
+  assert f'{missing} does not exist' in capsys.readouterr().err
+  assert not os.path.exists(missing)
+
+
+def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
+  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s1', 80.0,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  broken = tmp_path / 'digits_otclr_b16_s1' / 'eval' / 'results.json'
+  broken.write_text(broken.read_text()[:40])
+  assert aggregate_only(tmp_path) == 1
+  err = capsys.readouterr().err
+  assert str(broken) in err
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
+  assert row['linear']['digits']['top1']['n'] == 1
+  assert str(broken) in open(tmp_path / 'summary.md').read()
+
+
+def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
+  # The example of launch/sweep.py's docstring: seeds x ot.epsilon. Results
+  # written before they carried their config are identified by
+  # eval/config.json.
+  path = write_sweep(tmp_path / 's.py', {'ot.epsilon': [0.05, 0.5]})
+  sweep = sweep_lib.load_sweep(path)
+  workdir = tmp_path / 'out'
+  for run, top1 in zip(sweep.runs(str(workdir)), (94.7, 97.5)):
+    config = sweep.run_config(run)
+    _results_run(workdir, run.name, top1, {'state': 'finished', 'step': 2,
+                                          'total_steps': 2})
+    (workdir / run.name / 'eval' / 'config.json').write_text(
+        json.dumps({**config.to_dict(), 'mode': 'eval'}))
+  assert aggregate_only(workdir) == 0
+  rows = json.load(open(workdir / 'summary.json'))['rows']
+  assert [r['n'] for r in rows] == [1, 1]
+  assert [r['label'] for r in rows] == ['ot.epsilon=0.05', 'ot.epsilon=0.5']
+  markdown = open(workdir / 'summary.md').read()
+  assert '(n=2)' not in markdown and 'ot.epsilon=0.5' in markdown
+
+
+def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
+  names = ['seed=0', 'seed=1', 'seed=2', 'seed=3']
+  (tmp_path / 'runs.json').write_text(json.dumps(
+      {'runs': [{'name': n} for n in names]}))
+  _results_run(tmp_path, names[0], 84.7,
+               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  # Diverged before any evaluation; failed at start; never started.
+  os.makedirs(tmp_path / names[1])
+  (tmp_path / names[1] / 'status.json').write_text(json.dumps(
+      {'state': 'diverged', 'step': 6, 'total_steps': 100}))
+  os.makedirs(tmp_path / names[2])
+  (tmp_path / names[2] / 'status.json').write_text(json.dumps(
+      {'state': 'failed', 'step': 0, 'total_steps': 100}))
+  assert aggregate_only(tmp_path) == 0
+  summary = json.load(open(tmp_path / 'summary.json'))
+  assert [r['n'] for r in summary['rows']] == [1]
+  why = {e['run']: e['why'] for e in summary['not_averaged']}
+  assert set(why) == set(names[1:])
+  assert 'diverged at step 6 of 100' in why[names[1]]
+  assert 'failed at step 0 of 100' in why[names[2]]
+  assert 'not started' in why[names[3]]
+  for ext in ('md', 'tex'):
+    text = open(tmp_path / f'summary.{ext}').read()
+    assert all(n in text for n in names[1:]), ext
