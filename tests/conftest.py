@@ -54,3 +54,18 @@ def four_runs(tmp_path):
   sweep = sweep_lib.load_sweep(path)
   workdir = str(tmp_path / 'out')
   return sweep, workdir, [r.name for r in sweep.runs(workdir)]
+
+
+@pytest.fixture(scope='session')
+def finished_run(tmp_path_factory, data_dir):
+  """(config, workdir, final state) of `tiny_config` trained to its end.
+
+  One run in one go (4 steps, checkpoints 2 and 4, the encoder exported)
+  for every test module that reads a finished run; a test that changes the
+  run works on a copy.
+  """
+  from otclr_jax import train  # pylint: disable=g-import-not-at-top
+  from tests.helpers import tiny_config  # pylint: disable=g-import-not-at-top
+  config = tiny_config(data_dir)
+  workdir = str(tmp_path_factory.mktemp('finished') / 'run')
+  return config, workdir, train.train(config, workdir).state

@@ -1,6 +1,7 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,16 +83,6 @@ def test_bad_inputs(tmp_path, trained):
 # Wiring: training exports its encoder; any checkpoint exports on demand.
 
 
-@pytest.fixture(scope='module')
-def finished_run(tmp_path_factory, data_dir):
-  """A tiny digits run trained to its end (4 steps, checkpoints 2 and 4)."""
-  root = tmp_path_factory.mktemp('export_run')
-  config = tiny_config(data_dir, method='simclr')
-  workdir = str(root / 'run')
-  train.train(config, workdir)
-  return config, workdir
-
-
 def _evaluate_features(config, workdir, step, images):
   model, restored, _ = evaluate.restore(config, workdir, step)
   variables = {'params': restored['params'],
@@ -113,7 +104,7 @@ def _as_float(images):
 
 
 def test_finished_run_exports_its_encoder(finished_run):
-  config, workdir = finished_run
+  config, workdir, _ = finished_run
   path = export.encoder_path(workdir)
   assert path == os.path.join(workdir, 'encoder', 'encoder.msgpack')
   images = _test_images(config)
@@ -122,7 +113,7 @@ def test_finished_run_exports_its_encoder(finished_run):
   np.testing.assert_allclose(got, _evaluate_features(config, workdir, 4,
                                                      images), rtol=0, atol=0)
   meta = export.load_encoder_config(path)
-  assert (meta['step'], meta['method'], meta['image_size']) == (4, 'simclr', 8)
+  assert (meta['step'], meta['method'], meta['image_size']) == (4, 'otclr', 8)
 
 
 def test_stopped_run_exports_nothing(tmp_path, data_dir):
@@ -133,7 +124,9 @@ def test_stopped_run_exports_nothing(tmp_path, data_dir):
 
 
 def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
-  config, workdir = finished_run
+  config, finished, _ = finished_run
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(finished, workdir)  # the export writes into the run
   assert export.main(['export', f'--workdir={workdir}', '--step=2']) == 0
   path = export.encoder_path(workdir, 2)
   assert path in capsys.readouterr().out
@@ -159,7 +152,7 @@ def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
 
 def test_tilde_in_paths_is_the_home_directory(finished_run, tmp_path,
                                               monkeypatch, capsys):
-  _, workdir = finished_run
+  _, workdir, _ = finished_run
   monkeypatch.setenv('HOME', str(tmp_path))
   monkeypatch.chdir(tmp_path)
   os.symlink(workdir, tmp_path / 'run')
@@ -170,7 +163,7 @@ def test_tilde_in_paths_is_the_home_directory(finished_run, tmp_path,
 
 def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
                                                     capsys):
-  _, workdir = finished_run
+  _, workdir, _ = finished_run
   locked = tmp_path / 'ro'
   locked.mkdir()
   locked.chmod(0o555)

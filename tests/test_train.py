@@ -39,18 +39,8 @@ def _params(state):
   return jax.tree_util.tree_leaves(jax.device_get(state.params))
 
 
-@pytest.fixture(scope='module')
-def straight_run(tmp_path_factory, data_dir):
-  """(workdir, final state) of `tiny_config` trained to the end in one go.
-
-  Tests read it or copy the workdir; it is what each resumed run must equal.
-  """
-  workdir = str(tmp_path_factory.mktemp('straight') / 'run')
-  return workdir, train.train(tiny_config(data_dir), workdir).state
-
-
-def test_end_to_end_writes_logs_and_checkpoints(straight_run):
-  workdir, state = straight_run
+def test_end_to_end_writes_logs_and_checkpoints(finished_run):
+  _, workdir, state = finished_run
   assert int(state.step) == 4
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records] == [2, 4]
@@ -61,9 +51,9 @@ def test_end_to_end_writes_logs_and_checkpoints(straight_run):
   assert os.listdir(os.path.join(workdir, 'tensorboard'))
 
 
-def test_resume_matches_uninterrupted_run(straight_run, tmp_path, data_dir):
+def test_resume_matches_uninterrupted_run(finished_run, tmp_path, data_dir):
   config = tiny_config(data_dir)
-  _, straight = straight_run
+  _, _, straight = finished_run
   first = train.train(config, str(tmp_path / 'b'), stop_after_steps=2).state
   assert int(first.step) == 2
   resumed = train.train(config, str(tmp_path / 'b')).state
@@ -233,7 +223,7 @@ def test_bad_config_is_rejected(data_dir, bad, match):
 
 
 def test_knn_monitor_is_logged_and_leaves_training_unchanged(
-    straight_run, tmp_path, data_dir, caplog):
+    finished_run, tmp_path, data_dir, caplog):
   monitored = tiny_config(data_dir, **{
       'monitor.every_steps': 2, 'monitor.num_train': 40,
       'monitor.num_test': 20})
@@ -241,7 +231,7 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
   with_monitor = train.train(monitored, str(tmp_path / 'a'),
                              make_monitor=main.make_monitor).state
   lines = [r.getMessage() for r in caplog.records]
-  plain_workdir, without = straight_run  # no make_monitor: no monitor
+  _, plain_workdir, without = finished_run  # no make_monitor: no monitor
   for a, b in zip(_params(with_monitor), _params(without)):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(
@@ -377,10 +367,10 @@ def test_resume_with_other_settings_is_refused(tmp_path, data_dir):
   assert rundir.read_config(workdir)['total_steps'] == 6
 
 
-def test_truncated_checkpoint_and_torn_metrics_line(straight_run, tmp_path,
+def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
                                                     data_dir, caplog):
   config = tiny_config(data_dir)
-  straight_workdir, straight = straight_run
+  _, straight_workdir, straight = finished_run
   workdir = tmp_path / 'b'
   shutil.copytree(straight_workdir, workdir)
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
