@@ -171,6 +171,10 @@ FEATURE_SETS = {
     # name: (train, test, number of classes)
     'digits_relu': _digits_features() + (10,),
     'digits_rank_deficient': _digits_features(96, duplicate=True) + (10,),
+    # Fewer examples than dimensions: the solve drops the empty directions.
+    'fewer_examples_than_dimensions': (
+        _blobs(4, 15, 96, seed=4, spread=2.0),
+        _blobs(4, 25, 96, seed=4, spread=2.0, noise_seed=9), 4),
     'nearly_separable_blobs': (_blobs(4, 60, 64, seed=2, spread=3.0),
                                _blobs(4, 40, 64, seed=2, spread=3.0,
                                       noise_seed=5), 4),

@@ -284,6 +284,38 @@ def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
   return Fit(w, b, l2, steps, grad_norm, grad_norm <= GRAD_TOL)
 
 
+# Columns of the rotated features at most this fraction of their largest
+# entry are empty directions: float64 leaves ~1e-17 in the null space of
+# rank-deficient features, real directions are many orders above.
+EMPTY_DIRECTION = 1e-12
+
+
+def _solve_in_span(z, y, l2, num_classes, w, b, max_steps) -> Fit:
+  """`_solve` restricted to the directions in which the features vary.
+
+  In a direction where every example's rotated feature is zero (all but
+  N - 1 of them when there are fewer examples than dimensions) the loss is
+  l2 / 2 ||W||^2 alone, so its optimum there is W = 0 and the Newton solve
+  runs in the others, D' x C instead of D x C. The reported gradient norm is
+  the whole problem's, empty directions included.
+  """
+  size = np.abs(z).max(axis=0)
+  live = size > EMPTY_DIRECTION * size.max(initial=0.0)
+  if live.all():
+    return _solve(z, y, l2, num_classes, w, b, max_steps)
+  fit = _solve(np.ascontiguousarray(z[:, live]), y, l2, num_classes, w[live],
+               b, max_steps)
+  logits = z[:, live] @ fit.w + fit.b
+  p = special.softmax(logits, axis=1)
+  p[np.arange(len(y)), y] -= 1.0
+  empty = z[:, ~live].T @ p / len(y)  # the gradient there, at W = 0
+  grad_norm = math.hypot(fit.grad_norm, float(np.linalg.norm(empty)))
+  w = np.zeros_like(w)
+  w[live] = fit.w
+  return fit._replace(w=w, grad_norm=grad_norm,
+                      converged=grad_norm <= GRAD_TOL)
+
+
 def _scores(w, b, x, y):
   """Top-1 hits, top-5 hits and cross-entropy [N] of float64 logits."""
   logits = x @ w + b
@@ -318,8 +350,8 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
   fits, records = {}, {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
-    fit = _solve(fit_x, y[~held], float(l2_grid[index]), num_classes, w, b,
-                 max_steps)
+    fit = _solve_in_span(fit_x, y[~held], float(l2_grid[index]), num_classes,
+                         w, b, max_steps)
     if np.isfinite(fit.grad_norm):
       top1, _, ce = _scores(fit.w, fit.b, held_x, y[held])
       val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
@@ -486,8 +518,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   # standardisation and eigenbasis, so that it computes the same logits.
   w = (std / fit_std)[:, None] * chosen.w
   b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
-  refit = _solve(x @ basis, train_y, chosen.l2, num_classes, basis.T @ w, b,
-                 max_steps)
+  refit = _solve_in_span(x @ basis, train_y, chosen.l2, num_classes,
+                         basis.T @ w, b, max_steps)
   if not refit.converged:
     logging.warning('probe refit at lambda=%g did not converge (gradient '
                     'norm %.1e after %d Newton steps).', chosen.l2,
