@@ -2,10 +2,8 @@
 
 import sys as _sys
 
-# `python -m otclr_jax.<tool>` imports this package first, while argv[0] is
-# still '-m': a stop during the tool's imports and start-up then exits with
-# 75, like a stop later on (otclr_jax/cli.py). A library import installs
-# nothing.
+# `python -m otclr_jax.<tool>` imports this first (argv[0] still '-m'): a stop
+# during start-up exits with 75 (otclr_jax/cli.py); a library import doesn't.
 if _sys.argv[:1] == ['-m']:
   from otclr_jax import cli as _cli
   _cli.install_early_stop()

@@ -28,19 +28,13 @@ def quiet_logs() -> None:
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
-# The checkpoint's items: the state pytree (its directory is `<step>/default`,
-# which `restore_part` reads) and the run's config.
+# A checkpoint's items; `restore_part` reads `<step>/default` directly.
 _STATE = 'default'
 _CONFIG = 'config'
 
 
 def _this_process_only() -> ocp.options.MultiprocessingOptions:
-  """Orbax options for a reader that runs on this process alone.
-
-  Orbax synchronises every process of a multi-process run at its barriers;
-  a reader that only inspects (listing steps, a resume check, evaluation on
-  process 0) would wait there for processes that never come.
-  """
+  """Orbax options for a reader on this process alone: it skips the barriers."""
   index = jax.process_index()
   return ocp.options.MultiprocessingOptions(primary_host=index,
                                             active_processes={index})
@@ -71,13 +65,9 @@ def has_checkpoint(workdir: str) -> bool:
 class Checkpointer:
   """Keeps the last `keep` checkpoints of a state pytree under `workdir/checkpoints`.
 
-  Saves are asynchronous (training continues while the arrays are written);
-  `wait()` blocks until the last one is on disk, so call it before exiting.
-  In a multi-process run every process opens the writer and calls `save`
-  with the same global state (Orbax writes each process's shards and
-  process 0 commits); a `read_only` one is this process's alone.
-  An interrupted save leaves only a temporary directory that Orbax ignores and
-  cleans up, so the latest complete checkpoint is always the one restored.
+  Saves are asynchronous: `wait()` before exiting. All processes save the
+  same global state; a `read_only` one is this process's alone. An
+  interrupted save leaves a temporary directory that Orbax ignores.
   """
 
   def __init__(self, workdir: str, keep: int = 3, read_only: bool = False):
@@ -86,9 +76,7 @@ class Checkpointer:
     Args:
       workdir: the run's directory.
       keep: how many of the newest checkpoints to keep.
-      read_only: for readers such as evaluation: creates nothing and leaves
-        temporary directories alone, so a run still training there keeps its
-        in-flight save.
+      read_only: create and clean up nothing (a run training there saves on).
     """
     if keep < 1:
       raise ValueError(f'keep_checkpoints must be >= 1, got {keep}.')
@@ -117,9 +105,7 @@ class Checkpointer:
     Args:
       step: the checkpoint's step.
       state: the pytree to save.
-      config: the run's config as a JSON-able dict (`ConfigDict.to_dict()`),
-        stored in the same checkpoint so that the run's settings survive the
-        loss of `config.json` (`stored_config`).
+      config: the run's config as a JSON-able dict, for `stored_config`.
     """
     if self._read_only:
       raise RuntimeError(f'{self.directory} was opened read-only.')
@@ -134,8 +120,7 @@ class Checkpointer:
     """Restores checkpoint `step` (default: latest) into the structure of `target`.
 
     Args:
-      target: a pytree with the same structure, shapes, dtypes and shardings as
-        the saved state, e.g. a freshly initialised state.
+      target: a pytree like the saved state (e.g. a freshly initialised one).
       step: which checkpoint; None for the latest.
 
     Returns:
@@ -149,10 +134,7 @@ class Checkpointer:
         **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
 
   def stored_config(self) -> tuple[dict[str, Any], int] | None:
-    """The config stored with the newest checkpoint that has one, and its step.
-
-    None when no checkpoint holds a config (or there is none).
-    """
+    """`(config, step)` of the newest checkpoint holding a config, or None."""
     for step in sorted(self.all_steps(), reverse=True):
       try:
         config = self._manager.restore(step, args=ocp.args.Composite(
@@ -168,23 +150,18 @@ class Checkpointer:
       check: Callable[[Any], str | None] | None = None) -> tuple[Any, int | None]:
     """Restores the newest checkpoint that loads and passes `check`.
 
-    A checkpoint that fails to restore (a truncated or missing file) or that
-    `check` rejects is skipped with one warning line saying why. When an older
-    one then restores, the skipped newer ones are moved to
-    `workdir/checkpoints_skipped/<step>`: kept for inspection, and out of the
-    way of the run's next saves at those steps.
+    Others are skipped with a warning; once an older one restores, the
+    skipped newer ones move to `workdir/checkpoints_skipped/<step>`.
 
     Args:
       target: as for `restore`.
-      check: called with a restored state; returns None to accept it or a
-        reason to skip it (e.g. 'non-finite params').
+      check: returns None to accept a restored state, or why to skip it.
 
     Returns:
       `(state, step)`, or `(target, None)` when there is no checkpoint.
 
     Raises:
-      RuntimeError: no checkpoint restores; the message lists each step and
-        why, and nothing is moved.
+      RuntimeError: no checkpoint restores (each step and why is listed).
     """
     skipped = []
     for step in sorted(self.all_steps(), reverse=True):
@@ -233,11 +210,8 @@ class Checkpointer:
 def restore_part(workdir: str, step: int, item: Any) -> Any:
   """Reads only the entries of `item` from checkpoint `step` in `workdir`.
 
-  Orbax partial restoration: `item` is a nested dict naming a subset of the
-  saved state's fields (e.g. ``{'params': ..., 'batch_stats': ...}``) with
-  arrays or ShapeDtypeStructs of the saved shapes; everything else the
-  checkpoint holds (optimiser state, a method's extra state) is not read, so
-  its structure may differ from today's code.
+  `item`: a nested dict of some saved fields holding arrays or
+  ShapeDtypeStructs of the saved shapes; nothing else is read.
 
   Returns:
     `item`'s structure with the saved values, on the default device.
@@ -261,12 +235,7 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
 
 
 def describe_error(error: BaseException) -> str:
-  """The innermost cause as `'Type: first line'`, at most 300 characters.
-
-  TensorStore wraps the useful message ('Requested byte range ... is not valid
-  for value of size 10' on a truncated file) in a generic Exception that
-  prints its whole spec; the cause says what is wrong.
-  """
+  """The innermost cause (TensorStore wraps it) as 'Type: first line'[:300]."""
   while error.__cause__ is not None:
     error = error.__cause__
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]

@@ -1,28 +1,10 @@
 """How every command-line tool ends: one exception -> status table, one line.
 
-`python -m otclr_jax.main`, `launch.sweep`, `launch.slurm`,
-`otclr_jax.export`, `otclr_jax.figures` and `otclr_jax.bench` end through
-`run(main)` (or `guarded(main)` under absl's `app.run`). An exception that
-escapes a tool's own handling is mapped by `status_of` to the statuses of
-docs/operations.md and printed as one line naming the file or field; only an
-exception the table does not know (a bug in the project) keeps its traceback
-and ends with 1.
-
-| status | raised as |
-|---|---|
-| 2  | `UsageError` (a bad flag, config field, stored file or data set), a path
-       the user named that is missing, a file, or a directory where the other
-       is needed |
-| 65 | `DivergedRunError` (non-finite loss, state or features) |
-| 73 | `rundir.WorkdirLockedError`; a path that cannot be written (EACCES,
-       EPERM, EROFS) |
-| 75 | `rundir.StopRequested` (SIGTERM, SIGINT), also during start-up |
-| 1  | a full disk (the line names the path); anything else |
-
-`install_early_stop` runs before the heavy imports (otclr_jax/__init__.py
-calls it for `python -m`), so that a preemption while JAX loads or data is
-prepared still ends with 75 and the job is requeued, instead of 143.
-This module imports nothing heavy.
+Tools end through `run(main)` (or `guarded(main)` under `app.run`):
+`status_of` maps an escaped exception to a status (docs/operations.md): 2
+`UsageError` or a bad path, 65 `DivergedRunError`, 73 `WorkdirLockedError`
+or an unwritable path, 75 `StopRequested` (also during start-up), 1 a full
+disk or an unknown exception (a bug: traceback). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -43,12 +25,7 @@ EXIT_STOPPED = 75
 
 
 class UsageError(ValueError):
-  """A mistake the user can fix: a flag, config field, stored file or dataset.
-
-  The project's own usage errors (`experiment.ConfigError`,
-  `config_files.UsageError`, `data.DataError`, `rundir.CorruptFileError`)
-  derive from it, so that every tool gives them status 2.
-  """
+  """A mistake the user can fix (a flag, field, file or dataset): status 2."""
 
 
 class DivergedRunError(ValueError):
@@ -69,8 +46,7 @@ def one_line(error: BaseException) -> str:
 
 def status_of(error: BaseException) -> tuple[int, str] | None:
   """(exit status, one line) for an expected failure; None for a bug."""
-  # Imported here: rundir imports absl, which this module must not need
-  # before the early stop handler is in place.
+  # Late: rundir imports absl, not needed before the early stop handler.
   from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
   if isinstance(error, rundir.StopRequested):
     return EXIT_STOPPED, (f'Stopped by {error.name}; nothing is half-written. '
@@ -110,8 +86,7 @@ def report(error: BaseException,
 
   Args:
     error: what ended the tool.
-    usage_errors: further exception types that are usage errors for this
-      tool (one whose every ValueError describes its input files says so).
+    usage_errors: further exception types that are usage errors here.
   """
   mapped = status_of(error)
   if mapped is None and isinstance(error, usage_errors):
@@ -171,8 +146,7 @@ def _exit(status: int) -> None:
   sys.stderr.flush()
   if status == 0:
     sys.exit(0)
-  # Without the interpreter's shutdown: a computation dispatched before the
-  # failure may still run, and tearing the runtime down under it crashes.
+  # Skip shutdown: tearing the runtime down under a running computation crashes.
   try:
     from absl import logging  # pylint: disable=g-import-not-at-top
     logging.flush()
@@ -191,12 +165,7 @@ def _stop_during_start_up(signum, _):
 
 
 def install_early_stop() -> None:
-  """SIGTERM/SIGINT end the process with 75 until a tool installs its own.
-
-  Every file the project writes is written atomically, so ending at once is
-  safe; the tools' own handlers (`rundir.stop_on_signals`, training's)
-  replace this one and restore it when they return.
-  """
+  """SIGTERM/SIGINT exit 75 until a tool sets its own (writes are atomic)."""
   for signum in (signal.SIGTERM, signal.SIGINT):
     if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler,
                                     None):

@@ -1,12 +1,8 @@
 """Configs outside a command line: stored config.json files and overrides.
 
-Every tool reads its config through `config_flags` on a locked config
-(`--config=configs/X.py --config.ot.epsilon=0.1`). This module serves what has
-no command line of its own: loading a run's stored `config.json` (export,
-figures), resolving a sweep's runs exactly as `main` will resolve their
-command lines (`apply_overrides`, the same parser: an unknown field fails with
-a suggestion, `ot.epsilonn` -> "Did you mean "epsilon""; a value of the wrong
-type fails; booleans take `true`/`false`).
+`load` reads a run's `config.json` or a `configs/X.py`; `apply_overrides`
+parses `--config.a.b=v` with `main`'s parser, so a sweep's runs resolve (and
+fail) exactly as their command lines will.
 """
 
 from __future__ import annotations
@@ -64,11 +60,7 @@ def override_flag(override: str | tuple[str, Any]) -> str:
   """One override as the flag `main` takes: `--config.<key>=<value>`.
 
   Args:
-    override: `'--config.ot.epsilon=0.1'` or a `(key, python_value)` pair
-      such as `('ot.epsilon', 0.1)`.
-
-  Returns:
-    `'--config.ot.epsilon=0.1'`.
+    override: `'--config.ot.epsilon=0.1'` or a pair `('ot.epsilon', 0.1)`.
 
   Raises:
     ValueError: not of the form key=value.
@@ -93,21 +85,19 @@ def apply_overrides(
 
   Args:
     config: the base config (left unchanged).
-    overrides: strings `--config.a.b=v` (values parsed by the field's type,
-      as on `main`'s command line), or `(key, value)` pairs.
+    overrides: `--config.a.b=v` strings or `(key, value)` pairs.
 
   Returns:
     A new, locked ConfigDict.
 
   Raises:
-    ValueError: an unknown field (the message suggests close names), a value
-      that does not parse as the field's type, or a malformed override.
+    ValueError: an unknown field (close names suggested), a value of the
+      wrong type, or a malformed override.
   """
   argv = ['otclr_jax'] + [override_flag(o) for o in overrides]
   flag_values = flags.FlagValues()
   try:
-    # sys_argv: config_flags reads the override names from the argv it is
-    # given here rather than from the real command line.
+    # sys_argv: override names come from `argv`, not the real command line.
     config_flags.DEFINE_config_dict(
         FLAG, config.copy_and_resolve_references(), flag_values=flag_values,
         lock_config=True, sys_argv=argv)
@@ -131,11 +121,8 @@ def parse_flags(
 ) -> tuple[flags.FlagValues, list[str]] | None:
   """Parses a tool's command line, absl style, on the tool's own FlagValues.
 
-  `define(flag_values, argv)` defines the tool's flags on a fresh
-  `FlagValues`, its config as `config_flags.DEFINE_config_file('config', ...,
-  flag_values=flag_values, lock_config=True, sys_argv=argv)`, so that
-  `--config.a.b=v` overrides parse as on `main`'s command line. A FlagValues
-  of its own lets several tools and `main` share one process (the tests).
+  `define(flag_values, argv)` defines the flags (the config with
+  `sys_argv=argv`); own FlagValues let tools share one process (the tests).
 
   Args:
     argv: the command line, program name first (as `sys.argv`).
@@ -147,8 +134,7 @@ def parse_flags(
     when `--help` was asked for (the help is printed).
 
   Raises:
-    UsageError: one line naming the bad flag, field or value, or why the
-      config file failed to load.
+    UsageError: one line naming the bad flag, field, value or config file.
   """
   argv = list(argv)
   flag_values = flags.FlagValues()
@@ -162,8 +148,7 @@ def parse_flags(
     if config is not None:
       config.keys()  # A config file that failed to load says so when read.
   except Exception as e:  # pylint: disable=broad-except
-    # Also a config file that fails to load (a SyntaxError, get_config
-    # raising): the user's input, refused in one line.
+    # Also a config file that fails to load: the user's input, one line.
     detail = str(e.args[0]) if e.args else str(e)
     if not isinstance(e, (flags.Error, AttributeError, KeyError, OSError)):
       detail = f'{type(e).__name__}: {e}'

@@ -1,13 +1,4 @@
-"""What a config builds, for everybody: method, model, optimiser, schedule, state.
-
-Training, evaluation, figures and the benchmark depend on this module instead
-of on each other (imports go one way: data -> views -> model -> methods ->
-step -> checkpoint -> evaluation -> figures/tables; `main.py` orchestrates).
-It validates configs (`validate_config`), resolves the objective and view
-generator (`setup`), builds the optimiser and learning-rate schedule, the
-initial `step.TrainState`, the device mesh, and restores the network
-variables a checkpoint holds for evaluation (`restore_variables`).
-"""
+"""What a config builds (method, model, optimiser, state), for every tool."""
 
 from __future__ import annotations
 
@@ -38,22 +29,13 @@ from otclr_jax import step as step_lib
 from otclr_jax import views as views_lib
 from otclr_jax.methods import base
 
-# The smallest safe `ot.epsilon`. Kernel-mode Sinkhorn (otclr_jax/ot.py) builds
-# K = exp(-C / epsilon) with the cost C normalised to [0, 1], in float32. Its
-# smallest entry exp(-1 / epsilon) stays a normal float32 (>= 2**-126 =
-# 1.18e-38 = exp(-87.34)) only for epsilon >= 1 / (126 ln 2) = 0.01145; below
-# that entries flush to 0, the scalings a / (K v) overflow and the views and
-# the loss turn NaN at the first step.
+# Smallest safe `ot.epsilon`: below, float32 exp(-C / eps) underflows (NaN).
 MIN_EPSILON = 1.0 / (126 * math.log(2))
 
 
 
 class ConfigError(cli.UsageError):
   """A config field is invalid, or conflicts with the run stored in the workdir."""
-
-
-# ----------------------------------------------------------------------------
-# Validation.
 
 
 def _require(ok: bool, field: str, rule: str, value: Any) -> None:
@@ -74,7 +56,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks every field before anything is created (workdir, data caches).
 
   Raises:
-    ConfigError: (a ValueError) naming the field, its value and the rule.
+    ConfigError: naming the field, its value and the rule.
   """
   c = config
   _require(c.mode in ('train', 'eval'), 'mode', "must be 'train' or 'eval'",
@@ -198,15 +180,8 @@ def _validate_optim(opt: ml_collections.ConfigDict, path: str) -> None:
 
 
 def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the kNN monitor runs (`config.monitor`).
-
-  The monitor is otclr_jax/evaluation/monitor.py.
-  """
+  """Whether the kNN monitor (otclr_jax/evaluation/monitor.py) runs."""
   return config.monitor.every_steps > 0
-
-
-# ----------------------------------------------------------------------------
-# What a run is made of.
 
 
 def method_of(config: ml_collections.ConfigDict) -> base.Method:
@@ -249,16 +224,8 @@ def _cpu_flags_digest() -> str:
 def use_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   """Points XLA's persistent compilation cache at `config.compilation_cache_dir`.
 
-  A run then reads from disk the programs an earlier run of the same shapes
-  compiled (network init, train step, encoder, views, probe): on 2 CPU cores
-  the digits default takes 2 min 27 s instead of 2 min 53 s the second time,
-  with the same results. JAX's cache key holds the program, the compile
-  options, jax and the backend, but not the CPU's instruction set, so CPU
-  programs go into a directory per set of CPU flags: a home directory that
-  machines with other CPUs share never hands one of them code it cannot run.
-
-  Nothing changes when the field is '' or $JAX_COMPILATION_CACHE_DIR is set
-  (JAX has then read it). Call before the first compilation.
+  On CPU, one subdirectory per instruction set (not in JAX's cache key). A
+  no-op if the field is '' or $JAX_COMPILATION_CACHE_DIR is set.
 
   Returns:
     The directory in use, or None when this left JAX's setting alone.
@@ -298,7 +265,7 @@ class Setup:
     method: the objective (`methods.get`).
     views: the view generator, 'augment' or 'ot'.
     title: the run's row name ('MoCo + OT views', 'OTCLR', ...).
-    model: the trained network, `method.create_model(config)`.
+    model: the trained network.
     schedule: the learning-rate schedule.
     tx: the optimiser.
     steps_per_epoch: updates per epoch.
@@ -319,8 +286,7 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
 
   Args:
     config: a validated config.
-    steps_per_epoch: updates per epoch of the pretraining set
-      (`data.steps_per_epoch`).
+    steps_per_epoch: updates per epoch (`data.steps_per_epoch`).
   """
   method_name, views = views_lib.resolve(config)
   method = methods.get(method_name)
@@ -351,13 +317,7 @@ def train_key(config: ml_collections.ConfigDict) -> jax.Array:
 
 def initial_state(config: ml_collections.ConfigDict, run: Setup,
                   mesh: Mesh | None = None) -> step_lib.TrainState:
-  """The state at step 0, jitted (replicated over `mesh` when given).
-
-  The network's variables are `initial_variables` (one compiled init per
-  network and process, which evaluation's random-init floor reuses, the
-  same values to the bit); the method's targets and extra state and the
-  optimiser's state are jitted on top of them.
-  """
+  """The state at step 0 from `initial_variables`, replicated over `mesh`."""
   init = functools.partial(step_lib.init_state, config, run.method, run.model,
                            run.tx)
   variables = initial_variables(config)
@@ -369,11 +329,7 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
 
 def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
           mesh: Mesh) -> tuple[Setup, step_lib.TrainState, Callable[..., Any]]:
-  """A run's `setup`, its state at step 0 on `mesh`, and its jitted step.
-
-  The step is `step_fn(state, batch, key) -> (state, metrics)` with the
-  batch sharded over `mesh` (`global_batch`) and the state donated.
-  """
+  """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
   run = setup(config, steps_per_epoch)
   state = initial_state(config, run, mesh)
   step_fn = step_lib.jit_train_step(
@@ -383,26 +339,15 @@ def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def pretraining_params(state: step_lib.TrainState) -> int:
-  """Parameters the pretraining state holds: the network's and its targets'.
-
-  A MoCo run counts the query and key encoders with their heads (the paper's
-  23.01M); queues, centres and BatchNorm statistics are buffers, not
-  parameters.
-  """
+  """Parameters of the network and its targets (not queues or statistics)."""
   extra = state.extra if isinstance(state.extra, dict) else {}
   targets = {k: v for k, v in extra.items() if k.endswith('params')}
   return count_params(state.params['net']) + count_params(targets)
 
 
-# ----------------------------------------------------------------------------
-# Evaluation's view of a checkpoint.
-
-
 @functools.lru_cache(maxsize=8)
 def _compiled_init(model) -> Callable[..., Any]:
-  # Keyed by the network (flax modules compare by their fields): compiling
-  # the init is most of its cost (~10 s on a 2-core CPU, the random draws of
-  # 11M parameters), so training and evaluation in one process share it.
+  # Compiling dominates the init's cost: training and evaluation share it.
   return jax.jit(functools.partial(model.init, train=False))
 
 
@@ -419,16 +364,12 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
                       step: int) -> dict[str, Any]:
   """The network's `{'params', 'batch_stats'}` of checkpoint `step` in `workdir`.
 
-  Only these two parts are read (Orbax partial restoration): a change of the
-  optimiser or of a method's extra state never breaks evaluating a run. A
-  learnt interpolation logit, if any, is returned under `'alpha_logit'`.
+  Nothing else is read; a learnt logit comes back under `'alpha_logit'`.
 
   Raises:
     FileNotFoundError: no checkpoint `step` in `workdir`.
   """
-  # Shapes are all the restore needs: tracing the init abstractly skips
-  # compiling the network's forward pass. The sharding restores onto the
-  # default device, where a computed template would have been.
+  # Abstract shapes: no compilation of the network for the template.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   template = jax.tree_util.tree_map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
@@ -446,10 +387,7 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
 
 
 def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
-  """The config `workdir`'s run was trained with, and where it was read.
-
-  `workdir/config.json`, or when that is missing the copy stored with the
-  newest checkpoint that has one; None when neither exists.
+  """`(config, source)` of `workdir`'s run: config.json, else a checkpoint's.
 
   Raises:
     rundir.CorruptFileError: config.json is not a JSON object.
@@ -466,15 +404,10 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
                      overridden: Iterable[str] = ()) -> None:
-  """Gives `config` the result-changing settings `workdir`'s run was trained with.
-
-  For everything that reads a trained run (evaluation, figures, export): the
-  method, model, data and OT settings are the run's own, whatever the config
-  file says (`rundir.adopt_stored`); a no-op when `workdir` holds no run.
+  """Gives `config` the result-changing settings of `workdir`'s run, if any.
 
   Raises:
-    ConfigError: a command-line override (`overridden`, dotted names)
-      contradicts the stored run; the message names the flag.
+    ConfigError: an override in `overridden` (dotted names) contradicts it.
   """
   found = run_config(workdir)
   if found is None:

@@ -10,18 +10,14 @@ from typing import BinaryIO, Callable
 def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
   """Writes `path` so that a crash never leaves a truncated file behind.
 
-  `write` fills a temporary file in the same directory (so the final rename is
-  atomic), which is flushed to disk and then renamed over `path`. The file is
-  opened with 'x' rather than mkstemp so that its mode follows the umask.
-
   Args:
     path: the destination; its directory is created if needed.
-    write: called with the open binary file, e.g.
-      `lambda f: np.savez(f, x=x)` or `lambda f: f.write(text.encode())`.
+    write: fills the open binary file, e.g. `lambda f: np.savez(f, x=x)`.
   """
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp_path = f'{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp'
   try:
+    # Same directory: the rename is atomic; 'x', not mkstemp: umask applies.
     with open(tmp_path, 'xb') as f:
       write(f)
       f.flush()

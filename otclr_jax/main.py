@@ -1,28 +1,16 @@
 """Entry point: `python -m otclr_jax.main --config=configs/X.py --workdir=DIR`.
 
-The only orchestrator: `--config.mode=train` (default) pretrains, resuming
-from DIR if it holds a checkpoint, then (with `config.eval.at_end`) evaluates
-the finished run, then draws its figures (`config.eval.figures`);
-`--config.mode=eval` evaluates DIR's newest checkpoint and draws the figures.
-Training, evaluation and figures do not import each other. Any config field
-can be overridden, e.g. `--config.ot.epsilon=0.1`; `--config.method=moco
---config.views=ot` picks the objective and the view generator.
+`--config.mode=train` (default) pretrains, resuming from DIR if it holds a
+checkpoint, then evaluates (`config.eval.at_end`) and draws the figures
+(`config.eval.figures`); `--config.mode=eval` evaluates DIR's newest
+checkpoint and draws the figures. Any config field can be overridden, e.g.
+`--config.ot.epsilon=0.1`; `--config.method=moco --config.views=ot` picks the
+objective and the view generator.
 
-Exit statuses (otclr_jax/rundir.py, docs/operations.md):
-  0   finished (training reached total_steps; evaluation done if asked).
-  2   bad flag or config field; a resume, or an evaluation flag, that
-      contradicts the run stored in DIR (the message names each field); a
-      corrupt DIR/config.json; a dataset or batch size that cannot work.
-  65  diverged: non-finite loss, gradient or state; the newest checkpoint
-      (named in the message) is finite. Also evaluation refusing a checkpoint
-      whose variables or features are not finite (nothing is written).
-  73  DIR is locked by another running process, or cannot be written.
-  75  stopped early by SIGTERM/SIGINT (training checkpoints first); rerun the
-      same command to resume.
-  1   any other error, e.g. a full disk (the last line names the path), or
-      in a multi-process run a collective that failed because another
-      process died (one line; JAX itself aborts a process, 134, whose peer
-      stopped sending heartbeats for --heartbeat_timeout seconds).
+Exit statuses (docs/operations.md): 0 finished; 2 a bad flag or config
+field, or one contradicting the run in DIR; 65 diverged (the newest
+checkpoint is finite); 73 DIR locked or unwritable; 75 stopped by
+SIGTERM/SIGINT (rerun to resume); 1 anything else, e.g. a full disk.
 """
 
 import contextlib
@@ -86,15 +74,11 @@ def distributed_settings(distributed: bool, coordinator_address: str | None,
                          environ=None) -> dict[str, Any] | None:
   """The keyword arguments of `jax.distributed.initialize`, or None for one process.
 
-  Each of the coordinator, process count and process id comes from its flag,
-  else from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`.
-  Either all three are known (a multi-process run on any machines) or none
-  is; then `distributed` asks JAX to read a cluster's environment itself
-  (SLURM's `SLURM_*` variables, Cloud TPU metadata).
+  The three settings come from flags or `_ENV`, all or none (then
+  `distributed` lets JAX read the cluster's environment, e.g. SLURM's).
 
   Raises:
-    experiment.ConfigError: only some of the three are given, or they are
-      malformed (the message names the flag and its variable).
+    experiment.ConfigError: only some of the three are given, or malformed.
   """
   environ = os.environ if environ is None else environ
   given = {'coordinator_address': coordinator_address,
@@ -137,9 +121,7 @@ def distributed_settings(distributed: bool, coordinator_address: str | None,
           'process_id': index, **timeouts}
 
 
-# TensorStore (Orbax's writer) reports a full disk as a ValueError whose text
-# ends in "No space left on device [os_error_code='28']" and names the file in
-# 'Failed writing: "<path>"'.
+# Orbax's TensorStore reports a full disk as a ValueError naming the file.
 _NO_SPACE = re.compile(r"No space left on device|os_error_code='28'")
 _FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')
 
@@ -164,11 +146,7 @@ def disk_full_path(error: BaseException, default: str) -> str | None:
 
 
 def draw_figures(config, workdir: str, evaluation: evaluate.Evaluation) -> None:
-  """t-SNE of the views and training curves into `workdir/eval/figures/`.
-
-  A figure is a by-product: whatever goes wrong drawing it (a plotting
-  backend, a degenerate embedding) is logged and never loses the results.
-  """
+  """t-SNE and training curves into `workdir/eval/figures/`; failures logged."""
   try:
     from otclr_jax import figures  # pylint: disable=g-import-not-at-top
     paths = figures.report_single(config, workdir, results=evaluation.results,
@@ -182,13 +160,8 @@ def draw_figures(config, workdir: str, evaluation: evaluate.Evaluation) -> None:
 
 def evaluate_and_draw(config, workdir: str,
                       step: int | None = None) -> dict:
-  """Evaluates a checkpoint of `workdir` under its eval lock, then draws figures.
-
-  Returns:
-    The evaluation results (`evaluate.evaluate_run`).
-  """
-  # No lock file in a directory that is not there: evaluate says it is
-  # missing instead of leaving an empty one behind.
+  """Evaluates `workdir` under its eval lock, draws figures, returns results."""
+  # No lock in a missing directory: evaluate reports it, none is created.
   with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
         if os.path.isdir(workdir) else contextlib.nullcontext()):
     evaluation = evaluate.evaluate_run(config, workdir, step)
@@ -206,13 +179,8 @@ def make_monitor(config, model, train_split):
 def check_evaluation_data(config) -> None:
   """Checks every dataset evaluation will read, before hours of pretraining.
 
-  The `eval.*` settings themselves are checked at the entry
-  (`evaluate.validate`).
-
   Raises:
-    data.NotEvaluableError: a dataset of `config.eval.datasets` is missing,
-      lacks a train or test split, has one class, or has test classes that
-      train lacks (the message names it).
+    data.NotEvaluableError: an `eval.datasets` entry is missing or unusable.
   """
   names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
   for name in dict.fromkeys(n for n in names if n):
@@ -234,22 +202,16 @@ def _unwritable_path(error: BaseException) -> str | None:
 def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
-  Expected failures end in one error line (no traceback) and their status: a
-  config error (a bad field, a flag that contradicts the run being
-  evaluated, a corrupt config.json, a dataset or batch size that cannot work:
-  2), a diverged run, a locked or unwritable workdir, a full disk.
+  Expected failures end in one error line (no traceback) and their status.
 
   Args:
     config: the run's config.
     workdir: the run directory (`~` is expanded).
-    overridden: the dotted config fields given on the command line; in
-      `--config.mode=eval` one that contradicts the run's stored config is
-      refused (the run's own settings are used for everything else).
+    overridden: dotted fields set on the command line (checked in eval mode).
   """
   workdir = os.path.expanduser(workdir)
   try:
-    # Paths of the wrong kind are refused before anything is created (the
-    # compilation cache, data caches, the workdir).
+    # Wrong-kind paths are refused before caches or the workdir are created.
     rundir.check_directory(workdir, '--workdir')
     if config.data_dir:
       rundir.check_directory(config.data_dir, '--config.data_dir')
@@ -272,9 +234,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       if not config.eval.at_end:
         return 0
     if jax.process_index() != 0:
-      # Evaluation and figures run on process 0's devices alone; this one
-      # waits for it at JAX's shutdown barrier (--shutdown_timeout), which,
-      # unlike a collective, has no short deadline.
+      # Waits at JAX's shutdown barrier (--shutdown_timeout): no short deadline.
       logging.info('Evaluation runs on process 0; process %d waits for it.',
                    jax.process_index())
       return 0
@@ -283,8 +243,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         try:
           evaluate_and_draw(config, workdir)
         except rundir.WorkdirLockedError as e:
-          # The training finished, which is what this command reports; the
-          # evaluation running meanwhile writes eval/ itself.
+          # The running evaluation writes eval/ itself.
           logging.warning('Training finished; its evaluation is skipped: '
                           'the evaluation lock is in use (%s). Rerun with '
                           '--config.mode=eval once it ends if its settings '
@@ -298,9 +257,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     return rundir.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
-      # A collective failed: a peer died or cannot be reached. Ending here,
-      # before JAX's shutdown barrier waits for the dead peer, gives one line
-      # instead of a traceback and an abort.
+      # A peer died: end before the shutdown barrier waits for it.
       logging.error('Process %d of %d lost contact with the others (%s): a '
                     'process of this run died or cannot be reached. Rerun '
                     'every process to resume from the newest checkpoint in '
@@ -315,9 +272,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       return rundir.EXIT_CANT_CREATE
     where = disk_full_path(e, workdir)
     if where is None:
-      # The project's table (otclr_jax/cli.py): usage 2, diverged 65,
-      # locked 73; anything it does not know is a bug and keeps its
-      # traceback.
+      # cli's table; an exception it does not know is a bug: traceback.
       mapped = cli.status_of(e)
       if mapped is None:
         raise
@@ -354,12 +309,7 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, but a bad flag exits with the usage status 2, not 1.
-
-  A mistyped `--config.a.b` override fails inside ml_collections with a
-  KeyError/AttributeError ('Did you mean ...?'), not a flags.Error; it is a
-  usage error too and gets the same one-message treatment.
-  """
+  """absl's parser; a bad flag or `--config.a.b` field exits with 2, not 1."""
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:

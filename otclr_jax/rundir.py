@@ -1,30 +1,11 @@
-"""The rules of a run directory (workdir): exit statuses, stored files, the lock.
+"""Run directory (workdir) rules: exit statuses, stored files, the lock.
 
-A training run owns its workdir: it takes `lock(workdir)` for its whole life,
-stores its config in `config.json` on first start (a resume must match it, see
-`result_changing_diff`) and keeps `status.json` current, so that schedulers,
-the sweep and people can tell a finished run from a stopped, diverged or
-failed one without parsing logs.
-
-Exit statuses of `python -m otclr_jax.main` (sysexits.h values where one fits):
-
-  0   finished: training reached `total_steps` (and evaluated, if asked).
-  2   usage/config error: a bad flag or config field, or a resume whose
-      result-changing settings differ from the stored config.json.
-  65  `EXIT_DIVERGED` (EX_DATAERR): stopped on a non-finite loss, gradient or
-      state; no non-finite checkpoint was written.
-  73  `EXIT_LOCKED` (EX_CANTCREAT): another process holds the workdir lock;
-      `EXIT_CANT_CREATE`, the same value: the workdir cannot be written.
-  75  `EXIT_STOPPED` (EX_TEMPFAIL): stopped before `total_steps` (SIGTERM/SIGINT
-      preemption or `stop_after_steps`); the checkpoint is good and rerunning
-      the same command resumes.
-  1   anything else (status.json says "failed").
-
-The other tools (the sweep, figures, export) keep the same statuses: 2 for a
-usage error, 73 for a directory another process holds (the sweep) or an
-output path that cannot be written (export, `EXIT_CANT_CREATE`), 75 when
-SIGTERM or SIGINT stops them (`stop_on_signals`), each with one line and no
-traceback.
+Exit statuses of every tool (docs/operations.md, "Exit statuses"): 0
+finished; 2 usage error (bad flag or field, a resume that differs from
+config.json); 65 `EXIT_DIVERGED` (non-finite loss, gradient or state); 73
+`EXIT_LOCKED` (workdir held by another process) or `EXIT_CANT_CREATE` (an
+output cannot be written); 75 `EXIT_STOPPED` (SIGTERM/SIGINT or
+`stop_after_steps`; rerunning resumes); 1 anything else.
 """
 
 from __future__ import annotations
@@ -58,17 +39,13 @@ STATUS_FILE = 'status.json'
 LOCK_FILE = '.lock'
 # A sweep directory's lock: one sweep at a time launches into it.
 SWEEP_LOCK_FILE = '.sweep.lock'
-# Evaluation writes eval/ under its own lock, so a run can be evaluated from
-# its read-only checkpoints while it trains, but never by two writers at once.
+# eval/'s own lock: a run can be evaluated while it trains, by one writer.
 EVAL_LOCK_FILE = '.eval.lock'
 METRICS_FILE = 'metrics.jsonl'
-# What the run trains on (dataset, image and class counts, a digest of the
-# source files), written at the start: a resume on other data is refused.
+# What the run trains on (`train.data_identity`); a resume must match it.
 DATA_FILE = 'data.json'
 CHECKPOINTS_DIR = 'checkpoints'
-# What an evaluation writes, relative to the workdir. `results.json` is
-# written last and binds the others by digest (`write_evaluation`): it is the
-# one file readers trust.
+# Evaluation outputs; results.json binds the others (`write_evaluation`).
 EVAL_DIR = 'eval'
 RESULTS_FILE = os.path.join(EVAL_DIR, 'results.json')
 EVAL_CONFIG_FILE = os.path.join(EVAL_DIR, 'config.json')
@@ -77,9 +54,8 @@ FIGURES_DIR = os.path.join(EVAL_DIR, 'figures')
 # Checkpoints that failed to restore are moved here, not deleted.
 SKIPPED_CHECKPOINTS_DIR = 'checkpoints_skipped'
 TENSORBOARD_DIR = 'tensorboard'
-# The exported encoder (`otclr_jax.export`'s default output).
 ENCODER_DIR = 'encoder'
-# A sweep directory: its runs, their logs, the summary.
+# A sweep directory's files.
 RUNS_FILE = 'runs.json'
 TRAIN_LOG = 'train.log'
 EVAL_LOG = 'eval.log'
@@ -103,19 +79,13 @@ def step_results_file(step: int) -> str:
 
 STATES = ('running', 'finished', 'stopped', 'diverged', 'failed')
 
-# Settings that never change a run's result: where data comes from and
-# compiled programs are cached, how often it logs or checkpoints, what it
-# evaluates afterwards or monitors meanwhile (the kNN monitor only reads the
-# state). `total_steps` and `num_epochs` are left to the caller (see
-# `result_changing_diff`).
+# Settings that never change a run's result; LENGTH_FIELDS: the caller's call.
 IGNORED_FIELDS = ('mode', 'data_dir', 'compilation_cache_dir',
                   'log_every_steps', 'checkpoint_every_steps',
                   'keep_checkpoints')
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
-# Each method's own settings block (`config.moco`, ...); a run reads only its
-# method's, so the others never change its result. Kept equal to the methods
-# registry by tests/test_rundir.py (this module stays free of jax imports).
+# Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).
 METHOD_BLOCKS = ('moco', 'byol', 'dino')
 
 
@@ -132,14 +102,14 @@ class PathError(cli.UsageError):
 
 
 def check_directory(path: str, what: str) -> None:
-  """Refuses an existing `path` that is not a directory, before anything is made.
+  """Refuses `path` if it or a parent exists and is not a directory.
 
   Args:
     path: a directory the command will create or use.
     what: how the user gave it, for the message (e.g. '--workdir').
 
   Raises:
-    PathError: `path`, or a parent of it, exists and is not a directory.
+    PathError: `path` or a parent is not a directory.
   """
   probe = os.path.abspath(os.path.expanduser(path))
   while True:
@@ -181,20 +151,12 @@ def _read_json(path: str) -> dict[str, Any] | None:
 
 
 def read_json_file(path: str) -> dict[str, Any] | None:
-  """A JSON object the project wrote, or None if absent.
-
-  Raises:
-    CorruptFileError: it is torn or not a JSON object (the message names it).
-  """
+  """A JSON object the project wrote, or None; CorruptFileError if torn."""
   return _read_json(path)
 
 
 def read_status(workdir: str) -> dict[str, Any] | None:
-  """`workdir/status.json`, or None if absent.
-
-  Raises:
-    ValueError: the file is not a JSON object (the message names it).
-  """
+  """`workdir/status.json`, or None; CorruptFileError if not a JSON object."""
   return _read_json(os.path.join(workdir, STATUS_FILE))
 
 
@@ -211,11 +173,7 @@ def write_status(workdir: str, state: str, step: int,
 
 
 def read_config(workdir: str) -> dict[str, Any] | None:
-  """The stored run config `workdir/config.json` (a plain dict), or None.
-
-  Raises:
-    ValueError: the file is not a JSON object (the message names it).
-  """
+  """`workdir/config.json` as a dict, or None; CorruptFileError if corrupt."""
   return _read_json(os.path.join(workdir, CONFIG_FILE))
 
 
@@ -243,25 +201,18 @@ def _ignored(name: str, unread: tuple[str, ...], length: bool) -> bool:
 
 
 def _unread_blocks(*methods: Any) -> tuple[str, ...]:
-  # A block is read if either config's method reads it: evaluating a MoCo
-  # run from a config file that says SimCLR must still take `moco.*` from
-  # the run.
+  # Read if either method reads it (a MoCo run evaluated with a SimCLR config).
   return tuple(f'{block}.' for block in METHOD_BLOCKS if block not in methods)
 
 
 def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
   """The settings that decide a run's result, as {dotted name: value}.
 
-  The one answer to "which fields make two runs different runs": the resume
-  check, the sweep's conflicts, the evaluation's staleness and the summary's
-  rows all compare these. Left out are the free settings
-  (`IGNORED_FIELDS`, `eval.*`, `monitor.*`), the blocks of methods the run
-  does not train, and with `length=False` the run length.
+  Leaves out `IGNORED_FIELDS`, `eval.*`, `monitor.*` and other methods' blocks.
 
   Args:
-    config: a config as a dict (`ConfigDict.to_dict()` or a stored
-      config.json); compared after a JSON round trip, so a tuple equals the
-      list it was stored as.
+    config: a config dict (`to_dict()` or config.json); JSON round-tripped,
+      so a tuple equals the list it was stored as.
     length: whether `total_steps` and `num_epochs` count.
   """
   flat = flatten(json.loads(json.dumps(config)))
@@ -271,26 +222,15 @@ def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
 
 def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
                          length: bool = False) -> list[str]:
-  """Dotted names of the settings that differ and change a run's result.
+  """Sorted dotted names of the settings that differ and change the result.
 
-  Ignored: `mode`, `data_dir`, `compilation_cache_dir`, `log_every_steps`,
-  `checkpoint_every_steps`, `keep_checkpoints`, everything under `eval.` and
-  `monitor.`, the settings blocks of methods that neither config's `method`
-  names (a SimCLR run never reads `dino.*`, so a field added there later does
-  not stop it resuming), and unless `length` the run length (`total_steps`,
-  `num_epochs`), which a single run's resume rules on itself: training allows
-  a resolved total that is at least the stored one (see otclr_jax/train.py),
-  while a sweep (`length=True`) treats another length as another run.
-  A key present in one dict only is a difference. Values are compared after a
-  JSON round trip, so a tuple equals the list it was stored as.
+  Ignores what `identity` leaves out and, unless `length`, the run length
+  (training allows a longer resume); a key in one dict only differs.
 
   Args:
     stored: the stored config (`read_config`).
     new: the config of this invocation (`ConfigDict.to_dict()`).
     length: whether the run length counts.
-
-  Returns:
-    The differing names, sorted.
   """
   unread = _unread_blocks(stored.get('method'), new.get('method'))
   stored = flatten(json.loads(json.dumps(stored)))
@@ -321,36 +261,24 @@ def _set(config: Any, name: str, value: Any) -> None:
 
 def adopt_stored(config: Any, stored: dict[str, Any],
                  overridden: Iterable[str], source: str) -> list[str]:
-  """Gives `config` the stored run's result-changing settings, in place.
-
-  A workdir's results belong to the run that trained it, so evaluating or
-  drawing it uses that run's method, model, data and OT settings whatever the
-  config file says; only what never changes a trained run (`eval.*`,
-  `data_dir`, ...; see `result_changing_diff`) comes from this invocation. The
-  run length is the stored one too.
+  """Gives `config` the stored run's result-changing settings and length.
 
   Args:
-    config: this invocation's ConfigDict (locked is fine: fields are set, none
-      added).
-    stored: the run's stored config (`read_config`, or the copy a checkpoint
-      holds).
-    overridden: dotted names given on the command line
-      (`config_flags.get_override_values`); one that contradicts the stored
-      value is refused rather than silently replaced.
-    source: where `stored` came from, for messages (e.g. DIR/config.json).
+    config: this invocation's ConfigDict (may be locked: no field is added).
+    stored: the run's stored config (config.json or a checkpoint's copy).
+    overridden: dotted names given on the command line.
+    source: where `stored` came from, for messages.
 
   Returns:
     The dotted names whose value was taken from `stored`.
 
   Raises:
-    ValueError: a command-line override contradicts the stored run; the
-      message names each such flag.
+    ValueError: a command-line override contradicts the stored run.
   """
   new = config.to_dict()
   flat_stored = flatten(json.loads(json.dumps(stored)))
   flat_new = flatten(json.loads(json.dumps(new)))
-  # A stored field this code's config lacks cannot be set; one the stored run
-  # lacks keeps this invocation's value (the run was trained without it).
+  # A field missing on either side keeps this invocation's value.
   names = sorted(
       n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
       if n in flat_stored and n in flat_new and flat_stored[n] != flat_new[n])
@@ -382,13 +310,7 @@ def _digest(path: str) -> str | None:
 
 def write_evaluation(workdir: str, results: dict[str, Any],
                      files: dict[str, str]) -> dict[str, Any]:
-  """Writes one evaluation's outputs so that they read as one unit or not at all.
-
-  Each file of `files` is written (atomically) first, then
-  `eval/results.json`, which records their sha256 under `files`. A signal,
-  kill -9 or full disk between two writes leaves either the previous
-  results.json, whose digests no longer match the files it bound (so
-  `read_results` refuses it), or the new one with all its files.
+  """Writes `files` under eval/, then results.json binding their sha256.
 
   Args:
     workdir: the run directory.
@@ -410,15 +332,11 @@ def write_evaluation(workdir: str, results: dict[str, Any],
 
 
 def read_results(workdir: str) -> dict[str, Any] | None:
-  """`eval/results.json` once every file it binds is the one it was written with.
-
-  Returns:
-    The results dict, or None when the run has none.
+  """`eval/results.json` if every file it binds matches, or None if absent.
 
   Raises:
     CorruptFileError: results.json is not a JSON object.
-    IncompleteEvaluationError: a file it binds (`write_evaluation`) is
-      missing or was rewritten by another evaluation that did not finish.
+    IncompleteEvaluationError: a file it binds is missing or was rewritten.
   """
   results = _read_json(os.path.join(workdir, RESULTS_FILE))
   if results is None:
@@ -434,14 +352,10 @@ def read_results(workdir: str) -> dict[str, Any] | None:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The records of `metrics.jsonl`, in file order; [] without the file.
-
-  The one rule for a damaged line: a torn last line (what a crash or a full
-  disk leaves mid-write) is dropped with a warning; any other line that is
-  not a JSON object with a `step` is an error naming the file and line.
+  """`metrics.jsonl`'s records; [] without it; a torn last line is dropped.
 
   Raises:
-    CorruptFileError: a line before the last is not a record.
+    CorruptFileError: a line before the last is not a record with a `step`.
   """
   path = os.path.join(workdir, METRICS_FILE)
   try:
@@ -475,11 +389,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:
-  """The newest complete checkpoint's step, by its directory name, or None.
-
-  Orbax names complete checkpoints by their step alone; in-flight saves
-  carry a suffix and do not count.
-  """
+  """The newest complete checkpoint's step (not in-flight saves), or None."""
   directory = os.path.join(workdir, CHECKPOINTS_DIR)
   try:
     names = os.listdir(directory)
@@ -489,28 +399,23 @@ def latest_checkpoint_step(workdir: str) -> int | None:
   return max(steps) if steps else None
 
 
-# Paths this process holds a lock on, so that nested users (training, then its
-# end-of-run evaluation) do not lock themselves out: flock conflicts between
-# two open files even within one process.
+# Held locks: flock conflicts within a process too, so nested users re-enter.
 _held: dict[str, int] = {}
 _held_guard = threading.Lock()
 
 
 @contextlib.contextmanager
 def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
-  """Holds an exclusive, non-blocking `fcntl.flock` on `workdir/name`.
+  """Holds an exclusive, non-blocking, re-entrant flock on `workdir/name`.
 
-  Creates `workdir` if needed. The lock is released when the block exits, and
-  by the OS when the process dies (even by SIGKILL), so a stale lock file
-  never blocks a rerun. Re-entrant within one process.
+  Creates `workdir` if needed; the OS releases the lock if the process dies.
 
   Args:
     workdir: the run directory.
     name: the lock file, `LOCK_FILE` (training) or `EVAL_LOCK_FILE`.
 
   Raises:
-    WorkdirLockedError: another process holds the lock; the message names the
-      workdir and the holder's pid when it is readable.
+    WorkdirLockedError: another process holds it (its pid named if readable).
   """
   path = os.path.realpath(os.path.join(workdir, name))
   with _held_guard:
@@ -540,7 +445,7 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
           f'{os.path.abspath(workdir)} is in use by {who} (lock {path}). '
           'One workdir holds one run: wait for it to end, stop it, or use '
           'another --workdir.') from None
-    # Written only once the lock is ours, so a waiting reader sees the holder.
+    # Written once the lock is ours, so a waiting reader sees the holder.
     os.ftruncate(fd, 0)
     os.write(fd, f'{os.getpid()}\n'.encode())
     with _held_guard:
@@ -556,14 +461,7 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
 
 
 class StopRequested(BaseException):
-  """SIGTERM or SIGINT arrived inside `stop_on_signals`.
-
-  A BaseException, like KeyboardInterrupt, so that `except Exception` blocks
-  (a figure failure logged and skipped, say) do not swallow the stop.
-
-  Attributes:
-    signum: the signal's number.
-  """
+  """SIGTERM/SIGINT in `stop_on_signals`; a BaseException, so not swallowed."""
 
   def __init__(self, signum: int):
     super().__init__(signum)
@@ -576,24 +474,14 @@ class StopRequested(BaseException):
 
 
 def exit_now(status: int) -> None:
-  """Ends a command-line tool with `status`, without the interpreter's shutdown.
-
-  For early ends (a signal, an error): a computation dispatched just before
-  the stop may still run, and tearing the runtime down under it segfaults
-  (exit 139 instead of the status); after a full disk, background writers
-  print pages of tracebacks. Call it only once every file is closed.
-  """
+  """Exits with `status`, no shutdown (it may segfault); close files first."""
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(status)  # pylint: disable=protected-access
 
 
-# The signals `stop_on_signals` caught in its current block. Python runs a
-# handler between any two bytecodes of the main thread, also inside a
-# finaliser or a garbage-collection callback (JAX registers one), where an
-# exception is printed as "Exception ignored" and dropped: the stop must be
-# remembered apart from the raise.
+# Signals of the current `stop_on_signals` block (a finaliser loses a raise).
 _requested: list[int] = []
 
 
@@ -601,26 +489,11 @@ _requested: list[int] = []
 def stop_on_signals(
     signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
 ) -> Iterator[None]:
-  """Turns SIGTERM and SIGINT into `StopRequested` inside the block.
+  """Turns `signals` into `StopRequested` inside the block (main thread only).
 
-  A tool wraps its work in this and ends with `EXIT_STOPPED` and one line on
-  `StopRequested`, instead of dying silently with 143 (SIGTERM) or with a
-  KeyboardInterrupt traceback and 130 (SIGINT):
-
-      try:
-        with rundir.stop_on_signals():
-          do_the_work()
-      except rundir.StopRequested as e:
-        print(f'Stopped by {e.name}; rerun to finish.', file=sys.stderr)
-        return rundir.EXIT_STOPPED
-
-  The exception is raised in the main thread between two Python bytecodes,
-  so a file being written through `fileio` is either complete or absent. Where
-  that raise lands in a finaliser, which drops it, the stop comes from the
-  next `check_stop()` the work calls; work that ends first has ended, and the
-  block exits normally. The previous handlers are restored when the block
-  exits. Must be entered in the main thread (Python delivers signals there
-  only); blocks do not nest.
+  A tool catches it and returns `EXIT_STOPPED` with one line. A `fileio`
+  write is complete or absent; a raise dropped in a finaliser surfaces at
+  the next `check_stop()`. Handlers are restored on exit; blocks do not nest.
 
   Args:
     signals: the signals to turn into `StopRequested`.
@@ -631,8 +504,7 @@ def stop_on_signals(
     raise StopRequested(signum)
 
   def unraisable(info):
-    # The dropped raise is remembered in `_requested`; its "Exception
-    # ignored" traceback would only alarm.
+    # A dropped raise is kept in `_requested`; its traceback would only alarm.
     if not isinstance(info.exc_value, StopRequested):
       previous_hook(info)
 
@@ -650,10 +522,6 @@ def stop_on_signals(
 
 
 def check_stop() -> None:
-  """Raises `StopRequested` if a signal came in this `stop_on_signals` block.
-
-  Long work inside the block calls this between its parts, so that a stop
-  whose raise was dropped (see `_requested`) still ends it at the next part.
-  """
+  """Raises `StopRequested` if a signal came in this block (between parts)."""
   if _requested:
     raise StopRequested(_requested[0])

@@ -1,41 +1,9 @@
-"""Markdown and LaTeX tables from evaluation results, in the paper's layouts.
+"""Markdown and LaTeX tables of evaluation results, in the paper's layouts.
 
-Pure Python (no JAX). Every function takes a list of results dicts as written
-by `otclr_jax.evaluation.evaluate` (`<workdir>/eval/results.json`, one per
-run) and returns a string; `fmt` is 'markdown' or 'latex'.
-
-Runs are one row when they differ in the seed alone: results carrying the
-run's `config` are grouped by every result-changing setting
-(`rundir.identity`) but the seed, and a row's label names the settings in
-which it differs from the others (e.g. `OTCLR (ot.epsilon=0.05)`); results
-without it by (pretrain_dataset, batch_size, method). Each number is
-the mean over the runs (the seeds) and, with n > 1 runs, the sample
-standard deviation (ddof = 1), shown as `46.90 ± 0.40 (n=3)`; a single run
-shows the value alone. `aggregate` exposes that grouping.
-
-Tables (the paper's files in parentheses):
-
-* `linear_table` (full_linear_eval): methods x datasets, Top-1 / Top-5
-  columns, plus a 'Random init' floor row per setting (the rows' settings
-  less the method's); the floor pools runs with distinct seeds, since an
-  untrained encoder does not depend on the method. Runs evaluated with recomputed BatchNorm
-  statistics get two rows, labelled 'BN: stored' and 'BN: clean train'.
-* `ablation_table` (half_linear_eval): rows pretraining dataset x batch size x
-  method, one 'Top-1 / Top-5' cell per dataset.
-* `augmentation_table` (augmentation_quality): per encoder, the SimCLR and the
-  OTCLR view generator, with the four cluster metrics of the view embeddings
-  and the view metrics (pixel L2 as the paper defines it, then pixel RMS).
-* `cluster_table`: the cluster metrics of the test features per dataset.
-* `complexity_table` (complexity): stage x method, from benchmark rows.
-* `paired_table`: seed-by-seed differences (OT views minus augmentations,
-  each method minus the random-init encoder) with a paired t-test.
-* `render_report`: all results tables with headings (what evaluate writes).
-
-The best value in each column is bold within each block of comparable rows
-(the methods of one setting; floor rows never), when the block has at least
-two rows; 'best' is the higher mean, or the lower for metrics marked with a
-down arrow. The LaTeX needs `booktabs`, `multirow` and `colortbl` (for
-`\\rowcolor{oursrow}` on OTCLR rows; define the colour `oursrow`).
+Tables take results dicts of `otclr_jax.evaluation.evaluate` (one
+`<workdir>/eval/results.json` per run) and `fmt`, 'markdown' or 'latex'. The
+seeds of a run are one row (`aggregate`): `46.90 ± 0.40 (n=3)`, std with
+ddof = 1. Bold marks each column's best within a block of comparable rows.
 """
 
 from __future__ import annotations
@@ -48,7 +16,6 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from otclr_jax import rundir
 
-# Display names of the method ids results.json stores.
 METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
 # Row order: each method, then it with OT views (run ids of `run_id`).
 RUN_ORDER = ('simclr', 'otclr', 'moco', 'moco+ot', 'byol', 'byol+ot', 'dino',
@@ -76,13 +43,10 @@ VIEW_METRICS = (('view_distance', 'View Dist.', -1),
 LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
 FORMATS = ('markdown', 'latex')
 FLOOR_LABEL = 'Random init'
-# Row labels when a run also has `linear_clean_bn` (evaluate's
-# `config.eval.recompute_bn`): the checkpoint's BatchNorm statistics, learnt
-# on augmented views, versus statistics re-estimated on clean train images.
+# Rows of `linear_clean_bn` runs: checkpoint vs clean-image BatchNorm stats.
 BN_STORED_LABEL = ' (BN: stored)'
 BN_CLEAN_LABEL = ' (BN: clean train)'
-# `protocol.embedding` of evaluate; a result without the field used the
-# backbone features h.
+# `protocol.embedding` of evaluate; absent means 'h'.
 EMBEDDING_NAMES = {'z': 'z, l2-normalised projection output',
                    'h': 'h, l2-normalised backbone features'}
 
@@ -91,10 +55,6 @@ _PM = {'markdown': ' ± ', 'latex': r' $\pm$ '}
 _LATEX_SPECIAL = {'&': r'\&', '%': r'\%', '$': r'\$', '#': r'\#', '_': r'\_',
                   '{': r'\{', '}': r'\}', '~': r'\textasciitilde{}',
                   '^': r'\textasciicircum{}', '\\': r'\textbackslash{}'}
-
-
-# ----------------------------------------------------------------------------
-# Aggregation.
 
 
 def stat(values: Iterable[float]) -> dict[str, Any]:
@@ -135,11 +95,7 @@ def _method_rank(method: str) -> tuple[int, str]:
 
 
 def run_id(result: dict[str, Any]) -> str:
-  """Which objective and views made a run: 'simclr', 'otclr', 'moco+ot', ...
-
-  SimCLR with OT views is 'otclr' however it was asked for (the alias
-  `method='otclr'` or `method='simclr', views='ot'`).
-  """
+  """The run's objective and views: 'simclr', 'otclr', 'moco+ot', ..."""
   method = str(result['method'])
   views = result.get('view_generator', '')
   if method == 'otclr' or (method == 'simclr' and views == 'ot'):
@@ -147,19 +103,13 @@ def run_id(result: dict[str, Any]) -> str:
   return f'{method}+ot' if views == 'ot' else method
 
 
-# Identity fields a row's other labels already show (title, setting), or
-# that tell runs of one row apart (the seed).
+# Identity fields shown elsewhere in a row (title, setting), and the seed.
 _SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
 _METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
 
 
 def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-  """The run's result-changing settings (`rundir.identity`) but the seed.
-
-  Pairs of (dotted name, JSON text of the value), sorted; empty for results
-  that do not carry the run's `config` (written before they did), which then
-  group by pretraining dataset, batch size and method alone.
-  """
+  """`rundir.identity` but the seed as sorted (name, JSON) pairs; () if none."""
   config = result.get('config')
   if not isinstance(config, dict):
     return ()
@@ -184,10 +134,7 @@ def _run_key(result: dict[str, Any]) -> RunKey:
 
 
 def _setting_of(key: RunKey) -> tuple:
-  """The block of rows a run competes in, and whose floor it shares.
-
-  The run key less the method: its id and its own method block.
-  """
+  """The block of rows a run competes in (and shares a floor with)."""
   shared = tuple(p for p in key[3] if not p[0].startswith(_METHOD_PREFIXES))
   return (key[0], key[1], shared)
 
@@ -221,24 +168,14 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Groups the seeds of each run: equal result-changing settings but the seed.
 
   Args:
-    results: results dicts of `otclr_jax.evaluation.evaluate`, one per run;
-      those carrying the run's `config` group by every setting of
-      `rundir.identity` but the seed, older ones by (pretrain_dataset,
-      batch_size, `run_id`).
+    results: results dicts, one per run; without a stored `config` grouped
+      by (pretrain_dataset, batch_size, `run_id`).
 
   Returns:
-    One dict per group, sorted by pretraining dataset, batch size (descending),
-    other settings and method (SimCLR, OTCLR, others): 'pretrain_dataset',
-    'batch_size', 'method' (the `run_id`), 'title' (the row name the results
-    give, e.g. 'MoCo + OT views'), 'label' (the settings in which this group
-    differs from others, e.g. 'ot.epsilon=0.05'; empty when only the method,
-    dataset or batch size does), 'settings' ({name: value} of its
-    result-changing settings but the seed), 'n' (runs), 'seeds', 'steps', and
-    for each of `SECTIONS` ('linear', 'random_init', 'clusters', 'views',
-    'linear_clean_bn'; empty when the runs lack it) the results' nested dicts
-    with every number replaced by `stat` of its values over the runs (a run
-    lacking a value, or with null or non-finite, is left out of that value's
-    n).
+    One dict per group, in table order: 'pretrain_dataset', 'batch_size',
+    'method' (`run_id`), 'title', 'label' (how it differs from other groups),
+    'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
+    results with each finite number replaced by its `stat` over the runs.
   """
   groups: dict[RunKey, list[dict[str, Any]]] = {}
   for result in results:
@@ -269,10 +206,6 @@ def _floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
     by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
         result.get('seed'), result.get('random_init') or {})
   return {k: _aggregate_tree(list(v.values())) for k, v in by_setting.items()}
-
-
-# ----------------------------------------------------------------------------
-# Formatting.
 
 
 def dataset_name(name: str) -> str:
@@ -313,11 +246,6 @@ def _value_text(value, digits, fmt) -> str:
 def _check_fmt(fmt: str) -> None:
   if fmt not in FORMATS:
     raise ValueError(f'fmt must be one of {FORMATS}, got {fmt!r}.')
-
-
-# ----------------------------------------------------------------------------
-# A generic table: label columns, then data cells holding one or more stats
-# (a 'Top-1 / Top-5' cell holds two).
 
 
 class _Row(NamedTuple):
@@ -457,10 +385,6 @@ def _render_latex(spec, rows, body) -> str:
   return '\n'.join(lines) + '\n'
 
 
-# ----------------------------------------------------------------------------
-# The tables.
-
-
 def _datasets(groups, section: str) -> list[str]:
   seen = list(dict.fromkeys(d for g in groups for d in g[section]))
   return ([d for d in DATASET_ORDER if d in seen]
@@ -478,11 +402,7 @@ def _last_of_setting(groups, i: int) -> bool:
 
 
 def _suffix(g: dict[str, Any], several: bool) -> str:
-  """' (Digits, b=64, ot.epsilon=0.05)': what tells this row's run apart.
-
-  The pretraining dataset and batch size when the table holds several
-  settings, and every other result-changing setting in which its rows differ.
-  """
+  """' (Digits, b=64, ot.epsilon=0.05)': the setting if `several`, the label."""
   parts = ([dataset_name(g['pretrain_dataset']), f'b={g["batch_size"]}']
            if several else [])
   parts += [g['label']] if g.get('label') else []
@@ -500,11 +420,10 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
     fmt: 'markdown' or 'latex'.
     metrics: per-dataset columns, from 'top1', 'top5', 'knn_top1'.
     datasets: column order; default the paper's order, then the others.
-    include_random_init: add the untrained-encoder floor row(s).
+    include_random_init: add a floor row per setting, pooled over seeds.
 
   Returns:
-    The table. With several (pretraining dataset, batch size) settings among
-    the runs, row labels name the setting.
+    The table; row labels name the setting when there are several.
   """
   _check_fmt(fmt)
   unknown = [m for m in metrics if m not in LINEAR_METRICS]
@@ -547,12 +466,7 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
 def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
                    *, datasets: Sequence[str] | None = None,
                    include_random_init: bool = True) -> str:
-  """Pretraining dataset x batch size x method rows (half_linear_eval).
-
-  Each dataset column holds 'Top-1 / Top-5'; bold marks the best method within
-  each (pretraining dataset, batch size) block. The floor row, if included,
-  ends each block.
-  """
+  """Pretraining dataset x batch size x method, 'Top-1 / Top-5' cells."""
   _check_fmt(fmt)
   groups = aggregate(results)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
@@ -583,13 +497,7 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
 
 def augmentation_table(results: Sequence[dict[str, Any]],
                        fmt: str = 'markdown') -> str:
-  """View quality of the two generators per encoder (augmentation_quality).
-
-  Rows: for each encoder (method group), the SimCLR and the OTCLR views; the
-  columns are the four cluster metrics of the view embeddings, then view
-  distance, view cosine, anchor distance, pixel L2 and pixel RMS. Bold
-  compares the two generators under the same encoder.
-  """
+  """Cluster and view metrics of the two view generators per encoder."""
   _check_fmt(fmt)
   groups = aggregate(results)
   several = _several_settings(groups)
@@ -646,11 +554,8 @@ def complexity_table(rows: Sequence[dict[str, Any]],
   """Cost per stage and method (the paper's complexity table).
 
   Args:
-    rows: dicts with 'stage' (e.g. 'Pretraining', 'Linear Eval.'), 'method',
-      and numbers 'params_m' (millions), 'gflops' (per image), 'step_ms'
-      (milliseconds per step), 'throughput' (images per second); a missing
-      number is shown as a dash. Repeated (stage, method) pairs are averaged
-      (mean ± std).
+    rows: dicts of 'stage', 'method', 'params_m', 'gflops' (per image),
+      'step_ms', 'throughput' (images/s); repeats averaged, gaps dashed.
     fmt: 'markdown' or 'latex'.
 
   Returns:
@@ -721,21 +626,15 @@ def paired_differences(results: Sequence[dict[str, Any]]
                        ) -> list[dict[str, Any]]:
   """Seed-by-seed differences: OT views minus augmentations, methods minus floor.
 
-  Runs of one (pretraining dataset, batch size) with the same seed saw the
-  same initialisation and data order, so their difference removes the
-  seed's share of the spread. Compared, on the linear-probe metrics of every
-  evaluation dataset: each OT-view run with its objective's augment run
-  (``'otclr'`` with ``'simclr'``, ``'moco+ot'`` with ``'moco'``, ...), and
-  every run with the random-init encoder of its seed. A comparison needs at
-  least two common seeds.
+  OT-view runs minus their augment run, every run minus its seed's random
+  init, per probe metric and dataset, over at least two common seeds.
 
   Returns:
     One dict per (setting, comparison, dataset, metric): 'pretrain_dataset',
-    'batch_size', 'method', 'baseline' (a run id or ``'random_init'``),
-    'dataset', 'metric', 'seeds', 'differences' (per seed, in percentage
-    points), 'mean', 'std', 'n', 't' and 'p' (paired t-test, two-sided; NaN
-    when the differences do not vary), 'wins' (seeds with a positive
-    difference).
+    'batch_size', 'label', 'method', 'baseline' (a run id or 'random_init'),
+    'dataset', 'metric', 'seeds', 'differences' (percentage points), 'mean',
+    'std', 'n', 't', 'p' (two-sided paired t-test; NaN when the differences
+    do not vary), 'wins' (seeds with a positive difference).
   """
   by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
   for result in results:
@@ -764,8 +663,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
                          'method': run, 'baseline': baseline,
                          'dataset': dataset, 'metric': metric, **paired})
   metrics = [m for m, _ in PAIRED_METRICS]
-  # Per setting: the view comparisons before the floor's, datasets in the
-  # paper's order.
+  # Per setting: view comparisons before the floor's, datasets in paper order.
   rows.sort(key=lambda r: (
       _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
       r['label'],
@@ -826,11 +724,7 @@ def embedding_label(results: Sequence[dict[str, Any]]) -> str:
 
 def render_report(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
-  """All results tables, each under a heading (a comment in LaTeX).
-
-  The view-quality and cluster headings name the embedding they were
-  computed on (`embedding_label`).
-  """
+  """All results tables, each under a heading (a comment in LaTeX)."""
   _check_fmt(fmt)
   embedding = embedding_label(results)
   parts = [

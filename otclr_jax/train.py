@@ -1,13 +1,4 @@
-"""Pretraining loop: any method of `otclr_jax.methods` with either view generator.
-
-The loop feeds uint8 batches to the one jitted, donated step of
-`otclr_jax.step` (views -> model -> objective -> update; docs/methods.md),
-logs, checkpoints and stops on preemption. Everything needed to resume lives
-in `step.TrainState` (a method's targets, queue and centre included); data
-order and augmentation keys are functions of `(config.seed, step)`, so a
-resumed run repeats an uninterrupted one exactly. Evaluation is not called
-from here: `main.py` runs it after training.
-"""
+"""Pretraining loop; data and keys follow `(seed, step)`: resumes are exact."""
 
 from __future__ import annotations
 
@@ -38,19 +29,13 @@ from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 
-# The step's output holding bool [4]: whether each of `step.STATE_PARTS` is
-# finite *after* the update. Popped before logging; a checkpoint is only
-# written when every step up to it was finite.
+# The step's bool [4] output: is each of `step.STATE_PARTS` finite after it.
 _FINITE = 'state_finite'
 # Logged by the kNN monitor (otclr_jax/evaluation/monitor.py) on its steps.
 MONITOR_METRIC = 'monitor_knn_top1'
 
 class DivergedError(FloatingPointError, cli.DivergedRunError):
   """The loss, a gradient or the training state became non-finite."""
-
-
-# ----------------------------------------------------------------------------
-# Logging.
 
 
 class MetricLogger:
@@ -74,12 +59,9 @@ class MetricLogger:
     self._start_step = start_step
 
   def _truncate_after(self, step: int) -> None:
-    # Lines past the restored step describe updates that are about to be
-    # redone; keeping them would duplicate steps in the curves.
+    # Steps past the restored one are about to be redone.
     if not os.path.exists(self.path):
       return
-    # One torn-line rule for every reader (`rundir.read_metrics`): a torn
-    # last line is dropped, a damaged earlier one refuses the resume.
     kept = [r for r in rundir.read_metrics(self.workdir) if r['step'] <= step]
     fileio.write_text(self.path,
                       ''.join(json.dumps(r) + '\n' for r in kept))
@@ -137,9 +119,6 @@ class _StopRequest:
       signal.signal(sig, handler)
 
 
-# ----------------------------------------------------------------------------
-# Several processes.
-
 # Bytes of a lock message process 0 shares with the others.
 _MESSAGE_BYTES = 1024
 
@@ -163,18 +142,10 @@ def _share_text(text: str) -> str:
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str) -> Iterator[None]:
-  """The run's lock on `workdir`, held by process 0 for all processes.
-
-  On several processes only process 0 takes `rundir.lock` (they share its
-  filesystem; a second lock by another process would lock the run out), and
-  all of them learn whether it got it: when another job holds the workdir,
-  every process of this one raises `WorkdirLockedError` with the holder's
-  message (its pid, on process 0's host), so they all end with status 73
-  instead of waiting for a process 0 that has left.
+  """The run's lock on `workdir`, taken by process 0 for all processes.
 
   Raises:
-    rundir.WorkdirLockedError: another job holds the lock, or process 0
-      could not take it (process 0 raises its own error).
+    rundir.WorkdirLockedError: on every process if process 0 could not.
   """
   if jax.process_count() == 1:
     with rundir.lock(workdir):
@@ -196,10 +167,6 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     yield
 
 
-# ----------------------------------------------------------------------------
-# The loop.
-
-
 def _newest_checkpoint_text(ckpt: checkpoint.Checkpointer,
                             config: ml_collections.ConfigDict) -> str:
   ckpt.wait()  # an in-flight save of an earlier, finite step counts
@@ -213,14 +180,7 @@ def _newest_checkpoint_text(ckpt: checkpoint.Checkpointer,
 
 def _check_finite(records, ckpt: checkpoint.Checkpointer,
                   config: ml_collections.ConfigDict) -> None:
-  """Raises DivergedError at the first step with a non-finite loss or state.
-
-  Args:
-    records: `(step, metrics, finite)` triples, `finite` the step's
-      `step.state_finite` flags, bool [4] over `step.STATE_PARTS`.
-    ckpt: the run's checkpointer, to name the newest (finite) checkpoint.
-    config: the run's config.
-  """
+  """Raises DivergedError at the first non-finite `(step, metrics, finite)`."""
   for step, metrics, finite in records:
     bad_state = [part for part, ok in zip(step_lib.STATE_PARTS, finite)
                  if not ok]
@@ -252,21 +212,15 @@ def _stored_total(stored: dict[str, Any], steps_per_epoch: int) -> int | None:
 
 
 def stored_run_config(workdir: str) -> dict[str, Any] | None:
-  """The config a resume of `workdir` must match, or None to start afresh.
-
-  `experiment.run_config`: config.json, or when it is missing the copy stored
-  with the newest checkpoint, so that deleting config.json never disables
-  `check_resume`.
+  """The config a resume must match (config.json or a checkpoint's), or None.
 
   Raises:
-    ConfigError: the workdir has checkpoints but no config anywhere, so a
-      resume could not be checked.
+    ConfigError: the workdir has checkpoints but no config anywhere.
     rundir.CorruptFileError: config.json is not a JSON object.
   """
   if not checkpoint.has_checkpoint(workdir):
     if rundir.read_config(workdir) is not None:
-      # Nothing to resume (e.g. it diverged before its first checkpoint):
-      # this run starts afresh and replaces the stored config.
+      # E.g. it diverged before its first checkpoint.
       logging.info('%s has no checkpoint: starting afresh; this config '
                    'replaces its %s.', workdir, rundir.CONFIG_FILE)
     return None
@@ -285,9 +239,7 @@ def stored_run_config(workdir: str) -> dict[str, Any] | None:
 
 def check_resume(stored: dict[str, Any] | None,
                  config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuses a config whose result-changing settings differ from the run's.
-
-  `stored` is `stored_run_config`'s: config.json or a checkpoint's copy.
+  """Refuses a config whose result-changing settings differ from `stored`.
 
   Raises:
     ConfigError: naming each differing field with its stored and new value.
@@ -306,12 +258,7 @@ def check_resume(stored: dict[str, Any] | None,
 
 def check_total(stored: dict[str, Any] | None, total: int,
                 steps_per_epoch: int, workdir: str) -> None:
-  """Allows a resumed run the stored length or a longer one, never a shorter.
-
-  The learning-rate schedule (warmup, then cosine to 0 over the total) depends
-  on the total: a longer run continues on the new, stretched schedule from the
-  resumed step (a warning says so); a shorter one would have taken other
-  steps from the start, so it is refused.
+  """Refuses a resume shorter than the stored run (the LR schedule spans it).
 
   Raises:
     ConfigError: the resolved total is below the stored one.
@@ -332,22 +279,17 @@ def check_total(stored: dict[str, Any] | None, total: int,
 
 def data_identity(config: ml_collections.ConfigDict,
                   split: data.Split) -> dict[str, Any]:
-  """What the run trains on: the source (a folder tree's file digest, a tfds
-  split's name), its image count and class count."""
+  """The run's dataset, source digest, image count and class count."""
   return {'dataset': config.dataset, 'images': int(len(split.images)),
           'classes': int(split.num_classes),
           'source': data.describe_source(config.dataset, 'train')}
 
 
 def check_data(workdir: str, now: dict[str, Any], resuming: bool) -> None:
-  """Refuses to resume a run on other data than it started on.
-
-  A folder tree that grew between a preemption and the resume would continue
-  the run on other images: a result-changing change like any other.
+  """Refuses to resume on other data than the run began on (`rundir.DATA_FILE`).
 
   Raises:
-    ConfigError: the stored data identity (`rundir.DATA_FILE`) differs,
-      naming what changed.
+    ConfigError: the stored data identity differs (what changed is named).
     rundir.CorruptFileError: the stored file is torn.
   """
   if not resuming:
@@ -384,8 +326,7 @@ class RunResult:
 
   Attributes:
     state: the final TrainState.
-    status: 'finished' (reached total_steps) or 'stopped' (SIGTERM/SIGINT or
-      stop_after_steps; rerunning resumes).
+    status: 'finished', or 'stopped' (a signal or stop_after_steps).
   """
   state: step_lib.TrainState
   status: str
@@ -394,34 +335,22 @@ class RunResult:
 def train(config: ml_collections.ConfigDict, workdir: str, *,
           stop_after_steps: int | None = None,
           mesh: Mesh | None = None, make_monitor=None) -> RunResult:
-  """Pretrains (resuming from `workdir` if it holds a checkpoint).
-
-  The whole config is validated before anything is created. The workdir is
-  locked for the run (otclr_jax/rundir.py); its config is stored in
-  config.json on first start and a resume from its checkpoints must match it
-  (`check_resume`, `check_total`); status.json follows the run. A checkpoint is only saved
-  when every step up to it left a finite state; a resume starts from the
-  newest checkpoint that restores and is finite.
+  """Pretrains, resuming from the newest finite checkpoint in `workdir`.
 
   Args:
     config: the run's config (configs/default.py documents the fields).
-    workdir: output directory: checkpoints/, tensorboard/, metrics.jsonl,
-      config.json, status.json, and once finished encoder/encoder.msgpack
-      (`otclr_jax.export.load_encoder` reads it).
-    stop_after_steps: leave after this many steps of *this* invocation,
-      checkpointing as on a preemption (for time-sliced cluster jobs and the
-      resumption test). None runs to the end.
+    workdir: the run directory (docs/operations.md, "A run directory").
+    stop_after_steps: stop, checkpointed, after this many steps of this
+      invocation; None runs to the end.
     mesh: device mesh with a 'data' axis; default all devices.
     make_monitor: `(config, model, train_split) -> callable(state) -> float`,
-      the kNN monitor (`monitor.KnnMonitor`, which `main.py` passes) when
-      `config.monitor.every_steps > 0` (None: no monitor, with a warning).
-      Handed in, so that training does not import evaluation code.
+      the kNN monitor (handed in: training does not import evaluation).
 
   Returns:
-    A RunResult. (`main.py` then evaluates the run if `config.eval.at_end`.)
+    A RunResult.
 
   Raises:
-    ConfigError: a bad config field, or one that conflicts with config.json.
+    ConfigError: a bad config field, or one that conflicts with the run.
     rundir.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
@@ -436,11 +365,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     raise experiment.ConfigError(
         f'config.batch_size {config.batch_size} must be divisible by the '
         f'{mesh.size} devices.')
-  # Only process 0 writes the workdir's own files (config, status, metrics,
-  # encoder); every process takes part in the checkpoints' collective saves.
+  # Only process 0 writes the workdir's own files; all save checkpoints.
   main = jax.process_index() == 0
-  # A data source that cannot be read (a missing folder tree, a dangling
-  # symlink in it) is refused before the workdir exists.
+  # Refuses an unreadable data source before the workdir exists.
   data.describe_source(config.dataset, 'train')
   with workdir_lock(workdir):
     stored = stored_run_config(workdir)
@@ -469,11 +396,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
 def _export_encoder(config: ml_collections.ConfigDict, workdir: str,
                     state: step_lib.TrainState) -> str:
-  """Writes the finished run's encoder to `workdir/encoder/encoder.msgpack`.
-
-  The backbone alone (params, BatchNorm statistics, model settings) for
-  `otclr_jax.export.load_encoder`; returns the path.
-  """
+  """Writes the encoder to workdir/encoder/encoder.msgpack; returns the path."""
   path = export.encoder_path(workdir)
   export.export_encoder(
       path, {'params': state.params['net'], 'batch_stats': state.batch_stats},
@@ -559,9 +482,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
   step = start
   knn_monitor = None
-  # On several processes a signal may reach them at different steps (or only
-  # some of them): they agree at logging steps, so that all save the same
-  # step and stop together.
+  # Processes may see a signal at different steps: they agree when logging.
   several = jax.process_count() > 1
   agreed_stop = False
   try:
@@ -599,11 +520,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
 
 def _close_quietly(ckpt, logger, batches, quiet: bool = True) -> None:
-  """Closes the run's writers; with `quiet`, an error here is logged in one line.
-
-  After a failure (e.g. a full disk) closing the checkpointer or the event
-  writer often fails the same way; their tracebacks would bury the first one.
-  """
+  """Closes the writers; `quiet` logs their errors (not to bury the first)."""
   close = getattr(batches, 'close', None)
   for closer in (ckpt.close, logger.close if logger else None, close):
     if closer is None:
