@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Sequence
 
+from otclr_jax import aggregate
 from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
@@ -156,8 +157,8 @@ def aggregate_dir(workdir: str) -> str | None:
   """Writes DIR/summary.{md,tex,json}; returns the Markdown.
 
   Grouping the seeds of each run into mean ± std, with a random-init floor
-  row, and the rendering are otclr_jax.tables' (`aggregate` -> summary.json's
-  `rows`, `render_report` -> summary.md / summary.tex). Only finished runs
+  row, is `aggregate.aggregate` (summary.json's `rows`), the rendering
+  `tables.render_report` (summary.md / summary.tex). Only finished runs
   are averaged; every other run of the sweep (see `collect_results`) is
   listed under "Not averaged" in summary.md / summary.tex, in summary.json's
   `not_averaged` and on the console. Each file is written atomically.
@@ -177,7 +178,7 @@ def aggregate_dir(workdir: str) -> str | None:
   md_file, tex_file, json_file = rundir.SUMMARY_FILES
   fileio.write_text(os.path.join(workdir, md_file), markdown)
   fileio.write_text(os.path.join(workdir, tex_file), latex)
-  rows = tables.aggregate(results) if results else []
+  rows = aggregate.aggregate(results) if results else []
   for row in rows:
     del row['setting']  # the grouping key; `settings` and `label` say it
   rundir.write_json(os.path.join(workdir, json_file), {

@@ -2,34 +2,24 @@
 
 Tables take results dicts of `otclr_jax.evaluation.evaluate` (one
 `<workdir>/eval/results.json` per run) and `fmt`, 'markdown' or 'latex'. The
-seeds of a run are one row (`aggregate`): `46.90 ± 0.40 (n=3)`, std with
-ddof = 1. Bold marks each column's best within a block of comparable rows.
+seeds of a run are one row (`aggregate.aggregate`): `46.90 ± 0.40 (n=3)`,
+std with ddof = 1. Bold marks each column's best within a block of comparable rows.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import statistics
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from otclr_jax import rundir
+from otclr_jax import aggregate
 
-METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
-# Row order: each method, then it with OT views (run ids of `run_id`).
-RUN_ORDER = ('simclr', 'otclr', 'moco', 'moco+ot', 'byol', 'byol+ot', 'dino',
-             'dino+ot')
 DATASET_NAMES = {
     'cifar10': 'CIFAR-10', 'cifar100': 'CIFAR-100', 'food101': 'Food-101',
     'oxford_iiit_pet': 'Pets', 'stl10': 'STL-10', 'svhn_cropped': 'SVHN',
     'digits': 'Digits', 'imagenet300': 'ImageNet-300',
     'imagenet2012': 'ImageNet',
 }
-# The paper's column order; other datasets follow in order of appearance.
-DATASET_ORDER = ('cifar10', 'cifar100', 'food101', 'oxford_iiit_pet', 'stl10',
-                 'svhn_cropped')
-SECTIONS = ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn')
 # (key, header, +1 if higher is better else -1).
 CLUSTER_METRICS = (('silhouette', 'Silhouette', 1),
                    ('compactness', 'Compactness', -1),
@@ -57,166 +47,11 @@ _LATEX_SPECIAL = {'&': r'\&', '%': r'\%', '$': r'\$', '#': r'\#', '_': r'\_',
                   '^': r'\textasciicircum{}', '\\': r'\textbackslash{}'}
 
 
-def stat(values: Iterable[float]) -> dict[str, Any]:
-  """{'mean', 'std', 'n'} of numbers; std has ddof = 1 and is None for n = 1."""
-  values = [float(v) for v in values]
-  if not values:
-    raise ValueError('stat needs at least one value.')
-  std = statistics.stdev(values) if len(values) > 1 else None
-  return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
-  """Numbers at equal paths become stats; missing and null values skipped."""
-  keys = list(dict.fromkeys(k for t in trees for k in t))
-  out = {}
-  for key in keys:
-    values = [t[key] for t in trees if t.get(key) is not None]
-    if values and all(isinstance(v, dict) for v in values):
-      out[key] = _aggregate_tree(values)
-    elif values and all(_is_number(v) for v in values):
-      finite = [v for v in values if math.isfinite(v)]
-      if finite:
-        out[key] = stat(finite)
-  return out
-
-
-def _rank(order: Sequence[str], name: str) -> tuple[int, str]:
-  """Sort key: position in `order`, names outside it after, by name."""
-  return (order.index(name) if name in order else len(order), name)
-
-
-def _method_rank(method: str) -> tuple[int, str]:
-  return _rank(RUN_ORDER, method)
-
-
-def run_id(result: dict[str, Any]) -> str:
-  """The run's objective and views: 'simclr', 'otclr', 'moco+ot', ..."""
-  method = str(result['method'])
-  views = result.get('view_generator', '')
-  if method == 'otclr' or (method == 'simclr' and views == 'ot'):
-    return 'otclr'
-  return f'{method}+ot' if views == 'ot' else method
-
-
-# Identity fields shown elsewhere in a row (title, setting), and the seed.
-_SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
-_METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
-
-
-def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-  """`rundir.identity` but the seed as sorted (name, JSON) pairs; () if none."""
-  config = result.get('config')
-  if not isinstance(config, dict):
-    return ()
-  return tuple(sorted(
-      (name, json.dumps(value, sort_keys=True))
-      for name, value in rundir.identity(config).items()
-      if name not in _SHOWN_FIELDS))
-
-
-RunKey = tuple[str, int, str, tuple[tuple[str, str], ...]]
-
-
-def _run_key(result: dict[str, Any]) -> RunKey:
-  """Runs with equal keys are seeds of one run: one row."""
-  missing = [k for k in ('pretrain_dataset', 'batch_size', 'method')
-             if k not in result]
-  if missing:
-    raise ValueError(f'results dict lacks {missing}; expected the output of '
-                     'otclr_jax.evaluation.evaluate.')
-  return (str(result['pretrain_dataset']), int(result['batch_size']),
-          run_id(result), _settings(result))
-
-
-def _setting_of(key: RunKey) -> tuple:
-  """The block of rows a run competes in (and shares a floor with)."""
-  shared = tuple(p for p in key[3] if not p[0].startswith(_METHOD_PREFIXES))
-  return (key[0], key[1], shared)
-
-
-def _sort_key(key: RunKey):
-  # Batch sizes descending, as in the paper (512 before 256).
-  return (key[0], -key[1], key[3], _method_rank(key[2]))
-
-
-def _differing(keys: Sequence[RunKey]) -> list[str]:
-  """The setting names whose values differ between the given runs."""
-  values: dict[str, set[str]] = {}
-  for key in keys:
-    for name, value in key[3]:
-      values.setdefault(name, set()).add(value)
-  return sorted(n for n, v in values.items() if len(v) > 1)
-
-
-def _label(key: RunKey, names: Sequence[str]) -> str:
-  """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
-  own = dict(key[3])
-  return ', '.join(f'{n}={_plain(own[n])}' for n in names if n in own)
-
-
-def _plain(text: str) -> str:
-  value = json.loads(text)
-  return value if isinstance(value, str) else text
-
-
-def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Groups the seeds of each run: equal result-changing settings but the seed.
-
-  Args:
-    results: results dicts, one per run; without a stored `config` grouped
-      by (pretrain_dataset, batch_size, `run_id`).
-
-  Returns:
-    One dict per group, in table order: 'pretrain_dataset', 'batch_size',
-    'method' (`run_id`), 'title', 'label' (how it differs from other groups),
-    'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
-    results with each finite number replaced by its `stat` over the runs.
-  """
-  groups: dict[RunKey, list[dict[str, Any]]] = {}
-  for result in results:
-    groups.setdefault(_run_key(result), []).append(result)
-  names = _differing(list(groups))
-  out = []
-  for key in sorted(groups, key=_sort_key):
-    runs = groups[key]
-    group = {'pretrain_dataset': key[0], 'batch_size': key[1],
-             'method': key[2],
-             'title': runs[0].get('title') or method_name(key[2]),
-             'label': _label(key, names),
-             'settings': {n: json.loads(v) for n, v in key[3]},
-             'setting': _setting_of(key),
-             'n': len(runs),
-             'seeds': [r.get('seed') for r in runs],
-             'steps': [r.get('step') for r in runs]}
-    for section in SECTIONS:
-      group[section] = _aggregate_tree([r.get(section) or {} for r in runs])
-    out.append(group)
-  return out
-
-
-def _floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
-  """random_init stats per setting (`_setting_of`), one run per seed."""
-  by_setting: dict[tuple, dict[Any, dict[str, Any]]] = {}
-  for result in results:
-    by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
-        result.get('seed'), result.get('random_init') or {})
-  return {k: _aggregate_tree(list(v.values())) for k, v in by_setting.items()}
-
-
 def dataset_name(name: str) -> str:
   """Display name: 'cifar10' -> 'CIFAR-10', 'folder:/data/birds' -> 'birds'."""
   if name.startswith('folder:'):
     return os.path.basename(os.path.normpath(name[len('folder:'):])) or name
   return DATASET_NAMES.get(name, name)
-
-
-def method_name(method: str) -> str:
-  return METHOD_NAMES.get(method, method)
 
 
 def _escape(text: str, fmt: str) -> str:
@@ -387,8 +222,8 @@ def _render_latex(spec, rows, body) -> str:
 
 def _datasets(groups, section: str) -> list[str]:
   seen = list(dict.fromkeys(d for g in groups for d in g[section]))
-  return ([d for d in DATASET_ORDER if d in seen]
-          + [d for d in seen if d not in DATASET_ORDER])
+  return ([d for d in aggregate.DATASET_ORDER if d in seen]
+          + [d for d in seen if d not in aggregate.DATASET_ORDER])
 
 
 def _several_settings(groups) -> bool:
@@ -396,7 +231,7 @@ def _several_settings(groups) -> bool:
 
 
 def _last_of_setting(groups, i: int) -> bool:
-  """Whether group i is the last of its setting (`_setting_of`)."""
+  """Whether group i is the last of its setting (`aggregate.setting_of`)."""
   return (i + 1 == len(groups)
           or groups[i + 1]['setting'] != groups[i]['setting'])
 
@@ -430,7 +265,7 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   if unknown or not metrics:
     raise ValueError(f'metrics must be a non-empty subset of '
                      f'{tuple(LINEAR_METRICS)}, got {tuple(metrics)}.')
-  groups = aggregate(results)
+  groups = aggregate.aggregate(results)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   several = _several_settings(groups)
   spec = _Spec(label_headers=('Method',),
@@ -443,7 +278,7 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
     return tuple((section.get(d, {}).get(m),) for d in datasets
                  for m in metrics)
 
-  floors = _floors(results) if include_random_init else {}
+  floors = aggregate.floors(results) if include_random_init else {}
   rows = []
   for i, g in enumerate(groups):
     setting = g['setting']
@@ -468,14 +303,14 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
                    include_random_init: bool = True) -> str:
   """Pretraining dataset x batch size x method, 'Top-1 / Top-5' cells."""
   _check_fmt(fmt)
-  groups = aggregate(results)
+  groups = aggregate.aggregate(results)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Pretraining Dataset', 'Batch Size', 'Method'),
                columns=tuple((dataset_name(d), 'Top-1 / Top-5')
                              for d in datasets),
                directions=(1,) * len(datasets), digits=(2,) * len(datasets),
                merge_labels=2)
-  floors = _floors(results) if include_random_init else {}
+  floors = aggregate.floors(results) if include_random_init else {}
 
   def cells(section):
     return tuple((section.get(d, {}).get('top1'),
@@ -499,7 +334,7 @@ def augmentation_table(results: Sequence[dict[str, Any]],
                        fmt: str = 'markdown') -> str:
   """Cluster and view metrics of the two view generators per encoder."""
   _check_fmt(fmt)
-  groups = aggregate(results)
+  groups = aggregate.aggregate(results)
   several = _several_settings(groups)
   keys = CLUSTER_METRICS + VIEW_METRICS
   arrows = {1: ' ↑', -1: ' ↓'} if fmt == 'markdown' else {
@@ -512,9 +347,9 @@ def augmentation_table(results: Sequence[dict[str, Any]],
   for g in groups:
     encoder = g['title']
     encoder += _suffix(g, several)
-    for generator in sorted(g['views'], key=_method_rank):
+    for generator in sorted(g['views'], key=aggregate.method_rank):
       values = g['views'][generator]
-      rows.append(_Row((encoder, method_name(generator)),
+      rows.append(_Row((encoder, aggregate.method_name(generator)),
                        tuple((values.get(k),) for k, _, _ in keys),
                        block=id(g), highlight=generator == 'otclr',
                        section=id(g)))
@@ -525,7 +360,7 @@ def cluster_table(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
   """K-means cluster metrics of the test features, rows dataset x method."""
   _check_fmt(fmt)
-  groups = aggregate(results)
+  groups = aggregate.aggregate(results)
   several = _several_settings(groups)
   spec = _Spec(label_headers=('Dataset', 'Method'),
                columns=tuple((h, '') for _, h, _ in CLUSTER_METRICS),
@@ -574,121 +409,32 @@ def complexity_table(rows: Sequence[dict[str, Any]],
                merge_labels=1)
   out = []
   for (stage, method), members in grouped.items():
-    values = _aggregate_tree(members)
-    out.append(_Row((stage, method_name(method)),
+    values = aggregate.aggregate_tree(members)
+    out.append(_Row((stage, aggregate.method_name(method)),
                     tuple((values.get(k),) for k, _, _ in COMPLEXITY_COLUMNS),
                     highlight=method == 'otclr', section=stage))
   return _render(spec, out, fmt)
-
-
-# Metrics `paired_differences` compares, with their headers.
-PAIRED_METRICS = (('top1', 'Probe top-1'), ('top5', 'Probe top-5'),
-                  ('knn_top1', 'kNN'))
-
-
-def _baseline(run: str) -> str | None:
-  """The run id an OT-view run is compared with: its objective's augment run."""
-  if run == 'otclr':
-    return 'simclr'
-  return run[:-len('+ot')] if run.endswith('+ot') else None
-
-
-def _paired(values: dict[Any, float], base: dict[Any, float]
-            ) -> dict[str, Any] | None:
-  """The paired comparison of `values` with `base` over their common seeds."""
-  seeds = sorted((s for s in values if s in base), key=str)
-  if len(seeds) < 2:
-    return None
-  diffs = [values[s] - base[s] for s in seeds]
-  summary = stat(diffs)
-  t, p = math.nan, math.nan
-  if summary['std'] > 0:
-    # Student's paired t-test, two-sided, n - 1 degrees of freedom.
-    from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
-    t = summary['mean'] / (summary['std'] / math.sqrt(len(diffs)))
-    p = float(2 * scipy_stats.t.sf(abs(t), len(diffs) - 1))
-  return {'seeds': seeds, 'differences': diffs, **summary, 't': t, 'p': p,
-          'wins': sum(d > 0 for d in diffs)}
-
-
-def _by_seed(runs: dict[Any, dict[str, Any]], section: str, dataset: str,
-             metric: str) -> dict[Any, float]:
-  """{seed: the finite value of section/dataset/metric} of results by seed."""
-  out = {}
-  for seed, result in runs.items():
-    value = ((result.get(section) or {}).get(dataset) or {}).get(metric)
-    if _is_number(value) and math.isfinite(value):
-      out[seed] = float(value)
-  return out
-
-
-def paired_differences(results: Sequence[dict[str, Any]]
-                       ) -> list[dict[str, Any]]:
-  """Seed-by-seed differences: OT views minus augmentations, methods minus floor.
-
-  OT-view runs minus their augment run, every run minus its seed's random
-  init, per probe metric and dataset, over at least two common seeds.
-
-  Returns:
-    One dict per (setting, comparison, dataset, metric): 'pretrain_dataset',
-    'batch_size', 'label', 'method', 'baseline' (a run id or 'random_init'),
-    'dataset', 'metric', 'seeds', 'differences' (percentage points), 'mean',
-    'std', 'n', 't', 'p' (two-sided paired t-test; NaN when the differences
-    do not vary), 'wins' (seeds with a positive difference).
-  """
-  by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
-  for result in results:
-    by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
-                                                       result)
-  names = _differing(list(by_run))
-  rows = []
-  for key in sorted(by_run, key=_sort_key):
-    pretrain, batch, run, settings = key
-    runs = by_run[key]
-    datasets = list(dict.fromkeys(
-        d for r in runs.values() for d in (r.get('linear') or {})))
-    baselines = [(_baseline(run), 'linear')] if _baseline(run) else []
-    baselines.append(('random_init', 'random_init'))
-    for baseline, base_section in baselines:
-      base_runs = (runs if baseline == 'random_init'
-                   else by_run.get((pretrain, batch, baseline, settings), {}))
-      for dataset in datasets:
-        for metric, _ in PAIRED_METRICS:
-          paired = _paired(
-              _by_seed(runs, 'linear', dataset, metric),
-              _by_seed(base_runs, base_section, dataset, metric))
-          if paired:
-            rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
-                         'label': _label(key, names),
-                         'method': run, 'baseline': baseline,
-                         'dataset': dataset, 'metric': metric, **paired})
-  metrics = [m for m, _ in PAIRED_METRICS]
-  # Per setting: view comparisons before the floor's, datasets in paper order.
-  rows.sort(key=lambda r: (
-      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
-      r['label'],
-      r['baseline'] == 'random_init', _method_rank(r['method']),
-      _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
-  return rows
 
 
 def paired_table(results: Sequence[dict[str, Any]],
                  fmt: str = 'markdown') -> str:
   """`paired_differences` as a table; empty when no comparison has 2 seeds."""
   _check_fmt(fmt)
-  rows = paired_differences(results)
+  rows = aggregate.paired_differences(results)
   if not rows:
     return ''
-  titles = {g['method']: g['title'] for g in aggregate(results)}
+  titles = {g['method']: g['title'] for g in aggregate.aggregate(results)}
   headers = ('Dataset', 'Comparison', 'Metric', 'Per seed',
              'Mean ± std', 't', 'p', 'Positive')
-  names = dict(PAIRED_METRICS)
+  names = dict(aggregate.PAIRED_METRICS)
   several = len({(r['pretrain_dataset'], r['batch_size']) for r in rows}) > 1
   body = []
   for r in rows:
     base = (FLOOR_LABEL if r['baseline'] == 'random_init'
-            else titles.get(r['baseline'], method_name(r['baseline'])))
-    comparison = f'{titles.get(r["method"], method_name(r["method"]))} − {base}'
+            else titles.get(r['baseline'],
+                            aggregate.method_name(r['baseline'])))
+    title = titles.get(r['method'], aggregate.method_name(r['method']))
+    comparison = f'{title} − {base}'
     comparison += _suffix(r, several)
     per_seed = ', '.join(f'{d:+.2f}' for d in r['differences'])
     mean = _value_text(r, 2, fmt)

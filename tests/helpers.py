@@ -481,3 +481,55 @@ def fake_results(workdir, step):
   os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
   with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
     json.dump({'step': step}, f)
+
+
+# Evaluation results as results.json holds them.
+
+
+def run_results(method, seed, top1, floor, batch_size=256, pretrain='cifar10'):
+  """A run's results.json: probe top-1 `top1` over a floor `floor`."""
+  views = {'view_distance': 0.5, 'view_cosine': 0.8, 'anchor_distance': 0.6,
+           'pixel_l2': 0.0, 'silhouette': 0.1, 'compactness': 0.05,
+           'centroid_margin': 0.3, 'inter_intra_ratio': 1.0}
+  return {
+      'step': 100, 'checkpoint': f'/runs/{method}{seed}/checkpoints/100',
+      'method': method, 'seed': seed, 'batch_size': batch_size,
+      'pretrain_dataset': pretrain, 'image_size': 32, 'hardware': 'cpu',
+      # SVHN first: the table must still put CIFAR-10 first (paper order).
+      'linear': {'svhn_cropped': {'top1': top1 - 10.0, 'top5': 80.0},
+                 'cifar10': {'top1': top1, 'top5': 90.0, 'knn_top1': 30.0,
+                             'weight_decay': 1e-4, 'num_train': 50000,
+                             'num_test': 10000}},
+      'random_init': {'cifar10': {'top1': floor, 'top5': 50.0}},
+      'clusters': {'cifar10': {'silhouette': 0.02, 'compactness': 0.5,
+                               'centroid_margin': 0.1,
+                               'inter_intra_ratio': 1.1, 'num_points': 10000}},
+      'views': {'simclr': views,
+                'otclr': {**views, 'view_distance': 0.3, 'pixel_l2': 0.17}},
+  }
+
+
+def paired_results(otclr_top1, simclr_top1, floors):
+  """OTCLR and SimCLR results of seeds 0, 1, ... with the given top-1s."""
+  return ([run_results('otclr', s, v, f) for s, (v, f) in
+           enumerate(zip(otclr_top1, floors))]
+          + [run_results('simclr', s, v, f) for s, (v, f) in
+             enumerate(zip(simclr_top1, floors))])
+
+
+def configured_results(method, seed, top1, floor, **fields):
+  """`run_results` with its stored digits config, `fields` overridden."""
+  from configs import default  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.method, config.seed, config.dataset = method, seed, 'digits'
+  config.batch_size = 64
+  for name, value in fields.items():
+    *parents, leaf = name.split('.')
+    node = config
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  result = run_results(method, seed, top1, floor, batch_size=64,
+                       pretrain='digits')
+  result['config'] = config.to_dict()
+  return result

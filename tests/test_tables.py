@@ -1,74 +1,16 @@
 """Tests of the Markdown / LaTeX result tables."""
 
-import numpy as np
-import pytest
-
+from otclr_jax import aggregate
 from otclr_jax import tables
-from tests.helpers import EPS64
-from tests.helpers import mean_std_rtol
-from tests.helpers import rounding_tol
-
-
-def _run(method, seed, top1, floor, batch_size=256, pretrain='cifar10'):
-  views = {'view_distance': 0.5, 'view_cosine': 0.8, 'anchor_distance': 0.6,
-           'pixel_l2': 0.0, 'silhouette': 0.1, 'compactness': 0.05,
-           'centroid_margin': 0.3, 'inter_intra_ratio': 1.0}
-  return {
-      'step': 100, 'checkpoint': f'/runs/{method}{seed}/checkpoints/100',
-      'method': method, 'seed': seed, 'batch_size': batch_size,
-      'pretrain_dataset': pretrain, 'image_size': 32, 'hardware': 'cpu',
-      # SVHN first: the table must still put CIFAR-10 first (paper order).
-      'linear': {'svhn_cropped': {'top1': top1 - 10.0, 'top5': 80.0},
-                 'cifar10': {'top1': top1, 'top5': 90.0, 'knn_top1': 30.0,
-                             'weight_decay': 1e-4, 'num_train': 50000,
-                             'num_test': 10000}},
-      'random_init': {'cifar10': {'top1': floor, 'top5': 50.0}},
-      'clusters': {'cifar10': {'silhouette': 0.02, 'compactness': 0.5,
-                               'centroid_margin': 0.1,
-                               'inter_intra_ratio': 1.1, 'num_points': 10000}},
-      'views': {'simclr': views,
-                'otclr': {**views, 'view_distance': 0.3, 'pixel_l2': 0.17}},
-  }
+from tests.helpers import configured_results
+from tests.helpers import paired_results
+from tests.helpers import run_results
 
 
 # Listed out of order on purpose: OTCLR before SimCLR.
-RESULTS = [_run('otclr', 0, 46.5, floor=10.0), _run('simclr', 0, 40.0, 10.0),
-           _run('otclr', 1, 47.5, floor=12.0)]
-
-
-def test_aggregate_matches_numpy():
-  rng = np.random.default_rng(0)
-  values = rng.uniform(20, 60, size=3)
-  runs = [_run('otclr', s, float(v), floor=1.0) for s, v in enumerate(values)]
-  runs[2]['linear']['cifar10']['top5'] = None  # a missing value
-  (group,) = tables.aggregate(runs)
-  top1 = group['linear']['cifar10']['top1']
-  rtol_mean, rtol_std = mean_std_rtol(values)
-  np.testing.assert_allclose(top1['mean'], np.mean(values), rtol=rtol_mean)
-  np.testing.assert_allclose(top1['std'], np.std(values, ddof=1),
-                             rtol=rtol_std)
-  assert top1['n'] == 3
-  assert group['linear']['cifar10']['top5'] == {'mean': 90.0, 'std': 0.0,
-                                                'n': 2}
-  assert (group['n'], group['seeds'], group['steps']) == (3, [0, 1, 2],
-                                                          [100] * 3)
-  # The mean of three equal values: 3 + 2 roundings.
-  assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(
-      0.17, rel=rounding_tol(5, eps=EPS64))
-
-
-def test_aggregate_groups_and_orders():
-  runs = RESULTS + [_run('simclr', 0, 30.0, 5.0, batch_size=512),
-                    _run('otclr', 0, 30.0, 5.0, pretrain='imagenet300')]
-  keys = [(g['pretrain_dataset'], g['batch_size'], g['method'], g['n'])
-          for g in tables.aggregate(runs)]
-  assert keys == [('cifar10', 512, 'simclr', 1), ('cifar10', 256, 'simclr', 1),
-                  ('cifar10', 256, 'otclr', 2),
-                  ('imagenet300', 256, 'otclr', 1)]
-  single = tables.aggregate(RESULTS[1:2])[0]['linear']['cifar10']['top1']
-  assert single == {'mean': 40.0, 'std': None, 'n': 1}
-  with pytest.raises(ValueError, match='lacks'):
-    tables.aggregate([{'method': 'otclr'}])
+RESULTS = [run_results('otclr', 0, 46.5, floor=10.0),
+           run_results('simclr', 0, 40.0, 10.0),
+           run_results('otclr', 1, 47.5, floor=12.0)]
 
 
 def test_linear_table_markdown():
@@ -113,7 +55,7 @@ def test_single_run_table_has_plain_values_and_no_bold():
 
 
 def test_ablation_table_latex_multirow_and_cell_colour():
-  runs = RESULTS + [_run('simclr', 0, 30.0, 5.0, batch_size=512)]
+  runs = RESULTS + [run_results('simclr', 0, 30.0, 5.0, batch_size=512)]
   lines = tables.ablation_table(runs, 'latex', datasets=['cifar10'],
                                 include_random_init=False).splitlines()
   assert lines[2] == (r'\multirow{2}{*}{\textbf{Pretraining Dataset}} & '
@@ -189,16 +131,16 @@ def test_complexity_table():
 
 
 def test_names_are_escaped():
-  run = _run('simclr', 0, 40.0, 10.0)
+  run = run_results('simclr', 0, 40.0, 10.0)
   run['linear'] = {'folder:/data/my_pets': {'top1': 1.0, 'top5': 2.0}}
   assert r'\textbf{my\_pets}' in tables.linear_table([run], 'latex')
   assert '| my_pets Top-1 |' in tables.linear_table([run])
 
 
 def test_linear_table_labels_stored_and_clean_batchnorm_rows():
-  run = _run('otclr', 0, 46.5, floor=10.0)
+  run = run_results('otclr', 0, 46.5, floor=10.0)
   run['linear_clean_bn'] = {'cifar10': {'top1': 48.0, 'top5': 91.0}}
-  lines = tables.linear_table([run, _run('simclr', 0, 40.0, 10.0)],
+  lines = tables.linear_table([run, run_results('simclr', 0, 40.0, 10.0)],
                               datasets=['cifar10']).splitlines()
   assert lines[2:] == [
       '| SimCLR | 40.00 | 90.00 |',
@@ -209,49 +151,8 @@ def test_linear_table_labels_stored_and_clean_batchnorm_rows():
   assert '(BN:' not in tables.linear_table(RESULTS)
 
 
-def _paired_runs(otclr_top1, simclr_top1, floors):
-  return ([_run('otclr', s, v, f) for s, (v, f) in
-           enumerate(zip(otclr_top1, floors))]
-          + [_run('simclr', s, v, f) for s, (v, f) in
-             enumerate(zip(simclr_top1, floors))])
-
-
-def test_paired_differences_match_the_t_test_by_hand():
-  otclr, simclr, floors = [46.0, 47.5, 45.0], [45.0, 46.0, 45.5], [40, 41, 39]
-  rows = tables.paired_differences(_paired_runs(otclr, simclr, floors))
-  row = next(r for r in rows if (r['method'], r['baseline'], r['dataset'],
-                                 r['metric']) == ('otclr', 'simclr',
-                                                  'cifar10', 'top1'))
-  diffs = np.subtract(otclr, simclr)
-  # Differences of halves: exact.
-  np.testing.assert_array_equal(row['differences'], diffs)
-  t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(3))
-  # float64: the mean's and deviation's errors, sqrt(3) and two divisions
-  # (5).
-  rtol_mean, rtol_std = mean_std_rtol(diffs)
-  rtol_t = rtol_mean + rtol_std + rounding_tol(5, eps=EPS64)
-  np.testing.assert_allclose(row['t'], t, rtol=rtol_t)
-  # Student's t with 2 degrees of freedom: P(|T| > t) = 1 - t / sqrt(t^2 + 2).
-  # t's error moves p by |dp/dt| t / p = 2 t / ((t^2 + 2)^1.5 p) relative;
-  # the closed form (5) and scipy's survival function (a special function,
-  # 12) round relative to 1, which 1 - ... cancels down to p (k = 1 / p).
-  p = 1 - t / np.sqrt(t**2 + 2)
-  rtol_p = (2 * t / ((t**2 + 2) ** 1.5 * p) * rtol_t
-            + rounding_tol(5 + 12, k=1 / p, eps=EPS64))
-  np.testing.assert_allclose(row['p'], p, rtol=rtol_p)
-  assert (row['seeds'], row['wins'], row['n']) == ([0, 1, 2], 2, 3)
-  floor = next(r for r in rows if (r['method'], r['baseline'], r['metric'])
-               == ('simclr', 'random_init', 'top1'))
-  # Halves minus integers: exact.
-  np.testing.assert_array_equal(floor['differences'],
-                                np.subtract(simclr, floors))
-  # Only seeds both sides have are paired; one common seed is no comparison.
-  rows = tables.paired_differences(_paired_runs(otclr, simclr[:1], floors))
-  assert not [r for r in rows if r['baseline'] == 'simclr']
-
-
 def test_paired_table_is_in_the_report_with_several_seeds_only():
-  runs = _paired_runs([46.0, 47.5], [45.0, 46.0], [40, 41])
+  runs = paired_results([46.0, 47.5], [45.0, 46.0], [40, 41])
   for fmt in tables.FORMATS:
     table = tables.paired_table(runs, fmt)
     assert '+1.00, +1.50' in table and '2/2' in table
@@ -261,7 +162,7 @@ def test_paired_table_is_in_the_report_with_several_seeds_only():
   # Equal differences: no spread, so no t statistic and no p-value.
   assert ('| CIFAR-10 | OTCLR − SimCLR | Probe top-5 | +0.00, +0.00 | '
           '0.00 ± 0.00 | – | – | 0/2 |') in markdown
-  single = _paired_runs([46.0], [45.0], [40])
+  single = paired_results([46.0], [45.0], [40])
   assert tables.paired_table(single) == ''
   assert 'Paired differences' not in tables.render_report(single)
 
@@ -270,26 +171,10 @@ def test_paired_table_is_in_the_report_with_several_seeds_only():
 # Runs share a row only when their stored configs agree on all but the seed.
 
 
-def _configured(method, seed, top1, floor, **fields):
-  from configs import default  # pylint: disable=g-import-not-at-top
-  config = default.get_config()
-  config.method, config.seed, config.dataset = method, seed, 'digits'
-  config.batch_size = 64
-  for name, value in fields.items():
-    *parents, leaf = name.split('.')
-    node = config
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  result = _run(method, seed, top1, floor, batch_size=64, pretrain='digits')
-  result['config'] = config.to_dict()
-  return result
-
-
 def test_runs_of_other_settings_are_other_rows_labelled_by_what_differs():
-  results = [_configured('otclr', 0, 94.7, 30.0, **{'ot.epsilon': 0.05}),
-             _configured('otclr', 0, 97.5, 30.0, **{'ot.epsilon': 0.5})]
-  groups = tables.aggregate(results)
+  results = [configured_results('otclr', 0, 94.7, 30.0, **{'ot.epsilon': 0.05}),
+             configured_results('otclr', 0, 97.5, 30.0, **{'ot.epsilon': 0.5})]
+  groups = aggregate.aggregate(results)
   assert [g['n'] for g in groups] == [1, 1]
   table = tables.linear_table(results, metrics=('top1',))
   assert '(n=2)' not in table and '±' not in table
@@ -297,14 +182,9 @@ def test_runs_of_other_settings_are_other_rows_labelled_by_what_differs():
   # The floors follow the rows: one per setting, never pooled across them.
   assert table.count(tables.FLOOR_LABEL) == 2
   # Seeds of one setting still share a row, and then no label is needed.
-  seeds = [_configured('otclr', s, 90.0 + s, 30.0) for s in (0, 1)]
-  (group,) = tables.aggregate(seeds)
+  seeds = [configured_results('otclr', s, 90.0 + s, 30.0) for s in (0, 1)]
+  (group,) = aggregate.aggregate(seeds)
   assert group['n'] == 2
   assert 'ot.epsilon' not in tables.linear_table(seeds)
 
 
-def test_only_fields_that_change_a_result_split_rows():
-  results = [_configured('otclr', 0, 94.7, 30.0, log_every_steps=5),
-             _configured('otclr', 1, 97.5, 30.0, **{'eval.probe_steps': 9})]
-  (group,) = tables.aggregate(results)
-  assert group['n'] == 2

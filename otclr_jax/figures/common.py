@@ -10,9 +10,9 @@ from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 import ml_collections
 
+from otclr_jax import aggregate
 from otclr_jax import config_files
 from otclr_jax import rundir
-from otclr_jax import tables
 
 # The paper's markers: SimCLR views, OTCLR views, clean anchors.
 VIEW_STYLES = {
@@ -85,5 +85,5 @@ def run_label(workdir: str, results: dict[str, Any] | None = None) -> str:
   """'SimCLR (dir name)' when the method is known, else the dir name."""
   name = pathlib.Path(workdir).resolve().name
   if results and results.get('method'):
-    return f'{tables.method_name(results["method"])} ({name})'
+    return f'{aggregate.method_name(results["method"])} ({name})'
   return name

@@ -1,0 +1,270 @@
+"""Runs grouped into table rows: statistics over seeds, paired differences.
+
+The seeds of a run are one row: runs whose stored configs agree in every
+result-changing field but the seed (`rundir.identity`). A row's numbers are
+`stat`s, `46.90 ± 0.40 (n=3)` with std at ddof = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from typing import Any, Iterable, Sequence
+
+from otclr_jax import rundir
+
+METHOD_NAMES = {'simclr': 'SimCLR', 'otclr': 'OTCLR'}
+# Row order: each method, then it with OT views (run ids of `run_id`).
+RUN_ORDER = ('simclr', 'otclr', 'moco', 'moco+ot', 'byol', 'byol+ot', 'dino',
+             'dino+ot')
+# The paper's column order; other datasets follow in order of appearance.
+DATASET_ORDER = ('cifar10', 'cifar100', 'food101', 'oxford_iiit_pet', 'stl10',
+                 'svhn_cropped')
+SECTIONS = ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn')
+
+
+def stat(values: Iterable[float]) -> dict[str, Any]:
+  """{'mean', 'std', 'n'} of numbers; std has ddof = 1 and is None for n = 1."""
+  values = [float(v) for v in values]
+  if not values:
+    raise ValueError('stat needs at least one value.')
+  std = statistics.stdev(values) if len(values) > 1 else None
+  return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
+
+
+def is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Numbers at equal paths become stats; missing and null values skipped."""
+  keys = list(dict.fromkeys(k for t in trees for k in t))
+  out = {}
+  for key in keys:
+    values = [t[key] for t in trees if t.get(key) is not None]
+    if values and all(isinstance(v, dict) for v in values):
+      out[key] = aggregate_tree(values)
+    elif values and all(is_number(v) for v in values):
+      finite = [v for v in values if math.isfinite(v)]
+      if finite:
+        out[key] = stat(finite)
+  return out
+
+
+def _rank(order: Sequence[str], name: str) -> tuple[int, str]:
+  """Sort key: position in `order`, names outside it after, by name."""
+  return (order.index(name) if name in order else len(order), name)
+
+
+def method_rank(method: str) -> tuple[int, str]:
+  return _rank(RUN_ORDER, method)
+
+
+def run_id(result: dict[str, Any]) -> str:
+  """The run's objective and views: 'simclr', 'otclr', 'moco+ot', ..."""
+  method = str(result['method'])
+  views = result.get('view_generator', '')
+  if method == 'otclr' or (method == 'simclr' and views == 'ot'):
+    return 'otclr'
+  return f'{method}+ot' if views == 'ot' else method
+
+
+# Identity fields shown elsewhere in a row (title, setting), and the seed.
+_SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
+_METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
+
+
+def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+  """`rundir.identity` but the seed as sorted (name, JSON) pairs; () if none."""
+  config = result.get('config')
+  if not isinstance(config, dict):
+    return ()
+  return tuple(sorted(
+      (name, json.dumps(value, sort_keys=True))
+      for name, value in rundir.identity(config).items()
+      if name not in _SHOWN_FIELDS))
+
+
+RunKey = tuple[str, int, str, tuple[tuple[str, str], ...]]
+
+
+def _run_key(result: dict[str, Any]) -> RunKey:
+  """Runs with equal keys are seeds of one run: one row."""
+  missing = [k for k in ('pretrain_dataset', 'batch_size', 'method')
+             if k not in result]
+  if missing:
+    raise ValueError(f'results dict lacks {missing}; expected the output of '
+                     'otclr_jax.evaluation.evaluate.')
+  return (str(result['pretrain_dataset']), int(result['batch_size']),
+          run_id(result), _settings(result))
+
+
+def setting_of(key: RunKey) -> tuple:
+  """The block of rows a run competes in (and shares a floor with)."""
+  shared = tuple(p for p in key[3] if not p[0].startswith(_METHOD_PREFIXES))
+  return (key[0], key[1], shared)
+
+
+def _sort_key(key: RunKey):
+  # Batch sizes descending, as in the paper (512 before 256).
+  return (key[0], -key[1], key[3], method_rank(key[2]))
+
+
+def _differing(keys: Sequence[RunKey]) -> list[str]:
+  """The setting names whose values differ between the given runs."""
+  values: dict[str, set[str]] = {}
+  for key in keys:
+    for name, value in key[3]:
+      values.setdefault(name, set()).add(value)
+  return sorted(n for n, v in values.items() if len(v) > 1)
+
+
+def _label(key: RunKey, names: Sequence[str]) -> str:
+  """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
+  own = dict(key[3])
+  return ', '.join(f'{n}={_plain(own[n])}' for n in names if n in own)
+
+
+def _plain(text: str) -> str:
+  value = json.loads(text)
+  return value if isinstance(value, str) else text
+
+
+def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Groups the seeds of each run: equal result-changing settings but the seed.
+
+  Args:
+    results: results dicts, one per run; without a stored `config` grouped
+      by (pretrain_dataset, batch_size, `run_id`).
+
+  Returns:
+    One dict per group, in table order: 'pretrain_dataset', 'batch_size',
+    'method' (`run_id`), 'title', 'label' (how it differs from other groups),
+    'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
+    results with each finite number replaced by its `stat` over the runs.
+  """
+  groups: dict[RunKey, list[dict[str, Any]]] = {}
+  for result in results:
+    groups.setdefault(_run_key(result), []).append(result)
+  names = _differing(list(groups))
+  out = []
+  for key in sorted(groups, key=_sort_key):
+    runs = groups[key]
+    group = {'pretrain_dataset': key[0], 'batch_size': key[1],
+             'method': key[2],
+             'title': runs[0].get('title') or method_name(key[2]),
+             'label': _label(key, names),
+             'settings': {n: json.loads(v) for n, v in key[3]},
+             'setting': setting_of(key),
+             'n': len(runs),
+             'seeds': [r.get('seed') for r in runs],
+             'steps': [r.get('step') for r in runs]}
+    for section in SECTIONS:
+      group[section] = aggregate_tree([r.get(section) or {} for r in runs])
+    out.append(group)
+  return out
+
+
+def floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
+  """random_init stats per setting (`setting_of`), one run per seed."""
+  by_setting: dict[tuple, dict[Any, dict[str, Any]]] = {}
+  for result in results:
+    by_setting.setdefault(setting_of(_run_key(result)), {}).setdefault(
+        result.get('seed'), result.get('random_init') or {})
+  return {k: aggregate_tree(list(v.values())) for k, v in by_setting.items()}
+
+
+def method_name(method: str) -> str:
+  return METHOD_NAMES.get(method, method)
+
+
+# Metrics `paired_differences` compares, with their headers.
+PAIRED_METRICS = (('top1', 'Probe top-1'), ('top5', 'Probe top-5'),
+                  ('knn_top1', 'kNN'))
+
+
+def _baseline(run: str) -> str | None:
+  """The run id an OT-view run is compared with: its objective's augment run."""
+  if run == 'otclr':
+    return 'simclr'
+  return run[:-len('+ot')] if run.endswith('+ot') else None
+
+
+def _paired(values: dict[Any, float], base: dict[Any, float]
+            ) -> dict[str, Any] | None:
+  """The paired comparison of `values` with `base` over their common seeds."""
+  seeds = sorted((s for s in values if s in base), key=str)
+  if len(seeds) < 2:
+    return None
+  diffs = [values[s] - base[s] for s in seeds]
+  summary = stat(diffs)
+  t, p = math.nan, math.nan
+  if summary['std'] > 0:
+    # Student's paired t-test, two-sided, n - 1 degrees of freedom.
+    from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+    t = summary['mean'] / (summary['std'] / math.sqrt(len(diffs)))
+    p = float(2 * scipy_stats.t.sf(abs(t), len(diffs) - 1))
+  return {'seeds': seeds, 'differences': diffs, **summary, 't': t, 'p': p,
+          'wins': sum(d > 0 for d in diffs)}
+
+
+def _by_seed(runs: dict[Any, dict[str, Any]], section: str, dataset: str,
+             metric: str) -> dict[Any, float]:
+  """{seed: the finite value of section/dataset/metric} of results by seed."""
+  out = {}
+  for seed, result in runs.items():
+    value = ((result.get(section) or {}).get(dataset) or {}).get(metric)
+    if is_number(value) and math.isfinite(value):
+      out[seed] = float(value)
+  return out
+
+
+def paired_differences(results: Sequence[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+  """Seed-by-seed differences: OT views minus augmentations, methods minus floor.
+
+  OT-view runs minus their augment run, every run minus its seed's random
+  init, per probe metric and dataset, over at least two common seeds.
+
+  Returns:
+    One dict per (setting, comparison, dataset, metric): 'pretrain_dataset',
+    'batch_size', 'label', 'method', 'baseline' (a run id or 'random_init'),
+    'dataset', 'metric', 'seeds', 'differences' (percentage points), 'mean',
+    'std', 'n', 't', 'p' (two-sided paired t-test; NaN when the differences
+    do not vary), 'wins' (seeds with a positive difference).
+  """
+  by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
+  for result in results:
+    by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
+                                                       result)
+  names = _differing(list(by_run))
+  rows = []
+  for key in sorted(by_run, key=_sort_key):
+    pretrain, batch, run, settings = key
+    runs = by_run[key]
+    datasets = list(dict.fromkeys(
+        d for r in runs.values() for d in (r.get('linear') or {})))
+    baselines = [(_baseline(run), 'linear')] if _baseline(run) else []
+    baselines.append(('random_init', 'random_init'))
+    for baseline, base_section in baselines:
+      base_runs = (runs if baseline == 'random_init'
+                   else by_run.get((pretrain, batch, baseline, settings), {}))
+      for dataset in datasets:
+        for metric, _ in PAIRED_METRICS:
+          paired = _paired(
+              _by_seed(runs, 'linear', dataset, metric),
+              _by_seed(base_runs, base_section, dataset, metric))
+          if paired:
+            rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
+                         'label': _label(key, names),
+                         'method': run, 'baseline': baseline,
+                         'dataset': dataset, 'metric': metric, **paired})
+  metrics = [m for m, _ in PAIRED_METRICS]
+  # Per setting: view comparisons before the floor's, datasets in paper order.
+  rows.sort(key=lambda r: (
+      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
+      r['label'],
+      r['baseline'] == 'random_init', method_rank(r['method']),
+      _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
+  return rows

@@ -1,0 +1,97 @@
+"""Tests of the grouping of runs into rows: statistics over seeds, paired
+differences (otclr_jax/aggregate.py)."""
+
+import numpy as np
+import pytest
+
+from otclr_jax import aggregate
+from tests.helpers import EPS64
+from tests.helpers import configured_results
+from tests.helpers import mean_std_rtol
+from tests.helpers import paired_results
+from tests.helpers import rounding_tol
+from tests.helpers import run_results
+
+# Listed out of order on purpose: OTCLR before SimCLR.
+RESULTS = [run_results('otclr', 0, 46.5, floor=10.0),
+           run_results('simclr', 0, 40.0, 10.0),
+           run_results('otclr', 1, 47.5, floor=12.0)]
+
+
+def test_aggregate_matches_numpy():
+  rng = np.random.default_rng(0)
+  values = rng.uniform(20, 60, size=3)
+  runs = [run_results('otclr', s, float(v), floor=1.0)
+          for s, v in enumerate(values)]
+  runs[2]['linear']['cifar10']['top5'] = None  # a missing value
+  (group,) = aggregate.aggregate(runs)
+  top1 = group['linear']['cifar10']['top1']
+  rtol_mean, rtol_std = mean_std_rtol(values)
+  np.testing.assert_allclose(top1['mean'], np.mean(values), rtol=rtol_mean)
+  np.testing.assert_allclose(top1['std'], np.std(values, ddof=1),
+                             rtol=rtol_std)
+  assert top1['n'] == 3
+  assert group['linear']['cifar10']['top5'] == {'mean': 90.0, 'std': 0.0,
+                                                'n': 2}
+  assert (group['n'], group['seeds'], group['steps']) == (3, [0, 1, 2],
+                                                          [100] * 3)
+  # The mean of three equal values: 3 + 2 roundings.
+  assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(
+      0.17, rel=rounding_tol(5, eps=EPS64))
+
+
+def test_aggregate_groups_and_orders():
+  runs = RESULTS + [run_results('simclr', 0, 30.0, 5.0, batch_size=512),
+                    run_results('otclr', 0, 30.0, 5.0, pretrain='imagenet300')]
+  keys = [(g['pretrain_dataset'], g['batch_size'], g['method'], g['n'])
+          for g in aggregate.aggregate(runs)]
+  assert keys == [('cifar10', 512, 'simclr', 1), ('cifar10', 256, 'simclr', 1),
+                  ('cifar10', 256, 'otclr', 2),
+                  ('imagenet300', 256, 'otclr', 1)]
+  single = aggregate.aggregate(RESULTS[1:2])[0]['linear']['cifar10']['top1']
+  assert single == {'mean': 40.0, 'std': None, 'n': 1}
+  with pytest.raises(ValueError, match='lacks'):
+    aggregate.aggregate([{'method': 'otclr'}])
+
+
+def test_paired_differences_match_the_t_test_by_hand():
+  otclr, simclr, floors = [46.0, 47.5, 45.0], [45.0, 46.0, 45.5], [40, 41, 39]
+  rows = aggregate.paired_differences(paired_results(otclr, simclr, floors))
+  row = next(r for r in rows if (r['method'], r['baseline'], r['dataset'],
+                                 r['metric']) == ('otclr', 'simclr',
+                                                  'cifar10', 'top1'))
+  diffs = np.subtract(otclr, simclr)
+  # Differences of halves: exact.
+  np.testing.assert_array_equal(row['differences'], diffs)
+  t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(3))
+  # float64: the mean's and deviation's errors, sqrt(3) and two divisions
+  # (5).
+  rtol_mean, rtol_std = mean_std_rtol(diffs)
+  rtol_t = rtol_mean + rtol_std + rounding_tol(5, eps=EPS64)
+  np.testing.assert_allclose(row['t'], t, rtol=rtol_t)
+  # Student's t with 2 degrees of freedom: P(|T| > t) = 1 - t / sqrt(t^2 + 2).
+  # t's error moves p by |dp/dt| t / p = 2 t / ((t^2 + 2)^1.5 p) relative;
+  # the closed form (5) and scipy's survival function (a special function,
+  # 12) round relative to 1, which 1 - ... cancels down to p (k = 1 / p).
+  p = 1 - t / np.sqrt(t**2 + 2)
+  rtol_p = (2 * t / ((t**2 + 2) ** 1.5 * p) * rtol_t
+            + rounding_tol(5 + 12, k=1 / p, eps=EPS64))
+  np.testing.assert_allclose(row['p'], p, rtol=rtol_p)
+  assert (row['seeds'], row['wins'], row['n']) == ([0, 1, 2], 2, 3)
+  floor = next(r for r in rows if (r['method'], r['baseline'], r['metric'])
+               == ('simclr', 'random_init', 'top1'))
+  # Halves minus integers: exact.
+  np.testing.assert_array_equal(floor['differences'],
+                                np.subtract(simclr, floors))
+  # Only seeds both sides have are paired; one common seed is no comparison.
+  rows = aggregate.paired_differences(
+      paired_results(otclr, simclr[:1], floors))
+  assert not [r for r in rows if r['baseline'] == 'simclr']
+
+
+def test_only_fields_that_change_a_result_split_rows():
+  results = [configured_results('otclr', 0, 94.7, 30.0, log_every_steps=5),
+             configured_results('otclr', 1, 97.5, 30.0,
+                                **{'eval.probe_steps': 9})]
+  (group,) = aggregate.aggregate(results)
+  assert group['n'] == 2
