@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 import os
-import platform
 from typing import Any, Callable, Iterable
 
 from absl import logging
@@ -208,36 +206,6 @@ def total_steps_for(config: ml_collections.ConfigDict,
 
 def count_params(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
-
-
-def _cpu_flags_digest() -> str:
-  """12 hex digits naming this CPU's instruction-set flags (/proc/cpuinfo)."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      flags = next((line for line in f if line.startswith('flags')), '')
-  except OSError:
-    flags = ''
-  return hashlib.sha256((flags or platform.processor()
-                         or platform.machine()).encode()).hexdigest()[:12]
-
-
-def use_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
-  """Points XLA's persistent compilation cache at `config.compilation_cache_dir`.
-
-  On CPU, one subdirectory per instruction set (not in JAX's cache key). A
-  no-op if the field is '' or $JAX_COMPILATION_CACHE_DIR is set.
-
-  Returns:
-    The directory in use, or None when this left JAX's setting alone.
-  """
-  if not config.compilation_cache_dir or os.environ.get(
-      'JAX_COMPILATION_CACHE_DIR'):
-    return None
-  path = os.path.expanduser(config.compilation_cache_dir)
-  if jax.default_backend() == 'cpu':
-    path = os.path.join(path, f'cpu-{_cpu_flags_digest()}')
-  jax.config.update('jax_compilation_cache_dir', path)
-  return path
 
 
 def make_mesh(devices=None) -> Mesh:

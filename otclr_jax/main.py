@@ -15,7 +15,9 @@ SIGTERM/SIGINT (rerun to resume); 1 anything else, e.g. a full disk.
 
 import contextlib
 import errno
+import hashlib
 import os
+import platform
 import re
 import sys
 from typing import Any, Iterable
@@ -24,6 +26,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+import ml_collections
 from ml_collections import config_flags
 
 from otclr_jax import checkpoint
@@ -65,6 +68,36 @@ EXIT_PEER_LOST = 1  # likewise
 
 _ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
         'num_processes': 'JAX_NUM_PROCESSES', 'process_id': 'JAX_PROCESS_ID'}
+
+
+def _cpu_flags_digest() -> str:
+  """12 hex digits naming this CPU's instruction-set flags (/proc/cpuinfo)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      flags = next((line for line in f if line.startswith('flags')), '')
+  except OSError:
+    flags = ''
+  return hashlib.sha256((flags or platform.processor()
+                         or platform.machine()).encode()).hexdigest()[:12]
+
+
+def use_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
+  """Points XLA's persistent compilation cache at `config.compilation_cache_dir`.
+
+  On CPU, one subdirectory per instruction set (not in JAX's cache key). A
+  no-op if the field is '' or $JAX_COMPILATION_CACHE_DIR is set.
+
+  Returns:
+    The directory in use, or None when this left JAX's setting alone.
+  """
+  if not config.compilation_cache_dir or os.environ.get(
+      'JAX_COMPILATION_CACHE_DIR'):
+    return None
+  path = os.path.expanduser(config.compilation_cache_dir)
+  if jax.default_backend() == 'cpu':
+    path = os.path.join(path, f'cpu-{_cpu_flags_digest()}')
+  jax.config.update('jax_compilation_cache_dir', path)
+  return path
 
 
 def distributed_settings(distributed: bool, coordinator_address: str | None,
@@ -218,7 +251,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   except rundir.PathError as e:
     logging.error('%s', e)
     return EXIT_USAGE
-  cache = experiment.use_compilation_cache(config)
+  cache = use_compilation_cache(config)
   if cache:
     logging.info('XLA compilation cache: %s', cache)
   try:

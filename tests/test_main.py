@@ -292,10 +292,10 @@ def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
   out = run_python(f"""
       import jax
       from configs import default
-      from otclr_jax import experiment
+      from otclr_jax import main
       config = default.get_config()
       config.compilation_cache_dir = {str(cache)!r}
-      print(experiment.use_compilation_cache(config))
+      print(main.use_compilation_cache(config))
       jax.jit(lambda x: x * 2.0 + 1.0)(3.0).block_until_ready()
       """, cwd=tmp_path, env={
           # Without the test session's own cache variable, which would take
@@ -313,10 +313,10 @@ def test_compilation_cache_leaves_jax_alone_when_told(monkeypatch):
   config = tiny_config('unused')
   config.compilation_cache_dir = '/never/used'
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', '/set/by/the/user')
-  assert experiment.use_compilation_cache(config) is None
+  assert main.use_compilation_cache(config) is None
   monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR')
   config.compilation_cache_dir = ''
-  assert experiment.use_compilation_cache(config) is None
+  assert main.use_compilation_cache(config) is None
 
 
 def test_training_that_finished_is_0_while_another_evaluation_runs(
