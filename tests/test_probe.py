@@ -137,7 +137,9 @@ def _reference_protocol(train_x, train_y, test_x, test_y, grid):
   The same held-out split, standardisation, grid, tie-breaks (held-out
   top-1, then held-out cross-entropy, then grid order) and refit; sklearn
   minimises sum CE + 1 / (2 C) ||W||^2 with the bias unpenalised, i.e. ours
-  times n with C = 1 / (lambda n).
+  times n with C = 1 / (lambda n). Newton-CG: at tol 1e-10 its weights agree
+  with sklearn's Newton-Cholesky to 1e-7 where L-BFGS's stop 3e-5 away, in a
+  tenth of L-BFGS's time.
   """
   train_x = train_x.astype(np.float64)
   test_x = test_x.astype(np.float64)
@@ -145,7 +147,8 @@ def _reference_protocol(train_x, train_y, test_x, test_y, grid):
 
   def fit(x, y, l2):
     return linear_model.LogisticRegression(
-        C=1.0 / (l2 * len(x)), tol=1e-10, max_iter=100_000).fit(x, y)
+        C=1.0 / (l2 * len(x)), solver='newton-cg', tol=1e-10,
+        max_iter=100_000).fit(x, y)
 
   def standardise(rows):
     std = rows.std(0)
