@@ -28,8 +28,7 @@ def check_evaluable(name: str,
                     download: bool = True) -> Evaluable:
   """Checks that evaluation (a probe and kNN on train, scored on test) can run.
 
-  Loads the train and test splits (preparing their caches, which evaluation
-  reads later) and trains nothing.
+  Loads (and so caches) the train and test splits; trains nothing.
 
   Args:
     name: dataset name, as in `load_split`.
@@ -41,10 +40,9 @@ def check_evaluable(name: str,
     The sizes found.
 
   Raises:
-    NotEvaluableError: one line naming the dataset, when it does not exist or
-      cannot be prepared, lacks a train or test split, its splits disagree on
-      the class list (`load_splits`), it has fewer than two classes with
-      train examples, or its test split has classes without train examples.
+    NotEvaluableError: the dataset cannot be loaded, lacks a train or test
+      split, its splits' class lists differ, it has fewer than two classes
+      with train examples, or test classes without train examples.
   """
   try:
     loaded = cache.load_splits(name, _SPLITS, image_size, data_dir,

@@ -25,10 +25,9 @@ class Split(NamedTuple):
 
 
 class DataError(cli.UsageError):
-  """A dataset, split or batch size that cannot work, said in one line.
+  """A dataset, split or batch size that cannot work: one line naming it.
 
-  Every message names the dataset (and split, sizes or file) concerned; a
-  command line turns it into exit status 2 without a traceback.
+  A command line turns it into exit status 2 without a traceback.
   """
 
 
@@ -47,6 +46,5 @@ class NotEvaluableError(DataError):
 class DatasetUnavailableError(DataError):
   """A tfds dataset is neither prepared under data_dir nor downloadable.
 
-  The first line of the message says which and why; the lines after it say
-  how to provide the data.
+  The message's first line says why; the next lines how to provide the data.
   """
