@@ -1,21 +1,8 @@
 """The dataset registry: names, splits, and what each split is made from.
 
-Datasets (`name` argument of `load_split`):
-
-* tensorflow-datasets builders and `imagenet300`: see `tfds_sources`.
-* `folder:/path/to/root`: an image tree, see `folder`.
-* `digits` (default, needs no download): `sklearn.datasets.load_digits`,
-  1797 8x8 grayscale images with values 0..16, scaled to uint8 by
-  `round(v * 255 / 16)`, replicated to RGB and resized. Split: in each class
-  the examples are permuted by `np.random.default_rng(DIGITS_SPLIT_SEED)`
-  (one generator, classes in order 0..9) and the first
-  `round(DIGITS_TEST_FRACTION * count)` go to test, so the split is a
-  stratified 80/20 split that does not depend on the run seed. Each split
-  keeps the original dataset order.
-
-`prepare` decodes a split and says what it was made from (`source`, a JSON
-dict: the split rule for digits, the tfds builder and split, or the folder
-tree's class list and file fingerprint), which the cache stores beside it.
+Datasets: tfds builders and `imagenet300` (`tfds_sources`), `folder:/root`
+(`folder`), and `digits` (sklearn's 1797 8x8 images, no download), split
+80/20 per class by `DIGITS_SPLIT_SEED`, independent of the run seed.
 """
 
 from __future__ import annotations
@@ -56,8 +43,7 @@ def folder_root(name: str) -> str:
 def dataset_key(name: str, split: str) -> str:
   """Validates name and split; returns the dataset part of the cache key.
 
-  `folder:/a/b` becomes `folder-b-<first 16 hex digits of sha256 of the
-  absolute path>`; registered names are their own key.
+  `folder:/a/b` becomes `folder-b-<sha256 of the path, 16 hex digits>`.
 
   Raises:
     DataError: an unknown dataset.
@@ -92,8 +78,7 @@ def dataset_key(name: str, split: str) -> str:
 
 
 def describe(name: str, split: str) -> dict[str, Any]:
-  """What the split is made from now (a folder tree is scanned: one stat per
-  file); a cache whose stored source differs is stale.
+  """What the split is made from now; a cache storing another is stale.
 
   Raises:
     DataError: see `dataset_key`; a folder tree that is missing or has no
