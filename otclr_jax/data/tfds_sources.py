@@ -1,24 +1,9 @@
 """tensorflow-datasets builders decoded into uint8 arrays, and imagenet300.
 
-* `cifar10`, `cifar100`, `svhn_cropped`, `stl10`, `food101`,
-  `oxford_iiit_pet`, `imagenet2012`: tensorflow-datasets builders. Split names:
-  `train` and `test` map to each dataset's natural splits (`TFDS_SPLITS`; e.g.
-  food101 and imagenet2012 `test` read `validation`); stl10 also has
-  `unlabelled` (labels -1) and svhn_cropped `extra`.
-* `imagenet300`: a fixed subset of the imagenet2012 train split with 300
-  images from each of the 1000 classes; its test split is the imagenet2012
-  validation split. Within each class the images are ranked by
-  `sha256(IMAGENET300_SALT + '/' + file_name)` (hex digest compared as a
-  string, ties impossible because file names are unique) and the 300 lowest
-  are kept; see `select_per_class`. The rule depends only on the set of
-  (label, file_name) records, not on their order in the TFRecord shards.
-
-TensorFlow and tensorflow-datasets are imported only inside the functions that
-need them (`import_tensorflow`), and TF is told not to use the accelerators
-(they belong to JAX). A dataset that is not prepared under `data_dir` is
-downloaded with `download_and_prepare` only when `download=True`; if that fails
-(offline machine, manual download needed) or `download=False`,
-`DatasetUnavailableError` explains how to provide the data.
+Split names map to tfds splits by `TFDS_SPLITS`. `imagenet300` keeps 300
+imagenet2012 train images per class (`select_per_class`); its test split is
+imagenet2012 validation. TF is imported lazily and kept off the accelerators.
+An unprepared dataset is downloaded only when `download=True`.
 """
 
 from __future__ import annotations
@@ -73,7 +58,6 @@ def import_tensorflow(what: str):
         'tensorflow-datasets), or prepare the cache on a machine that has '
         "them, or use dataset='digits' or 'folder:/path'.") from e
   try:
-    # The accelerators belong to JAX; TF only decodes on the host.
     tf.config.set_visible_devices([], 'GPU')
     tf.config.set_visible_devices([], 'TPU')
   except (RuntimeError, ValueError):
@@ -130,8 +114,7 @@ def _tfds_builder(tfds, name: str, data_dir: str, download: bool):
   except Exception as e:  # pylint: disable=broad-except
     hint = ''
     if isinstance(e, ModuleNotFoundError) and e.name:
-      # tensorflow-datasets 4.9.x needs importlib_resources to download but
-      # declares it only for Python < 3.9 (tensorflow/datasets#11212).
+      # tfds 4.9 lacks a download dependency (tensorflow/datasets#11212).
       hint = f' Install the missing module: pip install {e.name}.'
     raise types.DatasetUnavailableError(
         f'dataset {name!r} is not prepared under data_dir={data_dir} and '
@@ -187,19 +170,15 @@ def select_per_class(labels: Sequence[int] | np.ndarray,
                      keys: Sequence[str],
                      per_class: int,
                      salt: str) -> np.ndarray:
-  """Deterministic per-class subset: the records with the lowest salted hash.
+  """Per class, the `per_class` records lowest by `sha256(salt + '/' + key)`.
 
-  Within each class the records are ranked by
-  `sha256((salt + '/' + key).encode()).hexdigest()` and the `per_class`
-  lowest are kept. The result depends only on the set of (label, key) pairs,
-  not on their order.
+  Depends only on the set of (label, key) pairs, not on their order.
 
   Args:
     labels: [M] integer class of each record.
     keys: [M] unique string key of each record (imagenet2012: file_name).
     per_class: records kept per class.
-    salt: string mixed into the hash; a different salt gives a different,
-      equally uniform subset.
+    salt: string mixed into the hash.
 
   Returns:
     int64 [num_present_classes * per_class], sorted indices into the records.
