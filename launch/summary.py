@@ -1,9 +1,6 @@
 """A sweep's summary: mean ± std tables over the finished runs of DIR.
 
-Only runs whose status.json says "finished" at their final step, with results
-for that step, are averaged; every other run of the sweep (each run DIR/runs.json
-lists, or without it each run directory) is listed under "Not averaged" with
-the reason.
+Every other run of the sweep is listed under "Not averaged" with the reason.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ class Collected:
 
   Attributes:
     results: results dicts of finished runs (averaged in the summary).
-    excluded: (run directory, reason) of every other run: not started,
-      unfinished, diverged, failed, not evaluated, without status.json, or
-      unreadable.
+    excluded: (run directory, reason) of every other run.
     unreadable: how many of `excluded` had a results.json that failed to read.
   """
   results: list[dict]
@@ -78,10 +73,7 @@ def listed_runs(workdir: str) -> list[str] | None:
 
 
 def _with_config(run_dir: str, results: dict) -> dict:
-  """`results` carrying the config it was made with.
-
-  Results written before they carried it take eval/config.json's.
-  """
+  """`results` carrying its config (else eval/config.json's)."""
   if isinstance(results.get('config'), dict):
     return results
   try:
@@ -95,12 +87,8 @@ def _with_config(run_dir: str, results: dict) -> dict:
 def collect_results(workdir: str) -> Collected:
   """The results of the sweep's runs, in run-name order, sorted by trust.
 
-  With a DIR/runs.json, the runs it lists are the sweep's: each is either
-  averaged or listed as excluded with the reason (not started, diverged,
-  failed, not evaluated, ...), and any other run directory in DIR is
-  excluded as not the sweep's (another sweep's run, maybe with the same
-  settings, would count a seed twice). Without one, every DIR/* holding a
-  results.json or status.json counts.
+  With a DIR/runs.json only the runs it lists count (another sweep's run
+  could count a seed twice); without one, every DIR/* with results or status.
 
   Raises:
     rundir.CorruptFileError: DIR/runs.json is torn.
@@ -154,14 +142,10 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 
 
 def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json}; returns the Markdown.
+  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown.
 
-  Grouping the seeds of each run into mean ± std, with a random-init floor
-  row, is `aggregate.aggregate` (summary.json's `rows`), the rendering
-  `tables.render_report` (summary.md / summary.tex). Only finished runs
-  are averaged; every other run of the sweep (see `collect_results`) is
-  listed under "Not averaged" in summary.md / summary.tex, in summary.json's
-  `not_averaged` and on the console. Each file is written atomically.
+  Rows are `aggregate.aggregate`'s; runs not averaged are listed in each file
+  (summary.json's `not_averaged`) and on the console.
   """
   collected = collect_results(workdir)
   results, excluded = collected.results, collected.excluded
