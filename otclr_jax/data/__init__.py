@@ -1,10 +1,4 @@
-"""Host input pipeline: whole datasets as uint8 arrays, deterministic batches.
-
-A split is prepared once into uint8 `[N, S, S, 3]` plus int32 labels, cached
-under `data_dir` (`cache`) and batched on the host (`batches`). No streaming:
-splits over `images.MAX_IN_MEMORY_BYTES` are refused before decoding. Only
-preparing tfds data needs TensorFlow. User-fixable errors are `DataError`s.
-"""
+"""Host input pipeline: whole splits as cached uint8 arrays, batched on host."""
 
 from otclr_jax.data.batches import epoch_permutation
 from otclr_jax.data.batches import eval_batches

@@ -1,8 +1,4 @@
-"""Deterministic batches of a split held in host memory.
-
-`train_batches` is endless and reproducible from any step; `eval_batches`
-yields every example once in order.
-"""
+"""Deterministic batches of a split held in host memory."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ def steps_per_epoch(num_examples: int, batch_size: int,
   """Number of full batches in one epoch (the last partial batch is dropped).
 
   Args:
-    num_examples: N, the number of training examples.
-    batch_size: B, examples per batch, 1 <= B <= N.
+    num_examples: N >= 1.
+    batch_size: B, 1 <= B <= N.
     what: names the split in the error, e.g. 'digits/train'.
 
   Returns:
@@ -44,8 +40,7 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 
   Args:
     num_examples: N.
-    seed: non-negative run seed.
-    epoch: non-negative epoch index.
+    seed, epoch: non-negative integers.
 
   Returns:
     int64 [N], `np.random.default_rng([seed, epoch]).permutation(N)`.
@@ -61,17 +56,15 @@ def train_batches(images: np.ndarray,
                   prefetch: int = 2) -> Iterator[np.ndarray]:
   """Endless training batches, deterministic given the seed.
 
-  Step t is batch t % (N // B) of epoch t // (N // B), in the order
-  `epoch_permutation(N, seed, epoch)`; the last partial batch is dropped, so
-  starting at `start_step` resumes an uninterrupted run exactly.
+  Step t is batch t % (N // B) of epoch t // (N // B) (`epoch_permutation`),
+  so starting at `start_step` resumes an uninterrupted run exactly.
 
   Args:
     images: [N, ...] array, normally uint8 [N, S, S, 3].
     batch_size: B, 1 <= B <= N.
     seed: non-negative integer.
     start_step: first global step to produce (e.g. the restored step).
-    prefetch: batches a background thread gathers ahead; 0 gathers in the
-      caller's thread. The batches are the same either way.
+    prefetch: batches a thread gathers ahead (0: none); same batches.
 
   Returns:
     An iterator of arrays [B, ...] with the dtype of `images`.
@@ -96,8 +89,7 @@ def eval_batches(images: np.ndarray,
     batch_size: B >= 1 (may exceed N: one batch of N).
 
   Returns:
-    An iterator of views [B, ...] of `images`, the last [N % B, ...] if
-    nonzero.
+    An iterator of views [B, ...] of `images`, the last maybe [N % B, ...].
   """
   images = _check_images(images)
   batch_size = _check_int(batch_size, 'batch_size', 1)
@@ -132,11 +124,7 @@ def _train_batch_generator(images: np.ndarray, batch_size: int, seed: int,
 
 
 class _Prefetcher:
-  """Runs an iterator in a daemon thread, `size` items ahead of the reader.
-
-  The thread holds no reference to this object, so dropping it stops the
-  thread.
-  """
+  """Runs an iterator in a daemon thread, `size` items ahead; dropped, stops."""
 
   _DONE = object()
 

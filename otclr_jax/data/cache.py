@@ -1,9 +1,7 @@
 """Splits prepared once and cached on disk, bound to what they were made from.
 
-Cache: `<data_dir>/otclr_cache/<key>_<split>_<S>px_v1.npz`, storing also what
-the split was made from (`sources.describe`). A stale or unreadable cache is
-prepared again and overwritten, with one warning; writes are atomic. An
-unwritable data_dir keeps the split in memory, with one warning.
+Cache: `<data_dir>/otclr_cache/<key>_<split>_<S>px_v1.npz`; a stale or
+unreadable one is prepared again and overwritten.
 """
 
 from __future__ import annotations
@@ -52,10 +50,8 @@ def load_split(name: str,
   """Loads one split as uint8 arrays, preparing and caching it on first use.
 
   Args:
-    name: dataset name, see `sources.known_datasets()`; `folder:/path` for an
-      image tree `path/<split>/<class>/*.jpg`.
-    split: 'train' or 'test' (plus 'unlabelled' for stl10, 'extra' for
-      svhn_cropped; any subdirectory name for folder datasets).
+    name: dataset name, see `sources.known_datasets()`.
+    split: 'train', 'test' or another the dataset has.
     image_size: side S of the square output images, at least 8.
     data_dir: tfds data directory, also holding `otclr_cache/`. None means
       $TFDS_DATA_DIR or ~/tensorflow_datasets.
@@ -65,13 +61,10 @@ def load_split(name: str,
     The split: images uint8 [N, S, S, 3], labels int32 [N].
 
   Raises:
-    DataError: unknown dataset, image_size < 8, a missing folder or an
-      undecodable file in it, or a split too large for host memory.
+    DataError: a bad dataset, split or size, or an undecodable file.
     SplitNotFoundError: the dataset has no such split.
-    DatasetUnavailableError: a tfds dataset that is absent and cannot be
-      downloaded.
-    ImportError: a tfds dataset must be prepared but TensorFlow or
-      tensorflow-datasets is not installed.
+    DatasetUnavailableError: a tfds dataset absent and not downloadable.
+    ImportError: preparing a tfds dataset without TensorFlow.
   """
   image_size = images_lib.check_image_size(image_size)
   data_dir = resolve_data_dir(data_dir)
@@ -109,8 +102,6 @@ def load_splits(name: str,
                 *,
                 download: bool = True) -> dict[str, types.Split]:
   """Loads several splits of one dataset, checked to share one class list.
-
-  Differing class lists (a folder tree changed meanwhile) are loaded once more.
 
   Returns:
     {split: Split} for every split in `splits`.

@@ -28,21 +28,15 @@ def check_evaluable(name: str,
                     download: bool = True) -> Evaluable:
   """Checks that evaluation (a probe and kNN on train, scored on test) can run.
 
-  Loads (and so caches) the train and test splits; trains nothing.
-
   Args:
-    name: dataset name, as in `load_split`.
+    name, data_dir, download: as in `load_split`.
     image_size: the run's image size (the caches prepared are this size).
-    data_dir: as in `load_split`.
-    download: as in `load_split`.
 
   Returns:
     The sizes found.
 
   Raises:
-    NotEvaluableError: the dataset cannot be loaded, lacks a train or test
-      split, its splits' class lists differ, it has fewer than two classes
-      with train examples, or test classes without train examples.
+    NotEvaluableError: no train or test split, or unusable classes.
   """
   try:
     loaded = cache.load_splits(name, _SPLITS, image_size, data_dir,

@@ -1,10 +1,4 @@
-"""`folder:/root` datasets: image trees `root/<split>/<class>/*.{jpg,jpeg,png}`.
-
-The `tfds.folder_dataset.ImageFolder` layout; every split shares the sorted
-union of class directories. Decoded by ImageFolder when TensorFlow is
-importable, else by Pillow, with identical arrays. An undecodable file is a
-DataError naming it.
-"""
+"""`folder:/root` datasets: trees `root/<split>/<class>/*.{jpg,jpeg,png}`."""
 
 from __future__ import annotations
 
@@ -43,8 +37,7 @@ def scan(root: str, split: str) -> Tree:
   """Lists a root/<split>/<class>/<image> tree like tfds ImageFolder does.
 
   Raises:
-    DataError: the root is not a directory or the split has no images.
-    SplitNotFoundError: the root has no subdirectory `split`.
+    DataError: no root directory, no such split, or a split without images.
   """
   if not os.path.isdir(root):
     raise types.DataError(
@@ -97,14 +90,13 @@ def prepare(root: str,
   """Decodes a folder split with ImageFolder ('tfds') or Pillow ('pillow').
 
   Args:
-    root: the tree's absolute root.
-    split: subdirectory of root.
+    root, split: the tree's absolute root and a subdirectory of it.
     image_size: S.
     backend: 'tfds', 'pillow', or 'auto' (tfds when importable).
     tree: `scan(root, split)` when the caller already has it.
 
   Returns:
-    The split; class_names is the tree's whole class list.
+    The split: uint8 [N, S, S, 3], int32 [N], the tree's class list.
   """
   tree = scan(root, split) if tree is None else tree
   class_names, files = tree.class_names, tree.files

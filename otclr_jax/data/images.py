@@ -1,8 +1,4 @@
-"""Image decoding and resizing on the host, and the host-memory limit.
-
-Images become RGB, centre-cropped to a square and resized with Pillow's
-antialiased bicubic filter.
-"""
+"""Image decoding and resizing on the host, and the host-memory limit."""
 
 from __future__ import annotations
 
@@ -90,8 +86,6 @@ def square_resize(image: np.ndarray, image_size: int) -> np.ndarray:
 def pillow_rgb(path: str) -> np.ndarray:
   """Decodes an image file to uint8 RGB [H, W, 3] exactly as TF does.
 
-  16-bit grayscale keeps the high byte, where Pillow's `convert` would clip.
-
   Raises:
     OSError, ValueError: the file is empty, truncated or not an image.
   """
@@ -113,12 +107,9 @@ def map_images(fn: Callable[[Any], np.ndarray],
                what: str) -> np.ndarray:
   """Applies `fn` (-> uint8 [S, S, 3]) to items in a thread pool, in order.
 
-  Pillow releases the GIL; chunks bound the full-size images held at once.
-
   Args:
-    fn: decodes and resizes one item.
-    items: the items (paths, decoded images, tfds examples).
-    num_items: how many there are, or None when unknown.
+    fn: decodes and resizes one item (paths, images, tfds examples).
+    items, num_items: the items and how many (None: unknown).
     image_size: S.
     what: names the split in progress lines and errors.
 

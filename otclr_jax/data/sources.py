@@ -1,8 +1,6 @@
-"""The dataset registry: names, splits, and what each split is made from.
+"""The dataset registry: tfds (`tfds_sources`), `folder:/root` and `digits`.
 
-Datasets: tfds builders and `imagenet300` (`tfds_sources`), `folder:/root`
-(`folder`), and `digits` (sklearn's 1797 8x8 images, no download), split
-80/20 per class by `DIGITS_SPLIT_SEED`, independent of the run seed.
+`digits` is sklearn's, split 80/20 per class by `DIGITS_SPLIT_SEED`.
 """
 
 from __future__ import annotations
@@ -43,12 +41,8 @@ def folder_root(name: str) -> str:
 def dataset_key(name: str, split: str) -> str:
   """Validates name and split; returns the dataset part of the cache key.
 
-  `folder:/a/b` becomes `folder-b-<sha256 of the path, 16 hex digits>`.
-
   Raises:
-    DataError: an unknown dataset.
-    SplitNotFoundError: a split the dataset does not have (folder trees are
-      checked when scanned).
+    DataError: an unknown dataset or split.
   """
   if not isinstance(name, str):
     raise types.DataError(f'dataset name must be a string, got {name!r}.')
@@ -81,8 +75,7 @@ def describe(name: str, split: str) -> dict[str, Any]:
   """What the split is made from now; a cache storing another is stale.
 
   Raises:
-    DataError: see `dataset_key`; a folder tree that is missing or has no
-      images in the split.
+    DataError: as `dataset_key`, or a folder split without images.
   """
   dataset_key(name, split)
   if name == 'digits':

@@ -1,9 +1,6 @@
 """tensorflow-datasets builders decoded into uint8 arrays, and imagenet300.
 
-Split names map to tfds splits by `TFDS_SPLITS`. `imagenet300` keeps 300
-imagenet2012 train images per class (`select_per_class`); its test split is
-imagenet2012 validation. TF is imported lazily and kept off the accelerators.
-An unprepared dataset is downloaded only when `download=True`.
+`imagenet300`: 300 imagenet2012 train images per class (`select_per_class`).
 """
 
 from __future__ import annotations
@@ -172,20 +169,16 @@ def select_per_class(labels: Sequence[int] | np.ndarray,
                      salt: str) -> np.ndarray:
   """Per class, the `per_class` records lowest by `sha256(salt + '/' + key)`.
 
-  Depends only on the set of (label, key) pairs, not on their order.
-
   Args:
     labels: [M] integer class of each record.
     keys: [M] unique string key of each record (imagenet2012: file_name).
-    per_class: records kept per class.
-    salt: string mixed into the hash.
+    per_class, salt: records kept per class; string mixed into the hash.
 
   Returns:
     int64 [num_present_classes * per_class], sorted indices into the records.
 
   Raises:
-    ValueError: lengths differ, keys repeat, or a class has fewer than
-      `per_class` records.
+    ValueError: lengths differ, keys repeat, or a class is too small.
   """
   labels = np.asarray(labels)
   if labels.ndim != 1 or len(labels) != len(keys):

@@ -25,10 +25,7 @@ class Split(NamedTuple):
 
 
 class DataError(cli.UsageError):
-  """A dataset, split or batch size that cannot work: one line naming it.
-
-  A command line turns it into exit status 2 without a traceback.
-  """
+  """A dataset, split or batch size that cannot work; exit status 2."""
 
 
 class SplitNotFoundError(DataError):
@@ -44,7 +41,4 @@ class NotEvaluableError(DataError):
 
 
 class DatasetUnavailableError(DataError):
-  """A tfds dataset is neither prepared under data_dir nor downloadable.
-
-  The message's first line says why; the next lines how to provide the data.
-  """
+  """A tfds dataset is neither prepared under data_dir nor downloadable."""
