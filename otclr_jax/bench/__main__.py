@@ -33,8 +33,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
 
   Args:
     flag_values: where to define them (tests pass a fresh `FlagValues`).
-    sys_argv: command line with `--config.a.b=v` overrides (default
-      `sys.argv`).
+    sys_argv: command line with `--config.a.b=v` overrides (or `sys.argv`).
   """
   fv = dict(flag_values=flag_values)
   config_flags.DEFINE_config_file(

@@ -17,11 +17,7 @@ PEAK_MATMUL_SIZE = 2048
 
 def time_ms(fn: Callable, *args, repeats: int, min_time_s: float = 0.0
             ) -> tuple[float, float]:
-  """Median and minimum ms of `fn(*args)`, device synchronised.
-
-  At least `repeats` calls, and until `min_time_s` seconds have passed; the
-  minimum estimates the unloaded time on a shared CPU.
-  """
+  """Median, minimum ms of >= `repeats` synced calls lasting >= `min_time_s`."""
   times = []
   start_all = time.perf_counter()
   while (len(times) < repeats

@@ -1,7 +1,6 @@
 """`python -m otclr_jax.bench ot`: the OT view generator against references.
 
-Each implementation maps `(x, x_strong) [B, H, W, C] -> views [B, H, W, C]`:
-ott-jax dense (a), POT (b), `ot.ot_views` (c) per core, (c)'s stages (d).
+Each maps `(x, x_strong) [B, H, W, C] -> views [B, H, W, C]` in [0, 1].
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""`python -m otclr_jax.bench resnet`: ResNet-18 per convolution implementation.
-
-Forward + backward at `config.batch_size` per `--conv_impls` value, alternated;
-`--per_layer` times every convolution under 'xla' and 'matmul'.
-"""
+"""`python -m otclr_jax.bench resnet`: ResNet-18 fwd+bwd per `conv_impl`."""
 
 from __future__ import annotations
 

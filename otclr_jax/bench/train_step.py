@@ -1,10 +1,6 @@
 """`python -m otclr_jax.bench train`: the complexity table of every method.
 
-Each method (`--methods`; SimCLR always, as OTCLR is SimCLR with OT views)
-with both view generators, and OTCLR per Sinkhorn core, is compiled and
-stepped alternately. Prints parameters, forward GFLOPs per image pair, step
-time, GFLOP/s against a matmul peak, the steps by stage and the costs around
-the step (OT views, input pipeline, kNN monitor).
+SimCLR is always timed: OTCLR is SimCLR with OT views.
 """
 
 from __future__ import annotations
