@@ -18,8 +18,7 @@ _WIDTH = 150  # characters of the live progress line
 class SubprocessLauncher:
   """Runs commands one at a time, output to a log file, progress to the console.
 
-  SIGTERM/SIGINT reach the running command and set `stop_signal`, so that the
-  sweep stops instead of evaluating a half-trained run.
+  SIGTERM/SIGINT reach the running command and set `stop_signal`.
   """
 
   def __init__(self, cwd: str, poll_seconds: float | None = None):
@@ -83,11 +82,7 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-  """A `preexec_fn` making the child get SIGTERM when the sweep dies.
-
-  Even a SIGKILLed sweep leaves no orphan trainer. None off Linux, where
-  killing the process group ends both.
-  """
+  """A `preexec_fn` giving the child SIGTERM when the sweep dies, or None."""
   if not sys.platform.startswith('linux'):
     return None
   try:

@@ -1,8 +1,4 @@
-"""What a sweep reads off a run directory: how far it got, whether to trust it.
-
-Reads config.json, status.json and eval/results.json, never log text; the
-rules are in docs/operations.md "Sweeps".
-"""
+"""What a sweep reads off a run directory (docs/operations.md "Sweeps")."""
 
 from __future__ import annotations
 
@@ -21,10 +17,7 @@ def _records(workdir: str) -> list[dict]:
 
 
 def final_step(config, workdir: str) -> int | None:
-  """Number of steps the run trains for, or None if not known yet.
-
-  Without `total_steps`, steps per epoch come from metrics.jsonl, not the data.
-  """
+  """Number of steps the run trains for, or None if not known yet."""
   if config.total_steps > 0:
     return int(config.total_steps)
   for record in reversed(_records(workdir)):
@@ -34,10 +27,7 @@ def final_step(config, workdir: str) -> int | None:
 
 
 def identity_conflict(config, workdir: str) -> str | None:
-  """Why the run in `workdir` is not the run `config` describes, or None.
-
-  Checkpoints or results without a stored config are a conflict too.
-  """
+  """Why the run in `workdir` is not the run `config` describes, or None."""
   try:
     stored = rundir.read_config(workdir)
   except ValueError as e:
@@ -58,10 +48,7 @@ def identity_conflict(config, workdir: str) -> str | None:
 
 def _eval_config_conflict(config, workdir: str,
                           results: dict) -> str | None:
-  """Why results.json does not belong to `config`'s evaluation, or None.
-
-  Results that carry no config are read with eval/config.json.
-  """
+  """Why results.json does not belong to `config`'s evaluation, or None."""
   stored = results.get('config')
   if not isinstance(stored, dict):
     path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
@@ -85,10 +72,7 @@ def _eval_config_conflict(config, workdir: str,
 
 
 def _probe_protocol_conflict(results: dict) -> str | None:
-  """Why a results file's linear probe was fitted another way, or None.
-
-  The probe's protocol is code, not config: results.json records it.
-  """
+  """Why a results file's linear probe was fitted another way, or None."""
   protocol = results.get('protocol') or {}
   if 'probe' not in protocol:
     return None

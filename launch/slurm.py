@@ -4,8 +4,7 @@
         --nodes=2 --gpus_per_node=4 [--partition=P --time=24:00:00] \
         [--config.a.b=v ...]
 
-writes DIR/run.sbatch (submit with `sbatch`); exit 0 written, 2 a bad flag
-or config. See docs/operations.md "Several hosts".
+writes DIR/run.sbatch to submit with `sbatch`; exit 2 on a bad flag or config.
 """
 
 from __future__ import annotations
@@ -32,23 +31,16 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
                  time_limit: str = '24:00:00', cpus_per_task: int = 8,
                  mem: str = '64G', max_parallel: int = 0,
                  grace_seconds: int = 180) -> str:
-  """The text of a SLURM job array running each run as one task.
-
-  On SIGTERM (time limit, preemption) training checkpoints and the task
-  requeues itself.
+  """The text of a SLURM job array of one task per run, requeued on SIGTERM.
 
   Args:
     task_argv: the `launch.sweep` command of a task, without --only_index.
-    repo: the directory the task runs in (the repository root).
-    workdir: the sweep directory DIR.
+    repo, workdir: the repository root (cwd) and the sweep directory DIR.
     run_names: the runs' names, in array-index order.
     job_name, partition, gres, time_limit, cpus_per_task, mem: `#SBATCH`
       settings of each task; an empty partition or gres is left out.
     max_parallel: at most this many tasks at once; 0 for no limit.
     grace_seconds: how long before the time limit the SIGTERM comes.
-
-  Returns:
-    The script.
   """
   if not run_names:
     raise ValueError('A SLURM array needs at least one run.')
@@ -102,24 +94,16 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
                      cpus_per_task: int = 8, mem: str = '64G',
                      grace_seconds: int = 180,
                      heartbeat_timeout: int = 100) -> str:
-  """The text of a SLURM job running one run over `nodes` x `gpus_per_node`.
-
-  One process per GPU (`main --distributed`; JAX reads SLURM's variables).
-  On SIGTERM the processes checkpoint and exit 75, and the job requeues.
+  """The text of a SLURM job of one process per GPU, requeued on exit 75.
 
   Args:
-    run_argv: the run's `python -m otclr_jax.main ...` command, without
-      --distributed.
-    repo: the directory the tasks run in (the repository root).
-    workdir: where the job's log goes (`workdir/slurm/<job id>.out`).
+    run_argv: the run's `python -m otclr_jax.main ...`, without --distributed.
+    repo, workdir: the repository root (cwd); the log goes to workdir/slurm/.
     nodes, gpus_per_node: the job's shape.
     job_name, partition, time_limit, cpus_per_task, mem: `#SBATCH` settings;
       an empty partition is left out; CPUs are per task, memory per node.
     grace_seconds: how long before the time limit the SIGTERM comes.
     heartbeat_timeout: `main --heartbeat_timeout`.
-
-  Returns:
-    The script.
   """
   if nodes < 1 or gpus_per_node < 1:
     raise ValueError(f'A job needs >= 1 node and >= 1 GPU per node, got '
@@ -164,13 +148,7 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
 
 
 def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
-  """Writes `workdir/run.sbatch` (`multinode_script`); returns its path.
-
-  Args:
-    run_argv: the run's `python -m otclr_jax.main ...` command.
-    workdir: where the job file and its log (`slurm/`) go; created.
-    **kwargs: `multinode_script`'s keyword arguments.
-  """
+  """Writes `workdir/run.sbatch` and `slurm/` (`multinode_script`); its path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
   rundir.check_directory(workdir, '--workdir')
   text = multinode_script(run_argv, REPO, workdir, **kwargs)

@@ -1,7 +1,4 @@
-"""A sweep's summary: mean ± std tables over the finished runs of DIR.
-
-Every other run of the sweep is listed under "Not averaged" with the reason.
-"""
+"""A sweep's summary: mean ± std tables over the finished runs of DIR."""
 
 from __future__ import annotations
 
@@ -87,8 +84,7 @@ def _with_config(run_dir: str, results: dict) -> dict:
 def collect_results(workdir: str) -> Collected:
   """The results of the sweep's runs, in run-name order, sorted by trust.
 
-  With a DIR/runs.json only the runs it lists count (another sweep's run
-  could count a seed twice); without one, every DIR/* with results or status.
+  With a DIR/runs.json only its runs count: another's could count a seed twice.
 
   Raises:
     rundir.CorruptFileError: DIR/runs.json is torn.
@@ -142,11 +138,7 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 
 
 def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown.
-
-  Rows are `aggregate.aggregate`'s; runs not averaged are listed in each file
-  (summary.json's `not_averaged`) and on the console.
-  """
+  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown."""
   collected = collect_results(workdir)
   results, excluded = collected.results, collected.excluded
   for run_dir, why in excluded:

@@ -1,20 +1,14 @@
 r"""Runs a sweep of pretraining + evaluation runs and tabulates mean ± std.
 
-A sweep file has `get_config()` (the base config) and `get_hyper(hyper)`:
-
-    def get_hyper(hyper):
-      return hyper.product([hyper.sweep('config.seed', [0, 1, 2]),
-                            hyper.sweep('config.ot.epsilon', [0.05, 0.1])])
-
-with `hyper.fixed(key, value)` and `hyper.zipit(parts)` too. A run lives in
-DIR/<swept keys>, e.g. DIR/seed=0,ot.epsilon=0.05.
-
     python -m launch.sweep --config=SWEEP_FILE --workdir=DIR [--config.a.b=v]
         [--dry_run | --slurm [--partition=P ...]] [--stop_on_error]
     python -m launch.sweep --config=ONE_RUN_SWEEP_FILE --workdir=DIR --slurm \
         --nodes=N --gpus_per_node=G   # one run over N x G GPUs: DIR/run.sbatch
     python -m launch.sweep --workdir=DIR --aggregate_only
 
+A sweep file has `get_config()` and `get_hyper(hyper)`, which combines
+`hyper.sweep(key, values)`, `hyper.fixed(key, value)`, `hyper.product(parts)`
+and `hyper.zipit(parts)`; a run lives in DIR/<swept key=value,...>.
 docs/operations.md "Sweeps" gives the trust rules and exit statuses.
 """
 
@@ -139,8 +133,7 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     config: the base config, `cli_flags` applied; None loads `get_config()`.
 
   Raises:
-    ValueError: one line naming the file and run, for any config training
-      would refuse, a bad key or two runs of one name.
+    ValueError: one line naming the file and run.
   """
   path = os.path.abspath(os.path.expanduser(path))
   module = types.ModuleType('_sweep')
@@ -203,10 +196,7 @@ class Outcome:
 
 def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
             dry_run: bool = False, stop=lambda: None) -> Outcome:
-  """Trains (resuming) and evaluates one run unless it is finished.
-
-  `stop()` returns a signal number once the sweep has been asked to stop.
-  """
+  """Trains (resuming) and evaluates one unfinished run; `stop()`: a signal."""
   config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
   report = lambda status, detail='': _report(head, Outcome(run, status, detail))
@@ -282,13 +272,10 @@ def run_sweep(sweep: Sweep, workdir: str, *,
               dry_run: bool = False,
               stop_on_error: bool = False,
               aggregate: bool = True) -> int:
-  """Runs the sweep's runs in order here; returns the process exit status.
-
-  `only_index` runs just that run (a SLURM array task: no lock, no summary).
+  """Runs the sweep's runs (or `only_index`: no lock, no summary) in order here.
 
   Returns:
-    0 if every run finished; 1 if any failed; `rundir.EXIT_STOPPED` if the
-    sweep got SIGTERM/SIGINT or a run stopped early (preempted).
+    0 all finished; 1 any failed; `rundir.EXIT_STOPPED` on a signal or stop.
 
   Raises:
     RunConflictError: run directories hold runs with other settings.
