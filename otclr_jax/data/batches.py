@@ -13,15 +13,12 @@ from otclr_jax.data import types
 
 def steps_per_epoch(num_examples: int, batch_size: int,
                     what: str = 'the dataset') -> int:
-  """Number of full batches in one epoch (the last partial batch is dropped).
+  """N // B, the full batches in one epoch (the last partial one is dropped).
 
   Args:
     num_examples: N >= 1.
     batch_size: B, 1 <= B <= N.
     what: names the split in the error, e.g. 'digits/train'.
-
-  Returns:
-    N // B.
 
   Raises:
     BatchSizeError: B > N.
@@ -36,15 +33,7 @@ def steps_per_epoch(num_examples: int, batch_size: int,
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """Example order of one training epoch.
-
-  Args:
-    num_examples: N.
-    seed, epoch: non-negative integers.
-
-  Returns:
-    int64 [N], `np.random.default_rng([seed, epoch]).permutation(N)`.
-  """
+  """int64 [N] example order of an epoch, by the seeds [seed, epoch] >= 0."""
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 

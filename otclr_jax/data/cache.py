@@ -101,10 +101,7 @@ def load_splits(name: str,
                 data_dir: str | os.PathLike[str] | None = None,
                 *,
                 download: bool = True) -> dict[str, types.Split]:
-  """Loads several splits of one dataset, checked to share one class list.
-
-  Returns:
-    {split: Split} for every split in `splits`.
+  """{split: Split} of one dataset's `splits`, checked to share one class list.
 
   Raises:
     DataError: the class lists differ, or as `load_split`.
@@ -137,11 +134,7 @@ def _class_list_differences(loaded: dict[str, types.Split]) -> str:
 
 
 def read(path: str, image_size: int) -> tuple[types.Split, Any]:
-  """Reads a cache file: the split and its recorded source (None if none).
-
-  Raises:
-    Exception: any damage (ValueError names the file for wrong shapes).
-  """
+  """A cache file's split and recorded source (or None); raises if damaged."""
   with np.load(path, allow_pickle=False) as data:
     images = data['images']
     labels = data['labels']

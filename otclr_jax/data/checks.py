@@ -32,9 +32,6 @@ def check_evaluable(name: str,
     name, data_dir, download: as in `load_split`.
     image_size: the run's image size (the caches prepared are this size).
 
-  Returns:
-    The sizes found.
-
   Raises:
     NotEvaluableError: no train or test split, or unusable classes.
   """

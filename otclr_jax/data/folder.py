@@ -34,11 +34,7 @@ def _subdirs(path: str) -> list[str]:
 
 
 def scan(root: str, split: str) -> Tree:
-  """Lists a root/<split>/<class>/<image> tree like tfds ImageFolder does.
-
-  Raises:
-    DataError: no root directory, no such split, or a split without images.
-  """
+  """Lists a root/<split>/<class>/<image> tree as ImageFolder; or DataError."""
   if not os.path.isdir(root):
     raise types.DataError(
         f'folder dataset root {root} is not a directory; expected images in '

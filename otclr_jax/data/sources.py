@@ -39,11 +39,7 @@ def folder_root(name: str) -> str:
 
 
 def dataset_key(name: str, split: str) -> str:
-  """Validates name and split; returns the dataset part of the cache key.
-
-  Raises:
-    DataError: an unknown dataset or split.
-  """
+  """The cache key's dataset part; DataError for an unknown name or split."""
   if not isinstance(name, str):
     raise types.DataError(f'dataset name must be a string, got {name!r}.')
   if not isinstance(split, str) or not split:
@@ -72,11 +68,7 @@ def dataset_key(name: str, split: str) -> str:
 
 
 def describe(name: str, split: str) -> dict[str, Any]:
-  """What the split is made from now; a cache storing another is stale.
-
-  Raises:
-    DataError: as `dataset_key`, or a folder split without images.
-  """
+  """What the split is made from now (a cache storing another is stale)."""
   dataset_key(name, split)
   if name == 'digits':
     return _describe_digits()

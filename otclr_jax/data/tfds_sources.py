@@ -1,7 +1,4 @@
-"""tensorflow-datasets builders decoded into uint8 arrays, and imagenet300.
-
-`imagenet300`: 300 imagenet2012 train images per class (`select_per_class`).
-"""
+"""tensorflow-datasets builders decoded into uint8 arrays, and imagenet300."""
 
 from __future__ import annotations
 
@@ -15,7 +12,6 @@ import numpy as np
 from otclr_jax.data import images as images_lib
 from otclr_jax.data import types
 
-# tfds split read for each of our split names.
 TFDS_SPLITS = {
     'cifar10': {'train': 'train', 'test': 'test'},
     'cifar100': {'train': 'train', 'test': 'test'},
