@@ -30,10 +30,7 @@ def _real_taps(size: int, kernel: int, stride: int, pad: int) -> int:
 
 
 def conv_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
-  """Forward FLOPs (2 per multiply-add) of every conv and linear layer.
-
-  Only real pixels count, not zero padding, as in XLA's cost analysis.
-  """
+  """Forward FLOPs of conv and linear layers on real pixels, as XLA counts."""
   total = 0.0
 
   def hook(module, inputs, output):

@@ -16,10 +16,7 @@ _WIDTH = 150  # characters of the live progress line
 
 
 class SubprocessLauncher:
-  """Runs commands one at a time, output to a log file, progress to the console.
-
-  SIGTERM/SIGINT reach the running command and set `stop_signal`.
-  """
+  """Runs commands one at a time, passing SIGTERM/SIGINT on (`stop_signal`)."""
 
   def __init__(self, cwd: str, poll_seconds: float | None = None):
     self.cwd = cwd

@@ -52,11 +52,7 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
 
 
 def listed_runs(workdir: str) -> list[str] | None:
-  """The run names DIR/runs.json lists (the sweep's), or None without one.
-
-  Raises:
-    rundir.CorruptFileError: runs.json is torn or not a run list.
-  """
+  """The run names DIR/runs.json lists, None without one; raises if torn."""
   path = os.path.join(workdir, RUNS_FILE)
   try:
     listed = rundir.read_json_file(path)
@@ -82,13 +78,7 @@ def _with_config(run_dir: str, results: dict) -> dict:
 
 
 def collect_results(workdir: str) -> Collected:
-  """The results of the sweep's runs, in run-name order, sorted by trust.
-
-  With a DIR/runs.json only its runs count: another's could count a seed twice.
-
-  Raises:
-    rundir.CorruptFileError: DIR/runs.json is torn.
-  """
+  """The results of the runs DIR/runs.json lists (or all), sorted by trust."""
   collected = Collected([], [])
   listed = listed_runs(workdir)
   present = sorted(

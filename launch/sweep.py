@@ -6,10 +6,9 @@ r"""Runs a sweep of pretraining + evaluation runs and tabulates mean ± std.
         --nodes=N --gpus_per_node=G   # one run over N x G GPUs: DIR/run.sbatch
     python -m launch.sweep --workdir=DIR --aggregate_only
 
-A sweep file has `get_config()` and `get_hyper(hyper)`, which combines
-`hyper.sweep(key, values)`, `hyper.fixed(key, value)`, `hyper.product(parts)`
-and `hyper.zipit(parts)`; a run lives in DIR/<swept key=value,...>.
-docs/operations.md "Sweeps" gives the trust rules and exit statuses.
+A sweep file's `get_hyper(hyper)` combines `hyper.sweep(key, values)`,
+`.fixed(key, value)`, `.product(parts)` and `.zipit(parts)` over
+`get_config()`; docs/operations.md "Sweeps" gives the rules.
 """
 
 from __future__ import annotations

@@ -29,12 +29,7 @@ COMMANDS = ('ot', 'train', 'resnet')
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                  sys_argv: Sequence[str] | None = None) -> None:
-  """Defines the benchmark's flags on `flag_values`.
-
-  Args:
-    flag_values: where to define them (tests pass a fresh `FlagValues`).
-    sys_argv: command line with `--config.a.b=v` overrides (or `sys.argv`).
-  """
+  """Defines the flags on `flag_values`; `sys_argv` holds --config overrides."""
   fv = dict(flag_values=flag_values)
   config_flags.DEFINE_config_file(
       'config', None, 'Config file (train, resnet); override fields as '

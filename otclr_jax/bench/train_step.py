@@ -1,7 +1,4 @@
-"""`python -m otclr_jax.bench train`: the complexity table of every method.
-
-SimCLR is always timed: OTCLR is SimCLR with OT views.
-"""
+"""`python -m otclr_jax.bench train`: the complexity table of every method."""
 
 from __future__ import annotations
 
