@@ -17,7 +17,7 @@ PEAK_MATMUL_SIZE = 2048
 
 def time_ms(fn: Callable, *args, repeats: int, min_time_s: float = 0.0
             ) -> tuple[float, float]:
-  """Median, minimum ms of >= `repeats` synced calls lasting >= `min_time_s`."""
+  """Median and min ms of >= `repeats` synced calls, over >= `min_time_s` s."""
   times = []
   start_all = time.perf_counter()
   while (len(times) < repeats

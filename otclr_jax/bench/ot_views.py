@@ -111,7 +111,7 @@ def numpy_splat_tables(grid_size: int, alpha: float):
 
 
 def make_pot(s: OTSettings, pot) -> Callable:
-  """(b) POT float64 `ot.sinkhorn` + `np.bincount` splat, one problem a time."""
+  """(b) POT float64 `ot.sinkhorn` + `np.bincount` splat, problem by problem."""
   m = s.grid_size
   cost = ot.grid_cost(m)
   index, weight = numpy_splat_tables(m, s.alpha)

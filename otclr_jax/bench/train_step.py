@@ -86,7 +86,7 @@ def _time_views(base, clean, repeats: int) -> dict[str, float]:
 
 def _time_stages(base, views: str, variant: Variant, clean, key,
                  repeats: int) -> tuple[float, float]:
-  """Median ms of the SimCLR step's views and its network fwd + bwd, apart."""
+  """Median ms of the SimCLR step's views and network fwd+bwd, jitted apart."""
   from otclr_jax import experiment, views as views_lib  # pylint: disable=g-import-not-at-top
   config = base.copy_and_resolve_references()
   config.method, config.views = 'simclr', views

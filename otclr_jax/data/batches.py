@@ -33,7 +33,7 @@ def steps_per_epoch(num_examples: int, batch_size: int,
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """int64 [N] example order of an epoch, by the seeds [seed, epoch] >= 0."""
+  """int64 [N] order of an epoch: `default_rng([seed, epoch])`, both >= 0."""
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
@@ -113,7 +113,7 @@ def _train_batch_generator(images: np.ndarray, batch_size: int, seed: int,
 
 
 class _Prefetcher:
-  """Runs an iterator in a daemon thread, `size` items ahead; dropped, stops."""
+  """Iterates in a daemon thread, `size` items ahead; dropping it stops that."""
 
   _DONE = object()
 
