@@ -195,7 +195,7 @@ class Outcome:
 
 def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
             dry_run: bool = False, stop=lambda: None) -> Outcome:
-  """Trains and evaluates one unfinished run; stops when `stop()` is not None."""
+  """Trains and evaluates one unfinished run; `stop()` is a signal or None."""
   config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
   report = lambda status, detail='': _report(head, Outcome(run, status, detail))
