@@ -1,12 +1,4 @@
-"""PyTorch reference for `python -m otclr_jax.bench resnet`: torchvision's ResNet-18.
-
-Forward + backward of torchvision's ResNet-18 (the imagenet stem: 7x7/2 conv,
-3x3/2 max-pool; classifier included, as torchvision builds it) on random
-32 x 32 images, channels-last, in float32 on the CPU with a fixed thread
-count. Prints the median ms per step over `--steps` timed steps after
-`--warmup` untimed ones, and the achieved GFLOP/s of the convolutions and
-linear layer (multiply-adds on real pixels, as XLA's cost analysis counts
-them, so the number compares with `bench resnet`'s).
+"""PyTorch reference for `python -m otclr_jax.bench resnet`: ResNet-18 fwd+bwd.
 
 PyTorch is not a dependency of the project; run this in a side environment:
 
@@ -38,12 +30,7 @@ def _real_taps(size: int, kernel: int, stride: int, pad: int) -> int:
 
 
 def conv_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
-  """Forward FLOPs (2 per multiply-add) of every conv and linear layer.
-
-  Only multiply-adds on real pixels count, not on zero padding, as XLA's
-  cost analysis counts them (on the 1 x 1 maps of the last stage a 3 x 3
-  convolution has one real tap of nine).
-  """
+  """Forward FLOPs of conv and linear layers on real pixels, as XLA counts."""
   total = 0.0
 
   def hook(module, inputs, output):

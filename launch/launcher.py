@@ -1,10 +1,4 @@
-"""Runs one command of a sweep as a child process, and keeps it in hand.
-
-Output goes to the run's log file; the console shows the run's progress,
-read from its metrics.jsonl and status.json (never the log text). SIGTERM and
-SIGINT reach the child (training checkpoints and exits), and the child gets
-SIGTERM when the sweep dies, even by SIGKILL.
-"""
+"""Runs one command of a sweep as a child process, and keeps it in hand."""
 
 from __future__ import annotations
 
@@ -22,12 +16,7 @@ _WIDTH = 150  # characters of the live progress line
 
 
 class SubprocessLauncher:
-  """Runs commands one at a time, output to a log file, progress to the console.
-
-  SIGTERM/SIGINT received by the sweep are passed on to the running command
-  (training then checkpoints and exits) and recorded in `stop_signal` so that
-  the sweep stops instead of evaluating a half-trained run.
-  """
+  """Runs commands one at a time, passing SIGTERM/SIGINT on (`stop_signal`)."""
 
   def __init__(self, cwd: str, poll_seconds: float | None = None):
     self.cwd = cwd
@@ -80,8 +69,6 @@ class SubprocessLauncher:
     return shown
 
   def _show(self, text: str) -> None:
-    # On a terminal one line is rewritten in place; a log file (SLURM) gets
-    # one line per poll.
     if self.interactive:
       print('\r' + text[:_WIDTH].ljust(_WIDTH), end='\r', flush=True)
     else:
@@ -92,14 +79,7 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-  """A `preexec_fn` making the child get SIGTERM when the sweep dies.
-
-  A sweep killed by SIGKILL cannot pass a signal on, and its trainer would
-  run on as an orphan (and a rerun would start a second one). On Linux the
-  kernel sends the child SIGTERM when its parent dies (`PR_SET_PDEATHSIG`),
-  so training checkpoints and exits. Elsewhere None: the child stays in the
-  sweep's process group, so killing the group ends both.
-  """
+  """A `preexec_fn` giving the child SIGTERM when the sweep dies, or None."""
   if not sys.platform.startswith('linux'):
     return None
   try:

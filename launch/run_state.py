@@ -1,14 +1,4 @@
-"""What a sweep reads off a run directory: how far it got, whether to trust it.
-
-Training stores the run's resolved config in `config.json` and keeps
-`status.json` current; evaluation writes `eval/results.json` last, holding
-the config it was made with and binding its other files by digest
-(otclr_jax/rundir.py). A run is finished when status.json
-says "finished" at its final step and its results are for that step, made
-with this sweep's evaluation settings; a run directory made with other
-result-changing settings is a conflict (`identity_conflict`). Nothing here
-parses log text.
-"""
+"""What a sweep reads off a run directory (docs/operations.md "Sweeps")."""
 
 from __future__ import annotations
 
@@ -18,12 +8,8 @@ import os
 from otclr_jax import rundir
 
 
-
 def _records(workdir: str) -> list[dict]:
-  """metrics.jsonl's records; [] when a damaged line makes them unknown.
-
-  Training itself refuses such a file in one line when it resumes.
-  """
+  """metrics.jsonl's records; [] when a damaged line makes them unknown."""
   try:
     return rundir.read_metrics(workdir)
   except rundir.CorruptFileError:
@@ -31,13 +17,7 @@ def _records(workdir: str) -> list[dict]:
 
 
 def final_step(config, workdir: str) -> int | None:
-  """Number of steps the run trains for, or None if not known yet.
-
-  With `total_steps > 0` that is the config's; otherwise it is
-  `num_epochs * steps_per_epoch` (as training computes it), where
-  steps_per_epoch is read off metrics.jsonl (`step / epoch`) rather than by
-  loading the dataset.
-  """
+  """Number of steps the run trains for, or None if not known yet."""
   if config.total_steps > 0:
     return int(config.total_steps)
   for record in reversed(_records(workdir)):
@@ -47,13 +27,7 @@ def final_step(config, workdir: str) -> int | None:
 
 
 def identity_conflict(config, workdir: str) -> str | None:
-  """Why the run in `workdir` is not the run `config` describes, or None.
-
-  Compares the config that training stored (`rundir.CONFIG_FILE`) with this
-  invocation's on every result-changing setting. A run directory that holds
-  checkpoints or results but no stored config cannot be identified and is a
-  conflict too: its numbers could come from any settings.
-  """
+  """Why the run in `workdir` is not the run `config` describes, or None."""
   try:
     stored = rundir.read_config(workdir)
   except ValueError as e:
@@ -66,9 +40,7 @@ def identity_conflict(config, workdir: str) -> str | None:
               'them')
     return None
   new = config.to_dict()
-  # A sweep's run is its settings, length included: a longer rerun would
-  # continue finished runs on a stretched schedule and report them as runs
-  # of the new length. Lengthening is a single run's deliberate choice.
+  # Length included: a longer rerun would stretch finished runs' schedules.
   names = rundir.result_changing_diff(stored, new, length=True)
   return (f'it was run with other settings: '
           f'{rundir.describe_diff(stored, new, names)}' if names else None)
@@ -76,11 +48,7 @@ def identity_conflict(config, workdir: str) -> str | None:
 
 def _eval_config_conflict(config, workdir: str,
                           results: dict) -> str | None:
-  """Why results.json does not belong to `config`'s evaluation, or None.
-
-  The config results.json carries is the one it was made with; results
-  written before they carried it are read with eval/config.json.
-  """
+  """Why results.json does not belong to `config`'s evaluation, or None."""
   stored = results.get('config')
   if not isinstance(stored, dict):
     path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
@@ -95,7 +63,6 @@ def _eval_config_conflict(config, workdir: str,
       return f'{path} is not a JSON object'
   new = json.loads(json.dumps(config.to_dict()))
   names = rundir.result_changing_diff(stored, new, length=True)
-  # Evaluation settings change the reported numbers (not the training).
   flat_stored, flat_new = rundir.flatten(stored), rundir.flatten(new)
   names += sorted(n for n in set(flat_stored) | set(flat_new)
                   if n.startswith('eval.') and n != 'eval.figures'
@@ -105,16 +72,11 @@ def _eval_config_conflict(config, workdir: str,
 
 
 def _probe_protocol_conflict(results: dict) -> str | None:
-  """Why a results file's linear probe was fitted another way, or None.
-
-  The probe's L2 grid and stopping tolerance are code, not config, so
-  eval/config.json cannot say that a probe is out of date; results.json
-  records them under `protocol`.
-  """
+  """Why a results file's linear probe was fitted another way, or None."""
   protocol = results.get('protocol') or {}
   if 'probe' not in protocol:
     return None
-  # Imported here: it loads JAX, which a sweep needs for nothing else.
+  # Here: it loads JAX, which a sweep needs for nothing else.
   from otclr_jax.evaluation import probe  # pylint: disable=g-import-not-at-top
   current = {'l2_grid': list(probe.L2_GRID),
              'probe_tolerance': probe.GRAD_TOL,

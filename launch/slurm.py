@@ -1,21 +1,10 @@
 """SLURM jobs: a sweep's job array, or one run over several nodes.
 
-`slurm_script` writes a job array for `launch.sweep --slurm`: one task per
-run, requeued on preemption. `multinode_script` writes one run over
-nodes x GPUs (one process per GPU); from the command line:
-
     python -m launch.slurm --config=configs/X.py --workdir=DIR \
         --nodes=2 --gpus_per_node=4 [--partition=P --time=24:00:00] \
         [--config.a.b=v ...]
 
-writes DIR/run.sbatch; submit it with `sbatch DIR/run.sbatch`. Exit
-statuses: 0 written, 2 a bad flag or config.
-
-A plain sbatch file rather than submitit: submitit (1.5.4 with cloudpickle,
-about 1 MB, 0.15 s to import) pickles a Python callable and requeues it
-through its own checkpoint protocol, while our runs are command lines whose
-trainer already checkpoints on SIGTERM and exits 75. The array needs only
-`--signal`, `--requeue` and a trap, and the file stays readable.
+writes DIR/run.sbatch to submit with `sbatch`; exit 2 on a bad flag or config.
 """
 
 from __future__ import annotations
@@ -42,24 +31,16 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
                  time_limit: str = '24:00:00', cpus_per_task: int = 8,
                  mem: str = '64G', max_parallel: int = 0,
                  grace_seconds: int = 180) -> str:
-  """The text of a SLURM job array running each run as one task.
-
-  The batch shell gets SIGTERM `grace_seconds` before the time limit (and on
-  preemption); it passes it on, training checkpoints and stops, and the task
-  requeues itself to resume from that checkpoint.
+  """The text of a SLURM job array of one task per run, requeued on SIGTERM.
 
   Args:
     task_argv: the `launch.sweep` command of a task, without --only_index.
-    repo: the directory the task runs in (the repository root).
-    workdir: the sweep directory DIR.
+    repo, workdir: the repository root (cwd) and the sweep directory DIR.
     run_names: the runs' names, in array-index order.
-    job_name, partition, gres, time_limit, cpus_per_task, mem: the
-      `#SBATCH` settings of each task; an empty partition or gres is left out.
+    job_name, partition, gres, time_limit, cpus_per_task, mem: `#SBATCH`
+      settings of each task; an empty partition or gres is left out.
     max_parallel: at most this many tasks at once; 0 for no limit.
     grace_seconds: how long before the time limit the SIGTERM comes.
-
-  Returns:
-    The script.
   """
   if not run_names:
     raise ValueError('A SLURM array needs at least one run.')
@@ -113,31 +94,16 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
                      cpus_per_task: int = 8, mem: str = '64G',
                      grace_seconds: int = 180,
                      heartbeat_timeout: int = 100) -> str:
-  """The text of a SLURM job running one run over `nodes` x `gpus_per_node` GPUs.
-
-  One task (process) per GPU: `srun` starts `nodes * gpus_per_node` copies
-  of `python -m otclr_jax.main --distributed`, and JAX reads SLURM's
-  variables itself (the coordinator is the first node, the process id
-  `SLURM_PROCID`, its GPU `SLURM_LOCALID` among the node's
-  `gpus_per_node`). SLURM sends every task SIGTERM `grace_seconds` before
-  the time limit (or on preemption); they agree at their next logging step,
-  checkpoint and exit 75, and the batch script then requeues the job, which
-  resumes from that checkpoint.
+  """The text of a SLURM job of one process per GPU, requeued on exit 75.
 
   Args:
-    run_argv: `python -m otclr_jax.main --config=... --workdir=... [--config.a.b=v]`
-      (without --distributed, which is added).
-    repo: the directory the tasks run in (the repository root).
-    workdir: where the job's log goes (`workdir/slurm/<job id>.out`).
+    run_argv: the run's `python -m otclr_jax.main ...`, without --distributed.
+    repo, workdir: the repository root (cwd); the log goes to workdir/slurm/.
     nodes, gpus_per_node: the job's shape.
     job_name, partition, time_limit, cpus_per_task, mem: `#SBATCH` settings;
       an empty partition is left out; CPUs are per task, memory per node.
     grace_seconds: how long before the time limit the SIGTERM comes.
-    heartbeat_timeout: seconds after which the others give up on a dead
-      process (`main --heartbeat_timeout`).
-
-  Returns:
-    The script.
+    heartbeat_timeout: `main --heartbeat_timeout`.
   """
   if nodes < 1 or gpus_per_node < 1:
     raise ValueError(f'A job needs >= 1 node and >= 1 GPU per node, got '
@@ -182,13 +148,7 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
 
 
 def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
-  """Writes `workdir/run.sbatch` (`multinode_script`); returns its path.
-
-  Args:
-    run_argv: the run's `python -m otclr_jax.main ...` command.
-    workdir: where the job file and its log (`slurm/`) go; created.
-    **kwargs: `multinode_script`'s keyword arguments.
-  """
+  """Writes `workdir/run.sbatch` and `slurm/` (`multinode_script`); its path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
   rundir.check_directory(workdir, '--workdir')
   text = multinode_script(run_argv, REPO, workdir, **kwargs)
@@ -241,7 +201,7 @@ def main(argv: Sequence[str]) -> int:
           '--nodes=N --gpus_per_node=G [--config.a.b=v ...]; see --help.',
           file=sys.stderr)
     return 2
-  # Here, not at the top: `launch.sweep` imports this module without JAX.
+  # Not at the top: `launch.sweep` imports this module without JAX.
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
   try:
     experiment.validate_config(fv.config)

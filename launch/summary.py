@@ -1,10 +1,4 @@
-"""A sweep's summary: mean ± std tables over the finished runs of DIR.
-
-Only runs whose status.json says "finished" at their final step, with results
-for that step, are averaged; every other run of the sweep (each run DIR/runs.json
-lists, or without it each run directory) is listed under "Not averaged" with
-the reason.
-"""
+"""A sweep's summary: mean ± std tables over the finished runs of DIR."""
 
 from __future__ import annotations
 
@@ -28,9 +22,7 @@ class Collected:
 
   Attributes:
     results: results dicts of finished runs (averaged in the summary).
-    excluded: (run directory, reason) of every other run: not started,
-      unfinished, diverged, failed, not evaluated, without status.json, or
-      unreadable.
+    excluded: (run directory, reason) of every other run.
     unreadable: how many of `excluded` had a results.json that failed to read.
   """
   results: list[dict]
@@ -60,11 +52,7 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
 
 
 def listed_runs(workdir: str) -> list[str] | None:
-  """The run names DIR/runs.json lists (the sweep's), or None without one.
-
-  Raises:
-    rundir.CorruptFileError: runs.json is torn or not a run list.
-  """
+  """The run names DIR/runs.json lists, None without one; raises if torn."""
   path = os.path.join(workdir, RUNS_FILE)
   try:
     listed = rundir.read_json_file(path)
@@ -78,10 +66,7 @@ def listed_runs(workdir: str) -> list[str] | None:
 
 
 def _with_config(run_dir: str, results: dict) -> dict:
-  """`results` carrying the config it was made with.
-
-  Results written before they carried it take eval/config.json's.
-  """
+  """`results` carrying its config (else eval/config.json's)."""
   if isinstance(results.get('config'), dict):
     return results
   try:
@@ -93,18 +78,7 @@ def _with_config(run_dir: str, results: dict) -> dict:
 
 
 def collect_results(workdir: str) -> Collected:
-  """The results of the sweep's runs, in run-name order, sorted by trust.
-
-  With a DIR/runs.json, the runs it lists are the sweep's: each is either
-  averaged or listed as excluded with the reason (not started, diverged,
-  failed, not evaluated, ...), and any other run directory in DIR is
-  excluded as not the sweep's (another sweep's run, maybe with the same
-  settings, would count a seed twice). Without one, every DIR/* holding a
-  results.json or status.json counts.
-
-  Raises:
-    rundir.CorruptFileError: DIR/runs.json is torn.
-  """
+  """The results of the runs DIR/runs.json lists (or all), sorted by trust."""
   collected = Collected([], [])
   listed = listed_runs(workdir)
   present = sorted(
@@ -154,15 +128,7 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 
 
 def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json}; returns the Markdown.
-
-  Grouping the seeds of each run into mean ± std, with a random-init floor
-  row, is `aggregate.aggregate` (summary.json's `rows`), the rendering
-  `tables.render_report` (summary.md / summary.tex). Only finished runs
-  are averaged; every other run of the sweep (see `collect_results`) is
-  listed under "Not averaged" in summary.md / summary.tex, in summary.json's
-  `not_averaged` and on the console. Each file is written atomically.
-  """
+  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown."""
   collected = collect_results(workdir)
   results, excluded = collected.results, collected.excluded
   for run_dir, why in excluded:

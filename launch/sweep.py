@@ -1,29 +1,14 @@
 r"""Runs a sweep of pretraining + evaluation runs and tabulates mean ± std.
 
-A sweep file is a config file (big_vision's style): `get_config()` gives the
-base config and `get_hyper(hyper)` the runs, as overrides of any config key:
-
-    def get_hyper(hyper):
-      return hyper.product([hyper.sweep('config.seed', [0, 1, 2]),
-                            hyper.sweep('config.ot.epsilon', [0.05, 0.1])])
-
-`hyper.sweep(key, values)` is one axis, `hyper.fixed(key, value)` one value
-for every run, `hyper.product(parts)` their Cartesian product (the first part
-outermost, so an interrupted sweep holds whole comparisons for its first
-seeds) and `hyper.zipit(parts)` parts side by side. A run is named after its
-swept keys, e.g. `seed=0,ot.epsilon=0.05`, and lives in DIR/<name>.
-
     python -m launch.sweep --config=SWEEP_FILE --workdir=DIR [--config.a.b=v]
         [--dry_run | --slurm [--partition=P ...]] [--stop_on_error]
     python -m launch.sweep --config=ONE_RUN_SWEEP_FILE --workdir=DIR --slurm \
-        --nodes=N --gpus_per_node=G     # one run over N x G GPUs: DIR/run.sbatch
+        --nodes=N --gpus_per_node=G   # one run over N x G GPUs: DIR/run.sbatch
     python -m launch.sweep --workdir=DIR --aggregate_only
 
-Every run's config is checked before any run starts. The runs then train and
-evaluate here one after another (`python -m otclr_jax.main`; finished runs are
-skipped, the others resume), and DIR/summary.{md,tex,json} tabulates them;
-`--slurm` writes DIR/sweep.sbatch instead, a job array of one task per run.
-docs/operations.md gives the trust rules and the exit statuses.
+A sweep file's `get_hyper(hyper)` combines `hyper.sweep(key, values)`,
+`.fixed(key, value)`, `.product(parts)` and `.zipit(parts)` over
+`get_config()`; docs/operations.md "Sweeps" gives the rules.
 """
 
 from __future__ import annotations
@@ -53,8 +38,7 @@ from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs one command (argv) with cwd=REPO, appending its output to the log
-# file; returns the exit status (launcher.SubprocessLauncher).
+# (argv, log file) -> exit status, run with cwd=REPO.
 Launcher = Callable[[Sequence[str], str], int]
 
 
@@ -95,9 +79,7 @@ HYPER = types.SimpleNamespace(
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One run: its 0-based `index` (the SLURM array task id), its `name`,
-  `workdir` (DIR/<name>, absolute) and `overrides` ((key, value), keys
-  without `config.`)."""
+  """One run: `index` (its SLURM array task id), name, workdir, overrides."""
   index: int
   name: str
   workdir: str
@@ -106,9 +88,7 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-  """A loaded sweep file: its absolute `path` (the runs' `--config`), its
-  `config` with the command line's `flags` (`--config.a.b=v`, passed on to
-  every run) applied, and `hypers`, one dict of overrides per run."""
+  """A sweep file's path, config with `flags` applied, and overrides per run."""
   path: str
   config: Any
   flags: tuple[str, ...]
@@ -149,14 +129,10 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   Args:
     path: the sweep file (with `get_config` and `get_hyper`).
     cli_flags: `--config.a.b=v` flags for every run (the command line's).
-    config: the base config as `--config` loaded it, `cli_flags` applied;
-      None loads `get_config()` and applies them here (same parser).
+    config: the base config, `cli_flags` applied; None loads `get_config()`.
 
   Raises:
-    ValueError: in one line naming the file and run: no get_hyper, a key
-      without `config.`, a key set twice, an unknown field or a value of the
-      wrong type, a config training refuses (an unknown method), or two runs
-      of one name.
+    ValueError: one line naming the file and run.
   """
   path = os.path.abspath(os.path.expanduser(path))
   module = types.ModuleType('_sweep')
@@ -173,7 +149,6 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
       config = config_files.apply_overrides(module.get_config(), cli_flags)
     hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
   except Exception as e:  # pylint: disable=broad-except
-    # Any mistake in the sweep file is refused in one line, before any run.
     raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
   for key in (k for h in hypers for k in h):
     if not key.startswith('config.'):
@@ -191,7 +166,6 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   if len(set(names)) != len(names):
     raise ValueError(f'{path}: get_hyper gives duplicate run names {names}; '
                      'remove repeated values.')
-  # Lazily: the check needs the model code, the rest of this module does not.
   # pylint: disable-next=g-import-not-at-top
   from otclr_jax.evaluation import evaluate
   for run in sweep.runs(REPO):
@@ -212,9 +186,8 @@ def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
 
 @dataclasses.dataclass
 class Outcome:
-  """What became of one run: `status` 'finished' (already; skipped), 'done',
-  'failed', 'interrupted' (the sweep got a signal), 'stopped' (the child
-  exited `rundir.EXIT_STOPPED`) or 'dry_run', and a `detail` for the user."""
+  """One run's `status` ('finished', 'done', 'failed', 'interrupted',
+  'stopped', 'dry_run') and a `detail` for the user."""
   run: Run
   status: str
   detail: str = ''
@@ -222,11 +195,7 @@ class Outcome:
 
 def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
             dry_run: bool = False, stop=lambda: None) -> Outcome:
-  """Trains (resuming) and evaluates one run unless it is finished.
-
-  `total` is the sweep's number of runs (for the console line); `stop()`
-  returns a signal number once the sweep has been asked to stop.
-  """
+  """Trains and evaluates one unfinished run; `stop()` is a signal or None."""
   config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
   report = lambda status, detail='': _report(head, Outcome(run, status, detail))
@@ -258,8 +227,7 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     if stop() is not None:
       return report('interrupted', f'stopped at step {at()}; rerun to resume')
     if code == rundir.EXIT_STOPPED:
-      # Preempted: a good checkpoint, not a finished run; the sweep stops so
-      # that a requeue resumes it.
+      # Preempted: the sweep stops so that a requeue resumes it.
       return report('stopped', f'training stopped at step {at()} (exit '
                     f'{code}); rerun to resume')
     if code != 0:
@@ -303,20 +271,13 @@ def run_sweep(sweep: Sweep, workdir: str, *,
               dry_run: bool = False,
               stop_on_error: bool = False,
               aggregate: bool = True) -> int:
-  """Runs the sweep's runs in order here; returns the process exit status.
-
-  Run r lives in `workdir`/<r.name>. `launcher` runs one command (default: a
-  subprocess each); `only_index` runs just that run (a SLURM array task: no
-  sweep lock, since the array's tasks run side by side, and no summary);
-  `aggregate` writes DIR/summary.* at the end.
+  """Runs the sweep's runs (or `only_index`: no lock, no summary) in order here.
 
   Returns:
-    0 if every run finished; 1 if any failed; `rundir.EXIT_STOPPED` if the
-    sweep got SIGTERM/SIGINT or a run stopped early (preempted).
+    0 all finished; 1 any failed; `rundir.EXIT_STOPPED` on a signal or stop.
 
   Raises:
-    RunConflictError: a run directory holds a run with other result-changing
-      settings (nothing is run or written then), naming each.
+    RunConflictError: run directories hold runs with other settings.
     rundir.WorkdirLockedError: another sweep runs in `workdir`.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -394,8 +355,7 @@ def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
 
 
 def _check_run_list(runs: Sequence[Run], workdir: str) -> None:
-  # An array task maps its index through the sweep file as it is now; if the
-  # file changed after submission the index would silently name another run.
+  # An edited sweep file would map an array index to another run.
   path = os.path.join(workdir, summary.RUNS_FILE)
   listed = summary.listed_runs(workdir)
   if listed is None:
@@ -422,7 +382,7 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
 
 
 def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
-  """`--slurm --nodes=N --gpus_per_node=G`: DIR/run.sbatch for the sweep's one run."""
+  """`--slurm --nodes=N`: DIR/run.sbatch for the sweep's one run."""
   runs = sweep.runs(workdir)
   if len(runs) != 1:
     return _fail(2, f'Sweep refused: --nodes={fv.nodes} x --gpus_per_node='

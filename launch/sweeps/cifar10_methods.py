@@ -1,9 +1,4 @@
-"""The paper's model comparison on CIFAR-10: every method, with and without OT views.
-
-SimCLR, MoCo v2, BYOL and DINO (docs/methods.md), each with the SimCLR strong
-augmentations and with the OT views of those augmentations, at the paper's
-setting of configs/cifar10.py (20 epochs, batch 256); 8 runs of one seed.
-Rows are named as the paper names them ("BYOL", "BYOL + OT views", "OTCLR").
+"""The paper's CIFAR-10 comparison: 4 methods x with and without OT views.
 
     python -m launch.sweep --config=launch/sweeps/cifar10_methods.py \
         --workdir=runs/cifar10_methods

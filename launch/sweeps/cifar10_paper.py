@@ -1,7 +1,5 @@
 """The CIFAR-10 reproduction: SimCLR vs OTCLR x batch 256/512 x 3 seeds.
 
-Every run uses the paper's setting of configs/cifar10.py unchanged; 12 runs.
-
     python -m launch.sweep --config=launch/sweeps/cifar10_paper.py \
         --workdir=runs/cifar10_paper
 """

@@ -1,7 +1,4 @@
-"""A smoke test of the whole pipeline on a CPU: both methods x 2 seeds on digits.
-
-Four runs of 20 steps on 8 x 8 digits with a small head and OT grid; minutes
-in all. The numbers only show that everything runs end to end.
+"""A CPU smoke test of the whole pipeline: 2 methods x 2 seeds on 8x8 digits.
 
     python -m launch.sweep --config=launch/sweeps/digits_smoke.py \
         --workdir=/tmp/digits_smoke

@@ -1,35 +1,13 @@
 """Benchmarks: `python -m otclr_jax.bench <ot|train|resnet> [flags]`.
 
-One module of this package per subcommand (ot_views, train_step, resnet).
-
-  ot   ms per batch of the OT view generator (docs/method.md sections 2-5):
-       our `ot.ot_views` (row (c), default core) against ott-jax's dense
-       solver (a), POT (b), `ot_views` with its other Sinkhorn core and each
-       stage of `ot_views` (d: the public pieces of `otclr_jax.ot` it runs),
-       with their ratios. Every implementation's views are first compared
-       with (c)'s (max abs pixel difference): the rows compute the same thing.
+  ot   ms per batch of the OT view generator (docs/method.md sections 2-5)
+       against ott-jax, POT (skipped if absent) and its other Sinkhorn core.
   train --config=configs/X.py [--methods=moco,...]
-       `tables.complexity_table` of SimCLR and the `--methods` (default every
-       method of `methods.NAMES`) with both view generators, and of OTCLR per
-       Sinkhorn core: parameters, forward GFLOPs per image pair (XLA cost
-       analysis), median step time and pairs/s (steps alternated in one
-       process after a warm-up), and the linear evaluation's forward. Then
-       each step's GFLOP/s beside this machine's float32 matmul peak (timed
-       in the same run), the OT/augment step-time ratio per method, the
-       SimCLR and OTCLR steps by stage (views; network forward + backward;
-       the rest), the OT views' share of the OTCLR step, the input
-       pipeline's batches/s over the step's, and the kNN monitor's cost.
-  resnet --config=configs/X.py
-       ResNet-18 forward + backward (training-mode BatchNorm) at
-       `config.batch_size` per `--conv_impls` value of `model.conv_impl`,
-       alternated, with GFLOP/s and ratios; `--per_layer` times every
-       convolution under 'xla' and 'matmul' beside the choice of 'auto'.
-       `launch/bench_torch.py` times PyTorch's ResNet-18 the same way.
+       complexity table of every method with both view generators.
+  resnet --config=configs/X.py [--conv_impls=xla,matmul,auto] [--per_layer]
+       ResNet-18 forward + backward per `model.conv_impl`.
 
-Config fields are overridden as `--config.a.b=v` on a locked config (a typo
-fails with a suggestion). The benchmark prints medians and ratios. POT, a test-only dependency, is imported lazily with its
-TensorFlow, PyTorch, CuPy and JAX backends disabled (its import would
-otherwise load every installed array library); without POT row (b) is skipped.
+Override config fields as `--config.a.b=v`.
 """
 
 from __future__ import annotations
@@ -51,13 +29,7 @@ COMMANDS = ('ot', 'train', 'resnet')
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                  sys_argv: Sequence[str] | None = None) -> None:
-  """Defines the benchmark's flags on `flag_values`.
-
-  Args:
-    flag_values: where to define them (tests pass a fresh `FlagValues`).
-    sys_argv: the command line whose `--config.a.b=v` overrides
-      `config_flags` registers (default `sys.argv`).
-  """
+  """Defines the flags on `flag_values`; `sys_argv` holds --config overrides."""
   fv = dict(flag_values=flag_values)
   config_flags.DEFINE_config_file(
       'config', None, 'Config file (train, resnet); override fields as '

@@ -12,19 +12,12 @@ import numpy as np
 
 from otclr_jax import ot
 
-# Side of the square float32 matmul that measures the machine's peak.
 PEAK_MATMUL_SIZE = 2048
 
 
 def time_ms(fn: Callable, *args, repeats: int, min_time_s: float = 0.0
             ) -> tuple[float, float]:
-  """Median and minimum wall time of `fn(*args)` in ms, device synchronised.
-
-  Calls `fn` at least `repeats` times and until `min_time_s` seconds have
-  passed, so the median of a fast function rests on many calls. The minimum is
-  reported beside it because other processes share the CPU: it estimates the
-  unloaded time.
-  """
+  """Median and min ms of >= `repeats` synced calls, over >= `min_time_s` s."""
   times = []
   start_all = time.perf_counter()
   while (len(times) < repeats

@@ -1,9 +1,6 @@
 """`python -m otclr_jax.bench ot`: the OT view generator against references.
 
-Every implementation has the signature
-`fn(x [B, H, W, C], x_strong [B, H, W, C]) -> views [B, H, W, C]`: ott-jax's
-dense solver (a), POT (b), our `ot.ot_views` (c) with either Sinkhorn core,
-and (c)'s stages (d). Their views are compared with (c)'s before timing.
+Each maps `(x, x_strong) [B, H, W, C] -> views [B, H, W, C]` in [0, 1].
 """
 
 from __future__ import annotations
@@ -25,9 +22,7 @@ from ott.solvers.linear import sinkhorn
 from otclr_jax import ot
 from otclr_jax.bench import common
 
-# Max abs pixel difference (images in [0, 1]) tolerated between an
-# implementation and `ot_views`: a quarter of an 8-bit grey level. Float32
-# lse-mode and float64 POT iterates differ from ours by far less than this.
+# Max abs pixel difference from `ot_views`: a quarter of an 8-bit grey level.
 VIEW_ATOL = 1e-3
 
 
@@ -64,8 +59,7 @@ def _views_with(per_problem: Callable, x, x_strong, s: OTSettings):
 
 
 def _exact_iterations(num_iters: int, **kwargs) -> sinkhorn.Sinkhorn:
-  # min = max = inner = T runs exactly T iterations, with unrolled gradients
-  # (docs/method.md section 3 explains why inner must equal T).
+  # inner = T: exactly T iterations (docs/method.md section 3).
   return sinkhorn.Sinkhorn(
       min_iterations=num_iters, max_iterations=num_iters,
       inner_iterations=num_iters, implicit_diff=None, **kwargs)
@@ -91,7 +85,6 @@ def make_ot_views(s: OTSettings, core: str = ot.DEFAULT_CORE) -> Callable:
       num_iters=s.num_iters, core=core))
 
 
-
 def import_pot():
   """POT with its non-NumPy backends disabled, or None if not installed."""
   for backend in ('TENSORFLOW', 'PYTORCH', 'CUPY', 'JAX'):
@@ -103,10 +96,7 @@ def import_pot():
 
 
 def numpy_splat_tables(grid_size: int, alpha: float):
-  """Flat target vertex and bilinear weight of every packet, `[4, N, N]` each.
-
-  The floor/fraction form of docs/method.md section 4, in float64.
-  """
+  """Float64 target vertex and bilinear weight per packet, `[4, N, N]` each."""
   r = ot.grid_points(grid_size)
   g = ((1.0 - alpha) * r[:, None, :] + alpha * r[None, :, :]) * (grid_size - 1)
   k = np.clip(np.floor(g), 0, grid_size - 2).astype(np.int64)
@@ -121,12 +111,7 @@ def numpy_splat_tables(grid_size: int, alpha: float):
 
 
 def make_pot(s: OTSettings, pot) -> Callable:
-  """(b) POT `ot.sinkhorn` in a Python loop + NumPy splat of each plan.
-
-  Measure and reconstruction are the jitted JAX functions `ot_views` uses;
-  Sinkhorn and the splat run in NumPy float64, one problem at a time. The splat
-  scatter-adds with `np.bincount`, ~10x faster than `np.add.at` for this size.
-  """
+  """(b) POT float64 `ot.sinkhorn` + `np.bincount` splat, problem by problem."""
   m = s.grid_size
   cost = ot.grid_cost(m)
   index, weight = numpy_splat_tables(m, s.alpha)
@@ -157,10 +142,9 @@ def make_stages(s: OTSettings):
   """(d) `ot_views` split into separately jitted stages.
 
   Returns:
-    `(measure, sinkhorn, splat, reconstruct)`: `measure(x, x_strong) -> (a, b,
-    mass, offset)`, `sinkhorn(a, b) -> (u, v)`, `splat(u, v) -> p_bar`,
-    `reconstruct(p_bar, mass, offset, H, W) -> views`; chained, they compute
-    `ot_views`.
+    `measure(x, x_strong) -> (a, b, mass, offset)`, `sinkhorn(a, b) -> (u,
+    v)`, `splat(u, v) -> p_bar`, `reconstruct(p_bar, mass, offset, H, W) ->
+    views`; chained, they compute `ot_views`.
   """
   measure = jax.jit(functools.partial(_measures, s=s))
   scalings = jax.jit(
@@ -169,7 +153,6 @@ def make_stages(s: OTSettings):
       lambda u, v: ot.displace_from_scalings(u, v, s.alpha, s.epsilon))
   reconstruct = jax.jit(_reconstruct, static_argnums=(3, 4))
   return measure, scalings, splat, reconstruct
-
 
 
 def _bench_images(batch_size: int, image_size: int, seed: int):
@@ -232,7 +215,6 @@ def _time_stages(stages, x, x_strong, repeats: int, min_time_s: float):
           for fn, fn_args in calls]
 
 
-
 def _ratio_row(label: str, num: Row, den: Row) -> Row:
   return Row(label, {b: num.values[b] / den.values[b] for b in den.values},
              unit='x')
@@ -283,7 +265,6 @@ def run_ot(fv: flags.FlagValues) -> int:
   all_ok = True
   for batch_size in batch_sizes:
     x, x_strong = _bench_images(batch_size, fv.image_size, fv.seed)
-    # The warm-up call compiles; its output is checked against (c).
     outputs = {k: np.asarray(fn(x, x_strong)) for k, (_, fn) in impls.items()}
     text, ok = _check_views(outputs)
     all_ok &= ok

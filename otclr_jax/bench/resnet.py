@@ -1,11 +1,4 @@
-"""`python -m otclr_jax.bench resnet`: ResNet-18 per convolution implementation.
-
-Forward + backward (training-mode BatchNorm) at `config.batch_size` per
-`--conv_impls` value of `model.conv_impl`, alternated, with GFLOP/s and
-ratios; `--per_layer` times every convolution under 'xla' and 'matmul' beside
-the choice of 'auto'. launch/bench_torch.py times PyTorch's ResNet-18 the same
-way.
-"""
+"""`python -m otclr_jax.bench resnet`: ResNet-18 fwd+bwd per `conv_impl`."""
 
 from __future__ import annotations
 
@@ -43,11 +36,7 @@ def _encoder_step(config, impl: str, x: jax.Array):
 
 
 def _conv_layers(config) -> dict[tuple[Any, ...], int]:
-  """Each distinct convolution of ResNet-18 and how often it occurs.
-
-  Keys are (input shape, kernel shape, strides, padding), read from the
-  traced forward pass with `lax.conv`.
-  """
+  """Count of each (input shape, kernel shape, strides, padding) convolution."""
   model = models.ResNet18(stem=config.model.stem, conv_impl='xla')
   x = jax.ShapeDtypeStruct(
       (config.batch_size, config.image_size, config.image_size, 3),
@@ -111,7 +100,7 @@ def run_resnet(config, fv: flags.FlagValues) -> int:
   b, size = config.batch_size, config.image_size
   x = jnp.asarray(rng.random((b, size, size, 3), np.float32))
   steps = {impl: _encoder_step(config, impl, x) for impl in impls}
-  # One FLOP count for every row: XLA's, of the convolutions as lax.conv.
+  # One FLOP count for every row: XLA's, of lax.conv.
   flops = (steps['xla'] if 'xla' in steps
            else _encoder_step(config, 'xla', x))[2]
   for compiled, args, _ in steps.values():

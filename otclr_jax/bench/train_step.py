@@ -1,13 +1,4 @@
-"""`python -m otclr_jax.bench train`: the complexity table of every method.
-
-Each method (`--methods`, SimCLR always) with both view generators, and OTCLR
-per Sinkhorn core, is compiled and stepped alternately;
-`tables.complexity_table` prints parameters, forward GFLOPs per image pair,
-step time and pairs/s, then each step's GFLOP/s beside a matmul peak timed in
-the same run, the SimCLR and OTCLR steps by stage (views, network forward +
-backward, the rest) and the costs around the step (OT views, input pipeline,
-kNN monitor).
-"""
+"""`python -m otclr_jax.bench train`: the complexity table of every method."""
 
 from __future__ import annotations
 
@@ -27,11 +18,7 @@ from otclr_jax.bench import common
 
 
 def _splits(config, num_train: int, seed: int):
-  """Train and test `Split`s of the config's dataset and its name.
-
-  Random uint8 images and labels (`num_train` and `monitor.num_test`) when
-  the dataset is not prepared here: gathering and embedding cost the same.
-  """
+  """(train, test) `Split`s and their source's name: random uint8 if absent."""
   from otclr_jax import data  # pylint: disable=g-import-not-at-top
   try:
     return [data.load_split(config.dataset, split, config.image_size,
@@ -70,15 +57,10 @@ def _compile_variant(config, batch, key, mesh) -> Variant:
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
   run, state, step = experiment.build(config, 100, mesh)
   compiled = step.lower(state, batch, key).compile()
-  # Both views of the batch: the forward FLOPs of B image pairs through the
-  # trained network. XLA counts only multiply-adds on real pixels, not on a
-  # convolution's zero padding, which at 32 x 32 (1 x 1 maps in the last
-  # stage) is much of the naive count that papers quote.
+  # XLA skips a convolution's zero padding: below the papers' naive counts.
   views_in = jnp.zeros((2 * batch.shape[0],) + batch.shape[1:], jnp.float32)
   variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
   fwd = jax.jit(lambda v, x: run.model.apply(v, x, train=False))
-  # Pretraining: the trained network and its targets (MoCo: query + key
-  # encoders with heads, the paper's 23.01M); evaluation: the encoder.
   return Variant(
       run.title, compiled, state, common.flops(compiled),
       common.flops(fwd.lower(variables, views_in).compile()),
@@ -104,12 +86,7 @@ def _time_views(base, clean, repeats: int) -> dict[str, float]:
 
 def _time_stages(base, views: str, variant: Variant, clean, key,
                  repeats: int) -> tuple[float, float]:
-  """Median ms of two parts of the SimCLR step with `views`, each jitted alone.
-
-  The views of the batch (two strong augmentations, and for 'ot' the OT
-  views from them), and the network's forward + backward (training-mode
-  BatchNorm) on the 2B views, the gradient of a scalar of its outputs.
-  """
+  """Median ms of the SimCLR step's views and network fwd+bwd, jitted apart."""
   from otclr_jax import experiment, views as views_lib  # pylint: disable=g-import-not-at-top
   config = base.copy_and_resolve_references()
   config.method, config.views = 'simclr', views
@@ -159,10 +136,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
   key = jax.device_put(jax.random.key(fv.seed),
                        NamedSharding(mesh, PartitionSpec()))
 
-  # Every method with both view generators (default Sinkhorn core), then
-  # OTCLR (SimCLR + OT views) with the other core.
   other = common.other_core()
-  # SimCLR always: the OTCLR rows and the stage breakdown are its.
   names = ['simclr'] + [m for m in (fv.methods or methods.NAMES)
                         if m != 'simclr']
   unknown = sorted(set(names) - set(methods.NAMES))
@@ -191,8 +165,6 @@ def run_train(base, fv: flags.FlagValues) -> int:
       jax.block_until_ready(metrics)
       v.times.append(time.perf_counter() - start)
   peak = common.matmul_peak_gflops()
-
-  # Linear evaluation: the frozen encoder's forward pass on clean images.
   config = base.copy_and_resolve_references()
   config.method, config.views = 'simclr', 'ot'
   model = experiment.create_model(config)
@@ -211,7 +183,6 @@ def run_train(base, fv: flags.FlagValues) -> int:
   stages = {v: _time_stages(base, v, variants[f'simclr/{v}'], clean, key,
                             fv.repeats) for v in ('augment', 'ot')}
   pipeline_per_s = _pipeline_per_s(images, batch_size, fv.seed, mesh)
-
   device = jax.devices()[0]
   print(f'\nbatch {batch_size}, {size}x{size}, dtype {base.dtype}, conv_impl '
         f'{base.model.conv_impl}, {len(jax.devices())} x '
@@ -221,7 +192,6 @@ def run_train(base, fv: flags.FlagValues) -> int:
                gflops=v.fwd_flops / batch_size / 1e9, step_ms=v.ms,
                throughput=1e3 * batch_size / v.ms)
           for v in variants.values()]
-  # Same frozen encoder with either views: they exist only in pretraining.
   rows += [dict(stage='Linear eval.', method=variants[f'{m}/augment'].title,
                 params_m=variants[f'{m}/augment'].eval_params_m,
                 gflops=eval_flops / batch_size / 1e9, step_ms=eval_ms,
@@ -270,7 +240,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
 
 def _time_monitor(config, model, state, splits, repeats: int
                   ) -> tuple[float, str]:
-  """Median ms of one kNN monitor call (otclr_jax/evaluation/monitor.py) on `splits`."""
+  """Median ms of one kNN monitor call on `splits`, and their sizes."""
   from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
   knn = monitor.KnnMonitor(config, model, *splits)
   knn(state)  # compiles

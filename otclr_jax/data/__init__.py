@@ -1,22 +1,4 @@
-"""Host input pipeline: whole datasets as uint8 arrays, deterministic batches.
-
-A split is prepared once into a uint8 array `[N, S, S, 3]` plus int32 labels
-(`sources`, decoded by `folder`, `tfds_sources` and `images`), cached under
-`data_dir` bound to what it was made from (`cache`), and batched on the host
-(`batches`); augmentation and the cast to float happen on the accelerator.
-`check_evaluable` checks an evaluation dataset before training starts.
-
-Memory: there is no streaming mode. A split whose uint8 array would exceed
-`images.MAX_IN_MEMORY_BYTES` (8 GiB, e.g. imagenet2012 train at 64 px) is
-refused before anything is decoded; imagenet2012 at 32 px (3.9 GB) and
-imagenet300 up to 96 px fit. Only this package imports tensorflow-datasets,
-and only to prepare a tfds dataset or decode a folder through ImageFolder:
-reading a cache, `digits` and `folder:` datasets work without TensorFlow.
-
-Errors a user can fix are `DataError`s (a ValueError) whose message is one
-line naming the dataset, split, sizes or file; a command line turns them into
-exit status 2.
-"""
+"""Host input pipeline: whole splits as cached uint8 arrays, batched on host."""
 
 from otclr_jax.data.batches import epoch_permutation
 from otclr_jax.data.batches import eval_batches

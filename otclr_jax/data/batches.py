@@ -1,13 +1,4 @@
-"""Deterministic batches of a split held in host memory.
-
-`train_batches` is endless; epoch e visits the examples in the order
-`np.random.default_rng([seed, e]).permutation(N)` and drops the last partial
-batch, so any step can be reproduced (resumption from `start_step`). A small
-background thread gathers a few batches ahead. `eval_batches` yields every
-example once in order; its last batch is smaller, not padded. Batches are
-uint8 on the host; augmentation and the cast to float happen on the
-accelerator.
-"""
+"""Deterministic batches of a split held in host memory."""
 
 from __future__ import annotations
 
@@ -22,15 +13,12 @@ from otclr_jax.data import types
 
 def steps_per_epoch(num_examples: int, batch_size: int,
                     what: str = 'the dataset') -> int:
-  """Number of full batches in one epoch (the last partial batch is dropped).
+  """N // B, the full batches in one epoch (the last partial one is dropped).
 
   Args:
-    num_examples: N, the number of training examples.
-    batch_size: B, examples per batch, 1 <= B <= N.
+    num_examples: N >= 1.
+    batch_size: B, 1 <= B <= N.
     what: names the split in the error, e.g. 'digits/train'.
-
-  Returns:
-    N // B.
 
   Raises:
     BatchSizeError: B > N.
@@ -45,16 +33,7 @@ def steps_per_epoch(num_examples: int, batch_size: int,
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """Example order of one training epoch.
-
-  Args:
-    num_examples: N.
-    seed: non-negative run seed.
-    epoch: non-negative epoch index.
-
-  Returns:
-    int64 [N], `np.random.default_rng([seed, epoch]).permutation(N)`.
-  """
+  """int64 [N] order of an epoch: `default_rng([seed, epoch])`, both >= 0."""
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
@@ -66,22 +45,15 @@ def train_batches(images: np.ndarray,
                   prefetch: int = 2) -> Iterator[np.ndarray]:
   """Endless training batches, deterministic given the seed.
 
-  Epoch e visits the examples in the order `epoch_permutation(N, seed, e)`,
-  cut into N // B batches; the last partial batch is dropped. Step t is batch
-  t % (N // B) of epoch t // (N // B), so an iterator started at `start_step`
-  yields exactly what an uninterrupted one yields from that step on.
+  Step t is batch t % (N // B) of epoch t // (N // B) (`epoch_permutation`),
+  so starting at `start_step` resumes an uninterrupted run exactly.
 
   Args:
     images: [N, ...] array, normally uint8 [N, S, S, 3].
     batch_size: B, 1 <= B <= N.
     seed: non-negative integer.
     start_step: first global step to produce (e.g. the restored step).
-    prefetch: number of batches a background thread gathers ahead; 0 gathers
-      in the caller's thread. The batches are the same either way. The thread
-      gathers while the caller waits on the device (GIL released); with no
-      such wait it only adds queue overhead (0.38 vs 0.27 ms per 256 x 32 px
-      batch on 2 CPU cores), with a 2 ms wait it saves ~0.1 ms at 32 px and
-      ~0.8 ms at 96 px per step.
+    prefetch: batches a thread gathers ahead (0: none); same batches.
 
   Returns:
     An iterator of arrays [B, ...] with the dtype of `images`.
@@ -99,18 +71,14 @@ def train_batches(images: np.ndarray,
 
 def eval_batches(images: np.ndarray,
                  batch_size: int) -> Iterator[np.ndarray]:
-  """All examples once, in order, in batches of B.
-
-  The last batch is smaller when B does not divide N (no padding): one extra
-  compilation of a jitted evaluation function for that shape.
+  """All examples once, in order, in batches of B; the last is not padded.
 
   Args:
     images: [N, ...] array.
     batch_size: B >= 1 (may exceed N: one batch of N).
 
   Returns:
-    An iterator of views [B, ...] of `images`, the last [N % B, ...] if
-    nonzero.
+    An iterator of views [B, ...] of `images`, the last maybe [N % B, ...].
   """
   images = _check_images(images)
   batch_size = _check_int(batch_size, 'batch_size', 1)
@@ -145,11 +113,7 @@ def _train_batch_generator(images: np.ndarray, batch_size: int, seed: int,
 
 
 class _Prefetcher:
-  """Runs an iterator in a daemon thread, `size` items ahead of the reader.
-
-  The thread holds no reference to this object, so dropping the iterator
-  (or calling `close`) stops the thread.
-  """
+  """Iterates in a daemon thread, `size` items ahead; dropping it stops that."""
 
   _DONE = object()
 

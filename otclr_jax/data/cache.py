@@ -1,16 +1,7 @@
 """Splits prepared once and cached on disk, bound to what they were made from.
 
-Cache: `<data_dir>/otclr_cache/<key>_<split>_<S>px_v1.npz` (uncompressed;
-`sources.dataset_key`). Besides the arrays, each file stores what the split was
-made from (`sources.describe`: for a folder tree its class list and the path,
-size and mtime of every file of the split). A cache whose source differs from
-the dataset as it is now (a class added, a file changed, a cache that records
-no source) is prepared again and overwritten, with one warning saying why;
-so is a cache file that cannot be read (damaged on disk). Files are written to
-a temporary name in the same directory and renamed, so a crashed or concurrent
-preparation never leaves a half-written cache behind. Where the cache cannot
-be written (a read-only data_dir), the split is used from memory with one
-warning.
+Cache: `<data_dir>/otclr_cache/<key>_<split>_<S>px_v1.npz`; a stale or
+unreadable one is prepared again and overwritten.
 """
 
 from __future__ import annotations
@@ -31,14 +22,12 @@ from otclr_jax.data import types
 
 _CACHE_SUBDIR = 'otclr_cache'
 _CACHE_VERSION = 'v1'
-# Write failures that mean "this directory is not ours to write": the split is
-# then kept in memory. Others (a full disk) still stop the run.
+# Kept in memory on these; other write failures (a full disk) stop the run.
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> str:
-  """The absolute data directory (`~` expanded; None: $TFDS_DATA_DIR or
-  ~/tensorflow_datasets)."""
+  """Absolute data dir; None: $TFDS_DATA_DIR or ~/tensorflow_datasets."""
   if data_dir is None:
     data_dir = os.environ.get('TFDS_DATA_DIR', '~/tensorflow_datasets')
   return os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
@@ -61,28 +50,21 @@ def load_split(name: str,
   """Loads one split as uint8 arrays, preparing and caching it on first use.
 
   Args:
-    name: dataset name, see `sources.known_datasets()`; `folder:/path` for an
-      image tree `path/<split>/<class>/*.jpg`.
-    split: 'train' or 'test' (plus 'unlabelled' for stl10, 'extra' for
-      svhn_cropped; any subdirectory name for folder datasets).
+    name: dataset name, see `sources.known_datasets()`.
+    split: 'train', 'test' or another the dataset has.
     image_size: side S of the square output images, at least 8.
-    data_dir: tfds data directory, also holding the cache in
-      `<data_dir>/otclr_cache`. None means $TFDS_DATA_DIR or
-      ~/tensorflow_datasets.
-    download: whether an unprepared tfds dataset may be downloaded. With False
-      a missing dataset fails at once without touching the network.
+    data_dir: tfds data directory, also holding `otclr_cache/`. None means
+      $TFDS_DATA_DIR or ~/tensorflow_datasets.
+    download: whether an unprepared tfds dataset may be downloaded.
 
   Returns:
     The split: images uint8 [N, S, S, 3], labels int32 [N].
 
   Raises:
-    DataError: unknown dataset, image_size < 8, a missing folder or an
-      undecodable file in it, or a split too large for host memory.
+    DataError: a bad dataset, split or size, or an undecodable file.
     SplitNotFoundError: the dataset has no such split.
-    DatasetUnavailableError: a tfds dataset that is absent and cannot be
-      downloaded.
-    ImportError: a tfds dataset must be prepared but TensorFlow or
-      tensorflow-datasets is not installed.
+    DatasetUnavailableError: a tfds dataset absent and not downloadable.
+    ImportError: preparing a tfds dataset without TensorFlow.
   """
   image_size = images_lib.check_image_size(image_size)
   data_dir = resolve_data_dir(data_dir)
@@ -119,14 +101,7 @@ def load_splits(name: str,
                 data_dir: str | os.PathLike[str] | None = None,
                 *,
                 download: bool = True) -> dict[str, types.Split]:
-  """Loads several splits of one dataset, checked to share one class list.
-
-  A folder tree changed between two loads gives splits with different class
-  lists; they are loaded once more (each against the tree as it is then) and
-  refused if they still differ.
-
-  Returns:
-    {split: Split} for every split in `splits`.
+  """{split: Split} of one dataset's `splits`, checked to share one class list.
 
   Raises:
     DataError: the class lists differ, or as `load_split`.
@@ -159,11 +134,7 @@ def _class_list_differences(loaded: dict[str, types.Split]) -> str:
 
 
 def read(path: str, image_size: int) -> tuple[types.Split, Any]:
-  """Reads a cache file: the split and its recorded source (None if none).
-
-  Raises:
-    Exception: any damage (ValueError names the file for wrong shapes).
-  """
+  """A cache file's split and recorded source (or None); raises if damaged."""
   with np.load(path, allow_pickle=False) as data:
     images = data['images']
     labels = data['labels']
@@ -195,9 +166,7 @@ def _read_if_current(path: str, image_size: int, source: dict[str, Any],
   """The cached split, or None (one warning) when unreadable or stale."""
   try:
     split, stored = read(path, image_size)
-  # A torn or corrupted .npz raises zipfile.BadZipFile, OSError, EOFError,
-  # KeyError or ValueError depending on where it is damaged; the cache is
-  # derived data, so it is prepared again and overwritten.
+  # Damage raises many types; the cache is derived data, so prepare it again.
   except Exception as e:  # pylint: disable=broad-except
     logging.warning('Data cache %s is unreadable (%s: %s); preparing %s '
                     'again and rewriting it.', path, type(e).__name__, e, what)

@@ -28,23 +28,12 @@ def check_evaluable(name: str,
                     download: bool = True) -> Evaluable:
   """Checks that evaluation (a probe and kNN on train, scored on test) can run.
 
-  Loads the train and test splits (preparing their caches, which evaluation
-  reads later) and trains nothing.
-
   Args:
-    name: dataset name, as in `load_split`.
+    name, data_dir, download: as in `load_split`.
     image_size: the run's image size (the caches prepared are this size).
-    data_dir: as in `load_split`.
-    download: as in `load_split`.
-
-  Returns:
-    The sizes found.
 
   Raises:
-    NotEvaluableError: one line naming the dataset, when it does not exist or
-      cannot be prepared, lacks a train or test split, its splits disagree on
-      the class list (`load_splits`), it has fewer than two classes with
-      train examples, or its test split has classes without train examples.
+    NotEvaluableError: no train or test split, or unusable classes.
   """
   try:
     loaded = cache.load_splits(name, _SPLITS, image_size, data_dir,

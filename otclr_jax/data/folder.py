@@ -1,19 +1,4 @@
-"""`folder:/root` datasets: image trees `root/<split>/<class>/*.{jpg,jpeg,png}`.
-
-The layout read by `tfds.folder_dataset.ImageFolder`. Splits are the
-subdirectory names of `root`; class names are the sorted union of class
-directory names over all splits (as ImageFolder does), so every split of a tree
-shares one class list and labels index it. Examples are ordered by (class
-name, file name). When TensorFlow and tensorflow-datasets are importable the
-images are decoded by ImageFolder, otherwise by Pillow. The ImageFolder path
-decodes JPEG with TF's INTEGER_ACCURATE DCT (libjpeg's default, which Pillow
-uses) instead of TF's INTEGER_FAST default, so both paths give identical arrays
-for PNG and JPEG. An empty, truncated or non-image file stops preparation with
-a DataError naming it (both backends; nothing is skipped silently).
-
-`scan` also fingerprints the split (each file's path, size and mtime) so that a
-cache made from it can tell when the tree has changed (`describe`).
-"""
+"""`folder:/root` datasets: trees `root/<split>/<class>/*.{jpg,jpeg,png}`."""
 
 from __future__ import annotations
 
@@ -37,8 +22,7 @@ class Tree(NamedTuple):
   Attributes:
     class_names: sorted union of the class directories over all splits.
     files: [(path, label)] ordered by (class name, file name).
-    digest: sha256 (hex) of every file's path relative to the root, size and
-      mtime in ns, in that order.
+    digest: sha256 (hex) of every file's relative path, size and mtime.
   """
   class_names: list[str]
   files: list[tuple[str, int]]
@@ -50,12 +34,7 @@ def _subdirs(path: str) -> list[str]:
 
 
 def scan(root: str, split: str) -> Tree:
-  """Lists a root/<split>/<class>/<image> tree like tfds ImageFolder does.
-
-  Raises:
-    DataError: the root is not a directory or the split has no images.
-    SplitNotFoundError: the root has no subdirectory `split`.
-  """
+  """Lists a root/<split>/<class>/<image> tree as ImageFolder; or DataError."""
   if not os.path.isdir(root):
     raise types.DataError(
         f'folder dataset root {root} is not a directory; expected images in '
@@ -107,14 +86,13 @@ def prepare(root: str,
   """Decodes a folder split with ImageFolder ('tfds') or Pillow ('pillow').
 
   Args:
-    root: the tree's absolute root.
-    split: subdirectory of root.
+    root, split: the tree's absolute root and a subdirectory of it.
     image_size: S.
     backend: 'tfds', 'pillow', or 'auto' (tfds when importable).
     tree: `scan(root, split)` when the caller already has it.
 
   Returns:
-    The split; class_names is the tree's whole class list.
+    The split: uint8 [N, S, S, 3], int32 [N], the tree's class list.
   """
   tree = scan(root, split) if tree is None else tree
   class_names, files = tree.class_names, tree.files
@@ -164,8 +142,7 @@ def _decode_with_imagefolder(root: str, split: str, image_size: int,
   ds = ds.map(
       lambda ex: {**ex, 'image': _tf_decode_image(tf, ex['image'])},
       num_parallel_calls=tf.data.AUTOTUNE)
-  # TF's decode error names no file: drop the examples that fail, and name
-  # the files that never came out once the stream ends.
+  # TF's decode error names no file: `_with_positions` names the missing.
   ds = ds.apply(tf.data.experimental.ignore_errors())
   stream = _with_positions(tfds.as_numpy(ds), position, files, order, what)
   images = images_lib.map_images(
@@ -179,11 +156,7 @@ def _decode_with_imagefolder(root: str, split: str, image_size: int,
 
 
 def _tf_decode_image(tf, encoded):
-  """Decodes like Pillow: JPEG with the accurate integer DCT, to RGB uint8.
-
-  TF's default JPEG method (INTEGER_FAST) differs from Pillow by a few levels;
-  INTEGER_ACCURATE matches libjpeg's default that Pillow uses.
-  """
+  """Decodes like Pillow (libjpeg's accurate integer DCT) to RGB uint8."""
   return tf.cond(
       tf.io.is_jpeg(encoded),
       lambda: tf.io.decode_jpeg(encoded, channels=3,

@@ -1,12 +1,4 @@
-"""Image decoding and resizing on the host, and the host-memory limit.
-
-Grayscale is replicated to three channels and an alpha channel dropped; a
-non-square image is centre-cropped to its shorter side, then resized to
-`image_size` x `image_size` with Pillow's antialiased bicubic filter (the
-filter support widens with the downscaling factor, so downscaling averages
-rather than aliases). An image already of the target size is copied unchanged.
-A 16-bit PNG keeps the high byte of each value (`pillow_rgb`).
-"""
+"""Image decoding and resizing on the host, and the host-memory limit."""
 
 from __future__ import annotations
 
@@ -94,12 +86,6 @@ def square_resize(image: np.ndarray, image_size: int) -> np.ndarray:
 def pillow_rgb(path: str) -> np.ndarray:
   """Decodes an image file to uint8 RGB [H, W, 3] exactly as TF does.
 
-  Pillow's `convert('RGB')` clips a 16-bit grayscale PNG (mode 'I;16' or
-  'I') to 255, turning it almost white; TF keeps the high byte
-  (`value >> 8`), as Pillow itself does for 16-bit RGB. Every other mode
-  (1, L, LA, P with or without transparency, RGB, RGBA, CMYK JPEG) already
-  decodes identically: alpha is dropped, never composited.
-
   Raises:
     OSError, ValueError: the file is empty, truncated or not an image.
   """
@@ -121,14 +107,9 @@ def map_images(fn: Callable[[Any], np.ndarray],
                what: str) -> np.ndarray:
   """Applies `fn` (-> uint8 [S, S, 3]) to items in a thread pool, in order.
 
-  Pillow releases the GIL while decoding and resizing, so threads use all
-  cores. Items are consumed in chunks so that a large stream of decoded
-  full-size images never sits in memory at once.
-
   Args:
-    fn: decodes and resizes one item.
-    items: the items (paths, decoded images, tfds examples).
-    num_items: how many there are, or None when unknown.
+    fn: decodes and resizes one item (paths, images, tfds examples).
+    items, num_items: the items and how many (None: unknown).
     image_size: S.
     what: names the split in progress lines and errors.
 

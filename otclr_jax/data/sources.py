@@ -1,21 +1,6 @@
-"""The dataset registry: names, splits, and what each split is made from.
+"""The dataset registry: tfds (`tfds_sources`), `folder:/root` and `digits`.
 
-Datasets (`name` argument of `load_split`):
-
-* tensorflow-datasets builders and `imagenet300`: see `tfds_sources`.
-* `folder:/path/to/root`: an image tree, see `folder`.
-* `digits` (default, needs no download): `sklearn.datasets.load_digits`,
-  1797 8x8 grayscale images with values 0..16, scaled to uint8 by
-  `round(v * 255 / 16)`, replicated to RGB and resized. Split: in each class
-  the examples are permuted by `np.random.default_rng(DIGITS_SPLIT_SEED)`
-  (one generator, classes in order 0..9) and the first
-  `round(DIGITS_TEST_FRACTION * count)` go to test, so the split is a
-  stratified 80/20 split that does not depend on the run seed. Each split
-  keeps the original dataset order.
-
-`prepare` decodes a split and says what it was made from (`source`, a JSON
-dict: the split rule for digits, the tfds builder and split, or the folder
-tree's class list and file fingerprint), which the cache stores beside it.
+`digits` is sklearn's, split 80/20 per class by `DIGITS_SPLIT_SEED`.
 """
 
 from __future__ import annotations
@@ -54,16 +39,7 @@ def folder_root(name: str) -> str:
 
 
 def dataset_key(name: str, split: str) -> str:
-  """Validates name and split; returns the dataset part of the cache key.
-
-  `folder:/a/b` becomes `folder-b-<first 16 hex digits of sha256 of the
-  absolute path>`; registered names are their own key.
-
-  Raises:
-    DataError: an unknown dataset.
-    SplitNotFoundError: a split the dataset does not have (folder trees are
-      checked when scanned).
-  """
+  """The cache key's dataset part; DataError for an unknown name or split."""
   if not isinstance(name, str):
     raise types.DataError(f'dataset name must be a string, got {name!r}.')
   if not isinstance(split, str) or not split:
@@ -92,13 +68,7 @@ def dataset_key(name: str, split: str) -> str:
 
 
 def describe(name: str, split: str) -> dict[str, Any]:
-  """What the split is made from now (a folder tree is scanned: one stat per
-  file); a cache whose stored source differs is stale.
-
-  Raises:
-    DataError: see `dataset_key`; a folder tree that is missing or has no
-      images in the split.
-  """
+  """What the split is made from now (a cache storing another is stale)."""
   dataset_key(name, split)
   if name == 'digits':
     return _describe_digits()

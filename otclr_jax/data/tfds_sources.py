@@ -1,25 +1,4 @@
-"""tensorflow-datasets builders decoded into uint8 arrays, and imagenet300.
-
-* `cifar10`, `cifar100`, `svhn_cropped`, `stl10`, `food101`,
-  `oxford_iiit_pet`, `imagenet2012`: tensorflow-datasets builders. Split names:
-  `train` and `test` map to each dataset's natural splits (`TFDS_SPLITS`; e.g.
-  food101 and imagenet2012 `test` read `validation`); stl10 also has
-  `unlabelled` (labels -1) and svhn_cropped `extra`.
-* `imagenet300`: a fixed subset of the imagenet2012 train split with 300
-  images from each of the 1000 classes; its test split is the imagenet2012
-  validation split. Within each class the images are ranked by
-  `sha256(IMAGENET300_SALT + '/' + file_name)` (hex digest compared as a
-  string, ties impossible because file names are unique) and the 300 lowest
-  are kept; see `select_per_class`. The rule depends only on the set of
-  (label, file_name) records, not on their order in the TFRecord shards.
-
-TensorFlow and tensorflow-datasets are imported only inside the functions that
-need them (`import_tensorflow`), and TF is told not to use the accelerators
-(they belong to JAX). A dataset that is not prepared under `data_dir` is
-downloaded with `download_and_prepare` only when `download=True`; if that fails
-(offline machine, manual download needed) or `download=False`,
-`DatasetUnavailableError` explains how to provide the data.
-"""
+"""tensorflow-datasets builders decoded into uint8 arrays, and imagenet300."""
 
 from __future__ import annotations
 
@@ -33,7 +12,6 @@ import numpy as np
 from otclr_jax.data import images as images_lib
 from otclr_jax.data import types
 
-# tfds split read for each of our split names.
 TFDS_SPLITS = {
     'cifar10': {'train': 'train', 'test': 'test'},
     'cifar100': {'train': 'train', 'test': 'test'},
@@ -73,7 +51,6 @@ def import_tensorflow(what: str):
         'tensorflow-datasets), or prepare the cache on a machine that has '
         "them, or use dataset='digits' or 'folder:/path'.") from e
   try:
-    # The accelerators belong to JAX; TF only decodes on the host.
     tf.config.set_visible_devices([], 'GPU')
     tf.config.set_visible_devices([], 'TPU')
   except (RuntimeError, ValueError):
@@ -130,8 +107,7 @@ def _tfds_builder(tfds, name: str, data_dir: str, download: bool):
   except Exception as e:  # pylint: disable=broad-except
     hint = ''
     if isinstance(e, ModuleNotFoundError) and e.name:
-      # tensorflow-datasets 4.9.x needs importlib_resources to download but
-      # declares it only for Python < 3.9 (tensorflow/datasets#11212).
+      # tfds 4.9 lacks a download dependency (tensorflow/datasets#11212).
       hint = f' Install the missing module: pip install {e.name}.'
     raise types.DatasetUnavailableError(
         f'dataset {name!r} is not prepared under data_dir={data_dir} and '
@@ -187,26 +163,18 @@ def select_per_class(labels: Sequence[int] | np.ndarray,
                      keys: Sequence[str],
                      per_class: int,
                      salt: str) -> np.ndarray:
-  """Deterministic per-class subset: the records with the lowest salted hash.
-
-  Within each class the records are ranked by
-  `sha256((salt + '/' + key).encode()).hexdigest()` and the `per_class`
-  lowest are kept. The result depends only on the set of (label, key) pairs,
-  not on their order.
+  """Per class, the `per_class` records lowest by `sha256(salt + '/' + key)`.
 
   Args:
     labels: [M] integer class of each record.
     keys: [M] unique string key of each record (imagenet2012: file_name).
-    per_class: records kept per class.
-    salt: string mixed into the hash; a different salt gives a different,
-      equally uniform subset.
+    per_class, salt: records kept per class; string mixed into the hash.
 
   Returns:
     int64 [num_present_classes * per_class], sorted indices into the records.
 
   Raises:
-    ValueError: lengths differ, keys repeat, or a class has fewer than
-      `per_class` records.
+    ValueError: lengths differ, keys repeat, or a class is too small.
   """
   labels = np.asarray(labels)
   if labels.ndim != 1 or len(labels) != len(keys):

@@ -25,11 +25,7 @@ class Split(NamedTuple):
 
 
 class DataError(cli.UsageError):
-  """A dataset, split or batch size that cannot work, said in one line.
-
-  Every message names the dataset (and split, sizes or file) concerned; a
-  command line turns it into exit status 2 without a traceback.
-  """
+  """A dataset, split or batch size that cannot work; exit status 2."""
 
 
 class SplitNotFoundError(DataError):
@@ -45,8 +41,4 @@ class NotEvaluableError(DataError):
 
 
 class DatasetUnavailableError(DataError):
-  """A tfds dataset is neither prepared under data_dir nor downloadable.
-
-  The first line of the message says which and why; the lines after it say
-  how to provide the data.
-  """
+  """A tfds dataset is neither prepared under data_dir nor downloadable."""
