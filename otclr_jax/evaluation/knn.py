@@ -24,8 +24,7 @@ KNN_MAX_SLAB = 2**26
 def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
                  num_classes):
   def chunk(rows):
-    # Full float32 products: TF32 noise would change the ranking on some
-    # accelerators.
+    # TF32 noise would change the ranking.
     sim, idx = jax.lax.top_k(
         jnp.matmul(rows, train_z.T, precision=jax.lax.Precision.HIGHEST), k)
     weights = jnp.exp(sim / temperature)
@@ -40,11 +39,8 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
              temperature: float = KNN_TEMPERATURE) -> float:
   """Weighted kNN accuracy (InstDisc, Wu et al. 2018; solo-learn's default).
 
-  Features are l2-normalised; each test row takes its k most cosine-similar
-  train rows (all of them when fewer than k), which vote for their labels
-  with weight exp(similarity / temperature); the prediction is the class with
-  the largest total (ties: smallest class index). Test rows are processed in
-  chunks so that only a [chunk, N_train] similarity slab exists at a time.
+  The k most cosine-similar train rows vote with weight exp(sim /
+  temperature); ties go to the smallest class index.
 
   Args:
     train_x: float [N, D].
