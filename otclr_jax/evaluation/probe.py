@@ -84,17 +84,10 @@ def _eigenbasis(x: np.ndarray) -> np.ndarray:
 
 @jax.jit
 def _hessian_product(zt, pt, dw, db):
-  """The softmax loss's summed Hessian applied to (dW, db).
+  """The summed softmax Hessian at pt [C, N] times (dw [D, C], db [C]).
 
-  Args:
-    zt: float32 [D, N] features (columns stream faster on CPU).
-    pt: float32 [C, N] softmax probabilities.
-    dw: float32 [D, C].
-    db: float32 [C].
-
-  Returns:
-    (z^T dP [D, C], sum of dP [C]), dP_i = (diag(p_i) - p_i p_i^T)
-    (z_i dW + db).
+  zt is float32 [D, N] (columns stream faster on CPU). Returns (z^T dP,
+  sum of dP) with dP_i = (diag(p_i) - p_i p_i^T) (z_i dW + db).
   """
   dz = jnp.matmul(dw.T, zt, precision=jax.lax.Precision.HIGHEST) + db[:, None]
   dp = pt * (dz - jnp.sum(pt * dz, axis=0, keepdims=True))
@@ -149,13 +142,8 @@ def _class_preconditioner(objective, p):
   diagonalise the mean curvature): block a is mean_i q_a^T S_i q_a
   [z_i, 1] [z_i, 1]^T (+ l2 on W), S_i = diag(p_i) - p_i p_i^T.
 
-  Args:
-    objective: the fit's `_Objective`.
-    p: float64 [N, C] softmax probabilities where the blocks are taken.
-
-  Returns:
-    A function mapping a gradient-shaped ([D, C], [C]) pair to its
-    approximate Newton direction.
+  Returns a map from a gradient ([D, C], [C]) to its approximate Newton
+  direction, with the blocks taken at softmax p [N, C].
   """
   n, num_classes = p.shape
   z1, l2 = objective.z1, objective.l2
@@ -293,19 +281,9 @@ def _scores(w, b, x, y):
 def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
   """Fits every lambda of `l2_grid` on the kept rows, picks one on `held`.
 
-  Strongest penalty first, each fit warm-started from the previous one.
-
-  Args:
-    x: float64 [N, D] train features standardised with the kept rows.
-    y: int [N] labels.
-    held: bool [N], the held-out rows.
-    num_classes: C.
-    l2_grid: the candidate lambdas.
-    max_steps: Newton iterations per fit.
-
-  Returns:
-    (fit chosen by `select`, w in the original basis; its held-out top-1
-    in percent; every fit's record in grid order).
+  Strongest penalty first, each fit warm-started from the previous one; x
+  [N, D] is standardised with the kept rows. Returns (the `select`ed fit, w
+  in x's basis; its held-out top-1 in percent; the records in grid order).
   """
   basis = _eigenbasis(x[~held])
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
