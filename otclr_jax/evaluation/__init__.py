@@ -1,4 +1,1 @@
-"""Evaluation of frozen encoders; evaluators yield (key path, value) pairs.
-
-None of these modules imports training or figures.
-"""
+"""Evaluation of frozen encoders; imports neither training nor figures."""

@@ -1,23 +1,13 @@
 """Evaluation of a pretrained run's checkpoint (docs/method.md section 7).
 
-`evaluate_run` restores a checkpoint's network variables (partially: no
-optimiser state) into a `Context` and runs the evaluators named by
-`config.eval.evaluators`, in order. Each is `evaluate(ctx)` yielding
-`(key path, value)` pairs stored at that path of the results dict:
-
-- `probe`: linear probe top-1 / top-5 of encoder features `h`, rows `linear`
-  (the checkpoint), `random_init` and, with `config.eval.recompute_bn`,
-  `linear_clean_bn` (BatchNorm statistics from clean train images).
-- `knn`: weighted kNN top-1 of the same features, in the same rows.
-- `clusters`: K-means cluster metrics of l2-normalised test embeddings.
-- `views`: view quality of both view generators on test images.
-
-Features are cached per encoder, dataset and split in `DIR/eval/features/`;
-non-finite variables or features raise `features.NonFiniteError` before
-anything is written. Outputs in `DIR/eval/`: results.json (docs/method.md
-section 11), results_step<S>.json, tables.md, tables.tex, config.json and the
-probes; results.json is written last and binds the rest by digest.
-Checkpoints are opened read-only, so a run still training can be evaluated.
+`evaluate_run` restores a checkpoint's network variables into a `Context`
+and runs `config.eval.evaluators` in order; each `evaluate(ctx)` yields
+`(key path, value)` pairs stored at that path of the results dict. Rows:
+`linear` (the checkpoint), `random_init` and, with `recompute_bn`,
+`linear_clean_bn`. Non-finite variables or features raise
+`features.NonFiniteError` before anything is written. Outputs go to
+`DIR/eval/`; results.json (docs/method.md section 11) is written last and
+binds the rest by digest. Checkpoints are opened read-only.
 """
 
 from __future__ import annotations
@@ -69,12 +59,11 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
   """The run's network, restored variables and step.
 
-  With `step` None, the newest checkpoint that restores; broken ones are
-  skipped with a warning, and a vanished one triggers a re-listing.
+  With `step` None, the newest checkpoint that restores.
 
   Returns:
-    `(model, variables, step)`, variables {'params', 'batch_stats'} (and
-    'alpha_logit' for a learnt alpha).
+    `(model, variables, step)`, variables {'params', 'batch_stats'}
+    (+ 'alpha_logit').
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
@@ -262,7 +251,7 @@ class Context:
 
 
 class Evaluation(NamedTuple):
-  """What `evaluate_run` computed: the results and what the figures draw.
+  """What `evaluate_run` computed, for the figures.
 
   Attributes:
     results: the dict written to `workdir/eval/results.json`.

@@ -1,9 +1,7 @@
 """Clustering and view metrics on embeddings (docs/method.md section 7).
 
-Clustering metrics take l2-normalised `z` [n, d] and cluster ids `assign` [n]
-in [0, num_clusters); distances are Euclidean. Empty clusters are masked out
-of every average. With C the non-empty clusters, n_c a cluster's size and
-mu_c its centroid (not re-normalised):
+Clustering metrics take `z` [n, d] and ids `assign` [n]; empty clusters are
+masked out. With C the non-empty clusters, n_c a size and mu_c a centroid:
 
   * silhouette: mean of (b_i - a_i) / max(a_i, b_i), a_i / b_i the mean
     distance to i's own / nearest other cluster; singletons score 0.
@@ -13,12 +11,9 @@ mu_c its centroid (not re-normalised):
     paper's D_intra, the equal-weight mean over clusters with n_c >= 2 of
     their mean pairwise distance.
 
-All need 2 <= #non-empty clusters <= n - 1; a concrete `assign` violating
-this (or out of range) raises ValueError, a traced one gives NaN.
-
-Pairwise distances are reduced block by block (`lax.map`) to per-cluster sums,
-so memory is O(block_size * n). float32 ||x||^2 + ||y||^2 - 2 <x, y> leaves
-~1e-3 absolute error between near-duplicates; self-distances are exactly 0.
+All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or NaN when
+traced). Pairwise distances take O(block_size * n) memory, ~1e-3 absolute
+error between near-duplicates in float32.
 """
 
 from __future__ import annotations
@@ -112,16 +107,7 @@ def _cluster_stats(z: jax.Array, assign: jax.Array, num_clusters: int):
 
 def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
                            block_size: int | None) -> jax.Array:
-  """Sums of distances from every point to the members of every cluster.
-
-  Args:
-    z: [n, d] embeddings.
-    onehot: [n, K] cluster memberships.
-    block_size: rows per step; None computes all rows in one step.
-
-  Returns:
-    [n, K] array, entry (i, c) = sum over j in cluster c of ||z_i - z_j||.
-  """
+  """[n, K]: (i, c) = sum over j in cluster c of ||z_i - z_j||."""
   n = z.shape[0]
   sq_norms = jnp.sum(z * z, axis=1)
   block = n if block_size is None else min(block_size, n)
@@ -286,20 +272,16 @@ def _pixel_rms(views, strong):
 
 def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                block_size: int | None = DEFAULT_BLOCK_SIZE) -> jax.Array:
-  """Mean silhouette coefficient with Euclidean distances.
-
-  Matches `sklearn.metrics.silhouette_score(z, assign)`.
+  """Mean silhouette, as `sklearn.metrics.silhouette_score(z, assign)`.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
     assign: [n] integer cluster ids in [0, num_clusters).
     num_clusters: number of cluster ids K >= 2 (static); unused ids ignored.
-    block_size: rows of the [block_size, n] distance slab per step (static);
-      None forms the whole [n, n] matrix at once.
+    block_size: rows of the distance slab per step (static); None for all.
 
   Returns:
-    [] float32 in [-1, 1]; NaN under tracing if fewer than two clusters are
-    non-empty.
+    [] float32 in [-1, 1]; NaN if traced with < 2 non-empty clusters.
 
   Raises:
     ValueError: on bad shapes or dtypes, num_clusters < 2, or (for concrete
@@ -339,8 +321,7 @@ def centroid_margin(z: jax.Array, assign: jax.Array, *,
     num_clusters: number of cluster ids K >= 2 (static).
 
   Returns:
-    [] float32 >= 0 (distance units; higher is better separated). NaN under
-    tracing if fewer than two clusters are non-empty.
+    [] float32 >= 0, higher is better separated; NaN as for `silhouette`.
 
   Raises:
     ValueError: as for `silhouette`.
@@ -352,9 +333,7 @@ def centroid_margin(z: jax.Array, assign: jax.Array, *,
 def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                       block_size: int | None = DEFAULT_BLOCK_SIZE
                       ) -> jax.Array:
-  """Mean inter-centroid distance over mean within-cluster pairwise distance.
-
-  The denominator weights clusters with n_c >= 2 equally (module docstring).
+  """Mean inter-centroid over mean within-cluster distance (module doc).
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -420,8 +399,6 @@ def anchor_distance(z1: jax.Array, z2: jax.Array,
 
 def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
   """The paper's Pixel L2: mean L2 norm of the flattened view - strong.
-
-  Grows with resolution; `pixel_rms` does not (docs/method.md section 7).
 
   Args:
     views: [n, H, W, C] views (e.g. OT-interpolated), values in [0, 1].
