@@ -33,10 +33,7 @@ _CLUSTER_KEYS = ('silhouette', 'compactness', 'centroid_margin',
 
 
 def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
-  """metrics.cluster_metrics, or None values where they are undefined.
-
-  A collapsed encoder is a result to report, not a failed evaluation.
-  """
+  """`metrics.cluster_metrics`, None where undefined (a collapsed encoder)."""
   if len(z) <= num_classes:
     logging.warning('Cluster metrics need more than K = %d points, got %d.',
                     num_classes, len(z))

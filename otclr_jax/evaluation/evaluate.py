@@ -35,7 +35,6 @@ from otclr_jax.evaluation import knn
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
 
-# `config.eval.evaluators` names these; each yields (key path, value) pairs.
 Evaluator = Callable[[Any], Iterator[tuple[tuple[str, ...], Any]]]
 EVALUATORS: dict[str, Evaluator] = {
     'probe': probe.evaluate,
@@ -62,8 +61,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
   With `step` None, the newest checkpoint that restores.
 
   Returns:
-    `(model, variables, step)`, variables {'params', 'batch_stats'}
-    (+ 'alpha_logit').
+    `(model, variables, step)`, variables as in `Context`.
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
@@ -165,8 +163,7 @@ class Context:
     workdir: the run's directory.
     step: the evaluated checkpoint's step.
     model: the run's network.
-    variables: its restored variables ({'params', 'batch_stats'}, and
-      'alpha_logit' for a learnt alpha).
+    variables: {'params', 'batch_stats'} (+ 'alpha_logit' if learnt).
     datasets: `config.eval.datasets`.
     weights: the checkpoint's `features.variables_fingerprint`.
     encoders: {results row: (feature cache tag, network variables)}.
@@ -345,10 +342,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
 
 def write_results(results: dict[str, Any], workdir: str,
                   config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Writes eval/'s results, tables and config.json as one unit.
-
-  results.json comes last and binds the others by digest
-  (`rundir.write_evaluation`); readers trust it alone.
+  """Writes eval/'s files; results.json, last, binds the others by digest.
 
   Returns:
     The results as written to results.json.

@@ -1,8 +1,4 @@
-"""Frozen encoder features: extraction, cache bound to the weights, checks.
-
-Cached in `DIR/eval/features/<tag>/`, reused only for the same weights, model
-settings, dataset and image size.
-"""
+"""Frozen encoder features: extraction, a cache bound to the weights, checks."""
 
 from __future__ import annotations
 
@@ -86,11 +82,10 @@ def to_unit(images: jax.Array) -> jax.Array:
 
 
 class Encoder:
-  """The frozen network: embeddings of images, BatchNorm in inference mode.
+  """The frozen network in inference mode, batches split over `mesh`.
 
   `encoder(variables, images)`: uint8 [B, S, S, 3], B divisible by
-  `num_devices`, to host float32 features [B, 512]. The batch is split over
-  `mesh` (default: all local devices).
+  `num_devices`, to host float32 features [B, 512].
   """
 
   def __init__(self, model, mesh=None):
@@ -127,9 +122,7 @@ class Encoder:
 def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
                      batch_size: int, what: str = 'features', *,
                      log_progress: bool = True) -> np.ndarray:
-  """Encoder features of every image, in order.
-
-  Batches are padded to `batch_size` so the encoder compiles once.
+  """Encoder features of every image, in order (padded: one compilation).
 
   Args:
     encoder: the frozen encoder.
@@ -168,10 +161,7 @@ def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
 
 
 def variables_fingerprint(variables: Any) -> str:
-  """sha256 (hex) of network variables: every leaf's path, dtype, shape, bytes.
-
-  Binds a feature cache to its weights: a retrained step cannot reuse it.
-  """
+  """sha256 (hex) of every leaf's path, dtype, shape and bytes."""
   digest = hashlib.sha256()
   leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
   for path, leaf in leaves:
@@ -183,10 +173,7 @@ def variables_fingerprint(variables: Any) -> str:
 
 
 def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
-  """The settings a feature cache depends on besides the weights (JSON).
-
-  The splits' sources, not `data_dir`: a changed folder tree is recomputed.
-  """
+  """JSON of a cache's inputs besides the weights (sources, not data_dir)."""
   sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
                      'model': config.model.to_dict(), 'sources': sources},
@@ -195,10 +182,9 @@ def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
 
 def _load_cached(path: str, name: str, image_size: int,
                  weights: str | None = None, settings: str | None = None):
-  """A feature cache file's (features, labels, num_classes), or None.
+  """A cache file's (features, labels, num_classes), or None (logged) if stale.
 
-  None (logged) when absent, unreadable, or made for another dataset, image
-  size, `weights` or `settings`; None for those two skips their check.
+  `weights` / `settings` None skip their check.
   """
   if not os.path.exists(path):
     return None

@@ -1,8 +1,7 @@
 """A kNN monitor of representation quality in pretraining (`config.monitor`).
 
-Logs `knn.knn_top1` of a fixed, seeded train / test subset as
-`monitor_knn_top1`. It only reads the state and draws no JAX random numbers,
-so parameters are bit-identical with and without it.
+Logs `knn.knn_top1` of a fixed, seeded subset as `monitor_knn_top1`; it only
+reads the state, so parameters are bit-identical with and without it.
 """
 
 from __future__ import annotations

@@ -135,15 +135,12 @@ def _transposed(p: np.ndarray) -> jax.Array:
 
 
 def _class_preconditioner(objective, p):
-  """The Hessian's class-diagonal blocks, inverted: a CG preconditioner.
+  """Maps a gradient ([D, C], [C]) to inverse class-block Hessian times it.
 
   The softmax is invariant to shifting all classes' weights, so the blocks
   live in the complement of the ones vector (`q` [C, C - 1], rotated to
   diagonalise the mean curvature): block a is mean_i q_a^T S_i q_a
-  [z_i, 1] [z_i, 1]^T (+ l2 on W), S_i = diag(p_i) - p_i p_i^T.
-
-  Returns a map from a gradient ([D, C], [C]) to its approximate Newton
-  direction, with the blocks taken at softmax p [N, C].
+  [z_i, 1] [z_i, 1]^T (+ l2 on W), S_i = diag(p_i) - p_i p_i^T, at p [N, C].
   """
   n, num_classes = p.shape
   z1, l2 = objective.z1, objective.l2
@@ -297,7 +294,6 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
       val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
       w, b = fit.w, fit.b
     else:
-      # The path restarts from zero after a diverged fit.
       val_top1, val_ce = 0.0, math.inf
       w, b = np.zeros_like(w), np.zeros_like(b)
     log = logging.info if fit.converged else logging.warning
@@ -315,11 +311,7 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
 
 
 def select(records: list[dict[str, Any]]) -> int:
-  """The index of the chosen fit among the grid's records.
-
-  Converged fits first, then best held-out top-1, lower held-out CE, grid
-  order.
-  """
+  """Chosen record's index: converged, best held-out top-1, lower CE, first."""
   return min(range(len(records)), key=lambda i: (
       not records[i]['converged'], -records[i]['val_top1'],
       records[i]['val_ce'], i))
@@ -358,10 +350,7 @@ def probe_path(workdir: str, step: int, name: str) -> str:
 
 def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
                top1: float, weights: str = '') -> None:
-  """Writes a probe to `path` (.npz) with its dataset, step and top-1.
-
-  `weights` is the encoder's `variables_fingerprint`.
-  """
+  """Writes `probe` to `path` (.npz) with dataset, step, top-1 and weights."""
   fileio.atomic_write(path, lambda f: np.savez(
       f, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
       weight_decay=probe.weight_decay, dataset=dataset, step=int(step),

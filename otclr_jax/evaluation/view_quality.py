@@ -1,7 +1,4 @@
-"""View quality: both view generators' pairs embedded by one network.
-
-Same images, keys and network, so the rows differ only in the generator.
-"""
+"""View quality: both generators' pairs, same images, keys and network."""
 
 from __future__ import annotations
 
