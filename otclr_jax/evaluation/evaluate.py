@@ -2,12 +2,10 @@
 
 `evaluate_run` restores a checkpoint's network variables into a `Context`
 and runs `config.eval.evaluators` in order; each `evaluate(ctx)` yields
-`(key path, value)` pairs stored at that path of the results dict. Rows:
-`linear` (the checkpoint), `random_init` and, with `recompute_bn`,
-`linear_clean_bn`. Non-finite variables or features raise
-`features.NonFiniteError` before anything is written. Outputs go to
-`DIR/eval/`; results.json (docs/method.md section 11) is written last and
-binds the rest by digest. Checkpoints are opened read-only.
+`(key path, value)` pairs stored at that path of the results dict.
+Non-finite variables or features raise `features.NonFiniteError` before
+anything is written to `DIR/eval/`, where results.json (docs/method.md
+section 11) is written last and binds the rest by digest.
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
   """The run's network, restored variables and step.
 
-  With `step` None, the newest checkpoint that restores.
+  Read-only; with `step` None, the newest checkpoint that restores.
 
   Returns:
     `(model, variables, step)`, variables as in `Context`.

@@ -106,11 +106,7 @@ class Encoder:
     return jax.device_put(variables, self._replicated)
 
   def embed(self, variables: Any, images: Any) -> tuple[jax.Array, jax.Array]:
-    """Both embeddings of float32 images [B, S, S, 3] in [0, 1].
-
-    Returns:
-      (h [B, 512], z [B, proj_dim]) as device arrays.
-    """
+    """Device (h [B, 512], z [B, proj_dim]) of float32 [B, S, S, 3], [0, 1]."""
     return self._apply(self.place(variables),
                        jax.device_put(images, self._data))
 

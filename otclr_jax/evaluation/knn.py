@@ -37,10 +37,7 @@ def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
 def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
              test_y: np.ndarray, num_classes: int, *, k: int = KNN_K,
              temperature: float = KNN_TEMPERATURE) -> float:
-  """Weighted kNN accuracy (InstDisc, Wu et al. 2018; solo-learn's default).
-
-  The k most cosine-similar train rows vote with weight exp(sim /
-  temperature); ties go to the smallest class index.
+  """Weighted kNN (InstDisc): the k nearest vote with exp(cos / temperature).
 
   Args:
     train_x: float [N, D].
@@ -52,7 +49,7 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     temperature: > 0.
 
   Returns:
-    Top-1 accuracy on the test rows, percent.
+    Top-1 accuracy on the test rows, percent (ties: smallest class).
   """
   if k < 1 or temperature <= 0:
     raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '

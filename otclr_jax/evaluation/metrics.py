@@ -7,9 +7,8 @@ masked out. With C the non-empty clusters, n_c a size and mu_c a centroid:
     distance to i's own / nearest other cluster; singletons score 0.
   * compactness: mean over c in C of (1 / n_c) sum_{i in c} ||z_i - mu_c||^2.
   * centroid margin: mean over c in C of min_{c' != c} ||mu_c - mu_c'||.
-  * inter/intra ratio: mean ||mu_c - mu_c'|| over unordered pairs, over the
-    paper's D_intra, the equal-weight mean over clusters with n_c >= 2 of
-    their mean pairwise distance.
+  * inter/intra ratio: mean ||mu_c - mu_c'|| over pairs, over the paper's
+    D_intra: the equal-weight mean over n_c >= 2 clusters of pair distances.
 
 All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or NaN when
 traced). Pairwise distances take O(block_size * n) memory, ~1e-3 absolute

@@ -399,11 +399,10 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     return_probe: also return the final probe.
 
   Returns:
-    {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
-    lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
-    'num_test', 'fits' (per lambda of `l2_grid`, then the refit: lambda,
-    Newton steps, final gradient norm, converged, and for the grid the
-    held-out top-1)}; with `return_probe`, the pair (that dict, `Probe`).
+    {'top1', 'top5' (test, percent), 'weight_decay' (chosen lambda),
+    'val_top1' (its held-out top-1, percent), 'num_train', 'num_test',
+    'fits' (per lambda, then the refit: `Fit.record`, plus held-out scores)};
+    with `return_probe`, the pair (that dict, `Probe`).
   """
   train_x = np.asarray(train_x, np.float32)
   test_x = np.asarray(test_x, np.float32)

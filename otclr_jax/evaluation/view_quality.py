@@ -125,8 +125,7 @@ def summarise_views(views: ViewEmbeddings,
 
   Returns:
     {'simclr': {...}, 'otclr': {...}}: view_distance, view_cosine,
-    anchor_distance, pixel_l2, pixel_rms and the cluster metrics of the 2n
-    view embeddings [z1; z2] (K = num_classes).
+    anchor_distance, pixel_l2, pixel_rms, cluster metrics of [z1; z2].
   """
   out = {}
   # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
