@@ -20,12 +20,10 @@ from otclr_jax.evaluation import metrics
 
 MAX_CLUSTER_POINTS = 10_000
 CLUSTER_SEED = 0
-# Which embedding the cluster metrics, view metrics and t-SNE use
-# (`config.eval.embedding`): the paper's z, or the backbone's h.
+# `config.eval.embedding` for cluster and view metrics and t-SNE.
 EMBEDDINGS = {'z': 'z, l2-normalised projection-head output',
               'h': 'h, l2-normalised backbone features'}
-# `config.eval.recompute_bn`: at most this many clean train images (a fixed
-# seed picks them) estimate the BatchNorm statistics.
+# `config.eval.recompute_bn`: clean train images, seeded, per BN estimate.
 MAX_BN_IMAGES = 50_000
 BN_SEED = 0
 
@@ -35,12 +33,7 @@ _CLUSTER_KEYS = ('silhouette', 'compactness', 'centroid_margin',
 
 
 def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
-  """metrics.cluster_metrics, or None values where they are undefined.
-
-  A collapsed encoder (all embeddings nearly equal) gives a degenerate
-  K-means clustering; that is a result to report, not a reason to lose the
-  whole evaluation.
-  """
+  """`metrics.cluster_metrics`, None where undefined (a collapsed encoder)."""
   if len(z) <= num_classes:
     logging.warning('Cluster metrics need more than K = %d points, got %d.',
                     num_classes, len(z))
@@ -50,7 +43,6 @@ def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
   except ValueError as e:
     logging.warning('Cluster metrics undefined: %s', e)
     return dict.fromkeys(_CLUSTER_KEYS)
-  # A NaN or inf is written as null (evaluate's `_json_safe`).
   return {k: float(result[k]) for k in _CLUSTER_KEYS}
 
 
@@ -59,10 +51,7 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
                          seed: int = CLUSTER_SEED) -> dict[str, Any]:
   """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
 
-  `test_x` is whichever embedding `config.eval.embedding` names (h, or z from
-  `project`); rows are l2-normalised here. More than `max_points` rows are
-  subsampled without replacement by `np.random.default_rng(seed)`
-  (silhouette needs all pairwise distances).
+  Above `max_points` rows, a seeded subsample (silhouette is O(n^2)).
 
   Returns:
     The four metrics (None where undefined) and 'num_points'.
@@ -81,9 +70,6 @@ def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
 
 def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
   """The clusters evaluator: cluster metrics of the test embeddings.
-
-  The embedding is `config.eval.embedding`: z, the run's head applied to the
-  cached test features h (`project`), or h itself.
 
   Args:
     ctx: the evaluation's `evaluate.Context`.
@@ -116,11 +102,7 @@ def embedding_of(config: ml_collections.ConfigDict) -> str:
 
 def project(model, variables: dict[str, Any], features: np.ndarray,
             batch_size: int = 4096) -> np.ndarray:
-  """Embeddings z (not normalised) of backbone features h, by the run's head.
-
-  Applies the method's embedding head alone (`Method.embed`, BatchNorm in
-  inference mode) to cached h, so z needs no second pass over the images:
-  g(f(x)) = g(h).
+  """Embeddings z (not normalised) of cached features h: z = g(h).
 
   Args:
     model: the run's network (`experiment.create_model`).
@@ -142,32 +124,22 @@ def recompute_batch_stats(model, variables: dict[str, Any],
                           batch_size: int) -> dict[str, Any]:
   """BatchNorm statistics re-estimated on clean images (precise BN).
 
-  Every batch goes through the network in training mode (each BatchNorm
-  normalises with that batch's statistics, as in pretraining) while the
-  input of every BatchNorm layer is intercepted and reduced to its per-channel
-  mean mu_b and biased variance var_b. These are pooled over the batches with
-  weights equal to the batch sizes n_b:
-  mean = sum_b n_b mu_b / N and var = sum_b n_b (var_b + mu_b^2) / N - mean^2.
-  For the first BatchNorm (whose input does not depend on other BatchNorm
-  layers), and for every layer when one batch holds all images, this is
-  exactly the mean and variance of that layer's input over all images. The
-  parameters are not changed. Batches are not padded (padding would weight
-  repeated images), so the last, shorter batch compiles once more.
+  Each batch runs in training mode; every BatchNorm input's per-channel
+  mean mu_b and biased variance var_b are pooled with weights n_b:
+  mean = sum_b n_b mu_b / N, var = sum_b n_b (var_b + mu_b^2) / N - mean^2.
+  Batches are not padded, which would weight repeated images.
 
   Args:
     model: the run's network.
-    variables: {'params', 'batch_stats'}; the stored batch_stats only give
-      the structure (and are used by nothing in training mode).
+    variables: {'params', 'batch_stats'}; batch_stats give the structure.
     images: uint8 [N, S, S, 3] clean images (no augmentation).
     batch_size: images per call.
 
   Returns:
-    A batch_stats tree with the structure of `variables['batch_stats']`,
-    leaves float32 [C].
+    A batch_stats tree like `variables['batch_stats']`, float32 [C] leaves.
 
   Raises:
-    ValueError: no images, or a BatchNorm layer that the forward pass did
-      not reach (its statistics could not be re-estimated).
+    ValueError: no images, or a BatchNorm the forward pass did not reach.
   """
   if len(images) == 0:
     raise ValueError('recompute_batch_stats: no images.')
@@ -180,7 +152,7 @@ def recompute_batch_stats(model, variables: dict[str, Any],
       if (isinstance(context.module, nn.BatchNorm)
           and context.method_name == '__call__'):
         x = jnp.asarray(args[0], jnp.float32)
-        axes = tuple(range(x.ndim - 1))  # every axis but the channels
+        axes = tuple(range(x.ndim - 1))
         mean = jnp.mean(x, axes)
         found['/'.join(context.module.path)] = (
             mean, jnp.mean(jnp.square(x - mean), axes))

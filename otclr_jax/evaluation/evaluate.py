@@ -1,49 +1,11 @@
 """Evaluation of a pretrained run's checkpoint (docs/method.md section 7).
 
-`python -m otclr_jax.main --config=configs/X.py --workdir=DIR
---config.mode=eval` (which holds DIR's eval lock and then draws the figures)
-calls `evaluate_run`. It restores the network's params and BatchNorm
-statistics of a checkpoint of DIR (partial restoration: the optimiser's and
-the method's extra state are not read) into a `Context`, then runs the
-evaluators `config.eval.evaluators` names, in that order. An evaluator is a
-function `evaluate(ctx)` that yields `(key path, value)` pairs, each stored
-at that path of the results dict:
-
-- `probe` (`probe.evaluate`): linear probe top-1 / top-5 of frozen 512-d
-  encoder features `h` on every dataset in `config.eval.datasets`, with its
-  L2 strength chosen on held-out TRAIN data; rows `linear` (the checkpoint),
-  `random_init` (the untrained encoder, initialised from the run's seed as
-  pretraining initialises it) and, with `config.eval.recompute_bn`,
-  `linear_clean_bn` (BatchNorm statistics re-estimated on at most
-  `clusters.MAX_BN_IMAGES` clean train images of the pretraining dataset).
-- `knn` (`knn.evaluate`): weighted kNN top-1 of the same features, in the
-  same rows.
-- `clusters` (`clusters.evaluate`): K-means cluster metrics of the
-  l2-normalised test embeddings, `config.eval.embedding` 'z' (projection
-  head of h) or 'h'.
-- `views` (`view_quality.evaluate`): view quality of both view generators'
-  pairs of `config.eval.num_view_images` test images of
-  `config.eval.views_dataset`, embedded by the same restored network.
-
-Features are extracted once per encoder, dataset and split (BatchNorm in
-inference mode, no augmentation, images at `config.image_size`) and cached in
-`DIR/eval/features/` bound to the weights (`features.dataset_features`); a
-checkpoint with non-finite variables or features is refused
-(`features.NonFiniteError`) before anything is written.
-
-Outputs in `DIR/eval/`: `results.json` and `results_step<S>.json` (the format
-of docs/method.md section 11, with a `protocol` entry recording the
-settings and `config`, the run's config), `tables.md` and `tables.tex`
-(`otclr_jax.tables`), the probe of each dataset (`probe.save_probe`) and
-`config.json`, the run's config; results.json is written last and binds the
-others by digest (`rundir.write_evaluation`), so an interrupted evaluation
-never reads as finished. The probe table is printed to stdout. This module does not import the figures;
-`main.py` draws them from the returned `Evaluation`.
-
-The checkpoint directory is opened read-only, so a run that is still training
-can be evaluated without disturbing its saves; a checkpoint that the run's
-rotation deletes while it is being read is replaced by the newest one then
-listed.
+`evaluate_run` restores a checkpoint's network variables into a `Context`
+and runs `config.eval.evaluators` in order; each `evaluate(ctx)` yields
+`(key path, value)` pairs stored at that path of the results dict.
+Non-finite variables or features raise `features.NonFiniteError` before
+anything is written to `DIR/eval/`, where results.json (docs/method.md
+section 11) is written last and binds the rest by digest.
 """
 
 from __future__ import annotations
@@ -71,7 +33,6 @@ from otclr_jax.evaluation import knn
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
 
-# `config.eval.evaluators` names these; each yields (key path, value) pairs.
 Evaluator = Callable[[Any], Iterator[tuple[tuple[str, ...], Any]]]
 EVALUATORS: dict[str, Evaluator] = {
     'probe': probe.evaluate,
@@ -79,8 +40,7 @@ EVALUATORS: dict[str, Evaluator] = {
     'clusters': clusters.evaluate,
     'views': view_quality.evaluate,
 }
-# How often a newest checkpoint may vanish under a read (a training run
-# rotating its checkpoints) before evaluation gives up.
+# Re-listings allowed when a checkpoint is rotated away while being read.
 MAX_LISTINGS = 10
 
 
@@ -96,15 +56,10 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
             step: int | None = None):
   """The run's network, restored variables and step.
 
-  With `step` None, the newest checkpoint that restores: newer ones that do
-  not (truncated, incomplete) are skipped with a warning naming each, and
-  when the one being read disappears (a run still training rotated it away,
-  e.g. `keep_checkpoints=1`), the checkpoints are listed again.
+  Read-only; with `step` None, the newest checkpoint that restores.
 
   Returns:
-    `(model, variables, step)`: `variables` the network's {'params',
-    'batch_stats'} (and 'alpha_logit' for a learnt alpha) of the checkpoint,
-    read by partial restoration (`experiment.restore_variables`).
+    `(model, variables, step)`, variables as in `Context`.
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
@@ -132,8 +87,6 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
       raise ValueError(f'No checkpoint for step {step} in {directory}; '
                        f'available steps: {sorted(steps)}.')
     return model, experiment.restore_variables(config, workdir, step), step
-  # Read-only: a damaged checkpoint is left where it is and a training run
-  # there is undisturbed.
   failures = {}
   for _ in range(MAX_LISTINGS):
     steps = [s for s in _list_steps(workdir) if s not in failures]
@@ -163,10 +116,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Every constraint on a config, training's and evaluation's, in one call.
-
-  The entry points (`otclr_jax.main`, `launch.sweep`) call it before they
-  create anything.
+  """Checks a config's training and evaluation constraints.
 
   Raises:
     experiment.ConfigError: naming the field.
@@ -211,15 +161,11 @@ class Context:
     workdir: the run's directory.
     step: the evaluated checkpoint's step.
     model: the run's network.
-    variables: its restored variables ({'params', 'batch_stats'}, and
-      'alpha_logit' for a learnt alpha).
+    variables: {'params', 'batch_stats'} (+ 'alpha_logit' if learnt).
     datasets: `config.eval.datasets`.
     weights: the checkpoint's `features.variables_fingerprint`.
-    encoders: {results row: (feature cache tag, network variables)}: 'linear'
-      (the checkpoint), 'random_init' and, with `config.eval.recompute_bn`,
-      'linear_clean_bn'.
-    bn_images: clean images that re-estimated the BatchNorm statistics (0
-      without `recompute_bn`).
+    encoders: {results row: (feature cache tag, network variables)}.
+    bn_images: clean images behind 'linear_clean_bn' (0 without it).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
@@ -233,8 +179,7 @@ class Context:
                  ', '.join(self.datasets))
     trained = {'params': self.variables['params'],
                'batch_stats': self.variables['batch_stats']}
-    # A diverged run can leave NaN/inf weights or BatchNorm statistics; their
-    # features give chance-level numbers that look like results.
+    # Non-finite weights give chance-level numbers that look like results.
     features.check_finite_variables(trained, workdir, self.step)
     self.weights = features.variables_fingerprint(trained)
     self.encoders = {
@@ -301,12 +246,11 @@ class Context:
 
 
 class Evaluation(NamedTuple):
-  """What `evaluate_run` computed: the results and what the figures draw.
+  """What `evaluate_run` computed, for the figures.
 
   Attributes:
-    results: the results dict written to `workdir/eval/results.json`.
-    views: the view embeddings of the view-quality metrics (None when the
-      `views` evaluator did not run).
+    results: the dict written to `workdir/eval/results.json`.
+    views: the view embeddings (None without the `views` evaluator).
     test: the test split they were drawn from (None likewise).
   """
   results: dict[str, Any]
@@ -342,7 +286,7 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                  step: int | None = None) -> Evaluation:
-  """Evaluates a checkpoint of the run in `workdir` (see the module docstring).
+  """Evaluates a checkpoint of the run in `workdir` (module docstring).
 
   Args:
     config: the run's config; `config.eval` chooses datasets and evaluators.
@@ -350,13 +294,11 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     step: checkpoint step; None for the newest that restores.
 
   Returns:
-    An `Evaluation`; its results are also written to
-    `workdir/eval/results.json`.
+    An `Evaluation`; results also go to `workdir/eval/results.json`.
 
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
-    ValueError: an unknown dataset or evaluator, a missing step, or a bad
-      config.
+    ValueError: unknown dataset or evaluator, missing step, bad config.
   """
   validate(config)
   start = time.perf_counter()
@@ -383,9 +325,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     logging.info('Evaluator %s done in %.1f s.', name,
                  time.perf_counter() - t0)
   results['protocol']['seconds'] = time.perf_counter() - start
-  # The config travels inside the results, so that what identifies the run
-  # (tables' rows, a sweep's staleness check) can never come from another
-  # evaluation's file.
+  # Inside the results, so the run's identity cannot come from another file.
   results['config'] = config.to_dict()
   results = write_results(_json_safe(results), workdir, config)
   if 'linear' in results:
@@ -400,12 +340,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
 
 def write_results(results: dict[str, Any], workdir: str,
                   config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Writes eval/'s results, tables and config.json as one unit.
-
-  tables.md, tables.tex, results_step<S>.json and config.json (the config
-  the figure commands rebuild the encoder from) first, then results.json,
-  which binds them by digest (`rundir.write_evaluation`); readers trust
-  results.json alone.
+  """Writes eval/'s files; results.json, last, binds the others by digest.
 
   Returns:
     The results as written to results.json.

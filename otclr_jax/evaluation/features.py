@@ -1,10 +1,4 @@
-"""Frozen encoder features: extraction, cache bound to the weights, checks.
-
-Features of a checkpoint are cached in `DIR/eval/features/step<S>/` and reused
-only when made by the same weights (`variables_fingerprint`), model settings,
-dataset and image size; non-finite variables or features are refused
-(`NonFiniteError`).
-"""
+"""Frozen encoder features: extraction, a cache bound to the weights, checks."""
 
 from __future__ import annotations
 
@@ -47,12 +41,7 @@ def check_dataset_name(name: Any) -> str:
 
 
 def dataset_key(name: str) -> str:
-  """A file-name-safe key for a dataset name.
-
-  Registered names are their own key; `folder:/a/b` becomes
-  `folder-b-<first 16 hex digits of sha256 of the absolute path>`, so two trees
-  with the same base name do not share a cache file.
-  """
+  """A file-name-safe key: `folder:/a/b` -> `folder-b-<sha256(path)[:16]>`."""
   name = check_dataset_name(name)
   if not name.startswith(data.FOLDER_PREFIX):
     return name
@@ -77,16 +66,10 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _compiled_apply(model) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """The jitted encoder of `model`, one per network and process.
-
-  Keyed by the network (flax modules compare by their fields), so the
-  training monitor, the evaluation's features and its view embeddings of the
-  same run share its compilations.
-  """
+  """The jitted encoder of `model`, shared by all callers in the process."""
 
   @jax.jit
   def apply(variables, images):
-    # Every method's network returns (h, z, ...): h is the encoder's.
     return model.apply(variables, images, train=False)[:2]
 
   return apply
@@ -94,22 +77,15 @@ def _compiled_apply(model) -> Callable[..., tuple[jax.Array, jax.Array]]:
 
 @jax.jit
 def to_unit(images: jax.Array) -> jax.Array:
-  """uint8 images [B, S, S, 3] as float32 in [0, 1].
-
-  Jitted: XLA multiplies by the reciprocal of 255, so NumPy's division would
-  differ from the training step's images in the last bit.
-  """
+  """uint8 images [B, S, S, 3] as float32 in [0, 1], bit-equal to training's."""
   return images.astype(jnp.float32) / 255.0
 
 
 class Encoder:
-  """The frozen network: embeddings of images, BatchNorm in inference mode.
+  """The frozen network in inference mode, batches split over `mesh`.
 
-  Call it as `encoder(variables, images)` with the network variables
-  {'params', 'batch_stats'} and uint8 images [B, S, S, 3], B divisible by
-  `num_devices`; it returns float32 features [B, 512] as a host array.
-  `embed` gives both embeddings of float images. The batch is split over the
-  devices of `mesh` (default: all local devices).
+  `encoder(variables, images)`: uint8 [B, S, S, 3], B divisible by
+  `num_devices`, to host float32 features [B, 512].
   """
 
   def __init__(self, model, mesh=None):
@@ -122,24 +98,15 @@ class Encoder:
     self._apply = _compiled_apply(model)
 
   def place(self, variables: Any) -> Any:
-    """`variables` replicated on this encoder's devices.
-
-    Calls with placed variables copy nothing; `extract_features` places them
-    once per split instead of once per batch.
-    """
-    # A multi-process run's state is replicated over every process's devices;
-    # this process's copy is read back and placed on its own devices.
+    """`variables` replicated on this encoder's devices (placed once)."""
+    # Multi-process arrays: this process's copy, on its own devices.
     variables = jax.tree_util.tree_map(
         lambda x: np.asarray(x) if isinstance(x, jax.Array)
         and not x.is_fully_addressable else x, variables)
     return jax.device_put(variables, self._replicated)
 
   def embed(self, variables: Any, images: Any) -> tuple[jax.Array, jax.Array]:
-    """Both embeddings of float32 images [B, S, S, 3] in [0, 1].
-
-    Returns:
-      (h [B, 512], z [B, proj_dim]) as device arrays.
-    """
+    """Device (h [B, 512], z [B, proj_dim]) of float32 [B, S, S, 3], [0, 1]."""
     return self._apply(self.place(variables),
                        jax.device_put(images, self._data))
 
@@ -151,11 +118,7 @@ class Encoder:
 def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
                      batch_size: int, what: str = 'features', *,
                      log_progress: bool = True) -> np.ndarray:
-  """Encoder features of every image, in order.
-
-  Every batch, the last one padded, has the same shape, so the encoder is
-  compiled once for all splits: a split smaller than `batch_size` is padded
-  to it too (its padded rows are dropped), rather than compiled at its size.
+  """Encoder features of every image, in order (padded: one compilation).
 
   Args:
     encoder: the frozen encoder.
@@ -163,8 +126,7 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
     images: uint8 [N, S, S, 3].
     batch_size: images per call; rounded up to a multiple of the devices.
     what: name used in the progress log.
-    log_progress: log images/s as it goes (the kNN monitor, called during
-      training, does not).
+    log_progress: log images/s as it goes.
 
   Returns:
     float32 [N, 512].
@@ -195,11 +157,7 @@ def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
 
 
 def variables_fingerprint(variables: Any) -> str:
-  """sha256 (hex) of network variables: every leaf's path, dtype, shape, bytes.
-
-  Binds a feature cache to the exact weights that produced it, so retraining
-  a workdir to the same step (another seed or method) cannot reuse it.
-  """
+  """sha256 (hex) of every leaf's path, dtype, shape and bytes."""
   digest = hashlib.sha256()
   leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(variables))[0]
   for path, leaf in leaves:
@@ -211,12 +169,7 @@ def variables_fingerprint(variables: Any) -> str:
 
 
 def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
-  """The settings a feature cache depends on besides the weights (JSON).
-
-  Not `data_dir`: where the same dataset is stored does not change it. The
-  splits' sources are (`data.describe_source`: a folder tree's class list and
-  files), so features and labels of a changed tree are recomputed.
-  """
+  """JSON of a cache's inputs besides the weights (sources, not data_dir)."""
   sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
                      'model': config.model.to_dict(), 'sources': sources},
@@ -225,13 +178,9 @@ def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
 
 def _load_cached(path: str, name: str, image_size: int,
                  weights: str | None = None, settings: str | None = None):
-  """A feature cache file's (features, labels, num_classes), or None.
+  """A cache file's (features, labels, num_classes), or None (logged) if stale.
 
-  None (with one logged line saying why) when the file is absent, unreadable
-  (a torn or corrupted write), or was made for another dataset, image size,
-  set of weights (`weights`, see `variables_fingerprint`) or model settings;
-  the caller then recomputes it. None for `weights`/`settings` skips that
-  check (readers that only want what `evaluate` last wrote).
+  `weights` / `settings` None skip their check.
   """
   if not os.path.exists(path):
     return None
@@ -241,9 +190,7 @@ def _load_cached(path: str, name: str, image_size: int,
     features, labels = stored['features'], stored['labels']
     num_classes = int(stored['num_classes'])
     made_for = (str(stored['dataset']), int(stored['image_size']))
-  # A torn or corrupted .npz raises zipfile.BadZipFile, OSError, EOFError,
-  # KeyError or ValueError depending on where it is damaged; the cache is
-  # derived data, so any failure to read it means: rebuild it.
+  # Derived data: any read failure of a damaged .npz means rebuild.
   except Exception as e:  # pylint: disable=broad-except
     logging.warning('Feature cache %s is unreadable (%s: %s); recomputing it.',
                     path, type(e).__name__, e)
@@ -312,8 +259,7 @@ def load_features(workdir: str, step: int, name: str, split: str,
     (features float32 [N, 512], labels int32 [N]).
 
   Raises:
-    FileNotFoundError: no cache for this step, dataset, split and image size;
-      the message says how to make it.
+    FileNotFoundError: no cache for this step, dataset, split and size.
   """
   path = _cache_path(workdir, f'step{int(step)}', name, split)
   cached = _load_cached(path, name, image_size)
@@ -344,12 +290,11 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
     workdir: the run's directory (feature cache under eval/features/).
     name: dataset name.
     encoder: the frozen encoder.
-    variables: {cache tag: network variables}, e.g. {'step100': ...,
-      'init': ...}.
+    variables: {cache tag: network variables}, e.g. {'step100': ...}.
 
   Returns:
-    `{tag: {split: (features float32 [N, 512], labels int32 [N])}}` and the
-    number of classes.
+    `{tag: {split: (features float32 [N, 512], labels int32 [N])}}`,
+    num_classes; misses are saved to eval/features/<tag>/.
   """
   out = {tag: {} for tag in variables}
   num_classes = None

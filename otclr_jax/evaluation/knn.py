@@ -24,8 +24,7 @@ KNN_MAX_SLAB = 2**26
 def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
                  num_classes):
   def chunk(rows):
-    # Full float32 products: TF32 noise would change the ranking on some
-    # accelerators.
+    # TF32 noise would change the ranking.
     sim, idx = jax.lax.top_k(
         jnp.matmul(rows, train_z.T, precision=jax.lax.Precision.HIGHEST), k)
     weights = jnp.exp(sim / temperature)
@@ -38,13 +37,7 @@ def _knn_predict(train_z, train_y, test_chunks, temperature, *, k,
 def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
              test_y: np.ndarray, num_classes: int, *, k: int = KNN_K,
              temperature: float = KNN_TEMPERATURE) -> float:
-  """Weighted kNN accuracy (InstDisc, Wu et al. 2018; solo-learn's default).
-
-  Features are l2-normalised; each test row takes its k most cosine-similar
-  train rows (all of them when fewer than k), which vote for their labels
-  with weight exp(similarity / temperature); the prediction is the class with
-  the largest total (ties: smallest class index). Test rows are processed in
-  chunks so that only a [chunk, N_train] similarity slab exists at a time.
+  """Weighted kNN (InstDisc): the k nearest vote with exp(cos / temperature).
 
   Args:
     train_x: float [N, D].
@@ -56,7 +49,7 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     temperature: > 0.
 
   Returns:
-    Top-1 accuracy on the test rows, percent.
+    Top-1 accuracy on the test rows, percent (ties: smallest class).
   """
   if k < 1 or temperature <= 0:
     raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '

@@ -1,48 +1,18 @@
 """Clustering and view metrics on embeddings (docs/method.md section 7).
 
-Clustering metrics take l2-normalised embeddings `z` [n, d] and integer cluster
-ids `assign` [n] in [0, num_clusters). All distances are Euclidean. Clusters
-with no members (an id in [0, num_clusters) that `assign` never uses) are masked
-out of every average, so they never turn a result into NaN.
+Clustering metrics take `z` [n, d] and ids `assign` [n]; empty clusters are
+masked out. With C the non-empty clusters, n_c a size and mu_c a centroid:
 
-Definitions, with C the set of non-empty clusters, n_c the size of cluster c and
-mu_c the mean of its members (the centroid):
-
-  * silhouette: mean over all points of s_i = (b_i - a_i) / max(a_i, b_i), where
-    a_i is the mean distance to the other members of i's cluster and b_i the
-    smallest mean distance to the members of another non-empty cluster. Points
-    in singleton clusters, and points with a_i = b_i = 0, get s_i = 0. This is
-    `sklearn.metrics.silhouette_score` with `metric='euclidean'`.
+  * silhouette: mean of (b_i - a_i) / max(a_i, b_i), a_i / b_i the mean
+    distance to i's own / nearest other cluster; singletons score 0.
   * compactness: mean over c in C of (1 / n_c) sum_{i in c} ||z_i - mu_c||^2.
-  * centroid margin: mean over c in C of min_{c' in C, c' != c} of
-    ||mu_c - mu_c'||, the Euclidean distance between cluster means (the
-    centroids are not re-normalised to the sphere).
-  * inter/intra ratio: D_inter / D_intra. D_inter is the mean of
-    ||mu_c - mu_c'|| over unordered pairs of distinct c, c' in C. D_intra is
-    the paper's mean of per-cluster means: each cluster c with n_c >= 2
-    contributes the mean of ||z_i - z_j|| over its n_c (n_c - 1) / 2 pairs,
-    and these per-cluster means are averaged with equal weight (a cluster's
-    size does not change its weight). A singleton cluster has no pairs, so
-    its mean is undefined and it is left out of D_intra (it still counts in
-    D_inter).
+  * centroid margin: mean over c in C of min_{c' != c} ||mu_c - mu_c'||.
+  * inter/intra ratio: mean ||mu_c - mu_c'|| over pairs, over the paper's
+    D_intra: the equal-weight mean over n_c >= 2 clusters of pair distances.
 
-All four need at least two non-empty clusters and at least one cluster with
-two or more members (sklearn's `2 <= #clusters <= n - 1`). The public functions
-raise a ValueError when `assign` is concrete and violates this; under an outer
-`jax.jit` the check cannot run, and an undefined value comes out as NaN. Ids
-outside [0, num_clusters) are likewise only caught when `assign` is concrete;
-under tracing such points belong to no cluster.
-
-Silhouette and the within-cluster term of the inter/intra ratio need all
-pairwise distances. They are computed block by block over rows with `lax.map`:
-each step forms one [block_size, n] slab of distances and immediately reduces
-it to per-cluster sums [block_size, num_clusters], so peak memory is
-O(block_size * n) rather than O(n^2). The slab uses
-||x||^2 + ||y||^2 - 2 <x, y> with a full-precision matmul; in float32 this
-leaves an absolute error of about 1e-3 on distances between near-duplicate,
-distinct points (self-distances are set to exactly 0).
-
-View metrics compare paired embeddings (one row per image) and images.
+All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or NaN when
+traced). Pairwise distances take O(block_size * n) memory, ~1e-3 absolute
+error between near-duplicates in float32.
 """
 
 from __future__ import annotations
@@ -56,14 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from sklearn import cluster as sk_cluster
 
-# Rows of the pairwise-distance slab per `lax.map` step. At n = 10k this is a
-# 40 MB float32 slab, small on any accelerator and on the host.
+# Rows of the pairwise-distance slab per `lax.map` step (40 MB at n = 10k).
 DEFAULT_BLOCK_SIZE = 1024
-
-
-# ---------------------------------------------------------------------------
-# Input validation.
-# ---------------------------------------------------------------------------
 
 
 def _is_concrete(x: Any) -> bool:
@@ -131,11 +95,6 @@ def _check_paired(arrays: dict[str, Any], rank: int, layout: str) -> None:
     raise ValueError(f'Shapes must match, got {described}.')
 
 
-# ---------------------------------------------------------------------------
-# Jitted cores.
-# ---------------------------------------------------------------------------
-
-
 def _cluster_stats(z: jax.Array, assign: jax.Array, num_clusters: int):
   """Returns one-hot memberships [n, K], sizes [K] and centroids [K, d]."""
   onehot = jax.nn.one_hot(assign, num_clusters, dtype=z.dtype)
@@ -147,16 +106,7 @@ def _cluster_stats(z: jax.Array, assign: jax.Array, num_clusters: int):
 
 def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
                            block_size: int | None) -> jax.Array:
-  """Sums of distances from every point to the members of every cluster.
-
-  Args:
-    z: [n, d] embeddings.
-    onehot: [n, K] cluster memberships.
-    block_size: rows per step; None computes all rows in one step.
-
-  Returns:
-    [n, K] array, entry (i, c) = sum over j in cluster c of ||z_i - z_j||.
-  """
+  """[n, K]: (i, c) = sum over j in cluster c of ||z_i - z_j||."""
   n = z.shape[0]
   sq_norms = jnp.sum(z * z, axis=1)
   block = n if block_size is None else min(block_size, n)
@@ -168,12 +118,10 @@ def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
 
   def one_block(args):
     x, x_sq, idx = args
-    # HIGHEST keeps accelerators from using reduced-precision (e.g. TF32)
-    # matmuls, whose error would dominate the small within-cluster distances.
+    # No TF32: its error would swamp small within-cluster distances.
     gram = jnp.dot(x, z.T, precision=lax.Precision.HIGHEST)
     sq = jnp.maximum(x_sq[:, None] + sq_norms[None, :] - 2.0 * gram, 0.0)
-    # Rounding leaves ||x||^2 + ||x||^2 - 2<x, x> slightly above zero; the
-    # self-distance must not leak into a point's own-cluster mean.
+    # Rounding leaves self-distances above zero.
     sq = jnp.where(idx[:, None] == jnp.arange(n)[None, :], 0.0, sq)
     return jnp.dot(jnp.sqrt(sq), onehot, precision=lax.Precision.HIGHEST)
 
@@ -233,8 +181,7 @@ def _inter_intra_ratio_from(assign, counts, centroids, dist_sums):
   inter = jnp.sum(jnp.where(pairs, _centroid_distances(centroids), 0.0)
                   ) / jnp.sum(pairs)
   own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
-  # Per cluster, the sum over ordered pairs i != j (each unordered pair twice)
-  # divided by their number n_c (n_c - 1): that cluster's mean pair distance.
+  # Ordered pairs count each pair twice, hence n_c (n_c - 1).
   cluster_sum = jax.ops.segment_sum(own_sum, assign, counts.shape[0])
   has_pairs = counts >= 2
   cluster_mean = cluster_sum / jnp.where(has_pairs, counts * (counts - 1.0),
@@ -322,30 +269,18 @@ def _pixel_rms(views, strong):
   return jnp.mean(jnp.sqrt(jnp.mean(diff * diff, axis=-1)))
 
 
-# ---------------------------------------------------------------------------
-# Public API.
-# ---------------------------------------------------------------------------
-
-
 def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                block_size: int | None = DEFAULT_BLOCK_SIZE) -> jax.Array:
-  """Mean silhouette coefficient with Euclidean distances.
-
-  Matches `sklearn.metrics.silhouette_score(z, assign)`: singleton-cluster
-  points contribute 0 to the mean. Pairwise distances are formed block by
-  block (see the module docstring).
+  """Mean silhouette, as `sklearn.metrics.silhouette_score(z, assign)`.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
     assign: [n] integer cluster ids in [0, num_clusters).
-    num_clusters: number of cluster ids K >= 2 (static); unused ids are
-      empty clusters and are ignored.
-    block_size: rows of the [block_size, n] distance slab per step (static);
-      None forms the whole [n, n] matrix at once.
+    num_clusters: number of cluster ids K >= 2 (static); unused ids ignored.
+    block_size: rows of the distance slab per step (static); None for all.
 
   Returns:
-    [] float32 in [-1, 1]; NaN under tracing if fewer than two clusters are
-    non-empty.
+    [] float32 in [-1, 1]; NaN if traced with < 2 non-empty clusters.
 
   Raises:
     ValueError: on bad shapes or dtypes, num_clusters < 2, or (for concrete
@@ -358,10 +293,7 @@ def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
 
 def compactness(z: jax.Array, assign: jax.Array, *,
                 num_clusters: int) -> jax.Array:
-  """Mean squared distance to the cluster centroid, averaged over clusters.
-
-  Each non-empty cluster c contributes (1 / n_c) sum_{i in c} ||z_i - mu_c||^2
-  with equal weight; empty clusters are skipped.
+  """Mean squared distance to the centroid, averaged over clusters.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -382,18 +314,13 @@ def centroid_margin(z: jax.Array, assign: jax.Array, *,
                     num_clusters: int) -> jax.Array:
   """Mean distance from each centroid to the nearest other centroid.
 
-  Centroids are the Euclidean means of the cluster members (not projected
-  back to the sphere); the average runs over non-empty clusters, and only
-  non-empty clusters count as neighbours.
-
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
     assign: [n] integer cluster ids in [0, num_clusters).
     num_clusters: number of cluster ids K >= 2 (static).
 
   Returns:
-    [] float32 >= 0 (distance units; higher is better separated). NaN under
-    tracing if fewer than two clusters are non-empty.
+    [] float32 >= 0, higher is better separated; NaN as for `silhouette`.
 
   Raises:
     ValueError: as for `silhouette`.
@@ -405,12 +332,7 @@ def centroid_margin(z: jax.Array, assign: jax.Array, *,
 def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                       block_size: int | None = DEFAULT_BLOCK_SIZE
                       ) -> jax.Array:
-  """Mean inter-centroid distance over mean within-cluster pairwise distance.
-
-  Numerator: mean of ||mu_c - mu_c'|| over unordered pairs of distinct
-  non-empty clusters. Denominator (the paper's D_intra): the mean over
-  clusters with at least two members of that cluster's mean pairwise
-  distance, each cluster weighted equally whatever its size.
+  """Mean inter-centroid over mean within-cluster distance (module doc).
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -431,27 +353,21 @@ def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
 
 
 def view_distance(z1: jax.Array, z2: jax.Array) -> jax.Array:
-  """Mean Euclidean distance between paired embeddings.
-
-  No normalisation is applied: pass l2-normalised embeddings, for which the
-  result lies in [0, 2].
+  """Mean Euclidean distance between paired embeddings (not normalised).
 
   Args:
     z1: [n, d] embeddings of the first views.
     z2: [n, d] embeddings of the second views, row i paired with z1[i].
 
   Returns:
-    [] float32, mean_i ||z1_i - z2_i||.
+    [] float32, mean_i ||z1_i - z2_i||; in [0, 2] for unit rows.
   """
   _check_paired({'z1': z1, 'z2': z2}, 2, '[n, d]')
   return _view_distance(z1, z2)
 
 
 def view_cosine(z1: jax.Array, z2: jax.Array) -> jax.Array:
-  """Mean cosine similarity between paired embeddings.
-
-  Rows are normalised here, so raw projections work too; an all-zero row
-  has cosine 0.
+  """Mean cosine similarity between paired rows; an all-zero row gives 0.
 
   Args:
     z1: [n, d] embeddings of the first views.
@@ -466,10 +382,7 @@ def view_cosine(z1: jax.Array, z2: jax.Array) -> jax.Array:
 
 def anchor_distance(z1: jax.Array, z2: jax.Array,
                     z_anchor: jax.Array) -> jax.Array:
-  """Mean distance of both views to the embedding of the unaugmented source.
-
-  Defined as (mean_i ||z1_i - a_i|| + mean_i ||z2_i - a_i||) / 2, i.e. the mean
-  over all 2n (view, anchor) pairs. No normalisation is applied.
+  """Mean distance of both views to the unaugmented source's embedding.
 
   Args:
     z1: [n, d] embeddings of the first views.
@@ -477,19 +390,14 @@ def anchor_distance(z1: jax.Array, z2: jax.Array,
     z_anchor: [n, d] embeddings of the unaugmented images the views came from.
 
   Returns:
-    [] float32.
+    [] float32, (mean_i ||z1_i - a_i|| + mean_i ||z2_i - a_i||) / 2.
   """
   _check_paired({'z1': z1, 'z2': z2, 'z_anchor': z_anchor}, 2, '[n, d]')
   return 0.5 * (_view_distance(z1, z_anchor) + _view_distance(z2, z_anchor))
 
 
 def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
-  """Mean plain L2 norm of the flattened difference, view minus strong view.
-
-  The paper's Pixel L2 (docs/method.md section 7): per image, flatten
-  view - strong endpoint into H * W * C numbers and take the Euclidean norm;
-  average over images. It grows with resolution (a uniform offset d gives
-  d * sqrt(H * W * C)); `pixel_rms` is the resolution-free variant.
+  """The paper's Pixel L2: mean L2 norm of the flattened view - strong.
 
   Args:
     views: [n, H, W, C] views (e.g. OT-interpolated), values in [0, 1].
@@ -503,18 +411,14 @@ def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
 
 
 def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
-  """Mean per-image root-mean-square pixel difference (not the paper's).
-
-  `pixel_l2` divided by sqrt(H * W * C) image by image, so the value is in
-  pixel units (in [0, 1] for images in [0, 1]) and does not grow with
-  resolution; reported as an extra column under its own name.
+  """Mean per-image RMS pixel difference: `pixel_l2` / sqrt(H * W * C).
 
   Args:
     views: [n, H, W, C] views, values in [0, 1].
     strong: [n, H, W, C] the strong augmentations they were made from.
 
   Returns:
-    [] float32, mean over images of the RMS difference.
+    [] float32 in pixel units, mean over images of the RMS difference.
   """
   _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
   return _pixel_rms(views, strong)
@@ -522,15 +426,12 @@ def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
 
 def cluster_metrics(z: np.ndarray, num_clusters: int,
                     seed: int) -> dict[str, Any]:
-  """Runs K-means on embeddings and scores the clustering.
-
-  Uses `sklearn.cluster.KMeans(n_clusters=num_clusters, random_state=seed,
-  n_init=10)`, so the result is deterministic given `seed`.
+  """Scores a K-means clustering (sklearn, n_init=10) of the embeddings.
 
   Args:
     z: [n, d] l2-normalised embeddings (NumPy or JAX), n > num_clusters.
     num_clusters: K >= 2, normally the number of classes.
-    seed: K-means random state.
+    seed: K-means random state; same seed, same result.
 
   Returns:
     Dict with float entries 'silhouette', 'compactness', 'centroid_margin',

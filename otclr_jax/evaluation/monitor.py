@@ -1,19 +1,7 @@
 """A kNN monitor of representation quality in pretraining (`config.monitor`).
 
-Every `config.monitor.every_steps` optimiser steps (0 disables it; a multiple
-of `config.log_every_steps`), training embeds a fixed held-out subset with the
-current network in inference mode (BatchNorm running statistics, no
-augmentation): `num_train` images of the pretraining dataset's train split
-(with their labels) as the memory bank and `num_test` images of its test split
-as the queries, both drawn once with the fixed seed `SEED`. It logs their
-weighted kNN top-1 in percent (`knn.knn_top1`, the final evaluation's kNN,
-on a subset) as `monitor_knn_top1` (`train.MONITOR_METRIC`) in metrics.jsonl,
-TensorBoard and the progress line.
-
-The monitor only reads the state: it draws no JAX random numbers and writes
-nothing back, so a run's parameters are bit-identical with and without it.
-Its cost, one forward pass over `num_train + num_test` images plus the kNN,
-is printed by `python -m otclr_jax.bench train`.
+Logs `knn.knn_top1` of a fixed, seeded subset as `monitor_knn_top1`; it only
+reads the state, so parameters are bit-identical with and without it.
 """
 
 from __future__ import annotations
@@ -39,11 +27,7 @@ def _subset(split: data.Split, num: int,
 
 
 class KnnMonitor:
-  """Weighted kNN top-1 of the current encoder on a fixed held-out subset.
-
-  Call it as `monitor(state)` with a `step.TrainState`; returns the top-1 in
-  percent (a Python float).
-  """
+  """`monitor(state)`: kNN top-1 (percent) of a `step.TrainState`."""
 
   def __init__(self, config: ml_collections.ConfigDict, model,
                train_split: data.Split | None = None,
@@ -51,12 +35,10 @@ class KnnMonitor:
     """Draws the subset and builds the jitted encoder.
 
     Args:
-      config: the run's config (`monitor.num_train`, `monitor.num_test`,
-        `eval.batch_size`, `dataset`, `image_size`, `data_dir`).
-      model: the run's network (`experiment.create_model`).
-      train_split: the already loaded train split of `config.dataset`, to
-        avoid reading it twice; loaded here when None.
-      test_split: its test split; loaded here when None.
+      config: the run's config.
+      model: the run's network.
+      train_split: the train split of `config.dataset`; loaded when None.
+      test_split: its test split; loaded when None.
     """
     load = lambda split: data.load_split(
         config.dataset, split, config.image_size, config.data_dir or None)
@@ -69,7 +51,7 @@ class KnnMonitor:
         test_split, config.monitor.num_test, rng)
     self.num_classes = train_split.num_classes
     self._encoder = features.Encoder(model)
-    # The evaluation's batch: the same shapes reuse its compiled encoder.
+    # Same shapes as the evaluation: reuses its compiled encoder.
     self._batch_size = config.eval.batch_size
 
   def features(self, variables: Any, images: np.ndarray) -> np.ndarray:

@@ -1,13 +1,9 @@
 """The linear probe: softmax regression on standardised frozen features.
 
-Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) to its
-optimum: float64 values and gradients, Newton's method with preconditioned
-conjugate-gradient directions (`_solve`), judged converged when the gradient
-norm with respect to (W, b) is at most `GRAD_TOL`. The L2 strength is chosen
-on a stratified held-out part of the TRAIN split, then the probe is refitted
-on all of it (docs/method.md section 7). The grid is fitted as a
-regularisation path, strongest penalty first, each fit warm-started from the
-previous one; the refit starts from the selected solution.
+Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) by
+float64 Newton-CG until the (W, b) gradient norm is at most `GRAD_TOL`.
+lambda is chosen on a stratified held-out part of TRAIN, then the probe is
+refitted on all of it (docs/method.md section 7).
 """
 
 from __future__ import annotations
@@ -28,24 +24,15 @@ from otclr_jax import rundir
 from otclr_jax.evaluation import features
 
 
-# L2 strengths lambda of the probe, loss = mean CE + lambda / 2 ||W||^2 on
-# standardised features (bias not penalised). No lambda = 0: on separable
-# features that loss has no minimum, and where the fit stops would decide
-# the result. No 1e-6: on CIFAR-10 it was never the held-out choice, and on
-# random-init features its fit took two thirds of the probe's Hessian
-# products (docs/results.md, "Performance").
+# lambda of mean CE + lambda / 2 ||W||^2 (bias unpenalised). No 0: separable
+# features have no optimum. No 1e-6: never chosen on CIFAR-10, and costly.
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 HOLDOUT_FRACTION = 0.1
 HOLDOUT_SEED = 0
-# A fit has reached its optimum when the Euclidean norm of the loss's
-# gradient with respect to (W, b) is at most this. Absolute, not relative:
-# the loss is a mean, O(1) at zero weights, and float64 computes its
-# gradient to about 1e-14 on 50,000 x 512 features, so the bound is
-# reachable with room to spare; Newton's method gets from 1e-4 to 1e-8 in
-# one or two steps.
+# Converged when the (W, b) gradient norm is at most this. Absolute: the
+# loss is a mean, O(1) at zero, and float64 resolves its gradient to ~1e-14.
 GRAD_TOL = 1e-8
-# Newton iterations per fit; the fits of every supported dataset converge
-# in tens. A fit that stops here has not converged and is flagged.
+# Newton iterations per fit; a fit stopped here is flagged unconverged.
 DEFAULT_PROBE_STEPS = 500
 SOLVER = ('softmax regression on standardised features, float64 Newton with '
           'class-block-preconditioned conjugate gradients, to a (W, b) '
@@ -56,14 +43,13 @@ def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
                        seed: int = HOLDOUT_SEED) -> np.ndarray:
   """Marks a stratified random `fraction` of the examples as held out.
 
-  In each class of c examples, round(fraction * c) of them, at least 1 and at
-  most c - 1 (none for a single example), chosen by one
-  `np.random.default_rng(seed)` visiting the classes in increasing order.
+  Per class of c examples, round(fraction * c) clipped to [1, c - 1] (none
+  when c = 1).
 
   Args:
     labels: int [N].
     fraction: share held out, in (0, 1).
-    seed: fixed seed; the same labels always give the same split.
+    seed: the same labels and seed always give the same split.
 
   Returns:
     bool [N], True for held-out examples.
@@ -92,28 +78,16 @@ def _standardiser(x: np.ndarray):
 
 
 def _eigenbasis(x: np.ndarray) -> np.ndarray:
-  """The eigenvectors [D, D] of x's second moment.
-
-  In this basis the features are uncorrelated, so the Hessian's class blocks
-  (`_class_preconditioner`) hold most of its weight.
-  """
+  """The eigenvectors [D, D] of x's second moment (decorrelates features)."""
   return np.linalg.eigh(x.T @ x / len(x))[1]
 
 
 @jax.jit
 def _hessian_product(zt, pt, dw, db):
-  """The softmax loss's summed Hessian applied to (dW, db).
+  """The summed softmax Hessian at pt [C, N] times (dw [D, C], db [C]).
 
-  Args:
-    zt: float32 [D, N] features, one column per example: the two products
-      then stream over N, which runs twice as fast as [N, D] rows on CPU.
-    pt: float32 [C, N] softmax probabilities.
-    dw: float32 [D, C].
-    db: float32 [C].
-
-  Returns:
-    (z^T dP [D, C], sum of dP [C]) with dP = (diag(p) - p p^T) (z dW + db)
-    example by example.
+  zt is float32 [D, N] (columns stream faster on CPU). Returns (z^T dP,
+  sum of dP) with dP_i = (diag(p_i) - p_i p_i^T) (z_i dW + db).
   """
   dz = jnp.matmul(dw.T, zt, precision=jax.lax.Precision.HIGHEST) + db[:, None]
   dp = pt * (dz - jnp.sum(pt * dz, axis=0, keepdims=True))
@@ -124,18 +98,14 @@ def _hessian_product(zt, pt, dw, db):
 class _Objective:
   """mean CE(z W + b, y) + l2 / 2 ||W||^2 and its derivatives.
 
-  z [N, D] holds the standardised features in the eigenbasis of their second
-  moment (an orthogonal change of basis: ||W||^2 and the gradient norm are
-  the same in either basis).
+  z [N, D]: standardised features in their eigenbasis (orthogonal, so ||W||
+  and the gradient norm are basis-independent).
   """
 
   def __init__(self, z, y, l2, num_classes):
     self.z, self.y, self.l2 = z, y, l2
     self.onehot = np.eye(num_classes)[y]
-    # The Hessian products and the preconditioner only steer the
-    # conjugate-gradient steps: float32 halves their memory traffic, which
-    # bounds their speed; the value and gradient, which decide where the fit
-    # stops, stay float64.
+    # float32 only steers CG; the value and gradient stay float64.
     self.z1 = np.concatenate([z, np.ones((len(z), 1))], axis=1,
                              dtype=np.float32)  # [N, D + 1]
     self.zt = jnp.asarray(self.z1[:, :-1].T)
@@ -165,23 +135,12 @@ def _transposed(p: np.ndarray) -> jax.Array:
 
 
 def _class_preconditioner(objective, p):
-  """The Hessian's class-diagonal blocks, factored: an approximate inverse.
+  """Maps a gradient ([D, C], [C]) to inverse class-block Hessian times it.
 
-  The softmax is unchanged by adding one vector to every class's weights, so
-  the solve works in the classes' orthonormal complement of the ones vector
-  (`q` [C, C - 1], rotated to diagonalise the mean curvature). There the
-  Hessian's blocks on the diagonal, one per rotated class a, are
-  mean_i q_a^T S_i q_a [z_i, 1] [z_i, 1]^T (+ l2 on the W part), with S_i =
-  diag(p_i) - p_i p_i^T: exact within a class, only the coupling between
-  classes is left to the conjugate-gradient iterations.
-
-  Args:
-    objective: the fit's `_Objective`.
-    p: float64 [N, C] softmax probabilities where the blocks are taken.
-
-  Returns:
-    A function mapping a gradient-shaped ([D, C], [C]) pair to its
-    approximate Newton direction.
+  The softmax is invariant to shifting all classes' weights, so the blocks
+  live in the complement of the ones vector (`q` [C, C - 1], rotated to
+  diagonalise the mean curvature): block a is mean_i q_a^T S_i q_a
+  [z_i, 1] [z_i, 1]^T (+ l2 on W), S_i = diag(p_i) - p_i p_i^T, at p [N, C].
   """
   n, num_classes = p.shape
   z1, l2 = objective.z1, objective.l2
@@ -199,10 +158,8 @@ def _class_preconditioner(objective, p):
   blocks[:, diagonal, diagonal] += l2
   # The bias is not penalised; a floor keeps its block invertible.
   blocks[:, -1, -1] += 1e-12 + 1e-9 * blocks[:, -1, -1]
-  # Explicit inverses L^-T L^-1 [C - 1, D + 1, D + 1], each call batched over
-  # the blocks: per-block LAPACK calls between BLAS ones cost 2-5x as much
-  # in thread wake-ups, and per-block solves at every step more than a
-  # Hessian product.
+  # Batched explicit inverses L^-T L^-1: per-block LAPACK calls or solves
+  # each step cost more than a Hessian product.
   cholesky_inverse = np.linalg.inv(np.linalg.cholesky(blocks))
   inverses = np.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
 
@@ -227,18 +184,15 @@ class Fit(NamedTuple):
             'grad_norm': self.grad_norm, 'converged': self.converged}
 
 
-# Conjugate-gradient iterations per Newton step; a solve cut here still gives
-# a descent direction.
+# CG iterations per Newton step; a cut solve is still a descent direction.
 MAX_CG_STEPS = 250
 
 
 def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
   """Minimises the probe's loss at `l2` from (w [D, C], b [C]), in float64.
 
-  Newton's method with a line search; each Newton direction is solved by
-  preconditioned conjugate gradients (`_class_preconditioner`, built at the
-  start) to a relative residual of min(0.5, sqrt(|g|)) (superlinear
-  convergence), no tighter than reaching `GRAD_TOL` needs.
+  Newton with backtracking; directions by preconditioned CG to a relative
+  residual of min(0.5, sqrt(|g|)), no tighter than `GRAD_TOL` needs.
   """
   objective = _Objective(z, y, l2, num_classes)
   value, gw, gb, p = objective.value_and_grad(w, b)
@@ -283,20 +237,16 @@ def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
   return Fit(w, b, l2, steps, grad_norm, grad_norm <= GRAD_TOL)
 
 
-# Columns of the rotated features at most this fraction of their largest
-# entry are empty directions: float64 leaves ~1e-17 in the null space of
-# rank-deficient features, real directions are many orders above.
+# Relative column size below which a direction is empty: float64 leaves
+# ~1e-17 in the null space, real directions are orders above.
 EMPTY_DIRECTION = 1e-12
 
 
 def _solve_in_span(z, y, l2, num_classes, w, b, max_steps) -> Fit:
   """`_solve` restricted to the directions in which the features vary.
 
-  In a direction where every example's rotated feature is zero (all but
-  N - 1 of them when there are fewer examples than dimensions) the loss is
-  l2 / 2 ||W||^2 alone, so its optimum there is W = 0 and the Newton solve
-  runs in the others, D' x C instead of D x C. The reported gradient norm is
-  the whole problem's, empty directions included.
+  Where every rotated feature is zero the loss is l2 / 2 ||W||^2 alone, so
+  W = 0 there. The gradient norm reported covers all directions.
   """
   size = np.abs(z).max(axis=0)
   live = size > EMPTY_DIRECTION * size.max(initial=0.0)
@@ -319,8 +269,7 @@ def _scores(w, b, x, y):
   """Top-1 hits, top-5 hits and cross-entropy [N] of float64 logits."""
   logits = x @ w + b
   label_logit = np.take_along_axis(logits, y[:, None], axis=1)
-  # Rank = number of classes scoring strictly higher than the label; with
-  # fewer than 5 classes every rank is < 5, so top-5 is 100%.
+  # With fewer than 5 classes top-5 is 100%.
   rank = np.sum(logits > label_logit, axis=1)
   ce = special.logsumexp(logits, axis=1) - label_logit[:, 0]
   return np.argmax(logits, axis=1) == y, rank < 5, ce
@@ -329,20 +278,9 @@ def _scores(w, b, x, y):
 def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
   """Fits every lambda of `l2_grid` on the kept rows, picks one on `held`.
 
-  The regularisation path runs strongest penalty first, each fit starting
-  from the previous solution, which is close to its own.
-
-  Args:
-    x: float64 [N, D] train features standardised with the kept rows.
-    y: int [N] labels.
-    held: bool [N], the held-out rows.
-    num_classes: C.
-    l2_grid: the candidate lambdas.
-    max_steps: Newton iterations per fit.
-
-  Returns:
-    (the fit chosen by `select`, with w in the original basis, its held-out
-    top-1 in percent, the records of every fit in grid order).
+  Strongest penalty first, each fit warm-started from the previous one; x
+  [N, D] is standardised with the kept rows. Returns (the `select`ed fit, w
+  in x's basis; its held-out top-1 in percent; the records in grid order).
   """
   basis = _eigenbasis(x[~held])
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
@@ -356,7 +294,6 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
       val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
       w, b = fit.w, fit.b
     else:
-      # The path restarts from zero after a diverged fit.
       val_top1, val_ce = 0.0, math.inf
       w, b = np.zeros_like(w), np.zeros_like(b)
     log = logging.info if fit.converged else logging.warning
@@ -374,13 +311,7 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
 
 
 def select(records: list[dict[str, Any]]) -> int:
-  """The index of the chosen fit among the grid's records, in grid order.
-
-  The best held-out top-1 of a converged fit wins, then the lower held-out
-  cross-entropy, then the first in the grid; a fit that did not converge
-  ranks below every one that did, so its number is reported only when no
-  fit converged, and then flagged by its record.
-  """
+  """Chosen record's index: converged, best held-out top-1, lower CE, first."""
   return min(range(len(records)), key=lambda i: (
       not records[i]['converged'], -records[i]['val_top1'],
       records[i]['val_ce'], i))
@@ -403,11 +334,7 @@ class Probe(NamedTuple):
   weight_decay: float
 
   def logits(self, features: np.ndarray) -> np.ndarray:
-    """Class scores float64 [N, C] of encoder features [N, D].
-
-    The computation of the probe's evaluation, so predictions reproduce the
-    reported accuracies exactly.
-    """
+    """Class scores float64 [N, C] of features [N, D], as evaluated."""
     features = np.asarray(features, np.float32)
     if features.ndim != 2 or features.shape[1] != len(self.mean):
       raise ValueError(f'features must be [N, {len(self.mean)}], got '
@@ -423,11 +350,7 @@ def probe_path(workdir: str, step: int, name: str) -> str:
 
 def save_probe(path: str, probe: Probe, *, dataset: str, step: int,
                top1: float, weights: str = '') -> None:
-  """Writes a probe, with the dataset, step and test top-1 it belongs to.
-
-  `weights` is the encoder's `variables_fingerprint`, recording which
-  checkpoint the probe was fitted on.
-  """
+  """Writes `probe` to `path` (.npz) with dataset, step, top-1 and weights."""
   fileio.atomic_write(path, lambda f: np.savez(
       f, w=probe.w, b=probe.b, mean=probe.mean, std=probe.std,
       weight_decay=probe.weight_decay, dataset=dataset, step=int(step),
@@ -459,12 +382,9 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                  return_probe: bool = False):
   """Linear probe with the L2 strength chosen on held-out training data.
 
-  For each lambda in `l2_grid`, a probe is fitted on 90% of the train split
-  (standardised with that part's statistics) and scored on the held-out,
-  stratified 10%; the best lambda (top-1, then lower cross-entropy, then the
-  first in the grid, among the fits that converged) is refitted on the whole
-  train split, standardised with the train statistics, and scored on the
-  test split. `test_x` and `test_y` are not touched before that last step.
+  Each lambda is fitted on the kept part of TRAIN (standardised with its
+  statistics) and scored on the stratified held-out part; the `select`ed one
+  is refitted on all of TRAIN and scored on TEST, which is used only there.
 
   Args:
     train_x: float [N, D] features.
@@ -479,11 +399,10 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     return_probe: also return the final probe.
 
   Returns:
-    {'top1', 'top5' (percent on the test split), 'weight_decay' (the chosen
-    lambda), 'val_top1' (its held-out top-1, percent), 'num_train',
-    'num_test', 'fits' (per lambda of `l2_grid`, then the refit: lambda,
-    Newton steps, final gradient norm, converged, and for the grid the
-    held-out top-1)}; with `return_probe`, the pair (that dict, `Probe`).
+    {'top1', 'top5' (test, percent), 'weight_decay' (chosen lambda),
+    'val_top1' (its held-out top-1, percent), 'num_train', 'num_test',
+    'fits' (per lambda, then the refit: `Fit.record`, plus held-out scores)};
+    with `return_probe`, the pair (that dict, `Probe`).
   """
   train_x = np.asarray(train_x, np.float32)
   test_x = np.asarray(test_x, np.float32)
@@ -513,8 +432,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   mean, std = _standardiser(train_x)
   x = (train_x - mean) / std
   basis = _eigenbasis(x)
-  # Warm start: the selected probe rewritten for the full split's
-  # standardisation and eigenbasis, so that it computes the same logits.
+  # Warm start: the selected probe, same logits in the new standardisation.
   w = (std / fit_std)[:, None] * chosen.w
   b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
   refit = _solve_in_span(x @ basis, train_y, chosen.l2, num_classes,
@@ -539,8 +457,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
 def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
   """The probe evaluator: top-1 / top-5 of every encoder on every dataset.
 
-  Saves the checkpoint's probe of each dataset (`probe_path`) for the
-  figures.
+  Saves the 'linear' row's probe of each dataset to `probe_path`.
 
   Args:
     ctx: the evaluation's `evaluate.Context`.

@@ -1,9 +1,4 @@
-"""View quality: both view generators' pairs embedded by one network.
-
-The SimCLR pair (xs1, xs2) and the OT pair (ot_views(x, xs1), ot_views(x,
-xs2)) of the same images and augmentation key, embedded by the SAME restored
-network, so the two rows differ only in how the views were made.
-"""
+"""View quality: both generators' pairs, same images, keys and network."""
 
 from __future__ import annotations
 
@@ -33,14 +28,12 @@ class ViewEmbeddings(NamedTuple):
 
   Attributes:
     indices: int [n], the rows of the test split that were used (sorted).
-    anchors: float32 [n, D], the l2-normalised embedding of the clean images
-      (D = proj_dim for z, 512 for h).
+    anchors: float32 [n, D], l2-normalised clean-image embeddings.
     simclr: (z1, z2), each [n, D], of the SimCLR pair (xs1, xs2).
     otclr: (z1, z2), each [n, D], of the OTCLR pair.
-    pixel_l2: the paper's pixel L2 of the OT views: mean over the 2n views of
-      the plain L2 norm of (OT view - its strong endpoint), flattened.
-    pixel_rms: the same differences as per-image RMS (`metrics.pixel_rms`).
-    embedding: 'z' or 'h', which embedding the arrays hold (`EMBEDDINGS`).
+    pixel_l2: `metrics.pixel_l2` of the OT views, mean over the 2n views.
+    pixel_rms: the same as per-image RMS (`metrics.pixel_rms`).
+    embedding: 'z' or 'h', the embedding the arrays hold.
   """
   indices: np.ndarray
   anchors: np.ndarray
@@ -57,19 +50,13 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
                     seed: int = VIEWS_SEED) -> ViewEmbeddings:
   """Both generators' positive pairs of test images, embedded by one encoder.
 
-  `num_images` test images (chosen by `np.random.default_rng(seed)`) get two
-  strong augmentations each from `jax.random.key(seed)` folded with the
-  image's position (so the views do not depend on `batch_size`); the SimCLR pair is
-  (xs1, xs2), the OTCLR pair (ot_views(x, xs1), ot_views(x, xs2)) with the
-  run's `config.ot` settings and alpha (learnt alpha if any). The network
-  `variables` embeds both pairs and the clean images: l2-normalised z (the
-  paper's choice) or h, as `config.eval.embedding` says.
+  SimCLR pair (xs1, xs2), OTCLR pair (ot_views(x, xs1), ot_views(x, xs2))
+  with the run's `config.ot` and alpha, embedded as `config.eval.embedding`.
 
   Args:
     config: the run's config.
     model: the run's network.
-    variables: its restored {'params', 'batch_stats'} (and 'alpha_logit' for
-      a learnt alpha), `experiment.restore_variables`.
+    variables: its {'params', 'batch_stats'} (and 'alpha_logit').
     images: uint8 [N, S, S, 3] test images.
     num_images: n, at most N.
     batch_size: images per device call.
@@ -83,7 +70,7 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
                                                       replace=False))
   images = images[chosen]
   both = config.copy_and_resolve_references()
-  # 'ot' views: make_views then returns the OT and the strong pairs.
+  # 'ot' views: make_views returns the OT and the strong pairs.
   both.views = 'ot'
   if both.method == views_lib.OTCLR_ALIAS:
     both.method = 'simclr'
@@ -96,13 +83,10 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
     return tuple(v[0] for v in views_lib.make_views(both, x[None], key,
                                                     alpha))
 
-  # Each image's views come from its own key (the key folded with its
-  # position among the chosen images), never from the batch it lands in, so
-  # the metrics do not depend on `batch_size`, a throughput setting.
+  # Per-image keys: the metrics must not depend on `batch_size`.
   batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
 
-  # The evaluation's own encoder (`features.Encoder`), compiled for the
-  # features at these rows (`extract_features`), embeds all five image sets.
+  # These rows reuse the features' compiled encoder.
   encoder = features.Encoder(model)
   variables = encoder.place(variables)
   rows = -(-batch_size // encoder.num_devices) * encoder.num_devices
@@ -140,10 +124,8 @@ def summarise_views(views: ViewEmbeddings,
   """The view-quality metrics of `view_embeddings`, per generator.
 
   Returns:
-    {'simclr': {...}, 'otclr': {...}}, each with view_distance, view_cosine,
-    anchor_distance, pixel_l2, pixel_rms and the four cluster metrics of the
-    2n view embeddings [z1; z2] (K-means with K = num_classes), all in the
-    embedding `views.embedding` names.
+    {'simclr': {...}, 'otclr': {...}}: view_distance, view_cosine,
+    anchor_distance, pixel_l2, pixel_rms, cluster metrics of [z1; z2].
   """
   out = {}
   # The SimCLR views are their strong endpoints: pixel L2 exactly 0.
@@ -165,8 +147,7 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
   """The views evaluator: both generators' view quality, one network.
 
   Args:
-    ctx: the evaluation's `evaluate.Context`; its `view_embeddings` holds the
-      embeddings afterwards (for the figures).
+    ctx: the evaluation's `evaluate.Context`.
 
   Yields:
     `(('views',), {'simclr': {...}, 'otclr': {...}})` (`summarise_views`)
