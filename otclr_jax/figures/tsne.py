@@ -1,13 +1,6 @@
-"""The paper's class-wise t-SNE of the views.
+"""The paper's class-wise t-SNE of one run's SimCLR and OTCLR views.
 
-SimCLR views (blue circles), OTCLR views (green diamonds) and clean anchors
-(orange stars) of n test images, all embedded by ONE run's restored encoder
-(l2-normalised z by default, or h: config.eval.embedding, named in the
-title), made exactly as the evaluation's view metrics make them
-(`view_quality.view_embeddings`); one panel per class with each set's coverage
-shaded, a panel with the view metrics (P = OTCLR vs S = SimCLR, from
-eval/results.json when it describes these views) and one with the class-wise
-change of silhouette.
+Views are made as `view_quality.view_embeddings` makes them for evaluation.
 """
 
 from __future__ import annotations
@@ -34,9 +27,8 @@ from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import view_quality
 from otclr_jax.figures import common
 
-# The coverage region of a point set is its highest-density region holding
-# this share of the points, under a Gaussian KDE of the 2-d map: unlike a
-# hull, it shows where a set concentrates, and stray points do not paint it.
+# Share of a set's points in its shaded KDE highest-density region: unlike a
+# hull, stray points do not paint it.
 COVERAGE_MASS = 0.5
 DEFAULT_PERPLEXITY = 30.0
 DEFAULT_MAX_CLASSES = 12
@@ -45,11 +37,7 @@ DEFAULT_MAX_CLASSES = 12
 def tsne_points(views: view_quality.ViewEmbeddings, *,
                 perplexity: float = DEFAULT_PERPLEXITY,
                 seed: int = 0) -> dict[str, np.ndarray]:
-  """Joint 2-d t-SNE of the anchors and both generators' views.
-
-  The 5n embeddings (anchors, SimCLR pair, OTCLR pair; l2-normalised, so the
-  Euclidean distance is a function of the cosine) are embedded together, so
-  the three sets share one map.
+  """Joint 2-d t-SNE of the anchors and both generators' views (one map).
 
   Args:
     views: `view_quality.view_embeddings` of n images.
@@ -65,11 +53,8 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
   if not 0 < perplexity < len(points):
     raise ValueError(f'perplexity must lie in (0, {len(points)}) for 5 x {n} '
                      f'points, got {perplexity}.')
-  # Every core this process may use: figures are drawn once JAX's work is
-  # done, and the embedding does not depend on the thread count. On 2 cores,
-  # 1,795 points: 7.7 s against 12.6 s on one thread, the same map to the
-  # bit; with two busy processes beside it, 35 s against 19.5 s (OpenMP's
-  # threads wait on each other), so pin concurrent jobs to their own cores.
+  # All allowed cores: JAX is done by now and the map does not depend on the
+  # thread count. Pin concurrent jobs to their own cores (OpenMP contention).
   with threadpoolctl.threadpool_limits(limits=len(os.sched_getaffinity(0))):
     xy = manifold.TSNE(n_components=2, perplexity=perplexity, init='pca',
                        random_state=seed).fit_transform(
@@ -81,9 +66,7 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
                          num_classes: int) -> dict[str, np.ndarray]:
   """Mean silhouette of each class's view embeddings, per generator.
 
-  Silhouette of the 2n view embeddings (z or h as `views.embedding` says,
-  Euclidean on the l2-normalised rows) with the TRUE labels as clusters,
-  averaged over the views of each class; NaN for a class without views.
+  True labels are the clusters; NaN for a class without views.
 
   Returns:
     {'simclr': [num_classes], 'otclr': [num_classes]}.
@@ -105,9 +88,7 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
 def density_level(density_at_points: np.ndarray, mass: float) -> float:
   """Density threshold of the highest-density region holding `mass`.
 
-  The region {x: p(x) >= level} contains the share `mass` of the sample
-  points when `level` is the (1 - mass) quantile of the density at them
-  (Hyndman 1996, the sample estimate of an HDR).
+  The (1 - mass) quantile of the density at the points (Hyndman 1996).
 
   Args:
     density_at_points: [N] density at each sample point.
@@ -147,8 +128,7 @@ def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
     p, q = rows['otclr'].get(key), rows['simclr'].get(key)
     arrow = '↑' if direction > 0 else '↓'
     cells.append([f'{header} {arrow}', _fmt(p), _fmt(q)])
-    # SimCLR views are their own strong endpoints: pixel L2 is 0 by
-    # construction, not better.
+    # SimCLR's pixel L2 is 0 by construction, not better.
     if p is None or q is None or p == q or key == 'pixel_l2':
       bold.append(None)
     else:
@@ -184,12 +164,8 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
               max_classes: int = DEFAULT_MAX_CLASSES) -> mpl_figure.Figure:
   """Class-wise t-SNE panels of the views, with the paper's insets as panels.
 
-  One panel per class (the first `max_classes` classes): every point of the
-  map in light grey for context, then this class's SimCLR views (blue
-  circles), OTCLR views (green diamonds) and clean anchors (orange stars),
-  each set's coverage shaded (the KDE region holding half of its points),
-  and a representative image of the class in the corner. Extra panels: the
-  view-metric table (P vs S) and the class-wise change of silhouette (P - S).
+  One panel per class plus the view-metric table (P = OTCLR vs S = SimCLR)
+  and the class-wise change of silhouette (P - S).
 
   Args:
     points: `tsne_points` output.
@@ -220,8 +196,8 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   fig = mpl_figure.Figure(figsize=(3.0 * ncols, 3.0 * nrows + 0.6),
                           layout='constrained')
   grid = fig.add_gridspec(nrows, ncols)
-  # The extra panels go down the first column, so that the silhouette
-  # panel's class labels widen the figure's margin, not a gap between maps.
+  # Extra panels down the first column: the silhouette labels then widen the
+  # margin, not a gap between maps.
   first = [0, ncols][:len(extra)] if nrows > 1 else list(range(len(extra)))
   order = first + [i for i in range(total) if i not in first]
   cells = [grid[i // ncols, i % ncols] for i in order]
@@ -356,8 +332,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
     out: output PNG.
     step: checkpoint step; None for the latest.
     dataset: test split to use; default the run's views dataset.
-    num_images: n; default `config.eval.num_view_images`, so that the views
-      and the table are those of the evaluation.
+    num_images: n; default `config.eval.num_view_images` (the evaluation's).
     perplexity: t-SNE perplexity.
     seed: t-SNE seed.
     max_classes: at most this many class panels.
