@@ -7,14 +7,10 @@ r"""Draws one figure: `python -m otclr_jax.figures FIGURE [flags]`.
     python -m otclr_jax.figures curves --workdir=DIR [--workdir=DIR2]
     python -m otclr_jax.figures report --workdir=DIR [--compare=DIR2]
 
-A figure that restores an encoder (tsne, report) reads the run's config from
-`DIR/eval/config.json`, written by the evaluation, unless `--config=FILE` is
-given; overrides follow it as `--config.a.b=v`. The default output is
-`<first workdir>/eval/figures/<figure>.png`, with a PDF beside it.
-
-Exit statuses (otclr_jax/cli.py): 0 drawn; 2 a bad flag, or missing or
-inconsistent inputs (one line says which); 73 an output that cannot be
-written; 75 stopped by SIGTERM/SIGINT.
+tsne and report read `DIR/eval/config.json` unless `--config=FILE` (with
+`--config.a.b=v` overrides) is given. Default output:
+`<first workdir>/eval/figures/<figure>.png`, plus a PDF. Exit statuses:
+docs/operations.md "Exit statuses".
 """
 
 from __future__ import annotations
@@ -142,8 +138,7 @@ def main(argv: Sequence[str]) -> int:
           file=sys.stderr)
     return rundir.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
-    # The project's status table (otclr_jax/cli.py); the figures'
-    # ValueErrors all describe their inputs (a flag, a run, an image).
+    # The figures' ValueErrors all describe their inputs.
     return cli.report(e, usage_errors=(ValueError,))
   return 0
 
