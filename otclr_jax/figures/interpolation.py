@@ -1,22 +1,7 @@
 """The paper's figure 5: linear pixel interpolation against OT displacement.
 
-`(1 - a) x + a x_s` against the OT displacement view
-`ot.ot_views(x, x_s, alpha=a)` for a few `a`, between an image and a strong
-augmentation of it.
-
-The strong view defaults to the geometric part of the SimCLR augmentation
-(random resized crop and horizontal flip, `augment.simclr_augment` with colour
-jitter, grayscale and blur switched off): moving objects is what displacement
-interpolation does and linear interpolation cannot, so that is what the figure
-shows. `strong='simclr'` uses the full augmentation.
-
-What to expect with the method's settings (m = 16, eps = 0.05): the OT row at
-`a = 0` and `a = 1` is the source and the strong view seen through the 16 x 16
-grid (bilinearly upsampled); in between, one object moves and rescales, with
-no double exposure, but blurred: the kernel `exp(-C / eps)` on the max-1 cost
-has a standard deviation of `sqrt(eps)`, about a fifth of the image side, so
-each source cell spreads its mass over a wide patch of the target. Smaller
-epsilon (e.g. 0.01, with grid size 32) gives sharper intermediates.
+The strong view defaults to the geometric part of the SimCLR augmentation,
+since moving objects is what only displacement interpolation can show.
 """
 
 from __future__ import annotations
@@ -43,8 +28,7 @@ def load_image(path: str | None, size: int) -> np.ndarray:
   """Reads an image, centre-crops it to a square and resizes it.
 
   Args:
-    path: image file readable by Pillow; None loads scikit-learn's bundled
-      sample image `flower.jpg`.
+    path: image file readable by Pillow; None for scikit-learn's flower.jpg.
     size: output side in pixels.
 
   Returns:
@@ -176,8 +160,7 @@ def draw(out: str | os.PathLike[str], *, image: str | None = None,
     num_iters: Sinkhorn iterations.
     alphas: interpolation coefficients in [0, 1].
     strong: 'geometric' or 'simclr', the strong augmentation.
-    seed: seed of the strong augmentation (1 moves the flower of the default
-      image up-left and enlarges it).
+    seed: seed of the strong augmentation.
 
   Returns:
     The paths written.
