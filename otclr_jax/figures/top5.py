@@ -108,11 +108,9 @@ def plot_top5(image: np.ndarray, true_label: int, class_names: Sequence[str],
 def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
                   dataset: str | None = None,
                   index: int | None = None) -> list[str]:
-  """Top-5 figure for evaluated runs (probe files and feature caches).
+  """Top-5 figure of evaluated runs (`workdirs` in panel order) to PNG `out`.
 
   Args:
-    workdirs: the runs, in panel order.
-    out: output PNG.
     dataset: evaluated dataset; default the first one all runs share.
     index: test image; default `pick_index`.
 
@@ -120,8 +118,7 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
     The paths written.
 
   Raises:
-    FileNotFoundError: a run is not evaluated (no results, probe or
-      features).
+    FileNotFoundError: a run is not evaluated (no results, probe or features).
     ValueError: the runs were evaluated on different test sets.
   """
   if not workdirs:
