@@ -1,7 +1,4 @@
-"""The paper's class-wise t-SNE of one run's SimCLR and OTCLR views.
-
-Views are made as `view_quality.view_embeddings` makes them for evaluation.
-"""
+"""The paper's class-wise t-SNE of one run's views, made as evaluation does."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
 
   Args:
     views: `view_quality.view_embeddings` of n images.
-    perplexity: t-SNE perplexity, below 5n.
-    seed: `random_state` of the t-SNE.
+    perplexity: t-SNE perplexity, in (0, 5n).
 
   Returns:
     {'anchor': [n, 2], 'simclr': [2n, 2], 'otclr': [2n, 2]}; view rows are
@@ -64,12 +60,10 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
 
 def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
                          num_classes: int) -> dict[str, np.ndarray]:
-  """Mean silhouette of each class's view embeddings, per generator.
-
-  True labels are the clusters; NaN for a class without views.
+  """Per generator, each class's mean view silhouette (true-label clusters).
 
   Returns:
-    {'simclr': [num_classes], 'otclr': [num_classes]}.
+    {'simclr': [num_classes], 'otclr': [num_classes]}; NaN for no views.
   """
   labels = np.asarray(labels)
   both = np.concatenate([labels, labels])
@@ -86,13 +80,9 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
 
 
 def density_level(density_at_points: np.ndarray, mass: float) -> float:
-  """Density threshold of the highest-density region holding `mass`.
+  """Density at the points' (1 - mass) quantile: the HDR level (Hyndman 1996).
 
-  The (1 - mass) quantile of the density at the points (Hyndman 1996).
-
-  Args:
-    density_at_points: [N] density at each sample point.
-    mass: share of the points inside, in (0, 1).
+  `density_at_points` is [N]; `mass`, the share inside, lies in (0, 1).
   """
   if not 0.0 < mass < 1.0:
     raise ValueError(f'mass must lie in (0, 1), got {mass}.')
@@ -162,24 +152,16 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
               silhouettes: dict[str, np.ndarray] | None = None,
               table_note: str = '', title: str | None = None,
               max_classes: int = DEFAULT_MAX_CLASSES) -> mpl_figure.Figure:
-  """Class-wise t-SNE panels of the views, with the paper's insets as panels.
-
-  One panel per class plus the view-metric table (P = OTCLR vs S = SimCLR)
-  and the class-wise change of silhouette (P - S).
+  """Class-wise t-SNE panels, plus view-metric table and silhouette panels.
 
   Args:
     points: `tsne_points` output.
     labels: int [n], the anchors' classes.
     class_names: [K] names.
-    thumbnails: {class: image [S, S, 3] uint8} for the corner insets.
-    view_rows: the results' 'views' section, {'simclr': {...}, 'otclr': {...}}.
+    thumbnails: {class: uint8 [S, S, 3]} for the corner insets.
+    view_rows: the results' 'views' section, {'simclr': ..., 'otclr': ...}.
     silhouettes: `classwise_silhouette` output.
-    table_note: small print under the table (where its numbers come from).
-    title: figure title.
-    max_classes: at most this many class panels.
-
-  Returns:
-    The figure.
+    table_note: small print under the table.
   """
   labels = np.asarray(labels)
   n = len(labels)
@@ -196,8 +178,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   fig = mpl_figure.Figure(figsize=(3.0 * ncols, 3.0 * nrows + 0.6),
                           layout='constrained')
   grid = fig.add_gridspec(nrows, ncols)
-  # Extra panels down the first column: the silhouette labels then widen the
-  # margin, not a gap between maps.
+  # Extras in column 0: silhouette labels widen the margin, not a gap.
   first = [0, ncols][:len(extra)] if nrows > 1 else list(range(len(extra)))
   order = first + [i for i in range(total) if i not in first]
   cells = [grid[i // ncols, i % ncols] for i in order]
@@ -272,19 +253,11 @@ def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
               table_note: str = '', title: str | None = None,
               perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
               max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
-  """t-SNE figure of `views` (of images `test.images[views.indices]`).
+  """Draws the t-SNE of `views` of `test.images` to PNG `out` and a PDF.
 
   Args:
-    views: `view_quality.view_embeddings` output on `test.images`.
-    test: the test split the views were made from.
-    out: output PNG (a PDF is written beside it).
-    view_rows: P vs S metrics for the table; None computes them from `views`
-      (`view_quality.summarise_views`).
-    table_note: where the table's numbers come from.
-    title: figure title.
+    view_rows: P vs S metrics for the table; None computes them from `views`.
     perplexity: t-SNE perplexity; lowered to (5n - 1) / 3 for small n.
-    seed: t-SNE seed.
-    max_classes: at most this many class panels.
 
   Returns:
     The paths written.
@@ -324,18 +297,12 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
                  dataset: str | None = None, num_images: int | None = None,
                  perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
                  max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
-  """Restores a run's encoder, makes the views as evaluation does, draws.
+  """Draws a run's t-SNE to PNG `out`, its views made as evaluation does.
 
   Args:
-    workdir: the run's directory.
-    config: the run's config.
-    out: output PNG.
     step: checkpoint step; None for the latest.
-    dataset: test split to use; default the run's views dataset.
+    dataset: test split; default the run's views dataset.
     num_images: n; default `config.eval.num_view_images` (the evaluation's).
-    perplexity: t-SNE perplexity.
-    seed: t-SNE seed.
-    max_classes: at most this many class panels.
 
   Returns:
     The paths written.
