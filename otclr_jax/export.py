@@ -4,13 +4,10 @@
     apply_fn, variables = export.load_encoder('encoder.msgpack')
     features = apply_fn(variables, images)  # [B, H, W, 3] in [0, 1] -> [B, 512]
 
-Images are float RGB in [0, 1] at the stored `image_size`. Export any
-checkpoint of a run, rebuilt from its stored config.json, with
+Export a run's checkpoint (default: the newest that restores; default out:
+DIR/encoder/encoder_step<S>.msgpack), rebuilt from its config.json, with
 
     python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]
-
-(default step: the newest that restores; default out:
-`DIR/encoder/encoder_step<S>.msgpack`).
 """
 
 from __future__ import annotations
@@ -71,12 +68,10 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
   """Writes the encoder of a trained model to `path` (msgpack), atomically.
 
   Args:
-    path: output file, e.g. `<workdir>/encoder.msgpack`.
     variables: `{'params', 'batch_stats'}` of the full `SimCLRNet` or of the
       encoder alone; only the encoder is kept.
     config: the run's ConfigDict or dict; model settings and provenance
-      (`method`, `dataset`, `seed`) are stored.
-    step: the checkpoint step, stored as provenance when given.
+      (`method`, `dataset`, `seed`, `step` when given) are stored.
   """
   get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
   model = get(config, 'model')
@@ -124,10 +119,7 @@ def load_encoder_config(path: str) -> dict[str, Any]:
 
 
 def _check_images(images, image_size: int) -> jax.Array:
-  """The OT functions' input contract (`ot_checks`), plus the stored size.
-
-  Traced images outside [0, 1] become NaN, since values cannot raise in jit.
-  """
+  """The OT functions' input contract (`ot_checks`), plus the stored size."""
   images = images if isinstance(images, jax.core.Tracer) else np.asarray(
       images)
   if images.ndim != 4 or images.shape[-1] != 3:
@@ -169,10 +161,7 @@ def _check_architecture(path: str, encoder, meta: dict[str, Any],
 
 
 def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
-  """Loads an encoder written by `export_encoder`.
-
-  Args:
-    path: the exported file.
+  """Loads an encoder written by `export_encoder` from `path`.
 
   Returns:
     `(apply_fn, variables)`: jitted `apply_fn(variables, images)` maps float
@@ -215,17 +204,11 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
   return apply_fn, variables
 
 
-# ----------------------------------------------------------------------------
-# Command line: export any checkpoint of a run.
-
-
 def export_checkpoint(workdir: str, step: int | None = None,
                       out: str | None = None) -> tuple[str, int]:
-  """Exports the encoder of checkpoint `step` of the run in `workdir`.
+  """Exports checkpoint `step` (None: the newest) of the run in `workdir`.
 
   Args:
-    workdir: the run's directory (config.json, checkpoints/).
-    step: checkpoint step; None for the newest that restores.
     out: output file; default `encoder_path(workdir, step)`.
 
   Returns:
@@ -270,11 +253,7 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-  """`python -m otclr_jax.export`; docs/operations.md "Exit statuses".
-
-  Args:
-    argv: the command line, program name first.
-  """
+  """`python -m otclr_jax.export`; docs/operations.md "Exit statuses"."""
   out = None
   try:
     with rundir.stop_on_signals():
