@@ -7,10 +7,8 @@ r"""Draws one figure: `python -m otclr_jax.figures FIGURE [flags]`.
     python -m otclr_jax.figures curves --workdir=DIR [--workdir=DIR2]
     python -m otclr_jax.figures report --workdir=DIR [--compare=DIR2]
 
-tsne and report read `DIR/eval/config.json` unless `--config=FILE` (with
-`--config.a.b=v` overrides) is given. Default output:
-`<first workdir>/eval/figures/<figure>.png`, plus a PDF. Exit statuses:
-docs/operations.md "Exit statuses".
+tsne and report read DIR/eval/config.json, or --config=FILE [--config.a.b=v].
+Default --out: <first workdir>/eval/figures/<figure>.png, with a PDF beside.
 """
 
 from __future__ import annotations
@@ -121,7 +119,7 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-  """The command line (module docstring); `argv[0]` is the program name."""
+  """The command line (module docstring); exit statuses: docs/operations.md."""
   try:
     with rundir.stop_on_signals():
       parsed = config_files.parse_flags(argv, _define_flags, __doc__)
