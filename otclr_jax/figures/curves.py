@@ -52,10 +52,7 @@ def _float(value: Any) -> float:
 
 def plot_curves(runs: dict[str, dict[str, np.ndarray]],
                 title: str | None = None) -> mpl_figure.Figure:
-  """One panel per logged quantity, one line per run.
-
-  `runs` maps a run label to its `read_metrics` output.
-  """
+  """One panel per quantity, one line per run ({label: `read_metrics`})."""
   def logged(key, m):
     values = m.get(key, np.array([np.nan]))
     values = values[np.isfinite(values)]

@@ -1,8 +1,4 @@
-"""The paper's figure 5: linear pixel interpolation against OT displacement.
-
-The default strong view is geometric (crop, flip): moving objects is what
-only displacement interpolation shows.
-"""
+"""The paper's figure 5: linear pixel interpolation against OT displacement."""
 
 from __future__ import annotations
 
@@ -52,12 +48,9 @@ def load_image(path: str | None, size: int) -> np.ndarray:
 
 def strong_view(image: np.ndarray, seed: int, kind: str = 'geometric'
                 ) -> np.ndarray:
-  """A deterministic strong augmentation of one image.
+  """A deterministic strong augmentation of `image` [H, W, 3] in [0, 1].
 
-  Args:
-    image: [H, W, 3] in [0, 1].
-    seed: PRNG seed.
-    kind: 'geometric' (resized crop + flip) or 'simclr' (full augmentation).
+  `kind` is 'geometric' (resized crop + flip) or 'simclr' (full augmentation).
 
   Returns:
     [H, W, 3] float32 in [0, 1].
@@ -137,17 +130,14 @@ def draw(out: str | os.PathLike[str], *, image: str | None = None,
          size: int = 128, grid_size: int = 16, epsilon: float = 0.05,
          num_iters: int = 20, alphas: Sequence[float] = DEFAULT_ALPHAS,
          strong: str = 'geometric', seed: int = 1) -> list[str]:
-  """Writes the figure to the PNG `out` and a PDF beside it.
+  """Writes the figure to the PNG `out` and a PDF; returns their paths.
 
   Args:
     image: image file; None for scikit-learn's flower.jpg.
     size: side of the square centre crop, in pixels.
     grid_size: OT grid side m, in [2, size].
     alphas: interpolation coefficients in [0, 1].
-    strong: 'geometric' or 'simclr', the strong augmentation (seeded by seed).
-
-  Returns:
-    The paths written.
+    strong: 'geometric' (the default: only OT can move objects) or 'simclr'.
   """
   out = common.png_path(out)
   if not all(0.0 <= a <= 1.0 for a in alphas):

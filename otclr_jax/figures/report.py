@@ -19,18 +19,10 @@ from otclr_jax.figures import tsne
 def report_single(config: ml_collections.ConfigDict, workdir: str, *,
                   results: dict[str, Any], views: view_quality.ViewEmbeddings,
                   test: data.Split) -> list[str]:
-  """t-SNE and training curves of a run, from an evaluation in progress.
+  """Draws t-SNE and curves into `<workdir>/eval/figures/` during evaluation.
 
-  The t-SNE shows exactly the views behind the results' table.
-
-  Args:
-    workdir: the run's directory; figures go to `<workdir>/eval/figures/`.
-    results: the evaluation results (for the table and the step).
-    views: the embeddings behind `results['views']`.
-    test: the test split the views came from.
-
-  Returns:
-    The paths written.
+  `views` (of `test`) are those behind `results['views']`, so the t-SNE shows
+  the table's own views. Returns the paths written.
   """
   out = common.figures_dir(workdir)
   dataset = (results.get('protocol', {}).get('views_dataset')
@@ -53,8 +45,7 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
   """Draws tsne, curves and, with `compare`, top5; skips those lacking inputs.
 
   Args:
-    workdir: the evaluated run.
-    config: its config; None reads `<workdir>/eval/config.json`.
+    config: the run's config; None reads `<workdir>/eval/config.json`.
     compare: a second run (e.g. the SimCLR baseline) for curves and top5.
     num_images: t-SNE images; default `config.eval.num_view_images`.
     index: top-5 test image; default the first the runs disagree on.

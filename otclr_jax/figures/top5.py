@@ -108,14 +108,11 @@ def plot_top5(image: np.ndarray, true_label: int, class_names: Sequence[str],
 def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
                   dataset: str | None = None,
                   index: int | None = None) -> list[str]:
-  """Top-5 figure of evaluated runs (`workdirs` in panel order) to PNG `out`.
+  """Top-5 figure of evaluated runs (panel order) to PNG `out`; returns paths.
 
   Args:
     dataset: evaluated dataset; default the first one all runs share.
     index: test image; default `pick_index`.
-
-  Returns:
-    The paths written.
 
   Raises:
     FileNotFoundError: a run is not evaluated (no results, probe or features).

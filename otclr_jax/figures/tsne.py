@@ -24,8 +24,7 @@ from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import view_quality
 from otclr_jax.figures import common
 
-# Share of a set's points in its shaded KDE highest-density region: unlike a
-# hull, stray points do not paint it.
+# Share of a set's points in its shaded KDE HDR (a hull would chase strays).
 COVERAGE_MASS = 0.5
 DEFAULT_PERPLEXITY = 30.0
 DEFAULT_MAX_CLASSES = 12
@@ -49,8 +48,7 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
   if not 0 < perplexity < len(points):
     raise ValueError(f'perplexity must lie in (0, {len(points)}) for 5 x {n} '
                      f'points, got {perplexity}.')
-  # All allowed cores: JAX is done by now and the map does not depend on the
-  # thread count. Pin concurrent jobs to their own cores (OpenMP contention).
+  # All allowed cores (JAX is done; the map is thread-count independent).
   with threadpoolctl.threadpool_limits(limits=len(os.sched_getaffinity(0))):
     xy = manifold.TSNE(n_components=2, perplexity=perplexity, init='pca',
                        random_state=seed).fit_transform(
@@ -80,10 +78,7 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
 
 
 def density_level(density_at_points: np.ndarray, mass: float) -> float:
-  """Density at the points' (1 - mass) quantile: the HDR level (Hyndman 1996).
-
-  `density_at_points` is [N]; `mass`, the share inside, lies in (0, 1).
-  """
+  """The HDR level: the (1 - mass) quantile of [N] densities (Hyndman 1996)."""
   if not 0.0 < mass < 1.0:
     raise ValueError(f'mass must lie in (0, 1), got {mass}.')
   return float(np.quantile(density_at_points, 1.0 - mass))
