@@ -166,8 +166,7 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
   Returns:
     `(apply_fn, variables)`: jitted `apply_fn(variables, images)` maps float
     images [B, H, W, 3] in [0, 1] at the stored `image_size` to float32
-    features [B, 512] in inference mode; traced images outside [0, 1] give
-    NaN features.
+    features [B, 512]; traced images outside [0, 1] give NaN features.
 
   Raises:
     FileNotFoundError: no file.
@@ -208,8 +207,7 @@ def export_checkpoint(workdir: str, step: int | None = None,
                       out: str | None = None) -> tuple[str, int]:
   """Exports checkpoint `step` (None: the newest) of the run in `workdir`.
 
-  Args:
-    out: output file; default `encoder_path(workdir, step)`.
+  Writes `out`, default `encoder_path(workdir, step)`.
 
   Returns:
     `(path written, step exported)`.

@@ -250,12 +250,8 @@ def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
               max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
   """Draws the t-SNE of `views` of `test.images` to PNG `out` and a PDF.
 
-  Args:
-    view_rows: P vs S metrics for the table; None computes them from `views`.
-    perplexity: t-SNE perplexity; lowered to (5n - 1) / 3 for small n.
-
-  Returns:
-    The paths written.
+  `view_rows` (P vs S metrics for the table) defaults to those of `views`;
+  `perplexity` is lowered to (5n - 1) / 3 for small n. Returns the paths.
   """
   labels = test.labels[views.indices]
   if view_rows is None:
@@ -300,7 +296,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
     num_images: n; default `config.eval.num_view_images` (the evaluation's).
 
   Returns:
-    The paths written.
+    The paths written (PNG and PDF).
   """
   dataset = dataset or views_dataset(config)
   n = int(num_images or config.eval.num_view_images)
