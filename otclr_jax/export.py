@@ -4,8 +4,7 @@
     apply_fn, variables = export.load_encoder('encoder.msgpack')
     features = apply_fn(variables, images)  # [B, H, W, 3] in [0, 1] -> [B, 512]
 
-Export a run's checkpoint (default: the newest that restores; default out:
-DIR/encoder/encoder_step<S>.msgpack), rebuilt from its config.json, with
+Export a run's checkpoint, rebuilt from its config.json, with
 
     python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]
 """
@@ -34,7 +33,6 @@ from otclr_jax import rundir
 FORMAT = 'otclr_jax.encoder'
 VERSION = 1
 FEATURE_DIM = 512
-# Where a finished training run leaves its encoder, relative to the workdir.
 ENCODER_DIR = rundir.ENCODER_DIR
 ENCODER_FILE = 'encoder.msgpack'
 
@@ -70,8 +68,8 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
   Args:
     variables: `{'params', 'batch_stats'}` of the full `SimCLRNet` or of the
       encoder alone; only the encoder is kept.
-    config: the run's ConfigDict or dict; model settings and provenance
-      (`method`, `dataset`, `seed`, `step` when given) are stored.
+    config: the run's ConfigDict or dict; model settings and provenance are
+      stored, with `step` when given.
   """
   get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
   model = get(config, 'model')
@@ -207,10 +205,9 @@ def export_checkpoint(workdir: str, step: int | None = None,
                       out: str | None = None) -> tuple[str, int]:
   """Exports checkpoint `step` (None: the newest) of the run in `workdir`.
 
-  Writes `out`, default `encoder_path(workdir, step)`.
-
   Returns:
-    `(path written, step exported)`.
+    `(path written, step exported)`; `out` defaults to
+    `encoder_path(workdir, step)`.
 
   Raises:
     FileNotFoundError: no config.json or no checkpoint in `workdir`.

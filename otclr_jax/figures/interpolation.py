@@ -72,8 +72,7 @@ def interpolation_rows(x: np.ndarray, x_strong: np.ndarray,
   """Both rows of the interpolation figure.
 
   Args:
-    x: source image [H, W, 3] in [0, 1].
-    x_strong: strong view [H, W, 3].
+    x, x_strong: source image and its strong view, [H, W, 3] in [0, 1].
     alphas: interpolation coefficients in [0, 1], one per column.
     grid_size, epsilon, num_iters: the `ot.ot_views` settings.
 
@@ -133,8 +132,7 @@ def draw(out: str | os.PathLike[str], *, image: str | None = None,
   """Writes the figure to the PNG `out` and a PDF; returns their paths.
 
   Args:
-    image: image file; None for scikit-learn's flower.jpg.
-    size: side of the square centre crop, in pixels.
+    image, size: image file (None: scikit-learn's flower.jpg), crop side.
     grid_size: OT grid side m, in [2, size].
     alphas: interpolation coefficients in [0, 1].
     strong: 'geometric' (the default: only OT can move objects) or 'simclr'.

@@ -21,8 +21,7 @@ def report_single(config: ml_collections.ConfigDict, workdir: str, *,
                   test: data.Split) -> list[str]:
   """Draws t-SNE and curves into `<workdir>/eval/figures/` during evaluation.
 
-  `views` (of `test`) are those behind `results['views']`, so the t-SNE shows
-  the table's own views. Returns the paths written.
+  `views` (of `test`) are those behind `results['views']`; returns the paths.
   """
   out = common.figures_dir(workdir)
   dataset = (results.get('protocol', {}).get('views_dataset')

@@ -150,13 +150,11 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   """Class-wise t-SNE panels, plus view-metric table and silhouette panels.
 
   Args:
-    points: `tsne_points` output.
+    points, silhouettes: `tsne_points`, `classwise_silhouette` outputs.
     labels: int [n], the anchors' classes.
     class_names: [K] names.
     thumbnails: {class: uint8 [S, S, 3]} for the corner insets.
     view_rows: the results' 'views' section, {'simclr': ..., 'otclr': ...}.
-    silhouettes: `classwise_silhouette` output.
-    table_note: small print under the table.
   """
   labels = np.asarray(labels)
   n = len(labels)
@@ -288,7 +286,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
                  dataset: str | None = None, num_images: int | None = None,
                  perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
                  max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
-  """Draws a run's t-SNE to PNG `out`, its views made as evaluation does.
+  """Restores a run's encoder; `draw_tsne` of the views evaluation makes.
 
   Args:
     step: checkpoint step; None for the latest.
@@ -296,7 +294,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
     num_images: n; default `config.eval.num_view_images` (the evaluation's).
 
   Returns:
-    The paths written (PNG and PDF).
+    The paths written (PNG `out` and a PDF).
   """
   dataset = dataset or views_dataset(config)
   n = int(num_images or config.eval.num_view_images)
