@@ -1,26 +1,12 @@
-"""The trained encoder alone, for other projects: export and load.
-
-`export_encoder` writes the ResNet-18 backbone's params and BatchNorm
-statistics (no projection head, no optimiser state) and the model settings
-needed to rebuild it into one file: a `flax.serialization` msgpack payload
-whose `config` entry is JSON text. The write is atomic (`fileio`), so a crash
-never leaves a half-written encoder. Another project embeds images with
+"""The trained encoder alone (backbone, no head), for other projects.
 
     from otclr_jax import export
     apply_fn, variables = export.load_encoder('encoder.msgpack')
     features = apply_fn(variables, images)  # [B, H, W, 3] in [0, 1] -> [B, 512]
 
-The images are float RGB in `[0, 1]` (uint8 data divided by 255), at the
-pretraining `image_size` stored in the file (`load_encoder_config`).
-
-Training writes `<workdir>/encoder/encoder.msgpack` (`encoder_path`) when it
-finishes; any checkpoint of a run is exported on demand with
+Export a run's checkpoint, rebuilt from its config.json, with
 
     python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]
-
-(default step: the newest that restores; default out:
-`DIR/encoder/encoder_step<S>.msgpack`), using the run's stored config.json
-(so the command takes no --config: the run's settings are its own).
 """
 
 from __future__ import annotations
@@ -47,7 +33,6 @@ from otclr_jax import rundir
 FORMAT = 'otclr_jax.encoder'
 VERSION = 1
 FEATURE_DIM = 512
-# Where a finished training run leaves its encoder, relative to the workdir.
 ENCODER_DIR = rundir.ENCODER_DIR
 ENCODER_FILE = 'encoder.msgpack'
 
@@ -71,25 +56,20 @@ def _encoder_tree(variables: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def encoder_path(workdir: str, step: int | None = None) -> str:
-  """`workdir/encoder/encoder.msgpack` (end of training) or `..._step<S>.msgpack`."""
+  """`workdir/encoder/encoder.msgpack`, or `encoder_step<S>.msgpack`."""
   name = ENCODER_FILE if step is None else f'encoder_step{int(step)}.msgpack'
   return os.path.join(workdir, ENCODER_DIR, name)
 
 
 def export_encoder(path: str, variables: Mapping[str, Any], config, *,
                    step: int | None = None) -> None:
-  """Writes the encoder of a trained model to `path`, atomically.
+  """Writes the encoder of a trained model to `path` (msgpack), atomically.
 
   Args:
-    path: output file, e.g. `<workdir>/encoder.msgpack`.
-    variables: `{'params': ..., 'batch_stats': ...}` of the full `SimCLRNet`
-      (as `state.params['net']`, `state.batch_stats`) or of the encoder alone;
-      the projection head and everything else is dropped.
-    config: the run's ConfigDict (or its dict): `model.stem`, `dtype`,
-      `image_size` are stored; `method`, `dataset` and `seed` too, as
-      provenance.
-    step: the checkpoint step the variables come from (provenance; stored
-      when given).
+    variables: `{'params', 'batch_stats'}` of the full `SimCLRNet` or of the
+      encoder alone; only the encoder is kept.
+    config: the run's ConfigDict or dict; model settings and provenance are
+      stored, with `step` when given.
   """
   get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
   model = get(config, 'model')
@@ -137,12 +117,7 @@ def load_encoder_config(path: str) -> dict[str, Any]:
 
 
 def _check_images(images, image_size: int) -> jax.Array:
-  """The OT functions' input contract (`ot_checks`), plus the stored size.
-
-  Concrete images outside `[0, 1]`, non-finite or of an integer dtype raise a
-  one-line ValueError; traced ones outside `[0, 1]` become NaN (values cannot
-  raise under `jit`), so 0-255 data never yields plausible features.
-  """
+  """The OT functions' input contract (`ot_checks`), plus the stored size."""
   images = images if isinstance(images, jax.core.Tracer) else np.asarray(
       images)
   if images.ndim != 4 or images.shape[-1] != 3:
@@ -184,23 +159,17 @@ def _check_architecture(path: str, encoder, meta: dict[str, Any],
 
 
 def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
-  """Loads an encoder written by `export_encoder`.
-
-  Args:
-    path: the exported file.
+  """Loads an encoder written by `export_encoder` from `path`.
 
   Returns:
-    `(apply_fn, variables)`: `apply_fn(variables, images)` maps float images
-    `[B, H, W, 3]` in `[0, 1]` at the stored `image_size` to features
-    `[B, 512]` (float32), the frozen encoder in inference mode (BatchNorm
-    running statistics), jitted. Images break that contract with a
-    ValueError when concrete, as `ot.ot_views` does; traced ones outside
-    `[0, 1]` give NaN features.
+    `(apply_fn, variables)`: jitted `apply_fn(variables, images)` maps float
+    images [B, H, W, 3] in [0, 1] at the stored `image_size` to float32
+    features [B, 512]; traced images outside [0, 1] give NaN features.
 
   Raises:
     FileNotFoundError: no file.
-    ValueError: not an encoder file, one of another format version, or
-      weights that do not fit the stored architecture.
+    ValueError: not an encoder file of this version, or weights that do not
+      fit the stored architecture; concrete images off the contract.
   """
   payload = _read(path)
   meta = json.loads(payload['config'])
@@ -232,32 +201,19 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
   return apply_fn, variables
 
 
-# ----------------------------------------------------------------------------
-# Command line: export any checkpoint of a run.
-
-
 def export_checkpoint(workdir: str, step: int | None = None,
                       out: str | None = None) -> tuple[str, int]:
-  """Exports the encoder of checkpoint `step` of the run in `workdir`.
-
-  The network is rebuilt from the run's stored `workdir/config.json` and the
-  checkpoint restored as evaluation restores it (`evaluate.restore`); a
-  checkpoint with non-finite variables is refused.
-
-  Args:
-    workdir: the run's directory (config.json, checkpoints/).
-    step: checkpoint step; None for the newest that restores.
-    out: output file; default `encoder_path(workdir, step)`.
+  """Exports checkpoint `step` (None: the newest) of the run in `workdir`.
 
   Returns:
-    `(path written, step exported)`.
+    `(path written, step exported)`; `out` defaults to
+    `encoder_path(workdir, step)`.
 
   Raises:
     FileNotFoundError: no config.json or no checkpoint in `workdir`.
     ValueError: no checkpoint for `step`, or non-finite variables.
   """
-  # Training-side modules (Orbax, the train step) load only for this command;
-  # `load_encoder` users need none of them.
+  # Training-side imports, which `load_encoder` users do not need.
   from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
   from otclr_jax.evaluation import features  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, rundir.CONFIG_FILE)
@@ -292,17 +248,7 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-  """`python -m otclr_jax.export --workdir=DIR [--step=S] [--out=PATH]`.
-
-  Exit statuses (otclr_jax/cli.py): 0 exported; 2 a bad flag, no
-  config.json, no such checkpoint, a --workdir or --out of the wrong kind;
-  65 non-finite variables; 73 the output cannot be written (a read-only
-  path); 75 stopped by SIGTERM/SIGINT (nothing half-written). Each failure
-  is one line on stderr.
-
-  Args:
-    argv: the command line, program name first.
-  """
+  """`python -m otclr_jax.export`; docs/operations.md "Exit statuses"."""
   out = None
   try:
     with rundir.stop_on_signals():
@@ -323,8 +269,7 @@ def main(argv: Sequence[str]) -> int:
           file=sys.stderr)
     return rundir.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
-    # The project's status table (otclr_jax/cli.py); this command's
-    # ValueErrors all describe its inputs (a step, a file, --out).
+    # This command's ValueErrors all describe its inputs.
     return cli.report(e, usage_errors=(ValueError,))
   print(f'Exported the encoder of step {step} to {path}')
   return 0

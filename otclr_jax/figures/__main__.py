@@ -7,14 +7,8 @@ r"""Draws one figure: `python -m otclr_jax.figures FIGURE [flags]`.
     python -m otclr_jax.figures curves --workdir=DIR [--workdir=DIR2]
     python -m otclr_jax.figures report --workdir=DIR [--compare=DIR2]
 
-A figure that restores an encoder (tsne, report) reads the run's config from
-`DIR/eval/config.json`, written by the evaluation, unless `--config=FILE` is
-given; overrides follow it as `--config.a.b=v`. The default output is
-`<first workdir>/eval/figures/<figure>.png`, with a PDF beside it.
-
-Exit statuses (otclr_jax/cli.py): 0 drawn; 2 a bad flag, or missing or
-inconsistent inputs (one line says which); 73 an output that cannot be
-written; 75 stopped by SIGTERM/SIGINT.
+tsne and report read DIR/eval/config.json, or --config=FILE [--config.a.b=v].
+Default --out: <first workdir>/eval/figures/<figure>.png, with a PDF beside.
 """
 
 from __future__ import annotations
@@ -125,7 +119,7 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-  """The command line (module docstring); `argv[0]` is the program name."""
+  """The command line (module docstring); exit statuses: docs/operations.md."""
   try:
     with rundir.stop_on_signals():
       parsed = config_files.parse_flags(argv, _define_flags, __doc__)
@@ -142,8 +136,7 @@ def main(argv: Sequence[str]) -> int:
           file=sys.stderr)
     return rundir.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
-    # The project's status table (otclr_jax/cli.py); the figures'
-    # ValueErrors all describe their inputs (a flag, a run, an image).
+    # The figures' ValueErrors all describe their inputs.
     return cli.report(e, usage_errors=(ValueError,))
   return 0
 

@@ -35,11 +35,7 @@ def png_path(path: str | os.PathLike[str]) -> pathlib.Path:
 
 def save_figure(fig: mpl_figure.Figure, out: str | os.PathLike[str]
                 ) -> list[str]:
-  """Writes `fig` as the PNG `out` and as a PDF beside it (Agg canvas).
-
-  Returns:
-    The two paths written.
-  """
+  """Writes `fig` to the PNG `out` and a PDF beside it; returns both paths."""
   out = png_path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
   backend_agg.FigureCanvasAgg(fig)
@@ -55,14 +51,13 @@ def figures_dir(workdir: str) -> pathlib.Path:
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config the run in `workdir` was evaluated with (eval/config.json).
+  """The config `workdir` was evaluated with (eval/config.json).
 
   Raises:
-    FileNotFoundError: the run is not evaluated; the message says how to.
+    FileNotFoundError: the run is not evaluated.
   """
   path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
-  # Only the config of an evaluation that finished writing (results.json
-  # binds it).
+  # Only a finished evaluation's config (results.json binds it).
   rundir.read_results(workdir)
   if not os.path.exists(path):
     raise FileNotFoundError(f'No {path}; '
@@ -75,8 +70,7 @@ def load_results(workdir: str) -> dict[str, Any] | None:
   """`<workdir>/eval/results.json`, or None when the run is not evaluated.
 
   Raises:
-    ValueError: it is corrupt, or an evaluation was interrupted between its
-      writes (`rundir.read_results`; the message names the file).
+    ValueError: corrupt, or an evaluation interrupted between its writes.
   """
   return rundir.read_results(workdir)
 

@@ -25,15 +25,13 @@ CURVES = (('loss', 'loss'),
 
 
 def read_metrics(workdir: str) -> dict[str, np.ndarray]:
-  """`<workdir>/metrics.jsonl` as {key: [T] float} with 'step' ascending.
+  """`<workdir>/metrics.jsonl` as {key: [T] float}, 'step' ascending.
 
-  A resumed run may log a step twice; the later record wins. Keys missing
-  from a record are NaN there.
+  A step logged twice keeps its later record; missing keys are NaN.
 
   Raises:
     FileNotFoundError: no metrics.jsonl.
-    rundir.CorruptFileError: a line before the last is not a record (a torn
-      last line is dropped; `rundir.read_metrics`).
+    rundir.CorruptFileError: a line before the last is not a record.
   """
   path = os.path.join(workdir, rundir.METRICS_FILE)
   if not os.path.exists(path):
@@ -54,12 +52,7 @@ def _float(value: Any) -> float:
 
 def plot_curves(runs: dict[str, dict[str, np.ndarray]],
                 title: str | None = None) -> mpl_figure.Figure:
-  """One panel per logged quantity, one line per run.
-
-  Args:
-    runs: {run label: `read_metrics` output}.
-    title: figure title.
-  """
+  """One panel per quantity, one line per run ({label: `read_metrics`})."""
   def logged(key, m):
     values = m.get(key, np.array([np.nan]))
     values = values[np.isfinite(values)]
@@ -81,8 +74,7 @@ def plot_curves(runs: dict[str, dict[str, np.ndarray]],
     for label, m in runs.items():
       if key not in m:
         continue
-      # Markers, so that a run with a single log step still shows; only the
-      # steps that logged the quantity (the monitor runs every N steps).
+      # Markers show single-step runs; the monitor logs only every N steps.
       finite = np.isfinite(m[key])
       ax.plot(m['step'][finite], m[key][finite], color=colours[label],
               lw=1.2, marker='.', ms=3, label=label)

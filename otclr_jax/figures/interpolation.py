@@ -1,23 +1,4 @@
-"""The paper's figure 5: linear pixel interpolation against OT displacement.
-
-`(1 - a) x + a x_s` against the OT displacement view
-`ot.ot_views(x, x_s, alpha=a)` for a few `a`, between an image and a strong
-augmentation of it.
-
-The strong view defaults to the geometric part of the SimCLR augmentation
-(random resized crop and horizontal flip, `augment.simclr_augment` with colour
-jitter, grayscale and blur switched off): moving objects is what displacement
-interpolation does and linear interpolation cannot, so that is what the figure
-shows. `strong='simclr'` uses the full augmentation.
-
-What to expect with the method's settings (m = 16, eps = 0.05): the OT row at
-`a = 0` and `a = 1` is the source and the strong view seen through the 16 x 16
-grid (bilinearly upsampled); in between, one object moves and rescales, with
-no double exposure, but blurred: the kernel `exp(-C / eps)` on the max-1 cost
-has a standard deviation of `sqrt(eps)`, about a fifth of the image side, so
-each source cell spreads its mass over a wide patch of the target. Smaller
-epsilon (e.g. 0.01, with grid size 32) gives sharper intermediates.
-"""
+"""The paper's figure 5: linear pixel interpolation against OT displacement."""
 
 from __future__ import annotations
 
@@ -40,15 +21,10 @@ DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Bundled with scikit-learn, so the figure needs no download.
 DEFAULT_SAMPLE_IMAGE = 'flower.jpg'
 def load_image(path: str | None, size: int) -> np.ndarray:
-  """Reads an image, centre-crops it to a square and resizes it.
-
-  Args:
-    path: image file readable by Pillow; None loads scikit-learn's bundled
-      sample image `flower.jpg`.
-    size: output side in pixels.
+  """Centre-crops and resizes an image (None: scikit-learn's flower.jpg).
 
   Returns:
-    float32 `[size, size, 3]` RGB in `[0, 1]`.
+    float32 [size, size, 3] RGB in [0, 1].
   """
   if size < 2:
     raise ValueError(f'size must be >= 2 pixels, got {size}.')
@@ -72,16 +48,12 @@ def load_image(path: str | None, size: int) -> np.ndarray:
 
 def strong_view(image: np.ndarray, seed: int, kind: str = 'geometric'
                 ) -> np.ndarray:
-  """A deterministic strong augmentation of one image.
+  """A deterministic strong augmentation of `image` [H, W, 3] in [0, 1].
 
-  Args:
-    image: `[H, W, 3]` in `[0, 1]`.
-    seed: PRNG seed of the augmentation.
-    kind: 'geometric' (random resized crop + flip) or 'simclr' (the full
-      SimCLR augmentation, colour included).
+  `kind` is 'geometric' (resized crop + flip) or 'simclr' (full augmentation).
 
   Returns:
-    `[H, W, 3]` float32 in `[0, 1]`.
+    [H, W, 3] float32 in [0, 1].
   """
   if kind == 'geometric':
     overrides = dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
@@ -100,15 +72,12 @@ def interpolation_rows(x: np.ndarray, x_strong: np.ndarray,
   """Both rows of the interpolation figure.
 
   Args:
-    x: source image `[H, W, 3]` in `[0, 1]`.
-    x_strong: strong view `[H, W, 3]`.
-    alphas: interpolation coefficients in `[0, 1]`, one per column.
-    grid_size: OT grid side `m`.
-    epsilon: entropic regularisation.
-    num_iters: Sinkhorn iterations.
+    x, x_strong: source image and its strong view, [H, W, 3] in [0, 1].
+    alphas: interpolation coefficients in [0, 1], one per column.
+    grid_size, epsilon, num_iters: the `ot.ot_views` settings.
 
   Returns:
-    `(linear, displaced)`, each `[len(alphas), H, W, 3]` float32:
+    `(linear, displaced)`, each [len(alphas), H, W, 3] float32:
     `(1 - a) x + a x_strong` and `ot.ot_views(x, x_strong, alpha=a)`.
   """
   x = jnp.asarray(x, jnp.float32)
@@ -134,13 +103,8 @@ def plot_interpolation(linear: np.ndarray, displaced: np.ndarray,
   """Two-row figure: linear interpolation above, OT displacement below.
 
   Args:
-    linear: `[n, H, W, 3]` images.
-    displaced: `[n, H, W, 3]` images.
-    alphas: the `n` coefficients, used as column titles.
-    title: optional figure title.
-
-  Returns:
-    A `matplotlib.figure.Figure` (not attached to pyplot).
+    linear, displaced: [n, H, W, 3] images.
+    alphas: the n coefficients, as column titles.
   """
   n = len(alphas)
   fig = mpl_figure.Figure(figsize=(1.9 * n + 1.0, 4.4), layout='constrained')
@@ -165,22 +129,13 @@ def draw(out: str | os.PathLike[str], *, image: str | None = None,
          size: int = 128, grid_size: int = 16, epsilon: float = 0.05,
          num_iters: int = 20, alphas: Sequence[float] = DEFAULT_ALPHAS,
          strong: str = 'geometric', seed: int = 1) -> list[str]:
-  """Writes the figure to `out` (PNG) and a PDF beside it.
+  """Writes the figure to the PNG `out` and a PDF; returns their paths.
 
   Args:
-    out: output PNG.
-    image: image file; None for scikit-learn's flower.jpg.
-    size: side of the square centre crop, in pixels.
+    image, size: image file (None: scikit-learn's flower.jpg), crop side.
     grid_size: OT grid side m, in [2, size].
-    epsilon: entropic regularisation.
-    num_iters: Sinkhorn iterations.
     alphas: interpolation coefficients in [0, 1].
-    strong: 'geometric' or 'simclr', the strong augmentation.
-    seed: seed of the strong augmentation (1 moves the flower of the default
-      image up-left and enlarges it).
-
-  Returns:
-    The paths written.
+    strong: 'geometric' (the default: only OT can move objects) or 'simclr'.
   """
   out = common.png_path(out)
   if not all(0.0 <= a <= 1.0 for a in alphas):

@@ -19,20 +19,9 @@ from otclr_jax.figures import tsne
 def report_single(config: ml_collections.ConfigDict, workdir: str, *,
                   results: dict[str, Any], views: view_quality.ViewEmbeddings,
                   test: data.Split) -> list[str]:
-  """t-SNE and training curves of a run, from an evaluation in progress.
+  """Draws t-SNE and curves into `<workdir>/eval/figures/` during evaluation.
 
-  `otclr_jax.main` calls this with the view embeddings the evaluation has
-  just measured, so the t-SNE shows exactly the views of the results' table.
-
-  Args:
-    config: the run's config.
-    workdir: the run's directory; figures go to `<workdir>/eval/figures/`.
-    results: the evaluation results (for the table and the step).
-    views: the embeddings behind `results['views']`.
-    test: the test split the views came from.
-
-  Returns:
-    The paths written.
+  `views` (of `test`) are those behind `results['views']`; returns the paths.
   """
   out = common.figures_dir(workdir)
   dataset = (results.get('protocol', {}).get('views_dataset')
@@ -52,19 +41,12 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
            perplexity: float = tsne.DEFAULT_PERPLEXITY,
            max_classes: int = tsne.DEFAULT_MAX_CLASSES,
            index: int | None = None) -> tuple[list[str], list[str]]:
-  """Draws tsne, curves and, with `compare`, top5 of the run(s).
-
-  A figure whose inputs are missing (no evaluation, no metrics) is skipped
-  with the reason; the others are drawn.
+  """Draws tsne, curves and, with `compare`, top5; skips those lacking inputs.
 
   Args:
-    workdir: the evaluated run.
-    config: its config; None reads `<workdir>/eval/config.json`.
-    compare: a second run (e.g. the SimCLR baseline): curves of both and the
-      top-5 figure.
+    config: the run's config; None reads `<workdir>/eval/config.json`.
+    compare: a second run (e.g. the SimCLR baseline) for curves and top5.
     num_images: t-SNE images; default `config.eval.num_view_images`.
-    perplexity: t-SNE perplexity.
-    max_classes: at most this many t-SNE class panels.
     index: top-5 test image; default the first the runs disagree on.
 
   Returns:

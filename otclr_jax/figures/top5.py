@@ -1,8 +1,4 @@
-"""The paper's figure 4: top-5 probe predictions of runs on one test image.
-
-A test image and, for each run, the 5 most probable classes of its linear
-probe (saved by the evaluation), the true class highlighted.
-"""
+"""The paper's figure 4: top-5 probe predictions of runs on one test image."""
 
 from __future__ import annotations
 
@@ -68,12 +64,7 @@ def pick_index(preds: Sequence[Predictions]) -> int:
 def plot_top5(image: np.ndarray, true_label: int, class_names: Sequence[str],
               preds: Sequence[Predictions], index: int,
               title: str | None = None) -> mpl_figure.Figure:
-  """The image and, per run, bars of its 5 most probable classes.
-
-  The true class's bar is orange, the others grey; the panel title says the
-  run's prediction, and where the true class is not among the five, its
-  rank and probability are written under the bars.
-  """
+  """The image and, per run, bars of its 5 most probable classes."""
   k = min(5, len(class_names))
   fig = mpl_figure.Figure(figsize=(2.6 + 3.3 * len(preds), 2.8),
                           layout='constrained')
@@ -117,20 +108,14 @@ def plot_top5(image: np.ndarray, true_label: int, class_names: Sequence[str],
 def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
                   dataset: str | None = None,
                   index: int | None = None) -> list[str]:
-  """Top-5 figure for evaluated runs (probe files and feature caches).
+  """Top-5 figure of evaluated runs (panel order) to PNG `out`; returns paths.
 
   Args:
-    workdirs: the runs, in panel order.
-    out: output PNG.
     dataset: evaluated dataset; default the first one all runs share.
     index: test image; default `pick_index`.
 
-  Returns:
-    The paths written.
-
   Raises:
-    FileNotFoundError: a run is not evaluated (no results, probe or
-      features); the message says to run the evaluation.
+    FileNotFoundError: a run is not evaluated (no results, probe or features).
     ValueError: the runs were evaluated on different test sets.
   """
   if not workdirs:

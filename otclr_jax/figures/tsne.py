@@ -1,14 +1,4 @@
-"""The paper's class-wise t-SNE of the views.
-
-SimCLR views (blue circles), OTCLR views (green diamonds) and clean anchors
-(orange stars) of n test images, all embedded by ONE run's restored encoder
-(l2-normalised z by default, or h: config.eval.embedding, named in the
-title), made exactly as the evaluation's view metrics make them
-(`view_quality.view_embeddings`); one panel per class with each set's coverage
-shaded, a panel with the view metrics (P = OTCLR vs S = SimCLR, from
-eval/results.json when it describes these views) and one with the class-wise
-change of silhouette.
-"""
+"""The paper's class-wise t-SNE of one run's views, made as evaluation does."""
 
 from __future__ import annotations
 
@@ -34,9 +24,7 @@ from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import view_quality
 from otclr_jax.figures import common
 
-# The coverage region of a point set is its highest-density region holding
-# this share of the points, under a Gaussian KDE of the 2-d map: unlike a
-# hull, it shows where a set concentrates, and stray points do not paint it.
+# Share of a set's points in its shaded KDE HDR (a hull would chase strays).
 COVERAGE_MASS = 0.5
 DEFAULT_PERPLEXITY = 30.0
 DEFAULT_MAX_CLASSES = 12
@@ -45,16 +33,11 @@ DEFAULT_MAX_CLASSES = 12
 def tsne_points(views: view_quality.ViewEmbeddings, *,
                 perplexity: float = DEFAULT_PERPLEXITY,
                 seed: int = 0) -> dict[str, np.ndarray]:
-  """Joint 2-d t-SNE of the anchors and both generators' views.
-
-  The 5n embeddings (anchors, SimCLR pair, OTCLR pair; l2-normalised, so the
-  Euclidean distance is a function of the cosine) are embedded together, so
-  the three sets share one map.
+  """Joint 2-d t-SNE of the anchors and both generators' views (one map).
 
   Args:
     views: `view_quality.view_embeddings` of n images.
-    perplexity: t-SNE perplexity, below 5n.
-    seed: `random_state` of the t-SNE.
+    perplexity: t-SNE perplexity, in (0, 5n).
 
   Returns:
     {'anchor': [n, 2], 'simclr': [2n, 2], 'otclr': [2n, 2]}; view rows are
@@ -65,11 +48,7 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
   if not 0 < perplexity < len(points):
     raise ValueError(f'perplexity must lie in (0, {len(points)}) for 5 x {n} '
                      f'points, got {perplexity}.')
-  # Every core this process may use: figures are drawn once JAX's work is
-  # done, and the embedding does not depend on the thread count. On 2 cores,
-  # 1,795 points: 7.7 s against 12.6 s on one thread, the same map to the
-  # bit; with two busy processes beside it, 35 s against 19.5 s (OpenMP's
-  # threads wait on each other), so pin concurrent jobs to their own cores.
+  # All allowed cores (JAX is done; the map is thread-count independent).
   with threadpoolctl.threadpool_limits(limits=len(os.sched_getaffinity(0))):
     xy = manifold.TSNE(n_components=2, perplexity=perplexity, init='pca',
                        random_state=seed).fit_transform(
@@ -79,14 +58,10 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
 
 def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
                          num_classes: int) -> dict[str, np.ndarray]:
-  """Mean silhouette of each class's view embeddings, per generator.
-
-  Silhouette of the 2n view embeddings (z or h as `views.embedding` says,
-  Euclidean on the l2-normalised rows) with the TRUE labels as clusters,
-  averaged over the views of each class; NaN for a class without views.
+  """Per generator, each class's mean view silhouette (true-label clusters).
 
   Returns:
-    {'simclr': [num_classes], 'otclr': [num_classes]}.
+    {'simclr': [num_classes], 'otclr': [num_classes]}; NaN for no views.
   """
   labels = np.asarray(labels)
   both = np.concatenate([labels, labels])
@@ -103,16 +78,7 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
 
 
 def density_level(density_at_points: np.ndarray, mass: float) -> float:
-  """Density threshold of the highest-density region holding `mass`.
-
-  The region {x: p(x) >= level} contains the share `mass` of the sample
-  points when `level` is the (1 - mass) quantile of the density at them
-  (Hyndman 1996, the sample estimate of an HDR).
-
-  Args:
-    density_at_points: [N] density at each sample point.
-    mass: share of the points inside, in (0, 1).
-  """
+  """The HDR level: the (1 - mass) quantile of [N] densities (Hyndman 1996)."""
   if not 0.0 < mass < 1.0:
     raise ValueError(f'mass must lie in (0, 1), got {mass}.')
   return float(np.quantile(density_at_points, 1.0 - mass))
@@ -147,8 +113,7 @@ def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
     p, q = rows['otclr'].get(key), rows['simclr'].get(key)
     arrow = '↑' if direction > 0 else '↓'
     cells.append([f'{header} {arrow}', _fmt(p), _fmt(q)])
-    # SimCLR views are their own strong endpoints: pixel L2 is 0 by
-    # construction, not better.
+    # SimCLR's pixel L2 is 0 by construction, not better.
     if p is None or q is None or p == q or key == 'pixel_l2':
       bold.append(None)
     else:
@@ -182,28 +147,14 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
               silhouettes: dict[str, np.ndarray] | None = None,
               table_note: str = '', title: str | None = None,
               max_classes: int = DEFAULT_MAX_CLASSES) -> mpl_figure.Figure:
-  """Class-wise t-SNE panels of the views, with the paper's insets as panels.
-
-  One panel per class (the first `max_classes` classes): every point of the
-  map in light grey for context, then this class's SimCLR views (blue
-  circles), OTCLR views (green diamonds) and clean anchors (orange stars),
-  each set's coverage shaded (the KDE region holding half of its points),
-  and a representative image of the class in the corner. Extra panels: the
-  view-metric table (P vs S) and the class-wise change of silhouette (P - S).
+  """Class-wise t-SNE panels, plus view-metric table and silhouette panels.
 
   Args:
-    points: `tsne_points` output.
+    points, silhouettes: `tsne_points`, `classwise_silhouette` outputs.
     labels: int [n], the anchors' classes.
     class_names: [K] names.
-    thumbnails: {class: image [S, S, 3] uint8} for the corner insets.
-    view_rows: the results' 'views' section, {'simclr': {...}, 'otclr': {...}}.
-    silhouettes: `classwise_silhouette` output.
-    table_note: small print under the table (where its numbers come from).
-    title: figure title.
-    max_classes: at most this many class panels.
-
-  Returns:
-    The figure.
+    thumbnails: {class: uint8 [S, S, 3]} for the corner insets.
+    view_rows: the results' 'views' section, {'simclr': ..., 'otclr': ...}.
   """
   labels = np.asarray(labels)
   n = len(labels)
@@ -220,8 +171,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   fig = mpl_figure.Figure(figsize=(3.0 * ncols, 3.0 * nrows + 0.6),
                           layout='constrained')
   grid = fig.add_gridspec(nrows, ncols)
-  # The extra panels go down the first column, so that the silhouette
-  # panel's class labels widen the figure's margin, not a gap between maps.
+  # Extras in column 0: silhouette labels widen the margin, not a gap.
   first = [0, ncols][:len(extra)] if nrows > 1 else list(range(len(extra)))
   order = first + [i for i in range(total) if i not in first]
   cells = [grid[i // ncols, i % ncols] for i in order]
@@ -296,22 +246,10 @@ def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
               table_note: str = '', title: str | None = None,
               perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
               max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
-  """t-SNE figure of `views` (of images `test.images[views.indices]`).
+  """Draws the t-SNE of `views` of `test.images` to PNG `out` and a PDF.
 
-  Args:
-    views: `view_quality.view_embeddings` output on `test.images`.
-    test: the test split the views were made from.
-    out: output PNG (a PDF is written beside it).
-    view_rows: P vs S metrics for the table; None computes them from `views`
-      (`view_quality.summarise_views`).
-    table_note: where the table's numbers come from.
-    title: figure title.
-    perplexity: t-SNE perplexity; lowered to (5n - 1) / 3 for small n.
-    seed: t-SNE seed.
-    max_classes: at most this many class panels.
-
-  Returns:
-    The paths written.
+  `view_rows` (P vs S metrics for the table) defaults to those of `views`;
+  `perplexity` is lowered to (5n - 1) / 3 for small n. Returns the paths.
   """
   labels = test.labels[views.indices]
   if view_rows is None:
@@ -348,22 +286,15 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
                  dataset: str | None = None, num_images: int | None = None,
                  perplexity: float = DEFAULT_PERPLEXITY, seed: int = 0,
                  max_classes: int = DEFAULT_MAX_CLASSES) -> list[str]:
-  """Restores a run's encoder, makes the views as evaluation does, draws.
+  """Restores a run's encoder; `draw_tsne` of the views evaluation makes.
 
   Args:
-    workdir: the run's directory.
-    config: the run's config.
-    out: output PNG.
     step: checkpoint step; None for the latest.
-    dataset: test split to use; default the run's views dataset.
-    num_images: n; default `config.eval.num_view_images`, so that the views
-      and the table are those of the evaluation.
-    perplexity: t-SNE perplexity.
-    seed: t-SNE seed.
-    max_classes: at most this many class panels.
+    dataset: test split; default the run's views dataset.
+    num_images: n; default `config.eval.num_view_images` (the evaluation's).
 
   Returns:
-    The paths written.
+    The paths written (PNG `out` and a PDF).
   """
   dataset = dataset or views_dataset(config)
   n = int(num_images or config.eval.num_view_images)
