@@ -1,22 +1,18 @@
 """Entropic optimal transport on image grids and the OTCLR displacement views.
 
-Pure JAX, reusable alone with otclr_jax/ot_checks.py. Public functions are
-jittable, vmappable and differentiable in the images and in `alpha`.
-docs/method.md sections 2-6 give the formulas.
+Pure JAX, reusable alone with otclr_jax/ot_checks.py; public functions are
+jittable, vmappable and differentiable in the images and in `alpha`. Formulas:
+docs/method.md sections 2-6.
 
-A grid histogram is an `[m, m]` array of masses summing to 1; point
-`(row, col)` sits at `(row, col) / (m - 1)`, flattened row-major. The cost is
-`C_ij = ||r_i - r_j||^2 / 2` (max 1). Sinkhorn runs exactly `num_iters`
-iterations from `u = v = 1`, each `v = b / K^T u` then `u = a / K v` (POT's
-iterates with `stopThr=0`), `K = kron(Kx, Kx)` with `Kx = axis_kernel`.
-`core='ott'` runs ott-jax's solver on an `ott.geometry.grid.Grid`;
-`'separable'` (default, faster; docs/method.md section 9) a fused loop with
-`K v = Kx V Kx`. ott-jax is imported only when needed: its import is slow.
+Histograms are `[m, m]`, non-negative, summing to 1, on points
+`(row, col) / (m - 1)` flattened row-major; the cost `||r_i - r_j||^2 / 2` has
+max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
+`v = b / K^T u` then `u = a / K v` (POT's iterates), `K = kron(Kx, Kx)`.
+`core='ott'` uses ott-jax's solver (imported lazily: a slow import);
+`'separable'`, the faster default (docs/method.md section 9), a fused loop.
 
-Images are floats in `[0, 1]`; integer dtypes and out-of-range floats raise
-(convert with `x.astype(jnp.float32) / 255`). Histograms are non-negative with
-a positive total. Under `jit`, traced values that break the rules give NaN: a
-non-finite pixel in its channel, an out-of-range pixel (beyond
+Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
+give NaN: a non-finite pixel in its channel, an out-of-range pixel (beyond
 `IMAGE_RANGE_ATOL`) in its image, a negative mass in its result, a bad `alpha`
 or `epsilon` everywhere. `jax.experimental.checkify` locates the culprit.
 """
@@ -106,8 +102,7 @@ def _grid_axis(grid_size: int) -> jax.Array:
 def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   """Per-axis Gibbs kernel `Kx = exp(-axis_cost / epsilon)` of `grid_geometry`.
 
-  `K = kron(Kx, Kx)`. Mirrors ott-jax's `PointCloud` float32 operations, so
-  the same bits as `grid_geometry(...).geometries[0].kernel_matrix`.
+  `K = kron(Kx, Kx)`; ott-jax's `PointCloud` float32 operations, same bits.
 
   Args:
     grid_size: `m`.
@@ -138,8 +133,7 @@ def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
 def resize_matrix(in_size: int, out_size: int) -> np.ndarray:
   """Per-axis weights of `jax.image.resize(..., method='linear')`.
 
-  Antialiased triangle kernel on half-pixel-centred samples, normalised per
-  output pixel; one matmul per axis is faster than `resize` under XLA.
+  Antialiased triangle kernel, half-pixel centres; a matmul beats `resize`.
 
   Returns:
     `[out_size, in_size]` float32; `resize_matrix(n, n)` is the identity.
@@ -277,8 +271,7 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
                       ) -> tuple[jax.Array, jax.Array]:
   """Sinkhorn scalings `(u, v)` of the plan `P = diag(u) K diag(v)`.
 
-  Iterates `v = b / K^T u`, `u = a / K v` from `u = v = 1` (docs/method.md
-  section 3); `*_from_scalings` use them without the `[m^2, m^2]` plan.
+  Iterates `v = b / K^T u`, `u = a / K v` from 1 (docs/method.md section 3).
 
   Args:
     a: source histograms `[..., m, m]`, non-negative, positive total.
@@ -476,10 +469,7 @@ def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
 
 
 def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
-  """Checks an image pair and runs Sinkhorn on its channels' measures.
-
-  Returns `(measure_x, measure_y, kx, epsilon, u, v)`, `u, v` `[B, C, m, m]`.
-  """
+  """Checked image pair -> `(measure_x, measure_y, kx, epsilon, u, v)`."""
   x, y, m, epsilon, num_iters, core = ot_checks.check_image_pair(
       x, y, y_name, grid_size, epsilon, num_iters, core)
   measure_x = image_to_measure(x, m)
@@ -501,9 +491,8 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
                      chunk: int | None):
   """`ot_views` with the separable core, `chunk` images at a time.
 
-  Grids are laid out `[m, N, m]` (row, problem, column), `N = images * C`,
-  so each kernel product is one plain matmul, without transposes in the loop.
-  Takes checked arguments; `chunk=None` takes the batch at once.
+  Takes checked arguments. Grids are laid out `[m, images * C, m]`, so every
+  kernel product is one plain matmul, without transposes in the loop.
   """
   batch, height, width, channels = x.shape
   kx = axis_kernel(m, epsilon)
@@ -535,8 +524,7 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
 
     ones = jnp.ones_like(a)
     u, v = jax.lax.fori_loop(0, num_iters, body, (ones, ones))
-    # p[lx, ly] = sum u[ix, iy] v[jx, jy] A[lx, ix, jx] A[ly, iy, jy].
-    # The middle contraction is per problem: a batched matmul, problems first.
+    # `_displace`'s contractions; the middle one is a per-problem batch matmul.
     z = jnp.matmul(a_left, v.reshape(m, n * m)).reshape(m, m, n, m)
     z = jnp.transpose(z, (2, 1, 0, 3)).reshape(n, m, m * m)
     y = jnp.matmul(jnp.transpose(u, (1, 2, 0)), z).reshape(n, m, m, m)
@@ -565,10 +553,9 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
              num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
-  Per channel: measure on an `m x m` grid, Sinkhorn plan from `x` to
-  `x_strong`, splat at `alpha`; [decision] mass and offset interpolated
-  linearly; bilinear upsampling and clipping to `[0, 1]`. Under `jax.jit`,
-  `grid_size`, `num_iters` and `core` are static.
+  Per channel: `m x m` measures, Sinkhorn plan from `x` to `x_strong`, splat at
+  `alpha`, [decision] mass and offset interpolated linearly, then upsampling.
+  Under `jax.jit`, `grid_size`, `num_iters` and `core` are static.
 
   Args:
     x: source images `[B, H, W, C]`, float in `[0, 1]`.
