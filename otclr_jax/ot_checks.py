@@ -1,8 +1,7 @@
 """Validation of otclr_jax.ot's inputs: static ints, scalars, grids, images.
 
-Concrete bad arguments raise a one-line ValueError; traced ones become NaN,
-as values cannot raise under `jit` (otclr_jax/ot.py's docstring). Pure NumPy
-and JAX, so `otclr_jax.ot` stays importable alone with this module.
+Concrete bad arguments raise ValueError; traced ones become NaN (values cannot
+raise under `jit`). Pure NumPy and JAX, so `otclr_jax.ot` needs nothing else.
 """
 
 from __future__ import annotations
@@ -13,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Rounding allowed beyond [0, 1]; far below 0-255 or [-1, 1] data's offsets.
+# Rounding allowed beyond [0, 1]; too small to pass 0-255 or [-1, 1] data.
 IMAGE_RANGE_ATOL = 1e-4
 
-# Sinkhorn cores; otclr_jax/ot.py says why 'separable' is the default.
 CORES = ('separable', 'ott')
 
 
@@ -115,10 +113,9 @@ def check_histogram(name: str, h) -> jax.Array:
 
 
 def check_image_values(name: str, x) -> jax.Array:
-  """Refuses integer dtypes and float pixels outside `[0, 1]`.
+  """Refuses integer dtypes and pixels outside `[0, 1]`; NaN-poisons traced.
 
-  Integers are refused, not converted: a wrong divisor would look valid. A
-  traced image outside `[0, 1]` becomes NaN rather than being clipped.
+  Integers are refused, not converted: a wrong divisor would look valid.
 
   Args:
     name: argument name for the message.
