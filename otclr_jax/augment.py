@@ -1,51 +1,10 @@
-"""SimCLR strong augmentations on the accelerator.
+"""SimCLR strong augmentations on the accelerator (docs/method.md section 1).
 
-The pipeline follows SimCLR's torchvision recipe (docs/method.md section 1),
-applied in this order to each example independently:
-
-1. random resized crop: scale 0.08-1 of the area, aspect ratio 3/4-4/3 sampled
-   log-uniformly, bilinear resampling back to the input size;
-2. horizontal flip, p = 0.5;
-3. colour jitter, p = 0.8: brightness 0.4, contrast 0.4, saturation 0.4, hue 0.1,
-   the four operations in a random order per example (as torchvision), each
-   result clipped to [0, 1];
-4. grayscale, p = 0.2;
-5. Gaussian blur, p = 0.5, sigma uniform in [0.1, 2.0], odd kernel of about 10% of
-   the image side, separable, reflect padding.
-
-Everything has static shapes and every operation is always computed: under
-`vmap` a `lax.cond` on a per-example draw becomes a select anyway. An operation
-that is not drawn runs with parameters that make it an exact identity (factor
-1, hue shift 0, a delta blur kernel), so an image it skips is bit-identical.
-The single-example function `augment_image` is vmapped over per-example keys by
-`simclr_augment`.
-
-Measured cost (jitted, after warm-up, B = 256 at 32 x 32, on the 2-core CPU
-development machine shared with other jobs): 4-6 ms per batch. The
-structure is chosen for XLA:CPU's fusion heuristics, see the comments in
-`resized_crop`, `_colour` and `separable_filter`.
-
-Decisions worth knowing:
-
-- The crop box is continuous (sub-pixel), not rounded to whole pixels as
-  torchvision does; area fraction and aspect ratio therefore lie exactly in their
-  ranges. Resampling uses pixel centres (half-pixel convention, as torchvision's
-  `align_corners=False`) and clamps at the image border; near the box border it
-  reads neighbouring pixels outside the box (torchvision clamps at the box edge).
-  The box is never larger than the image, so resampling never shrinks and
-  needs no antialiasing.
-- torchvision's rejection sampling (10 attempts, then a centre crop clipped to
-  the ratio range) is kept, with all attempts drawn at once and the first valid
-  one taken.
-- Brightness, contrast, saturation and grayscale use torchvision's definitions
-  (luma weights 0.2989, 0.587, 0.114; contrast blends with the mean luma of the
-  image; each result clipped to [0, 1]); hue is a rotation of the HSV hue
-  channel, as torchvision's `adjust_hue`. In the pipeline grayscale is run as
-  a saturation blend with factor 0, which is the same image.
-- Gaussian blur: kernel size int(0.1 * min(H, W)), made odd by adding one when
-  even (32 px -> 3, 224 px -> 23; below 20 px it is 1, i.e. no blur), reflect
-  padding as torchvision.
-- Inputs may be any float dtype; computation and output are float32.
+Static shapes; every operation always runs (a `lax.cond` is a select under
+`vmap`), with identity parameters when not drawn, so skipped steps are exact.
+Unlike torchvision, the crop box is continuous (exact area and aspect ranges)
+and resampling near its border reads pixels outside it. The box never exceeds
+the image, so resampling needs no antialiasing.
 """
 
 import dataclasses
@@ -72,7 +31,7 @@ class AugmentParams:
 
   Attributes:
     crop_scale: (min, max) fraction of the image area covered by the crop box.
-    crop_ratio: (min, max) width / height of the crop box, sampled log-uniformly.
+    crop_ratio: (min, max) width / height of the box, sampled log-uniformly.
     crop_attempts: draws before falling back to a centre crop.
     flip_prob: probability of a horizontal flip.
     jitter_prob: probability of applying colour jitter.
@@ -80,13 +39,12 @@ class AugmentParams:
     contrast: contrast factor drawn from [max(0, 1 - c), 1 + c].
     saturation: saturation factor drawn from [max(0, 1 - s), 1 + s].
     hue: hue shift drawn from [-hue, hue] (fraction of a turn, at most 0.5).
-    jitter_random_order: apply the four jitter operations in a random order per
-      example (torchvision); otherwise brightness, contrast, saturation, hue.
+    jitter_random_order: random jitter order per example (torchvision), else
+      brightness, contrast, saturation, hue.
     grayscale_prob: probability of converting to 3-channel grayscale.
     blur_prob: probability of a Gaussian blur.
     blur_sigma: (min, max) of the blur standard deviation, in pixels.
-    blur_kernel_fraction: kernel size as a fraction of the shorter image side,
-      rounded down and made odd (32 px -> 3, 224 px -> 23).
+    blur_kernel_fraction: kernel size / shorter side, floored and made odd.
   """
   crop_scale: Tuple[float, float] = (0.08, 1.0)
   crop_ratio: Tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0)
@@ -130,10 +88,6 @@ class AugmentParams:
           f'blur_sigma must satisfy 0 < min <= max, got {self.blur_sigma}.')
 
 
-# ---------------------------------------------------------------------------
-# Random resized crop.
-
-
 def sample_crop_box(key: PRNGKey,
                     height: int,
                     width: int,
@@ -148,12 +102,10 @@ def sample_crop_box(key: PRNGKey,
     width: image width W in pixels (static).
     scale: (min, max) fraction of the image area.
     ratio: (min, max) aspect ratio width / height, sampled log-uniformly.
-    attempts: number of draws; the first that fits inside the image is used,
-      otherwise a centre crop with the aspect ratio clipped to `ratio`.
+    attempts: draws; the first that fits is used, else a centre crop.
 
   Returns:
-    float32 [4] box (top, left, box_height, box_width) in pixels, continuous,
-    inside [0, H] x [0, W].
+    float32 [4] (top, left, box_height, box_width) in pixels, in the image.
   """
   k_area, k_ratio, k_top, k_left = jax.random.split(key, 4)
   area = float(height * width)
@@ -185,14 +137,9 @@ def sample_crop_box(key: PRNGKey,
 
 
 def _interpolation_matrix(start: Array, extent: Array, size: int) -> Array:
-  """Bilinear resampling matrix [size, size] along one axis (half-pixel centres).
+  """Bilinear matrix [size, size] resampling `[start, start + extent)`.
 
-  The crop [start, start + extent) of an axis of `size` pixels is resampled to
-  `size` pixels.
-
-  Row o holds the weights of the input pixels for output pixel o, whose centre
-  maps to `start + (o + 0.5) * extent / size - 0.5` in input pixel coordinates,
-  clamped to the first and last pixel centres.
+  Output pixel o reads `start + (o + 0.5) * extent / size - 0.5`, clamped.
   """
   centres = jnp.arange(size, dtype=jnp.float32)
   coords = start + (centres + 0.5) * (extent / size) - 0.5
@@ -205,21 +152,18 @@ def resized_crop(image: Array, box: Array, flip: Array = False) -> Array:
 
   Args:
     image: float [H, W, C].
-    box: [4] (top, left, box_height, box_width) in pixels, as returned by
-      `sample_crop_box`. The box (0, 0, H, W) returns the image unchanged.
+    box: [4] (top, left, box_height, box_width) from `sample_crop_box`.
     flip: bool scalar (may be traced); mirror the result left-right.
 
   Returns:
-    float32 [H, W, C].
+    float32 [H, W, C]; the box (0, 0, H, W) returns the image.
   """
   height, width = image.shape[0], image.shape[1]
   rows = _interpolation_matrix(box[0], box[2], height)
   cols = _interpolation_matrix(box[1], box[3], width)
-  # Mirroring the output is reversing the output rows of the column matrix,
-  # which costs nothing next to the resampling itself.
+  # Flipping reverses the column matrix's rows: free next to the resampling.
   cols = jnp.where(flip, cols[::-1], cols)
-  # Dense matmuls rather than gathers: XLA:CPU fuses gathers into every
-  # consumer and recomputes them, which made the whole pipeline ~10x slower.
+  # Matmuls, not gathers: XLA:CPU recomputes gathers fused into each consumer.
   return jnp.einsum('oh,hwc,pw->opc', rows, image.astype(jnp.float32), cols,
                     precision=jax.lax.Precision.HIGHEST)
 
@@ -230,10 +174,7 @@ def random_resized_crop(key: PRNGKey,
                         ratio: Tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
                         attempts: int = 10,
                         flip: Array = False) -> Array:
-  """Random resized crop of one image [H, W, C] back to float32 [H, W, C].
-
-  `flip` (bool, may be traced) mirrors the result left-right at no extra cost.
-  """
+  """Random resized crop of [H, W, C] to float32 [H, W, C]; `flip` mirrors."""
   box = sample_crop_box(key, image.shape[0], image.shape[1], scale, ratio,
                         attempts)
   return resized_crop(image, box, flip)
@@ -242,10 +183,6 @@ def random_resized_crop(key: PRNGKey,
 def horizontal_flip(image: Array) -> Array:
   """Mirrors [H, W, C] left-right."""
   return image[:, ::-1, :]
-
-
-# ---------------------------------------------------------------------------
-# Colour.
 
 
 def luma(image: Array) -> Array:
@@ -283,8 +220,7 @@ def adjust_hue(image: Array, delta: Array) -> Array:
 
   Args:
     image: float [H, W, 3] RGB in [0, 1].
-    delta: hue shift in turns (fraction of the colour circle); 0 returns the
-      image unchanged.
+    delta: hue shift in turns; 0 returns the image unchanged.
 
   Returns:
     [H, W, 3] RGB in [0, 1].
@@ -294,9 +230,7 @@ def adjust_hue(image: Array, delta: Array) -> Array:
   value = jnp.maximum(jnp.maximum(r, g), b)
   chroma = value - jnp.minimum(jnp.minimum(r, g), b)
   inv_chroma = 1.0 / jnp.where(chroma > 0.0, chroma, 1.0)
-  # Hue in units of 60 degrees, in [-1, 5] before the shift. Wrap-arounds use
-  # floor and compare rather than jnp.mod: XLA:CPU's remainder is a slow
-  # scalar call (it made this function 10x slower).
+  # Hue / 60 degrees in [-1, 5]; floor, not jnp.mod (slow on XLA:CPU).
   hue6 = jnp.where(
       value == r, (g - b) * inv_chroma,
       jnp.where(value == g, (b - r) * inv_chroma + 2.0,
@@ -310,8 +244,7 @@ def adjust_hue(image: Array, delta: Array) -> Array:
   k = jnp.where(k >= 6.0, k - 6.0, k)
   ramp = jnp.clip(jnp.minimum(k, 4.0 - k), 0.0, 1.0)
   rotated = jnp.clip(value[..., None] - chroma[..., None] * ramp, 0.0, 1.0)
-  # The round trip through HSV is exact only up to rounding; keep delta = 0
-  # an exact no-op so that "no jitter" leaves the image bit-identical.
+  # The HSV round trip rounds; delta = 0 must leave the image bit-identical.
   return jnp.where(delta == 0.0, image, rotated)
 
 
@@ -333,8 +266,7 @@ def sample_jitter(key: PRNGKey,
 
   Returns:
     factors: float32 [4] (brightness, contrast, saturation, hue shift).
-    order: int32 [4] permutation of the ids BRIGHTNESS, CONTRAST, SATURATION,
-      HUE in the order they are applied.
+    order: int32 [4] permutation of the operation ids, in application order.
   """
   keys = jax.random.split(key, 5)
 
@@ -362,12 +294,9 @@ IDENTITY_FACTORS = (1.0, 1.0, 1.0, 0.0)
 def _colour(image: Array, factors: Array, order: Array,
             to_grayscale: Array) -> Array:
   """Colour jitter in `order`, then grayscale if `to_grayscale`; [H, W, 3]."""
-  # Brightness, contrast, saturation and grayscale (saturation 0) differ only
-  # in the factor and in what they blend with, so one blend slot serves them
-  # all, and factor 1 makes a slot an exact no-op (1 * x + 0 * d == x on
-  # [0, 1]). The costly hue rotation runs once: the blends placed before it
-  # go in three slots ahead of it, those after it in three slots behind it,
-  # the unused slots get factor 1.
+  # Brightness, contrast, saturation and grayscale (saturation 0) are blends,
+  # exact no-ops at factor 1. The costly hue runs once, between three blend
+  # slots before it and four after it; unused slots get factor 1.
   hue_pos = jnp.argmax(order == HUE)
   slot = jnp.arange(3)
   blends = jnp.where(slot < hue_pos, order[:3], order[1:])
@@ -384,10 +313,7 @@ def _colour(image: Array, factors: Array, order: Array,
                            jnp.where(op == CONTRAST, jnp.mean(y), y))
     return _blend(x, degenerate, factor)
 
-  # Every step reads all three channels of its input. Unrolled, XLA:CPU fuses
-  # a step into each of the next step's reads and recomputes the chain per
-  # read (up to 30x slower; optimization_barrier is gone before fusion on
-  # CPU). Loop carries are always materialised, hence the loops.
+  # Loops: carries are materialised; unrolled, XLA:CPU recomputes the chain.
   image = jax.lax.fori_loop(
       0, 3, lambda k, x: blend_slot(x, blends[k], pre_factors[k]), image)
   image = adjust_hue(image, factors[HUE])
@@ -400,8 +326,7 @@ def apply_jitter(image: Array, factors: Array, order: Array) -> Array:
 
   Args:
     image: float32 [H, W, 3] in [0, 1].
-    factors: [4] (brightness, contrast, saturation factors, hue shift);
-      `IDENTITY_FACTORS` returns the image unchanged.
+    factors: [4] as from `sample_jitter`; `IDENTITY_FACTORS` is a no-op.
     order: int [4] permutation of the operation ids, applied first to last.
 
   Returns:
@@ -423,10 +348,6 @@ def color_jitter(key: PRNGKey,
   return apply_jitter(image, factors, order)
 
 
-# ---------------------------------------------------------------------------
-# Blur.
-
-
 def blur_kernel_size(side: int, fraction: float = 0.1) -> int:
   """Odd kernel size of about `fraction` of `side` pixels (at least 1)."""
   size = int(fraction * side)
@@ -442,16 +363,11 @@ def gaussian_kernel(sigma: Array, kernel_size: int) -> Array:
 
 
 def separable_filter(image: Array, weights: Array) -> Array:
-  """Filters [H, W, C] with `weights` [K] (K odd) along H then W, reflect padding.
-
-  Reflect padding (no edge repeat, as torchvision) keeps a constant image
-  constant when the weights sum to one. K // 2 must be smaller than H and W.
-  """
+  """Filters [H, W, C] by odd `weights` [K] along H then W, reflect padding."""
   kernel_size = weights.shape[0]
   radius = kernel_size // 2
   height, width = image.shape[0], image.shape[1]
-  # Padding both axes once, then only static slices, is ~2x faster on
-  # XLA:CPU than padding per axis (the second pad lands inside the fusion).
+  # One pad, then static slices: a second pad would land inside the fusion.
   padded = jnp.pad(image, ((radius, radius), (radius, radius), (0, 0)),
                    mode='reflect')
   rows = weights[0] * padded[:height]
@@ -487,10 +403,6 @@ def gaussian_blur(image: Array, sigma: Array, kernel_size: int) -> Array:
   return separable_filter(image, gaussian_kernel(sigma, kernel_size))
 
 
-# ---------------------------------------------------------------------------
-# Full pipeline.
-
-
 def augment_image(key: PRNGKey,
                   image: Array,
                   params: AugmentParams = AugmentParams()) -> Array:
@@ -516,8 +428,7 @@ def augment_image(key: PRNGKey,
         f'{image.dtype}; convert e.g. uint8 with image / 255.')
   image = image.astype(jnp.float32)
   height, width = image.shape[0], image.shape[1]
-  # One subkey per random decision, always all of them, so that switching an
-  # operation off does not change the draws of the others.
+  # All subkeys always: switching one operation off keeps the others' draws.
   (k_crop, k_flip, k_jitter, k_jitter_on, k_gray, k_blur,
    k_blur_on) = jax.random.split(key, 7)
 
@@ -531,8 +442,7 @@ def augment_image(key: PRNGKey,
     jitter_on = jax.random.uniform(k_jitter_on) < params.jitter_prob
     factors = jnp.where(jitter_on, factors, jnp.array(IDENTITY_FACTORS))
     to_grayscale = jax.random.uniform(k_gray) < params.grayscale_prob
-    # One pass for jitter and grayscale leaves a materialised buffer for the
-    # blur's shifted reads (see `_colour`).
+    # One pass materialises a buffer for the blur's shifted reads (`_colour`).
     x = _colour(x, factors, order, to_grayscale)
   kernel_size = blur_kernel_size(min(height, width),
                                  params.blur_kernel_fraction)
@@ -548,8 +458,7 @@ def augment_image(key: PRNGKey,
     weights = jnp.where(jax.random.uniform(k_blur_on) < params.blur_prob,
                         gaussian_kernel(sigma, kernel_size), identity)
     x = separable_filter(x, weights)
-  # Bilinear weights and the blur are convex combinations; rounding can still
-  # step a hair outside [0, 1].
+  # The convex combinations above can round a hair outside [0, 1].
   return jnp.clip(x, 0.0, 1.0)
 
 
@@ -559,9 +468,8 @@ def simclr_augment(key: PRNGKey,
                    **overrides) -> Array:
   """SimCLR strong augmentation of a batch, one independent key per example.
 
-  Jittable (bind `params`/overrides with `functools.partial`); shapes are
-  static. Values outside [0, 1] are not checked (that would need a host sync);
-  the output is clipped to [0, 1].
+  Jittable (bind `params`/overrides with `functools.partial`). Values outside
+  [0, 1] are not checked (that needs a host sync); the output is clipped.
 
   Args:
     key: PRNG key, split into B per-example keys.

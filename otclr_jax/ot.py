@@ -1,57 +1,20 @@
 """Entropic optimal transport on image grids and the OTCLR displacement views.
 
-Pure JAX: no Flax or TensorFlow import, so other projects can take this module
-alone with its argument checks (otclr_jax/ot_checks.py). Every public function
-is jittable, vmappable and differentiable in the images and in `alpha`.
-docs/method.md sections 2-6 give the formulas.
+Pure JAX, reusable alone with otclr_jax/ot_checks.py; public functions are
+jittable, vmappable and differentiable in the images and in `alpha`. Formulas:
+docs/method.md sections 2-6.
 
-Conventions:
-  * A grid histogram is an `[m, m]` array of non-negative masses summing to 1.
-    Grid point `(row, col)` sits at `r = (row, col) / (m - 1)` in `[0, 1]^2` and
-    flattens row-major to index `row * m + col`.
-  * The ground cost is `C_ij = ||r_i - r_j||^2 / 2`, the squared distance divided
-    by its maximum over the grid (2 on the unit square), so `max C = 1`.
-  * Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
-    `v = b / K^T u` then `u = a / K v`: the same iterates as
-    `ot.sinkhorn(a, b, C, reg=epsilon, numItermax=num_iters, stopThr=0)` in POT,
-    not only at convergence.
+Histograms are `[m, m]`, non-negative, summing to 1, on points
+`(row, col) / (m - 1)` flattened row-major; the cost `||r_i - r_j||^2 / 2` has
+max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
+`v = b / K^T u` then `u = a / K v` (POT's iterates), `K = kron(Kx, Kx)`.
+`core='ott'` uses ott-jax's solver (imported lazily: a slow import);
+`'separable'`, the faster default (docs/method.md section 9), a fused loop.
 
-Two Sinkhorn cores, chosen by the `core` argument of the public functions
-(config `ot.core`); both run exactly `num_iters` kernel-mode iterations on the
-same `ott.geometry.grid.Grid`, whose per-axis kernel `Kx` this module computes
-(`axis_kernel`):
-  * `'ott'`: ott-jax's `Sinkhorn` solver on that `Grid` (kernel mode,
-    `min_iterations = max_iterations = inner_iterations = T`, gradients
-    unrolled through every iteration, never lse mode, which is 25-35x slower
-    here). Its `Grid` applies `K = kron(Kx, Kx)` one axis at a time.
-  * `'separable'`: the same iterations as a fused loop of two batched matmuls
-    per half-iteration, `K v = Kx V Kx` for `V` the `[m, m]` reshape of `v`,
-    without the solver's per-iteration bookkeeping (convergence state, error
-    evaluation, generic `tensordot` + transpose per axis). `ot_views` runs
-    it on grids laid out `[m, problems, m]`, where every product is one plain
-    matmul, `CPU_CHUNK` images at a time on CPU (`_separable_views`).
-The tests check that both equal POT and each other, in values and gradients.
-ott-jax is imported only when the `'ott'` core or `grid_geometry` is used:
-its import takes about 2 s, which every process that only makes views
-would pay.
-`python -m otclr_jax.bench train` prints the training step with each core.
-`DEFAULT_CORE` is `'separable'`: the same iterates as `'ott'`, faster at
-m = 16 (docs/method.md section 9).
-
-Inputs: images are floats in `[0, 1]` (an integer dtype is refused: convert
-with `x.astype(jnp.float32) / 255` first; a float image outside `[0, 1]`, such
-as 0-255 or `[-1, 1]` data, is refused rather than clipped). Histograms are
-non-negative with a positive total.
-
-Values inside `jit`: shapes and static arguments are checked at trace time.
-Values cannot raise under `jit` (`checkify.check` needs a `checkify` transform
-around the caller), so they are checked eagerly when the arguments are concrete
-and otherwise propagate as NaN: a NaN or infinite pixel makes that image's
-channel NaN, a pixel outside `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) makes that
-image NaN, a histogram with a negative mass makes its result NaN, and an
-`alpha` outside `[0, 1]` or a non-positive `epsilon` makes the whole output
-NaN. Wrap the caller in `jax.experimental.checkify` with
-`errors=checkify.float_checks` or set `jax_debug_nans` to locate the culprit.
+Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
+give NaN: a non-finite pixel in its channel, an out-of-range pixel (beyond
+`IMAGE_RANGE_ATOL`) in its image, a negative mass in its result, a bad `alpha`
+or `epsilon` everywhere. `jax.experimental.checkify` locates the culprit.
 """
 
 from __future__ import annotations
@@ -69,21 +32,14 @@ from otclr_jax import ot_checks
 if TYPE_CHECKING:
   from ott.geometry import grid as ott_grid
 
-# [decision] docs/method.md sections 2 and 9: added after the min-shift so
-# every cell is strictly positive; Sinkhorn then never divides by zero.
+# [decision] docs/method.md sections 2, 9: keeps every cell > 0 for Sinkhorn.
 DELTA = 1e-3
 
-# The Sinkhorn cores and why the default is the default (module docstring;
-# docs/results.md, "Performance", times the OT views).
 CORES = ot_checks.CORES
 DEFAULT_CORE = 'separable'
 
 # Images are in [0, 1] up to this much rounding (ot_checks.py).
 IMAGE_RANGE_ATOL = ot_checks.IMAGE_RANGE_ATOL
-
-
-# ----------------------------------------------------------------------------
-# Grid, cost and kernel.
 
 
 def grid_points(grid_size: int) -> np.ndarray:
@@ -110,7 +66,7 @@ def axis_cost(grid_size: int) -> np.ndarray:
 
 
 def grid_cost(grid_size: int) -> np.ndarray:
-  """Dense normalised ground cost `C_ij = ||r_i - r_j||^2 / max ||r_a - r_b||^2`.
+  """Dense ground cost `C_ij = ||r_i - r_j||^2 / max ||r_a - r_b||^2`.
 
   Returns:
     `[m * m, m * m]` array with maximum exactly 1.
@@ -123,9 +79,7 @@ def grid_cost(grid_size: int) -> np.ndarray:
 def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
   """ott-jax's separable `Grid` of this module's cost (max 1 on `[0, 1]^2`).
 
-  `Grid` ignores `scale_cost`, so its axes are `linspace(0, 1, m) / sqrt(2)`:
-  each axis contributes `((i - j) / (m - 1))^2 / 2`, i.e. `axis_cost`. Built at
-  trace time; only `epsilon` may be traced.
+  Axes `linspace(0, 1, m) / sqrt(2)`, as `Grid` ignores `scale_cost`.
 
   Args:
     grid_size: `m`.
@@ -134,7 +88,8 @@ def grid_geometry(grid_size: int, epsilon: ArrayLike) -> ott_grid.Grid:
   Returns:
     A 2-D `Grid` on `m x m` points.
   """
-  from ott.geometry import grid as ott_grid  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from ott.geometry import grid as ott_grid
   return ott_grid.Grid(x=[_grid_axis(grid_size)] * 2, epsilon=epsilon)
 
 
@@ -147,11 +102,7 @@ def _grid_axis(grid_size: int) -> jax.Array:
 def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   """Per-axis Gibbs kernel `Kx = exp(-axis_cost / epsilon)` of `grid_geometry`.
 
-  The full kernel is `K = kron(Kx, Kx)` (the cost is a sum of per-axis costs).
-  The float32 operations, in their order, of ott-jax's `PointCloud` kernel
-  with its squared-Euclidean cost `|x|^2 + |y|^2 - 2 x y`, so the same bits
-  as `grid_geometry(m, epsilon).geometries[0].kernel_matrix` (tested) without
-  importing ott-jax.
+  `K = kron(Kx, Kx)`; ott-jax's `PointCloud` float32 operations, same bits.
 
   Args:
     grid_size: `m`.
@@ -179,21 +130,13 @@ def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
   return jnp.matmul(jnp.matmul(kx, w), kx)
 
 
-# ----------------------------------------------------------------------------
-# Image <-> measure.
-
-
 def resize_matrix(in_size: int, out_size: int) -> np.ndarray:
   """Per-axis weights of `jax.image.resize(..., method='linear')`.
 
-  The antialiased triangle kernel (widened by `in / out` when downsampling,
-  plain interpolation when upsampling) of half-pixel-centred samples,
-  normalised per output pixel. Resizing an axis is then one matmul, which XLA
-  runs faster than `resize`'s generic contraction.
+  Antialiased triangle kernel, half-pixel centres; a matmul beats `resize`.
 
   Returns:
-    `[out_size, in_size]` float32 matrix; `resize_matrix(n, n)` is the
-    identity.
+    `[out_size, in_size]` float32; `resize_matrix(n, n)` is the identity.
   """
   inv_scale = in_size / out_size
   sample = (np.arange(out_size) + 0.5) * inv_scale - 0.5
@@ -206,17 +149,16 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Turns each channel of images into a probability histogram on a grid.
 
-  docs/method.md section 2: antialiased bilinear resize to `m x m`, shift by the
-  minimum, add `DELTA`, normalise.
+  docs/method.md section 2: antialiased bilinear resize to `m x m`, shift by
+  the minimum, add `DELTA`, normalise.
 
   Args:
     x: images `[..., H, W, C]`.
     grid_size: `m`.
 
   Returns:
-    `(p, mass, offset)`: `p` `[..., C, m, m]` sums to 1 over the grid, `mass`
-    and `offset` `[..., C]` such that `p * mass + offset - DELTA` is the resized
-    channel.
+    `(p, mass, offset)`: `p` `[..., C, m, m]` sums to 1 over the grid; the
+    resized channel is `p * mass + offset - DELTA`, `mass, offset` `[..., C]`.
   """
   m = ot_checks.check_static_int('grid_size', grid_size, 2)
   x = jnp.asarray(x, jnp.float32)
@@ -259,10 +201,6 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
   return jnp.clip(big, 0.0, 1.0)
 
 
-# ----------------------------------------------------------------------------
-# Sinkhorn.
-
-
 def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
                         num_iters: int):
   """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]`."""
@@ -273,8 +211,7 @@ def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
     return a / apply_kernel(kx, v), v
 
   ones = jnp.ones(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
-  # fori_loop with static bounds lowers to a scan, so reverse-mode gradients
-  # unroll through every iteration rather than assuming convergence.
+  # Static bounds lower to a scan: gradients unroll, assuming no convergence.
   return jax.lax.fori_loop(0, num_iters, body, (ones, ones))
 
 
@@ -282,11 +219,8 @@ def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
                   num_iters: int):
   """ott-jax's `Sinkhorn` on `geom`, exactly `num_iters` kernel-mode iterations.
 
-  `min = max = inner = T` runs one block of exactly T iterations; `inner = T`
-  also keeps the unrolled backward pass exact (docs/method.md section 3: with
-  `inner < T` ott-jax 0.6 returns gradients 7-20% off), and `threshold = -1`
-  can never stop early. `implicit_diff=None` unrolls: T iterations do not reach
-  the convergence that implicit differentiation assumes.
+  One block of exactly T iterations, unrolled: `inner < T` gives wrong
+  gradients (docs/method.md section 3) and T iterations do not converge.
   """
   # pylint: disable=g-import-not-at-top
   from ott.problems.linear import linear_problem
@@ -337,10 +271,7 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
                       ) -> tuple[jax.Array, jax.Array]:
   """Sinkhorn scalings `(u, v)` of the plan `P = diag(u) K diag(v)`.
 
-  Exactly `num_iters` iterations from `u = v = 1`, each `v = b / K^T u` then
-  `u = a / K v` (docs/method.md section 3), on `K = kron(Kx, Kx)` with
-  `Kx = axis_kernel(m, epsilon)`. Feed them to `displace_from_scalings` or
-  `cost_from_scalings` to avoid the `[m^2, m^2]` plan.
+  Iterates `v = b / K^T u`, `u = a / K v` from 1 (docs/method.md section 3).
 
   Args:
     a: source histograms `[..., m, m]`, non-negative, positive total.
@@ -368,8 +299,8 @@ def sinkhorn_plan(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
     core: `'separable'` or `'ott'` (module docstring).
 
   Returns:
-    Plan `[m * m, m * m]`, `P = diag(u) K diag(v)`, rows indexing `a` row-major.
-    Its row sums equal `a`; its column sums approach `b` as `T` grows.
+    Plan `[m * m, m * m]`, `P = diag(u) K diag(v)`, rows indexing `a`
+    row-major; row sums equal `a`, column sums approach `b` as `T` grows.
 
   Raises:
     ValueError: for a concrete histogram with a negative mass or total 0.
@@ -409,12 +340,7 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
 
 
 def _xlog(weight: jax.Array, scaling: jax.Array) -> jax.Array:
-  """`weight * log(scaling)`, 0 where the scaling is 0 (an empty cell).
-
-  A zero mass gives a zero scaling and a zero weight: `0 log 0 = 0`, as in the
-  entropy. The inner `where` keeps the gradient finite too (the derivative of
-  `log` at 0 would be inf, and inf * 0 NaN).
-  """
+  """`weight * log(scaling)` with `0 log 0 = 0` and a finite gradient."""
   positive = scaling > 0
   safe = jnp.where(positive, scaling, 1.0)
   return jnp.where(positive, weight * jnp.log(safe), 0.0)
@@ -424,8 +350,7 @@ def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
                   num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
   """Entropic Sinkhorn cost `S_eps(a, b)` of docs/method.md section 6.
 
-  `S = <P, C> + eps * sum P (log P - 1)` at the plan of `sinkhorn_plan`,
-  evaluated in `O(m^3)` from the scalings.
+  `S = <P, C> + eps * sum P (log P - 1)` at the plan of `sinkhorn_plan`.
 
   Args:
     a: source histogram `[..., m, m]`.
@@ -442,16 +367,11 @@ def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   return cost_from_scalings(u, v, epsilon)
 
 
-# ----------------------------------------------------------------------------
-# Displacement interpolation with bilinear splatting.
-
-
 def splat_axis(grid_size: int, alpha: ArrayLike) -> jax.Array:
-  """Per-axis bilinear weights `w[l, i, j]` of position `(1 - alpha) i + alpha j`.
+  """Per-axis bilinear weights `w[l, i, j]` at `(1 - alpha) i + alpha j`.
 
-  Positions are in grid units; the hat function `max(0, 1 - |l - g|)` equals
-  the floor/fraction bilinear weights of docs/method.md section 4 for `g` in
-  `[0, m - 1]` (including the last vertex) and is differentiable in `alpha`.
+  The hat `max(0, 1 - |l - g|)` (grid units) equals the bilinear weights of
+  docs/method.md section 4 on `[0, m - 1]` and is differentiable in `alpha`.
 
   Args:
     grid_size: `m`.
@@ -476,10 +396,8 @@ def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
                            epsilon: ArrayLike = 0.05) -> jax.Array:
   """The factorised splat: displacement histogram without the plan.
 
-  `P[(ix,iy),(jx,jy)] = u[ix,iy] Kx[ix,jx] Kx[iy,jy] v[jx,jy]` and the splat
-  weight factorises over the axes, so with `A[l,i,j] = Kx[i,j] w[l,i,j]`
-  (`w = splat_axis`): `p[lx,ly] = sum u[ix,iy] v[jx,jy] A[lx,ix,jx]
-  A[ly,iy,jy]`, three contractions of `O(m^4)` each.
+  With `A[l,i,j] = Kx[i,j] w[l,i,j]` (`w = splat_axis`):
+  `p[lx,ly] = sum u[ix,iy] v[jx,jy] A[lx,ix,jx] A[ly,iy,jy]`.
 
   Args:
     u: scalings `[..., m, m]` from `sinkhorn_scalings`.
@@ -502,8 +420,7 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
              core: str = DEFAULT_CORE) -> jax.Array:
   """Displaced, bilinearly splatted histogram (docs/method.md section 4).
 
-  Mass `P_ij` moving `r_i -> r_j` is deposited at `(1 - alpha) r_i + alpha r_j`.
-  The fast path never builds the `[m^2, m^2]` plan.
+  Mass `P_ij` moving `r_i -> r_j` lands at `(1 - alpha) r_i + alpha r_j`.
 
   Args:
     a: source histogram `[..., m, m]` (sums to 1).
@@ -524,10 +441,7 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
 
 
 def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
-  """Reference splat from a materialised plan: scatter every packet.
-
-  Uses the floor/fraction form of docs/method.md section 4 with
-  `jnp.ndarray.at`, independent of the factorised fast path.
+  """Reference splat from a dense plan (docs/method.md section 4), for tests.
 
   Args:
     plan: `[m * m, m * m]` transport plan.
@@ -554,18 +468,8 @@ def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
   return out
 
 
-# ----------------------------------------------------------------------------
-# Images.
-
-
 def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
-  """Checks an image pair, puts its channels on the grid and runs Sinkhorn.
-
-  Returns:
-    `(measure_x, measure_y, kx, epsilon, u, v)`: the `image_to_measure`
-    triples of both images, the axis kernel, the checked epsilon and the
-    scalings `[B, C, m, m]` of the plans from `x` to `y`.
-  """
+  """Checked image pair -> `(measure_x, measure_y, kx, epsilon, u, v)`."""
   x, y, m, epsilon, num_iters, core = ot_checks.check_image_pair(
       x, y, y_name, grid_size, epsilon, num_iters, core)
   measure_x = image_to_measure(x, m)
@@ -575,11 +479,7 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   return measure_x, measure_y, kx, epsilon, u, v
 
 
-# Images per `lax.map` step of the separable views on CPU: a chunk's grids,
-# kernels and splat intermediates (about 1 MB at 32 x 32 x 3, m = 16) stay in
-# cache, which halves the time of one call on the whole batch (8, 16, 64, 128
-# and 256 images a step were 11-29% slower on a 2-core CPU). Accelerators
-# take the batch at once.
+# Separable views' images per `lax.map` step on CPU, to stay in cache.
 CPU_CHUNK = 32
 
 
@@ -591,28 +491,12 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
                      chunk: int | None):
   """`ot_views` with the separable core, `chunk` images at a time.
 
-  Every grid is laid out `[m, N, m]` (grid row, problem, grid column) with
-  `N = images * C`, so each kernel application and splat contraction is one
-  plain matmul over the leading or the trailing axis, without transposes
-  inside the Sinkhorn loop. Same operations as the `[..., m, m]` functions
-  above, so the same views to float32 rounding.
-
-  Args:
-    x: checked images `[B, H, W, C]`.
-    x_strong: checked images `[B, H, W, C]`.
-    alpha: checked scalar.
-    m: grid size.
-    epsilon: checked scalar.
-    num_iters: Sinkhorn iterations.
-    chunk: images per `lax.map` step, or None for the batch at once.
-
-  Returns:
-    Views `[B, H, W, C]`.
+  Takes checked arguments. Grids are laid out `[m, images * C, m]`, so every
+  kernel product is one plain matmul, without transposes in the loop.
   """
   batch, height, width, channels = x.shape
   kx = axis_kernel(m, epsilon)
-  # Splat factors A[l, i, j] = Kx[i, j] w[l, i, j] (`_displace`) as the two
-  # matrices of its first and last contraction.
+  # `_displace`'s A[l, i, j] as matrices of the first and last contraction.
   amat = kx[None] * splat_axis(m, alpha)
   a_left = amat.reshape(m * m, m)
   a_right = jnp.transpose(amat, (1, 2, 0)).reshape(m * m, m)
@@ -639,10 +523,8 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
       return a / apply(v), v
 
     ones = jnp.ones_like(a)
-    # Not unrolled: unrolling 4 or 20 iterations was no faster on a 2-core CPU.
     u, v = jax.lax.fori_loop(0, num_iters, body, (ones, ones))
-    # p[lx, ly] = sum u[ix, iy] v[jx, jy] A[lx, ix, jx] A[ly, iy, jy].
-    # The middle contraction is per problem: a batched matmul, problems first.
+    # `_displace`'s contractions; the middle one is a per-problem batch matmul.
     z = jnp.matmul(a_left, v.reshape(m, n * m)).reshape(m, m, n, m)
     z = jnp.transpose(z, (2, 1, 0, 3)).reshape(n, m, m * m)
     y = jnp.matmul(jnp.transpose(u, (1, 2, 0)), z).reshape(n, m, m, m)
@@ -671,26 +553,18 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
              num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
-  Per channel: measure on an `m x m` grid, Sinkhorn plan from `x` to
-  `x_strong`, displacement splat at `alpha`; then [decision] mass and offset
-  interpolated linearly like the measure, channels stacked, bilinear upsampling
-  to the input size and clipping to `[0, 1]`.
-
-  Under `jax.jit`, pass `grid_size`, `num_iters` and `core` as static
-  arguments: `jax.jit(ot_views, static_argnames=('grid_size', 'num_iters',
-  'core'))`.
+  Per channel: `m x m` measures, Sinkhorn plan from `x` to `x_strong`, splat at
+  `alpha`, [decision] mass and offset interpolated linearly, then upsampling.
+  Under `jax.jit`, `grid_size`, `num_iters` and `core` are static.
 
   Args:
-    x: source images `[B, H, W, C]`, float in `[0, 1]` (integer dtypes and
-      values outside `[0, 1]` raise ValueError; module docstring).
+    x: source images `[B, H, W, C]`, float in `[0, 1]`.
     x_strong: strong augmentations of `x`, `[B, H, W, C]`, same rules.
-    alpha: interpolation coefficient in `[0, 1]`, a scalar (may be traced, e.g.
-      a learnt coefficient).
+    alpha: interpolation coefficient in `[0, 1]`, a scalar (may be traced).
     grid_size: `m`, at least 2 and at most `min(H, W)`.
     epsilon: entropic regularisation on the max-1 cost, > 0.
     num_iters: exact number of Sinkhorn iterations, >= 1.
-    core: `'separable'` (fused loop) or `'ott'` (ott-jax's solver); same
-      result to float32 rounding.
+    core: `'separable'` or `'ott'`; same result to float32 rounding.
 
   Returns:
     Generated views `[B, H, W, C]` in `[0, 1]`.

@@ -1,9 +1,7 @@
 """Validation of otclr_jax.ot's inputs: static ints, scalars, grids, images.
 
-One job: refuse bad arguments of the OT functions with a one-line ValueError
-when they are concrete, and NaN-poison them when they are traced (values
-cannot raise under `jit`; otclr_jax/ot.py's docstring gives the rules). Pure
-NumPy and JAX, so `otclr_jax.ot` stays importable alone with this module.
+Concrete bad arguments raise ValueError; traced ones become NaN (values cannot
+raise under `jit`). Pure NumPy and JAX, so `otclr_jax.ot` needs nothing else.
 """
 
 from __future__ import annotations
@@ -14,12 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Images are in [0, 1]; this much float rounding beyond either end is allowed
-# (1/4000 of a grey level is far below any real 0-255 or [-1, 1] data).
+# Rounding allowed beyond [0, 1]; too small to pass 0-255 or [-1, 1] data.
 IMAGE_RANGE_ATOL = 1e-4
 
-# The Sinkhorn cores (otclr_jax/ot.py's docstring says why 'separable' is
-# the default).
 CORES = ('separable', 'ott')
 
 
@@ -98,8 +93,7 @@ def check_histogram(name: str, h) -> jax.Array:
     h: histograms `[..., m, m]` (already checked finite).
 
   Returns:
-    `h` as float32; under `jit`, a grid with a negative mass becomes NaN (an
-    all-zero grid gives NaN by itself: `0 / 0` in the first iteration).
+    `h` as float32 (a traced all-zero grid gives NaN by itself: `0 / 0`).
   """
   if is_concrete(h):
     concrete = np.asarray(h, np.float64)
@@ -119,12 +113,9 @@ def check_histogram(name: str, h) -> jax.Array:
 
 
 def check_image_values(name: str, x) -> jax.Array:
-  """Refuses integer dtypes and float pixels outside `[0, 1]`.
+  """Refuses integer dtypes and pixels outside `[0, 1]`; NaN-poisons traced.
 
-  Integer images are refused, not converted: 0-255 data divided by the wrong
-  constant would look like a valid image. A concrete float image outside
-  `[0, 1]` (beyond `IMAGE_RANGE_ATOL`) raises; a traced one makes that image
-  NaN instead of being clipped.
+  Integers are refused, not converted: a wrong divisor would look valid.
 
   Args:
     name: argument name for the message.
@@ -173,9 +164,8 @@ def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   """All checks of an image-pair function (`ot_views`, `image_sinkhorn_cost`).
 
   Returns:
-    `(x, y, grid_size, epsilon, num_iters, core)` checked: images float32
-    `[B, H, W, C]` (NaN-poisoned when traced and invalid), ints, epsilon a
-    float32 scalar.
+    `(x, y, grid_size, epsilon, num_iters, core)`: float32 images
+    `[B, H, W, C]` (NaN if traced and invalid), epsilon a float32 scalar.
   """
   check_finite('x', x)
   check_finite(y_name, y)
