@@ -1,36 +1,18 @@
 """ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
 
-The encoder follows the torchvision ResNet-18 layout (the paper's setting),
-without the final classifier:
+torchvision's ResNet-18 layout without the classifier: a stem, four stages of
+two ``BasicBlock``s (widths 64-128-256-512, stride 2 at the first block of
+stages 2-4) and a global average pool giving features ``h`` [B, 512].
 
-* ``stem='imagenet'``: 7x7/2 convolution, BatchNorm, ReLU, 3x3/2 max-pool. The
-  paper uses this stem even at 32 x 32 inputs (its 11.18M parameters and 0.074
-  GFLOPs per image match it), so a 32 x 32 image reaches the last stage at
-  1 x 1.
-* ``stem='cifar'``: 3x3/1 convolution, BatchNorm, ReLU, no pooling (the usual
-  CIFAR variant; offered for comparison, not used by the paper).
+* ``stem='imagenet'``: 7x7/2 conv, BatchNorm, ReLU, 3x3/2 max-pool. The paper's
+  setting, also at 32 x 32 (its 11.18M parameters match it).
+* ``stem='cifar'``: 3x3/1 conv, BatchNorm, ReLU, no pooling (comparison only).
 
-Then four stages of two ``BasicBlock``s with widths 64-128-256-512 (stride 2 at
-the first block of stages 2-4, with a 1x1/2 convolution + BatchNorm shortcut),
-and a global average pool giving features ``h`` of shape [B, 512].
-
-Padding is explicit and symmetric, as in torchvision (``'SAME'`` would pad
-stride-2 layers asymmetrically on even sizes). Convolutions have no bias
-(BatchNorm follows) and use He-normal initialisation with fan-out, like
-torchvision.
-
-Convolutions and the stem's max-pool run as XLA's or as otclr_jax/conv.py's
-CPU kernels, chosen by ``conv_impl``; the parameters are the same under every
-choice.
-
-BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
-epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
-global, so the batch statistics are those of the global batch without any
-``axis_name``.
-
-Mixed precision: computations run in ``dtype`` (e.g. ``jnp.bfloat16``);
-parameters are always float32 and BatchNorm reductions are done in float32; the
-returned features and projections are float32.
+Padding is explicit and symmetric, as in torchvision (``'SAME'`` pads stride-2
+layers asymmetrically). BatchNorm uses torchvision's momentum and epsilon; under
+``jax.jit`` with a sharded batch its statistics are those of the global batch.
+Computations run in ``dtype``; parameters, BatchNorm reductions and the outputs
+are float32.
 """
 
 from typing import Any
@@ -110,11 +92,10 @@ class ResNet18(nn.Module):
     stem: ``'imagenet'`` (7x7/2 conv + 3x3/2 max-pool, the paper's setting) or
       ``'cifar'`` (3x3/1 conv, no pool).
     dtype: computation dtype; parameters stay float32.
-    zero_init_residual: zero-initialise the last BatchNorm scale of every block.
-      Off by default, as in torchvision (and presumably the paper).
-    conv_impl: how convolutions run, ``'auto'``, ``'xla'`` or ``'matmul'``
-      (``conv.conv_function``); the parameters are the same under every
-      choice.
+    zero_init_residual: zero-initialise the last BatchNorm scale of every block
+      (off, as in torchvision).
+    conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``);
+      the parameters are the same under every choice.
   """
   stem: str = 'imagenet'
   dtype: Any = jnp.float32
@@ -174,9 +155,8 @@ class ResNet18(nn.Module):
 class ProjectionHead(nn.Module):
   """Two-layer MLP projection head g: Dense -> BatchNorm -> ReLU -> Dense.
 
-  SimCLR v1 has no BatchNorm in the head; we follow the common SimCLR v2 /
-  PyTorch practice of a BatchNorm after the hidden layer (the paper only says
-  "2-layer"). The hidden Dense has no bias because BatchNorm follows it.
+  BatchNorm after the hidden layer as in SimCLR v2 (the paper only says
+  "2-layer").
 
   Attributes:
     hidden_dim: width of the hidden layer.
