@@ -211,7 +211,7 @@ def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
 
 
 def max_pool_function(impl: str) -> Callable[..., jnp.ndarray]:
-  """The max-pool for ``conv_impl``: separable for matmul/CPU auto, else XLA's."""
+  """The max-pool for ``conv_impl``: separable for matmul or CPU auto."""
   check_conv_impl(impl)
 
   def pool(x, window, strides, padding):
