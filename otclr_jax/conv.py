@@ -1,8 +1,5 @@
 """Convolution and max-pool kernels for CPU, where XLA's are slow on small maps.
 
-``conv_matmul`` computes a convolution as one GEMM, of shifted views or, on
-maps with fewer pixels than the kernel has live taps, of the whole map;
-``max_pool_separable`` the stem's max-pool as separable shifted maxima.
 ``conv_function`` / ``max_pool_function`` pick them or XLA's by
 ``model.conv_impl``; the parameters are the same under every choice.
 """
@@ -21,10 +18,7 @@ CONV_IMPLS = ('auto', 'xla', 'matmul')
 
 def _live_taps(size: int, kernel: int, stride: int, pad: int,
                out: int) -> list[int]:
-  """Kernel offsets along one axis whose window touches a real pixel.
-
-  An offset reading only padding contributes zero, so the matmul skips it.
-  """
+  """Kernel offsets along one axis whose window touches a real pixel."""
   return [i for i in range(kernel)
           if any(pad <= i + stride * o < pad + size for o in range(out))]
 
@@ -51,12 +45,9 @@ def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
                 padding: Sequence[tuple[int, int]], **kwargs) -> jnp.ndarray:
   """A 2-D convolution as one matmul.
 
-  Same result as ``lax.conv_general_dilated`` with NHWC/HWIO dimension
-  numbers, without dilation or feature groups. The live taps' shifted views,
-  ``[B * Ho * Wo, taps * C_in]``, multiply the matching kernel rows; when the
-  map has fewer pixels than live taps, the whole map is one row instead,
-  ``[B, H * W * C_in] @ [H * W * C_in, Ho * Wo * C_out]``, so only existing
-  pixel-tap pairs are multiplied.
+  Same result as ``lax.conv_general_dilated`` (NHWC/HWIO, no dilation or
+  groups): the live taps' shifted views multiply the kernel rows, or, when the
+  map has fewer pixels than live taps, the whole map is one row.
 
   Args:
     x: inputs [B, H, W, C_in].
@@ -181,9 +172,8 @@ def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
                        padding: Sequence[tuple[int, int]]) -> jnp.ndarray:
   """Max-pooling as a maximum over columns, then over rows, of strided views.
 
-  Same result as ``nn.max_pool`` bit for bit, and the same gradient wherever a
-  window's maximum is unique (ties split it). Cheaper than XLA:CPU's
-  reduce-window gradient of ``nn.max_pool``.
+  Same result as ``nn.max_pool``, and the same gradient wherever a window's
+  maximum is unique (ties split it).
 
   Args:
     x: inputs [B, H, W, C].

@@ -1,18 +1,9 @@
 """ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
 
-torchvision's ResNet-18 layout without the classifier: a stem, four stages of
-two ``BasicBlock``s (widths 64-128-256-512, stride 2 at the first block of
-stages 2-4) and a global average pool giving features ``h`` [B, 512].
-
-* ``stem='imagenet'``: 7x7/2 conv, BatchNorm, ReLU, 3x3/2 max-pool. The paper's
-  setting, also at 32 x 32 (its 11.18M parameters match it).
-* ``stem='cifar'``: 3x3/1 conv, BatchNorm, ReLU, no pooling (comparison only).
-
-Padding is explicit and symmetric, as in torchvision (``'SAME'`` pads stride-2
-layers asymmetrically). BatchNorm uses torchvision's momentum and epsilon; under
-``jax.jit`` with a sharded batch its statistics are those of the global batch.
-Computations run in ``dtype``; parameters, BatchNorm reductions and the outputs
-are float32.
+torchvision's ResNet-18 without the classifier, with torchvision's symmetric
+padding (``'SAME'`` pads stride-2 layers asymmetrically) and BatchNorm
+settings. Computations run in ``dtype``; parameters, BatchNorm reductions and
+the outputs are float32.
 """
 
 from typing import Any
@@ -40,8 +31,7 @@ class BasicBlock(nn.Module):
   Attributes:
     features: number of output channels.
     strides: stride of the first convolution (and of the projection shortcut).
-    zero_init_residual: initialise the scale of the block's last BatchNorm to
-      zero so the block starts as the identity (Goyal et al., 2017).
+    zero_init_residual: zero the last BatchNorm scale (Goyal et al., 2017).
     dtype: computation dtype.
     conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``).
   """
@@ -89,8 +79,8 @@ class ResNet18(nn.Module):
   """ResNet-18 feature extractor (no classifier).
 
   Attributes:
-    stem: ``'imagenet'`` (7x7/2 conv + 3x3/2 max-pool, the paper's setting) or
-      ``'cifar'`` (3x3/1 conv, no pool).
+    stem: ``'imagenet'`` (7x7/2 conv + max-pool, the paper's, even at 32 x 32)
+      or ``'cifar'`` (3x3/1 conv, no pool).
     dtype: computation dtype; parameters stay float32.
     zero_init_residual: zero-initialise the last BatchNorm scale of every block
       (off, as in torchvision).
@@ -114,8 +104,7 @@ class ResNet18(nn.Module):
 
     Args:
       x: images [B, H, W, C] (float, any range the input pipeline chooses).
-      train: use batch statistics and update the running averages
-        (requires ``mutable=['batch_stats']``).
+      train: use batch statistics and update the running averages.
 
     Returns:
       Globally average-pooled features [B, 512], float32.
@@ -153,10 +142,7 @@ class ResNet18(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-  """Two-layer MLP projection head g: Dense -> BatchNorm -> ReLU -> Dense.
-
-  BatchNorm after the hidden layer as in SimCLR v2 (the paper only says
-  "2-layer").
+  """Projection head g: Dense -> BatchNorm (SimCLR v2's) -> ReLU -> Dense.
 
   Attributes:
     hidden_dim: width of the hidden layer.
@@ -223,8 +209,8 @@ class SimCLRNet(nn.Module):
       train: use batch statistics and update the running averages.
 
     Returns:
-      h: encoder features [B, 512], float32 (used by the linear probe).
-      z: projections [B, proj_dim], float32, not normalised (the loss does it).
+      h: encoder features [B, 512], float32.
+      z: projections [B, proj_dim], float32, not normalised.
     """
     h = ResNet18(stem=self.stem, dtype=self.dtype,
                  zero_init_residual=self.zero_init_residual,
