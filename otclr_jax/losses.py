@@ -1,12 +1,7 @@
 """Pretraining losses: NT-Xent and the Sinkhorn regulariser.
 
-See docs/method.md section 6; ``L_pre = L_NCE + beta * L_Sinkhorn`` is summed
-by otclr_jax/step.py.
-
-With a fixed ``alpha`` the images entering ``L_Sinkhorn`` do not depend on the
-network parameters, so ``beta`` has no effect on training; the term acts only
-through a learnt ``alpha = alpha_from_logit(logit)``. On global arrays under
-``jax.jit``, the negatives of NT-Xent are the global batch.
+docs/method.md section 6. With a fixed ``alpha``, ``L_Sinkhorn`` has no
+gradient in the network parameters; it acts only through a learnt ``alpha``.
 """
 
 import jax

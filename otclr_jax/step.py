@@ -1,8 +1,6 @@
 """The generic pretraining step: views -> model -> objective -> update.
 
-One jitted, donated step serves every objective of `otclr_jax.methods` with
-either view generator, adding the Sinkhorn term of OT views (docs/method.md
-section 6). Randomness is ``fold_in(key, step)``, so a resumed run repeats an
+Randomness is ``fold_in(key, step)``, so a resumed run repeats an
 uninterrupted one.
 """
 
@@ -31,8 +29,7 @@ class TrainState(flax.struct.PyTreeNode):
     params: {'net': network params, 'alpha_logit': [] when ot.learn_alpha}.
     batch_stats: BatchNorm running statistics of the trained network.
     opt_state: optax state.
-    extra: the method's state outside the optimiser (target network and its
-      BatchNorm statistics, queue, centre; ``{}`` for SimCLR).
+    extra: the method's state outside the optimiser (`base.Method`).
   """
   step: jax.Array
   params: Any
@@ -84,11 +81,7 @@ def all_finite(tree) -> jax.Array:
 
 
 def state_finite(state: TrainState) -> jax.Array:
-  """Bool [4]: whether each of `STATE_PARTS` holds only finite values.
-
-  The loss and gradient precede the update, so only this sees an update that
-  overflowed the state; otclr_jax/train.py checkpoints only all-True states.
-  """
+  """Bool [4]: whether each of `STATE_PARTS` holds only finite values."""
   return jnp.stack([all_finite(getattr(state, part)) for part in STATE_PARTS])
 
 
@@ -164,8 +157,7 @@ def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
                    steps_per_epoch: int):
   """`train_step` jitted over `mesh`: batch sharded on 'data', state replicated.
 
-  The loss, BatchNorm and a MoCo queue see the global batch. The metrics also
-  hold ``'state_finite'``, `state_finite` of the new state (bool [4]).
+  The metrics also hold ``'state_finite'`` of the new state (bool [4]).
   """
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))

@@ -1,10 +1,7 @@
 """Positive views: the view generator, chosen independently of the objective.
 
-`config.views` is ``'augment'`` (two SimCLR strong augmentations,
-docs/method.md section 1) or ``'ot'`` (the displacement views
-``x_hat_k = D(x, x_sk)`` of sections 2-5 built from them). OTCLR is SimCLR
-with ``'ot'`` views (``config.method = 'otclr'``). Both draw their
-augmentations from one split of the step key, so they see the same ones.
+``'augment'``: two strong augmentations (docs/method.md section 1); ``'ot'``:
+the displacement views of sections 2-5 built from the same two.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
   """The run's `(objective, view generator)` names.
 
   Args:
-    config: the run's config. `config.method` names the objective (or the
-      alias ``'otclr'``); `config.views` names the view generator, ``''``
-      (the default) the method's own.
+    config: the run's config; `config.views` ``''`` means the method's own.
 
   Returns:
     `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
