@@ -1,11 +1,8 @@
 """The interface every pretraining objective implements, and shared pieces.
 
-Per step, `otclr_jax.step` calls ``loss`` inside the differentiated function
-(gradients reach ``params`` only; ``extra`` is constant), then the optimiser,
-then ``post_update`` with the new parameters. ``extra`` (target network,
-queue, centre; ``{}`` for SimCLR) lives in ``TrainState.extra``, so resumed
-runs repeat uninterrupted ones. Every model maps images [B, H, W, 3] to a tuple
-starting ``(h, z)``: features [B, 512] and the embedding [B, D].
+Per step, `otclr_jax.step` differentiates ``loss`` (``extra``, e.g. a target
+network or queue, is constant), updates, then calls ``post_update``. Every
+model maps images [B, H, W, 3] to a tuple starting ``(h [B, 512], z [B, D])``.
 """
 
 from __future__ import annotations
@@ -45,13 +42,10 @@ class Method:
     name: the `config.method` value.
     title: the name tables print (the paper's spelling), e.g. ``'MoCo'``.
     create_model: ``config -> flax Module`` (the online network).
-    init_extra: ``(config, variables, key) -> extra``, with ``variables`` the
-      online network's ``{'params', 'batch_stats'}`` as initialised.
+    init_extra: ``(config, variables, key) -> extra`` from initial variables.
     loss: ``(config, model, params, batch_stats, extra, v1, v2, progress) ->
-      (loss, metrics, batch_stats, extra)``; ``params`` are the network's
-      parameters (``TrainState.params['net']``), ``v1, v2`` the view batches
-      [B, H, W, 3] float32, ``metrics`` a dict of scalars (without
-      ``'loss'``, which the step adds).
+      (loss, metrics, batch_stats, extra)``; ``v1, v2`` [B, H, W, 3] float32,
+      ``metrics`` a dict of scalars (the step adds ``'loss'``).
     post_update: ``(config, extra, params, batch_stats, progress) -> extra``,
       with the parameters after the optimiser update.
     default_config: ``() -> ConfigDict`` for ``config.<name>``, or None; an
@@ -179,10 +173,7 @@ def init_share(base: float, final: float, total_steps: int) -> float:
 
 def horizon_base_tau(base: float, final: float, total_steps: int,
                      max_init_share: float) -> float:
-  """The largest starting momentum <= `base` that fits the run's length.
-
-  Lowered for short runs, as BYOL's presets do, so at most `max_init_share`
-  of the initialisation is left at the end (`init_share`).
+  """The largest start momentum <= `base` leaving <= `max_init_share` (BYOL).
 
   Args:
     base: the configured momentum at step 0.
@@ -243,8 +234,7 @@ def report_horizon(name: str, settings: ml_collections.ConfigDict,
 def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
   """A `post_update` moving `extra['target_params']` to the online ones by EMA.
 
-  Momentum follows `cosine_momentum` from `schedule_base_tau` to
-  ``config.<block>.final_tau``.
+  Momentum: `cosine_momentum` from `schedule_base_tau` to ``final_tau``.
 
   Args:
     block: the method's config block, e.g. 'moco'.
