@@ -45,17 +45,15 @@ def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
                 padding: Sequence[tuple[int, int]], **kwargs) -> jnp.ndarray:
   """A 2-D convolution as one matmul.
 
-  Same result as ``lax.conv_general_dilated`` (NHWC/HWIO, no dilation or
-  groups): the live taps' shifted views multiply the kernel rows, or, when the
-  map has fewer pixels than live taps, the whole map is one row.
+  Same result as ``lax.conv_general_dilated`` (NHWC/HWIO), from the live taps'
+  shifted views or, on maps with fewer pixels than taps, the map as one row.
 
   Args:
     x: inputs [B, H, W, C_in].
     kernel: [kh, kw, C_in, C_out].
     window_strides: (sh, sw).
     padding: ((top, bottom), (left, right)), or ``'SAME'``/``'VALID'``.
-    **kwargs: the rest of ``lax.conv_general_dilated``'s keywords; dilations
-      must be 1, feature groups 1 and dimension numbers NHWC/HWIO/NHWC.
+    **kwargs: other ``lax.conv_general_dilated`` keywords (undilated, 1 group).
 
   Returns:
     Outputs [B, Ho, Wo, C_out].
@@ -124,8 +122,7 @@ def matmul_is_faster(x_shape: Sequence[int], kernel_shape: Sequence[int],
     strides: (sh, sw).
 
   Returns:
-    True when the output map, ``ceil(H / sh) * ceil(W / sw)`` pixels, has at
-    most ``CONV_MATMUL_MAX_OUT_PIXELS``.
+    True when the output has at most ``CONV_MATMUL_MAX_OUT_PIXELS`` pixels.
   """
   del kernel_shape
   out_h = -(-x_shape[1] // strides[0])
@@ -143,13 +140,11 @@ def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
   """The convolution ``nn.Conv`` calls for ``model.conv_impl``.
 
   Args:
-    impl: ``'xla'`` (``lax.conv_general_dilated``), ``'matmul'``
-      (``conv_matmul``) or ``'auto'``: on CPU, per layer, whichever
-      ``matmul_is_faster`` says; on GPU and TPU always XLA's (cuDNN).
+    impl: ``'xla'``, ``'matmul'`` (``conv_matmul``) or ``'auto'``: on CPU per
+      layer by ``matmul_is_faster``, elsewhere XLA's.
 
   Returns:
-    A function with ``lax.conv_general_dilated``'s signature; every choice
-    takes the same parameters.
+    A function with ``lax.conv_general_dilated``'s signature.
   """
   check_conv_impl(impl)
   if impl == 'xla':
@@ -172,8 +167,7 @@ def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
                        padding: Sequence[tuple[int, int]]) -> jnp.ndarray:
   """Max-pooling as a maximum over columns, then over rows, of strided views.
 
-  Same result as ``nn.max_pool``, and the same gradient wherever a window's
-  maximum is unique (ties split it).
+  Same result as ``nn.max_pool``; same gradient where maxima are unique.
 
   Args:
     x: inputs [B, H, W, C].

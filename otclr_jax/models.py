@@ -1,9 +1,7 @@
 """ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
 
-torchvision's ResNet-18 without the classifier, with torchvision's symmetric
-padding (``'SAME'`` pads stride-2 layers asymmetrically) and BatchNorm
-settings. Computations run in ``dtype``; parameters, BatchNorm reductions and
-the outputs are float32.
+torchvision's layout, symmetric padding and BatchNorm settings; computations
+run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
 """
 
 from typing import Any
@@ -82,10 +80,8 @@ class ResNet18(nn.Module):
     stem: ``'imagenet'`` (7x7/2 conv + max-pool, the paper's, even at 32 x 32)
       or ``'cifar'`` (3x3/1 conv, no pool).
     dtype: computation dtype; parameters stay float32.
-    zero_init_residual: zero-initialise the last BatchNorm scale of every block
-      (off, as in torchvision).
-    conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``);
-      the parameters are the same under every choice.
+    zero_init_residual: zero each block's last BatchNorm scale (default off).
+    conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``).
   """
   stem: str = 'imagenet'
   dtype: Any = jnp.float32

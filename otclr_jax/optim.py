@@ -1,8 +1,6 @@
 """The optimisers: SGD with masked weight decay, LARS, and their schedule.
 
-`create_optimizer` builds the run's from `optim_settings` (its method's recipe
-or the paper's `config.optim`); LARS follows solo-learn, per-parameter
-clipping DINO (docs/methods.md gives the sources).
+LARS follows solo-learn, per-parameter clipping DINO (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -21,11 +19,7 @@ OPTIMIZERS = ('sgd', 'lars')
 
 def optim_settings(config: ml_collections.ConfigDict
                    ) -> ml_collections.ConfigDict:
-  """The run's optimiser: its method's recipe, or the paper's `config.optim`.
-
-  A method block's ``optim`` sub-block (BYOL, DINO) wins; ``warmup_epochs``
-  is always ``config.optim``'s.
-  """
+  """The run's optimiser: a method block's ``optim``, else `config.optim`."""
   method = views_lib.resolve(config)[0]
   block = config.get(method, None)
   if block is not None and 'optim' in block:
@@ -103,7 +97,7 @@ def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
 
 
 def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
-  """Per-tensor gradient clipping to norm <= `max_norm` (DINO's clip_gradients)."""
+  """Clips each gradient tensor to norm <= `max_norm` (DINO clip_gradients)."""
   def update_fn(updates, state, params=None):
     del params
     def clip(g):
