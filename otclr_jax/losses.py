@@ -1,7 +1,6 @@
 """Pretraining losses: NT-Xent and the Sinkhorn regulariser.
 
-docs/method.md section 6. With a fixed ``alpha``, ``L_Sinkhorn`` has no
-gradient in the network parameters; it acts only through a learnt ``alpha``.
+docs/method.md section 6; ``L_Sinkhorn`` acts only through a learnt ``alpha``.
 """
 
 import jax
@@ -40,8 +39,7 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
 
   Returns:
     loss: scalar mean over the 2B anchors, float32.
-    top1: scalar fraction of anchors whose positive is strictly more similar
-      than every negative (ties count as wrong: collapse scores 0).
+    top1: scalar fraction of anchors whose positive strictly beats every negative.
 
   Raises:
     ValueError: if the shapes differ or are not [B, D], or temperature <= 0.
@@ -76,9 +74,8 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
                          num_iters: int) -> jnp.ndarray:
   """``L_Sinkhorn`` of docs/method.md section 6, averaged over the batch.
 
-  ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]``, the generated
-  view as source (finite Sinkhorn is not symmetric). ``S`` includes the
-  entropy term, so the loss can be negative.
+  ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]``, generated views
+  as source; ``S`` has the entropy term, so the loss can be negative.
 
   Args:
     x: source images [B, H, W, C] in [0, 1].

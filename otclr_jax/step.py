@@ -1,8 +1,4 @@
-"""The generic pretraining step: views -> model -> objective -> update.
-
-Randomness is ``fold_in(key, step)``, so a resumed run repeats an
-uninterrupted one.
-"""
+"""The generic pretraining step: views -> model -> objective -> update."""
 
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
     model: `method.create_model(config)`.
     tx: the optimiser.
     key: the run's init key.
-    variables: the network's `{'params', 'batch_stats'}` from `key`
-      (`experiment.initial_variables`), or None to draw them here.
+    variables: `{'params', 'batch_stats'}` drawn from `key`, or None.
 
   Returns:
     TrainState.
@@ -94,7 +89,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
   Args:
     state: current state (donated under `jit_train_step`).
     batch: uint8 images [B, H, W, 3], B the global batch.
-    key: the run's training key; folded with the step here.
+    key: the run's training key; folded with the step (resumable).
     method: the objective (static).
     config: the run's config (static).
     model: `method.create_model(config)` (static).
@@ -104,9 +99,8 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     steps_per_epoch: updates per epoch (schedules counted in epochs).
 
   Returns:
-    `(new_state, metrics)`, metrics a dict of scalars for this step:
-    ``'loss'``, the method's own terms, ``'sinkhorn'`` and ``'alpha'`` for OT
-    views, ``'grad_norm'`` and ``'lr'``.
+    `(new_state, metrics)`: scalars ``'loss'``, the method's terms,
+    ``'sinkhorn'`` and ``'alpha'`` (OT views), ``'grad_norm'``, ``'lr'``.
   """
   _, view_kind = views.resolve(config)
   images = batch.astype(jnp.float32) / 255.0
@@ -155,10 +149,7 @@ def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
                    model, tx: optax.GradientTransformation,
                    schedule: optax.Schedule, mesh: Mesh, *, total_steps: int,
                    steps_per_epoch: int):
-  """`train_step` jitted over `mesh`: batch sharded on 'data', state replicated.
-
-  The metrics also hold ``'state_finite'`` of the new state (bool [4]).
-  """
+  """Jitted `train_step`, batch sharded on 'data'; adds 'state_finite' [4]."""
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
 

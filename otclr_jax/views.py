@@ -1,8 +1,4 @@
-"""Positive views: the view generator, chosen independently of the objective.
-
-``'augment'``: two strong augmentations (docs/method.md section 1); ``'ot'``:
-the displacement views of sections 2-5 built from the same two.
-"""
+"""Positive views: augmentations or OT views (docs/method.md sections 1-5)."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
     `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
 
   Raises:
-    ValueError: for an unknown `config.views`, or ``method='otclr'`` with
-      ``views='augment'``.
+    ValueError: for unknown `config.views`, or 'otclr' with 'augment' views.
   """
   views = config.get('views', None) or None
   if views is not None and views not in VIEWS:
@@ -85,17 +80,15 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
   """Both positive views of a batch, as the training step sees them.
 
   Args:
-    config: the run's config (`resolve` gives the view generator;
-      `config.augment` the strong augmentation, `config.ot` the OT settings).
+    config: the run's config (`resolve`, `config.augment`, `config.ot`).
     images: source images float32 [B, H, W, 3] in [0, 1].
     key: PRNG key for the two strong augmentations (split once, as always).
     alpha: scalar interpolation coefficient for ``'ot'`` views (may be
       traced); None means `config.ot.alpha`.
 
   Returns:
-    `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the views fed to
-    the encoder and the strong augmentations they came from (equal to the
-    views for ``'augment'``).
+    `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the encoder's
+    views and the strong augmentations they came from.
   """
   _, views = resolve(config)
   k1, k2 = jax.random.split(key)
