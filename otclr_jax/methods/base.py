@@ -46,13 +46,11 @@ class Method:
     loss: ``(config, model, params, batch_stats, extra, v1, v2, progress) ->
       (loss, metrics, batch_stats, extra)``; ``v1, v2`` [B, H, W, 3] float32,
       ``metrics`` a dict of scalars (the step adds ``'loss'``).
-    post_update: ``(config, extra, params, batch_stats, progress) -> extra``,
-      with the parameters after the optimiser update.
+    post_update: ``(config, extra, params, batch_stats, progress) -> extra``.
     default_config: ``() -> ConfigDict`` for ``config.<name>``, or None; an
       ``optim`` sub-block replaces ``config.optim`` (`optim.optim_settings`).
     network: the class of the online network `create_model` builds.
-    embed: ``(model, variables, h) -> z``: the embedding [N, D] from features
-      h [N, 512], BatchNorm in inference mode.
+    embed: ``(model, variables, h [N, 512]) -> z [N, D]``, BatchNorm frozen.
   """
   name: str
   title: str
@@ -88,9 +86,7 @@ def copy_tree(tree):
 
 def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
                    v2: jax.Array):
-  """Runs `model` in training mode on each view batch separately.
-
-  BatchNorm uses each view's own statistics, as solo-learn and BYOL do.
+  """Runs `model` in training mode on each view batch (own BN statistics).
 
   Args:
     model: a network returning a tuple of [B, ...] arrays.
@@ -238,8 +234,7 @@ def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
 
   Args:
     block: the method's config block, e.g. 'moco'.
-    online: maps the online params to the tree the target mirrors (BYOL drops
-      its predictor).
+    online: maps online params to the target's tree (BYOL drops a predictor).
   """
   def post_update(config, extra, params, batch_stats, progress):
     del batch_stats

@@ -5,8 +5,7 @@ Recipe (docs/methods.md has the sources with file and line):
 * Projector and predictor 4096 -> 256, BYOL's own (no paper row to match).
 * BatchNorm per view (`base.apply_per_view`), as BYOL and solo-learn.
 * Target: encoder + projector, EMA of the online ones, own BatchNorm stats.
-* Momentum: cosine 0.99 -> 1.0 (solo-learn cifar/byol.yaml), start lowered
-  for short runs (`base.horizon_base_tau`).
+* Momentum: cosine 0.99 -> 1.0 (solo-learn cifar/byol.yaml).
 * Optimiser: LARS, lr 1.0 x B/256, wd 1e-5, eta 0.02 (cifar/byol.yaml).
 * Loss: ``mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))``, in
   [0, 8] (BYOL eq. 2; solo-learn ``solo/losses/byol.py``).
@@ -30,9 +29,8 @@ from otclr_jax.methods import simclr
 class BYOLNet(nn.Module):
   """BYOL's online network: encoder f, projector g and predictor q.
 
-  The predictor has the projector's shape (BYOL section 3.3). The
-  ``{'encoder', 'head'}`` part of the parameters is a ``SimCLRNet`` tree,
-  which the target network applies.
+  Predictor shaped as the projector (BYOL section 3.3); the ``{'encoder',
+  'head'}`` params form the target's ``SimCLRNet`` tree.
 
   Attributes:
     stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.

@@ -2,9 +2,8 @@
 
 Recipe (docs/methods.md has the sources with file and line):
 
-* Head 512 -> 2048 -> 2048 -> 256, 4096 prototypes (solo-learn
-  ``scripts/pretrain/cifar/dino.yaml``); both views in one forward pass, as
-  DINO's multi-crop wrapper.
+* Head 512-2048-2048-256, 4096 prototypes (solo-learn cifar/dino.yaml); both
+  views in one forward pass, as DINO's multi-crop wrapper.
 * Teacher: EMA of the student, cosine 0.9995 -> 1.0 (DINO's advice at batch
   256), start lowered for short runs; own BatchNorm stats, as DINO's code.
 * Loss: ``1/2 [H(P_t(x2), P_s(x1)) + H(P_t(x1), P_s(x2))]`` (DINO Algorithm
@@ -12,7 +11,6 @@ Recipe (docs/methods.md has the sources with file and line):
 * Centre: ``c <- 0.9 c + 0.1 mean(teacher logits)`` after the loss.
 * Prototypes frozen for 1 epoch; per-parameter gradient clipping at 3.0 (DINO).
 * Optimiser: LARS, lr 0.3 x B/256, wd 1e-6 (solo-learn cifar/dino.yaml).
-* No multi-crop (a second input size) or weight-decay schedule.
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ from otclr_jax.methods import base
 
 
 class DINOHead(nn.Module):
-  """DINO's head: 3-layer MLP, l2 normalisation, weight-normalised prototypes.
-
-  The prototypes are bias-free with unit-norm columns (DINO's
-  ``norm_last_layer=True``); the MLP is initialised as DINO's.
+  """DINO's head: 3-layer MLP, l2 norm, unit-norm prototypes (norm_last_layer).
 
   Attributes:
     hidden_dim: width of the two hidden layers.
@@ -58,8 +53,7 @@ class DINOHead(nn.Module):
 
     Returns:
       y: bottleneck [B, bottleneck_dim], float32, before normalisation.
-      logits: prototype scores [B, num_prototypes], float32 cosines in
-        [-1, 1].
+      logits: prototype cosines [B, num_prototypes], float32, in [-1, 1].
     """
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
@@ -185,10 +179,7 @@ def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
 
 def freeze_prototypes(config: ml_collections.ConfigDict, params,
                       progress: base.Progress):
-  """`params` whose prototypes pass no gradient in the first epochs.
-
-  As DINO's ``epoch < freeze_last_layer``: their gradient is exactly 0.
-  """
+  """`params` with the prototypes frozen while epoch < freeze_last_layer."""
   frozen = progress.step < (config.dino.freeze_last_layer
                             * progress.steps_per_epoch)
   prototypes = params['head']['prototypes']

@@ -2,16 +2,14 @@
 
 Recipe (docs/methods.md has the sources with file and line):
 
-* Query encoder: the SimCLR network; key encoder: its EMA copy (with heads
-  23.01M parameters, the paper's count).
+* Key encoder: EMA copy of the SimCLR query network (23.01M, the paper's).
 * BatchNorm per view (`base.apply_per_view`), in place of MoCo's shuffled
   BatchNorm: a query and its key never share batch statistics.
 * Loss: ``(L(q1, k2, queue_2) + L(q2, k1, queue_1)) / 2``, temperature 0.2
   (solo-learn ``solo/methods/mocov2plus.py``; MoCo v2 is asymmetric).
 * Queue: 32768 random unit keys per view, FIFO (solo-learn
   ``scripts/pretrain/cifar/mocov2plus.yaml``).
-* Momentum: cosine 0.99 -> 0.999 (solo-learn CIFAR), start lowered for short
-  runs; ``base_tau = final_tau = 0.999`` gives MoCo v2's.
+* Momentum: cosine 0.99 -> 0.999 (solo-learn CIFAR; MoCo v2: 0.999 fixed).
 * Optimiser: the paper's ``config.optim``.
 """
 
