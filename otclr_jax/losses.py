@@ -39,7 +39,7 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
 
   Returns:
     loss: scalar mean over the 2B anchors, float32.
-    top1: scalar fraction of anchors whose positive strictly beats every negative.
+    top1: fraction of anchors whose positive strictly beats every negative.
 
   Raises:
     ValueError: if the shapes differ or are not [B, D], or temperature <= 0.
