@@ -1,8 +1,5 @@
 """Convolution and max-pool kernels for CPU, where XLA's are slow on small maps.
 
-``conv_matmul`` computes a convolution as one GEMM, of shifted views or, on
-maps with fewer pixels than the kernel has live taps, of the whole map;
-``max_pool_separable`` the stem's max-pool as separable shifted maxima.
 ``conv_function`` / ``max_pool_function`` pick them or XLA's by
 ``model.conv_impl``; the parameters are the same under every choice.
 """
@@ -21,12 +18,7 @@ CONV_IMPLS = ('auto', 'xla', 'matmul')
 
 def _live_taps(size: int, kernel: int, stride: int, pad: int,
                out: int) -> list[int]:
-  """Kernel offsets along one axis whose window touches a real pixel.
-
-  Offset ``i`` reads padded rows ``i, i + stride, ..., i + stride * (out - 1)``;
-  an offset reading only padding contributes zero (its kernel gradient too),
-  so the matmul skips it: a 3 x 3 convolution of a 1 x 1 map is one tap.
-  """
+  """Kernel offsets along one axis whose window touches a real pixel."""
   return [i for i in range(kernel)
           if any(pad <= i + stride * o < pad + size for o in range(out))]
 
@@ -53,25 +45,15 @@ def conv_matmul(x: jnp.ndarray, kernel: jnp.ndarray,
                 padding: Sequence[tuple[int, int]], **kwargs) -> jnp.ndarray:
   """A 2-D convolution as one matmul.
 
-  Same arguments and result as ``lax.conv_general_dilated`` with NHWC/HWIO
-  dimension numbers and explicit padding (how ``nn.Conv`` calls it), without
-  dilation or feature groups. Usually the live taps' shifted views are
-  concatenated along channels, ``[B * Ho * Wo, taps * C_in]``, and multiplied
-  by the matching rows of the kernel; XLA:CPU runs that as one large GEMM
-  (forward and both gradients), which on small spatial maps is 5-20x faster
-  than its convolution. When the input map has fewer pixels than there are
-  live taps (a 3 x 3 convolution of a 2 x 2 map), the whole map is one row
-  instead, ``[B, H * W * C_in] @ [H * W * C_in, Ho * Wo * C_out]``, with the
-  kernel's taps placed in that block matrix: it multiplies only pixel-tap
-  pairs that exist, 4 of the shifted form's 9 per output pixel there.
+  Same result as ``lax.conv_general_dilated`` (NHWC/HWIO), from the live taps'
+  shifted views or, on maps with fewer pixels than taps, the map as one row.
 
   Args:
     x: inputs [B, H, W, C_in].
     kernel: [kh, kw, C_in, C_out].
     window_strides: (sh, sw).
     padding: ((top, bottom), (left, right)), or ``'SAME'``/``'VALID'``.
-    **kwargs: the rest of ``lax.conv_general_dilated``'s keywords; dilations
-      must be 1, feature groups 1 and dimension numbers NHWC/HWIO/NHWC.
+    **kwargs: other ``lax.conv_general_dilated`` keywords (undilated, 1 group).
 
   Returns:
     Outputs [B, Ho, Wo, C_out].
@@ -124,14 +106,9 @@ def _check_plain_conv(x_shape, kernel_shape, kwargs: dict[str, Any]) -> None:
                      f'{kwargs}.')
 
 
-# Largest output map (Ho * Wo pixels) on which `auto` picks `conv_matmul` on
-# CPU: every convolution of ResNet-18 with the imagenet stem at 32 x 32 (the
-# stem's output is 16 x 16). Measured at batch 256 on a 2-core x86 CPU
-# (`python -m otclr_jax.bench resnet --per_layer`): the matmul is 1.2-100x
-# faster on outputs of 4 x 4 and smaller, as fast as XLA on 8 x 8 and 16 x 16
-# alone and 5-10% faster inside the network (no layout changes between
-# convolutions). Larger maps keep XLA's convolution, which is good there and
-# needs no copy of the input per kernel tap.
+# Largest output map (Ho * Wo) on which `auto` picks `conv_matmul` on CPU:
+# covers ResNet-18 at 32 x 32; larger maps keep XLA's convolution, which needs
+# no copy of the input per tap.
 CONV_MATMUL_MAX_OUT_PIXELS = 16 * 16
 
 
@@ -145,8 +122,7 @@ def matmul_is_faster(x_shape: Sequence[int], kernel_shape: Sequence[int],
     strides: (sh, sw).
 
   Returns:
-    True when the output map, ``ceil(H / sh) * ceil(W / sw)`` pixels, has at
-    most ``CONV_MATMUL_MAX_OUT_PIXELS``.
+    True when the output has at most ``CONV_MATMUL_MAX_OUT_PIXELS`` pixels.
   """
   del kernel_shape
   out_h = -(-x_shape[1] // strides[0])
@@ -164,14 +140,11 @@ def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
   """The convolution ``nn.Conv`` calls for ``model.conv_impl``.
 
   Args:
-    impl: ``'xla'`` (``lax.conv_general_dilated``), ``'matmul'``
-      (``conv_matmul``) or ``'auto'``: on CPU, per layer, whichever
-      ``matmul_is_faster`` says; on GPU and TPU always XLA's (cuDNN).
+    impl: ``'xla'``, ``'matmul'`` (``conv_matmul``) or ``'auto'``: on CPU per
+      layer by ``matmul_is_faster``, elsewhere XLA's.
 
   Returns:
-    A function with ``lax.conv_general_dilated``'s signature. Every choice
-    computes the same convolution with the same parameters, so checkpoints
-    load under any of them.
+    A function with ``lax.conv_general_dilated``'s signature.
   """
   check_conv_impl(impl)
   if impl == 'xla':
@@ -194,15 +167,7 @@ def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
                        padding: Sequence[tuple[int, int]]) -> jnp.ndarray:
   """Max-pooling as a maximum over columns, then over rows, of strided views.
 
-  Same result as ``nn.max_pool`` with these arguments (a maximum is exact,
-  so bit for bit), and the same gradient to float32 rounding wherever the
-  maximum of a window is unique: the gradient of each maximum goes to its
-  largest input. Ties split it instead of giving it to the first one;
-  a tie between equal patches sends the same gradient to the parameters
-  either way.
-  XLA:CPU differentiates ``nn.max_pool`` through a reduce-window over one
-  index array per input dimension, [B, H + 2, W + 2, C] each; these
-  shifted maxima cost a third of that forward and backward.
+  Same result as ``nn.max_pool``; same gradient where maxima are unique.
 
   Args:
     x: inputs [B, H, W, C].
@@ -230,12 +195,7 @@ def max_pool_separable(x: jnp.ndarray, window: Sequence[int],
 
 
 def max_pool_function(impl: str) -> Callable[..., jnp.ndarray]:
-  """The max-pool for ``model.conv_impl``: separable on CPU, else XLA's.
-
-  ``'xla'`` keeps ``nn.max_pool`` everywhere; ``'matmul'`` and ``'auto'`` on
-  CPU take ``max_pool_separable``; ``'auto'`` elsewhere keeps
-  ``nn.max_pool``.
-  """
+  """The max-pool for ``conv_impl``: separable for matmul or CPU auto."""
   check_conv_impl(impl)
 
   def pool(x, window, strides, padding):

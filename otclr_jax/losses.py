@@ -1,27 +1,6 @@
 """Pretraining losses: NT-Xent and the Sinkhorn regulariser.
 
-docs/method.md section 6:
-
-* ``L_NCE``: NT-Xent over the 2B l2-normalised projections of the two views.
-* ``L_Sinkhorn = 1/2 [S(x_hat_1, x) + S(x_hat_2, x) + S(x_hat_1, x_s1)
-  + S(x_hat_2, x_s2)]``, averaged over the batch, with ``S`` the entropic
-  Sinkhorn cost of ``otclr_jax.ot.image_sinkhorn_cost`` (averaged over
-  channels).
-* ``L_pre = L_NCE + beta * L_Sinkhorn``, summed by the train step
-  (otclr_jax/step.py).
-
-With a fixed interpolation coefficient ``alpha`` the images entering
-``L_Sinkhorn`` do not depend on the network parameters, so its gradient with
-respect to them is exactly zero and ``beta`` has no effect on training (pinned
-in ``tests/test_losses.py``). The term only acts when ``alpha`` is learnt:
-training then parameterises ``alpha = alpha_from_logit(logit)`` and
-differentiates the generated views, hence ``L_Sinkhorn`` (and ``L_NCE``), with
-respect to the logit. Even then it reaches the network parameters only through
-the views ``alpha`` produces.
-
-Everything here is pure ``jax.numpy`` on global arrays: under ``jax.jit`` with
-the batch sharded over devices, the negatives of NT-Xent are the global batch
-without explicit collectives.
+docs/method.md section 6; ``L_Sinkhorn`` acts only through a learnt ``alpha``.
 """
 
 import jax
@@ -42,7 +21,6 @@ def _check_positive_scalar(name: str, value) -> None:
 
 def l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
   """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
-  # The floor keeps an all-zero row finite (it maps to zero, not NaN).
   sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
   return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
 
@@ -51,10 +29,8 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
             temperature: float = 0.5) -> tuple[jnp.ndarray, jnp.ndarray]:
   """NT-Xent (InfoNCE) loss of SimCLR and its contrastive top-1 accuracy.
 
-  The 2B embeddings ``z = normalise(concat(z1, z2))`` give logits
-  ``z_i . z_j / temperature``; anchor ``i`` has its positive at ``i + B``
-  (mod 2B) and the other 2B - 2 embeddings as negatives:
-  ``L = 1/(2B) sum_i -log(exp(l_{i,p(i)}) / sum_{j != i} exp(l_ij))``.
+  Anchor ``i`` of ``z = normalise(concat(z1, z2))`` has its positive at
+  ``i + B`` (mod 2B) and the other 2B - 2 embeddings as negatives.
 
   Args:
     z1: projections of the first views [B, D] (raw, not normalised).
@@ -63,9 +39,7 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
 
   Returns:
     loss: scalar mean over the 2B anchors, float32.
-    top1: scalar fraction of anchors whose positive is strictly more similar
-      than every negative (ties count as wrong, so a collapsed embedding scores
-      0, not 1).
+    top1: fraction of anchors whose positive strictly beats every negative.
 
   Raises:
     ValueError: if the shapes differ or are not [B, D], or temperature <= 0.
@@ -100,10 +74,8 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
                          num_iters: int) -> jnp.ndarray:
   """``L_Sinkhorn`` of docs/method.md section 6, averaged over the batch.
 
-  ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]`` with the
-  generated view as the first (source) measure, as written; finite-iteration
-  Sinkhorn is not symmetric in its arguments. ``S`` includes the entropy term,
-  so it (and this loss) can be negative.
+  ``1/2 [S(xh1, x) + S(xh2, x) + S(xh1, xs1) + S(xh2, xs2)]``, generated views
+  as source; ``S`` has the entropy term, so the loss can be negative.
 
   Args:
     x: source images [B, H, W, C] in [0, 1].
@@ -116,7 +88,7 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
     num_iters: exact number of Sinkhorn iterations.
 
   Returns:
-    Scalar float32. Differentiable in all images (and so in a learnt alpha).
+    Scalar float32, differentiable in all images.
 
   Raises:
     ValueError: if the five batches are not [B, H, W, C] of one shape.

@@ -1,36 +1,7 @@
 """ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
 
-The encoder follows the torchvision ResNet-18 layout (the paper's setting),
-without the final classifier:
-
-* ``stem='imagenet'``: 7x7/2 convolution, BatchNorm, ReLU, 3x3/2 max-pool. The
-  paper uses this stem even at 32 x 32 inputs (its 11.18M parameters and 0.074
-  GFLOPs per image match it), so a 32 x 32 image reaches the last stage at
-  1 x 1.
-* ``stem='cifar'``: 3x3/1 convolution, BatchNorm, ReLU, no pooling (the usual
-  CIFAR variant; offered for comparison, not used by the paper).
-
-Then four stages of two ``BasicBlock``s with widths 64-128-256-512 (stride 2 at
-the first block of stages 2-4, with a 1x1/2 convolution + BatchNorm shortcut),
-and a global average pool giving features ``h`` of shape [B, 512].
-
-Padding is explicit and symmetric, as in torchvision (``'SAME'`` would pad
-stride-2 layers asymmetrically on even sizes). Convolutions have no bias
-(BatchNorm follows) and use He-normal initialisation with fan-out, like
-torchvision.
-
-Convolutions and the stem's max-pool run as XLA's or as otclr_jax/conv.py's
-CPU kernels, chosen by ``conv_impl``; the parameters are the same under every
-choice.
-
-BatchNorm uses momentum 0.9 and epsilon 1e-5 (torchvision's 0.1 update rate and
-epsilon). Under ``jax.jit`` with the batch sharded over devices the arrays are
-global, so the batch statistics are those of the global batch without any
-``axis_name``.
-
-Mixed precision: computations run in ``dtype`` (e.g. ``jnp.bfloat16``);
-parameters are always float32 and BatchNorm reductions are done in float32; the
-returned features and projections are float32.
+torchvision's layout, symmetric padding and BatchNorm settings; computations
+run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
 """
 
 from typing import Any
@@ -58,8 +29,7 @@ class BasicBlock(nn.Module):
   Attributes:
     features: number of output channels.
     strides: stride of the first convolution (and of the projection shortcut).
-    zero_init_residual: initialise the scale of the block's last BatchNorm to
-      zero so the block starts as the identity (Goyal et al., 2017).
+    zero_init_residual: zero the last BatchNorm scale (Goyal et al., 2017).
     dtype: computation dtype.
     conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``).
   """
@@ -107,14 +77,11 @@ class ResNet18(nn.Module):
   """ResNet-18 feature extractor (no classifier).
 
   Attributes:
-    stem: ``'imagenet'`` (7x7/2 conv + 3x3/2 max-pool, the paper's setting) or
-      ``'cifar'`` (3x3/1 conv, no pool).
+    stem: ``'imagenet'`` (7x7/2 conv + max-pool, the paper's, even at 32 x 32)
+      or ``'cifar'`` (3x3/1 conv, no pool).
     dtype: computation dtype; parameters stay float32.
-    zero_init_residual: zero-initialise the last BatchNorm scale of every block.
-      Off by default, as in torchvision (and presumably the paper).
-    conv_impl: how convolutions run, ``'auto'``, ``'xla'`` or ``'matmul'``
-      (``conv.conv_function``); the parameters are the same under every
-      choice.
+    zero_init_residual: zero each block's last BatchNorm scale (default off).
+    conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``).
   """
   stem: str = 'imagenet'
   dtype: Any = jnp.float32
@@ -133,8 +100,7 @@ class ResNet18(nn.Module):
 
     Args:
       x: images [B, H, W, C] (float, any range the input pipeline chooses).
-      train: use batch statistics and update the running averages
-        (requires ``mutable=['batch_stats']``).
+      train: use batch statistics and update the running averages.
 
     Returns:
       Globally average-pooled features [B, 512], float32.
@@ -172,11 +138,7 @@ class ResNet18(nn.Module):
 
 
 class ProjectionHead(nn.Module):
-  """Two-layer MLP projection head g: Dense -> BatchNorm -> ReLU -> Dense.
-
-  SimCLR v1 has no BatchNorm in the head; we follow the common SimCLR v2 /
-  PyTorch practice of a BatchNorm after the hidden layer (the paper only says
-  "2-layer"). The hidden Dense has no bias because BatchNorm follows it.
+  """Projection head g: Dense -> BatchNorm (SimCLR v2's) -> ReLU -> Dense.
 
   Attributes:
     hidden_dim: width of the hidden layer.
@@ -243,8 +205,8 @@ class SimCLRNet(nn.Module):
       train: use batch statistics and update the running averages.
 
     Returns:
-      h: encoder features [B, 512], float32 (used by the linear probe).
-      z: projections [B, proj_dim], float32, not normalised (the loss does it).
+      h: encoder features [B, 512], float32.
+      z: projections [B, proj_dim], float32, not normalised.
     """
     h = ResNet18(stem=self.stem, dtype=self.dtype,
                  zero_init_residual=self.zero_init_residual,

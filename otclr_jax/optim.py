@@ -1,8 +1,6 @@
 """The optimisers: SGD with masked weight decay, LARS, and their schedule.
 
-`create_optimizer` builds the run's from `optim_settings` (its method's recipe
-or the paper's `config.optim`); LARS follows solo-learn, per-parameter
-clipping DINO (docs/methods.md gives the sources).
+LARS follows solo-learn, per-parameter clipping DINO (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -21,12 +19,7 @@ OPTIMIZERS = ('sgd', 'lars')
 
 def optim_settings(config: ml_collections.ConfigDict
                    ) -> ml_collections.ConfigDict:
-  """The run's optimiser: its method's recipe, or the paper's `config.optim`.
-
-  A method whose block holds an ``optim`` sub-block (BYOL, DINO) trains with
-  it; the others (SimCLR, MoCo: the paper's rows) with ``config.optim``. The
-  learning-rate schedule's ``warmup_epochs`` is always ``config.optim``'s.
-  """
+  """The run's optimiser: a method block's ``optim``, else `config.optim`."""
   method = views_lib.resolve(config)[0]
   block = config.get(method, None)
   if block is not None and 'optim' in block:
@@ -47,8 +40,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
 
 
 def _decay_mask(params):
-  # Convolution and dense kernels only: decaying BatchNorm scales, biases or
-  # the interpolation logit would pull them towards 0 for no benefit.
+  # Kernels only: not BatchNorm scales, biases or the interpolation logit.
   return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
 
 
@@ -62,13 +54,10 @@ def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
          ) -> optax.GradientTransformation:
   """LARS as solo-learn's ``solo/utils/lars.py`` (with ``exclude_bias_n_norm``).
 
-  For a parameter p with gradient g at learning rate lr (`schedule`):
-  when p is a kernel (ndim > 1) and ``|p|, |g| > 0``,
+  For a kernel p (ndim > 1) with gradient g and ``|p|, |g| > 0``:
   ``r = eta |p| / (|g| + weight_decay |p| + eps)``, with ``clip_lr``
   ``r = min(r / lr, 1)``, and ``d = r (g + weight_decay p)``; otherwise
-  (biases, BatchNorm, scalars, zero norms) ``d = g``, neither adapted nor
-  decayed. Then heavy-ball momentum without dampening, ``v <- momentum v +
-  d`` (``v_1 = d``), and ``p <- p - lr v``.
+  ``d = g``. Then ``v <- momentum v + d`` (no dampening), ``p <- p - lr v``.
 
   Args:
     schedule: learning rate per step.
@@ -108,11 +97,7 @@ def lars(schedule: optax.Schedule, momentum: float, weight_decay: float,
 
 
 def clip_per_parameter(max_norm: float) -> optax.GradientTransformation:
-  """Scales each parameter's gradient to norm <= `max_norm` on its own.
-
-  DINO's ``utils.clip_gradients``: ``g <- g * min(1, max_norm / (|g| +
-  1e-6))`` per parameter tensor, not over the whole tree.
-  """
+  """Clips each gradient tensor to norm <= `max_norm` (DINO clip_gradients)."""
   def update_fn(updates, state, params=None):
     del params
     def clip(g):

@@ -1,17 +1,4 @@
-"""The generic pretraining step: views -> model -> objective -> update.
-
-One jitted, donated step serves every objective of `otclr_jax.methods` with
-either view generator of `otclr_jax.views`: it draws the two views of the
-batch, hands them to the method's loss (which runs its networks), adds the
-Sinkhorn term of OT views (docs/method.md section 6), applies the optimiser and
-the method's post-update hook (EMA targets). Everything a resumed run needs,
-the method's extra state included, is in `TrainState`; randomness is
-``fold_in(key, step)``, so a resumed run repeats an uninterrupted one.
-
-For ``simclr`` with ``augment`` or ``ot`` views its first steps' metrics are
-pinned in tests/test_step.py, to the rounding that separates CPU instruction
-sets.
-"""
+"""The generic pretraining step: views -> model -> objective -> update."""
 
 from __future__ import annotations
 
@@ -38,8 +25,7 @@ class TrainState(flax.struct.PyTreeNode):
     params: {'net': network params, 'alpha_logit': [] when ot.learn_alpha}.
     batch_stats: BatchNorm running statistics of the trained network.
     opt_state: optax state.
-    extra: the method's state outside the optimiser (target network and its
-      BatchNorm statistics, queue, centre; ``{}`` for SimCLR).
+    extra: the method's state outside the optimiser (`base.Method`).
   """
   step: jax.Array
   params: Any
@@ -51,11 +37,7 @@ class TrainState(flax.struct.PyTreeNode):
 def init_state(config: ml_collections.ConfigDict, method: base.Method,
                model, tx: optax.GradientTransformation,
                key: jax.Array, variables: Any = None) -> TrainState:
-  """The state at step 0.
-
-  The network is initialised from `key` exactly as before methods were
-  plug-ins; the method's extra state (e.g. MoCo's random queue) draws from
-  ``fold_in(key, 1)``.
+  """The state at step 0; the method's extra state draws from fold_in(key, 1).
 
   Args:
     config: the run's config.
@@ -63,9 +45,7 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
     model: `method.create_model(config)`.
     tx: the optimiser.
     key: the run's init key.
-    variables: the network's `{'params', 'batch_stats'}` as `model.init`
-      draws them from `key` (`experiment.initial_variables`), or None to
-      draw them here.
+    variables: `{'params', 'batch_stats'}` drawn from `key`, or None.
 
   Returns:
     TrainState.
@@ -96,13 +76,7 @@ def all_finite(tree) -> jax.Array:
 
 
 def state_finite(state: TrainState) -> jax.Array:
-  """Bool [4]: whether each of `STATE_PARTS` holds only finite values.
-
-  One fused reduction on the device; the loss and gradient are computed
-  *before* the update, so only this sees an update that overflowed the state
-  (e.g. BatchNorm running variances after a huge step). Training never
-  checkpoints a state for which it is not all True (otclr_jax/train.py).
-  """
+  """Bool [4]: whether each of `STATE_PARTS` holds only finite values."""
   return jnp.stack([all_finite(getattr(state, part)) for part in STATE_PARTS])
 
 
@@ -115,7 +89,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
   Args:
     state: current state (donated under `jit_train_step`).
     batch: uint8 images [B, H, W, 3], B the global batch.
-    key: the run's training key; folded with the step here.
+    key: the run's training key; folded with the step (resumable).
     method: the objective (static).
     config: the run's config (static).
     model: `method.create_model(config)` (static).
@@ -125,9 +99,8 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     steps_per_epoch: updates per epoch (schedules counted in epochs).
 
   Returns:
-    `(new_state, metrics)`, metrics a dict of scalars for this step:
-    ``'loss'``, the method's own terms, ``'sinkhorn'`` and ``'alpha'`` for OT
-    views, ``'grad_norm'`` and ``'lr'``.
+    `(new_state, metrics)`: scalars ``'loss'``, the method's terms,
+    ``'sinkhorn'`` and ``'alpha'`` (OT views), ``'grad_norm'``, ``'lr'``.
   """
   _, view_kind = views.resolve(config)
   images = batch.astype(jnp.float32) / 255.0
@@ -150,8 +123,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
         loss = loss + config.ot.beta * reg
         metrics['sinkhorn'] = reg
       else:
-        # A diagnostic only: evaluated exactly on the steps that are logged,
-        # NaN (skipped by the logger) on the others, which saves ~1% of a step.
+        # A diagnostic: computed only on logged steps, NaN (skipped) elsewhere.
         metrics['sinkhorn'] = jax.lax.cond(
             (state.step + 1) % config.log_every_steps == 0, regulariser,
             lambda: jnp.float32(jnp.nan))
@@ -177,12 +149,7 @@ def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
                    model, tx: optax.GradientTransformation,
                    schedule: optax.Schedule, mesh: Mesh, *, total_steps: int,
                    steps_per_epoch: int):
-  """`train_step` jitted over `mesh`: batch sharded on 'data', state replicated.
-
-  The loss, BatchNorm and a MoCo queue see the global batch: the arrays are
-  global and XLA inserts the cross-device reductions and gathers. The metrics
-  also hold ``'state_finite'``, `state_finite` of the new state (bool [4]).
-  """
+  """Jitted `train_step`, batch sharded on 'data'; adds 'state_finite' [4]."""
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
 

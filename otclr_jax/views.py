@@ -1,20 +1,4 @@
-"""Positive views: the view generator, chosen independently of the objective.
-
-`config.views` picks how the two positive views of a batch are made:
-
-* ``'augment'``: two SimCLR strong augmentations ``x_s1, x_s2`` (docs/method.md
-  section 1), used as they are.
-* ``'ot'``: the OT displacement views ``x_hat_k = D(x, x_sk)`` of docs/method.md
-  sections 2-5, built from the same two strong augmentations.
-
-Any objective of `otclr_jax.methods` trains on either. OTCLR is SimCLR with
-``'ot'`` views, which ``config.method = 'otclr'`` names as the paper does
-(`resolve`).
-
-Both generators draw their two augmentations from one split of the step key,
-so ``simclr`` + ``augment`` and ``simclr`` + ``ot`` see the same strong
-augmentations; tests/test_step.py pins the first steps of both.
-"""
+"""Positive views: augmentations or OT views (docs/method.md sections 1-5)."""
 
 from __future__ import annotations
 
@@ -37,16 +21,13 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
   """The run's `(objective, view generator)` names.
 
   Args:
-    config: the run's config. `config.method` names the objective (or the
-      alias ``'otclr'``); `config.views` names the view generator, ``''``
-      (the default) the method's own.
+    config: the run's config; `config.views` ``''`` means the method's own.
 
   Returns:
     `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
 
   Raises:
-    ValueError: for an unknown `config.views`, or ``method='otclr'`` with
-      ``views='augment'`` (a contradiction: OTCLR is SimCLR with OT views).
+    ValueError: for unknown `config.views`, or 'otclr' with 'augment' views.
   """
   views = config.get('views', None) or None
   if views is not None and views not in VIEWS:
@@ -64,7 +45,7 @@ def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
 
 
 def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
-  """The interpolation coefficient alpha: learnt (`params['alpha_logit']`) or fixed.
+  """The interpolation coefficient: learnt (`params['alpha_logit']`) or fixed.
 
   Args:
     config: the run's config (`config.ot.learn_alpha`, `config.ot.alpha`).
@@ -99,18 +80,15 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
   """Both positive views of a batch, as the training step sees them.
 
   Args:
-    config: the run's config (`resolve` gives the view generator;
-      `config.augment` the strong augmentation, `config.ot` the OT settings).
+    config: the run's config (`resolve`, `config.augment`, `config.ot`).
     images: source images float32 [B, H, W, 3] in [0, 1].
     key: PRNG key for the two strong augmentations (split once, as always).
-    alpha: interpolation coefficient for ``'ot'`` views (scalar, may be a
-      traced learnt value); None means `config.ot.alpha`. Unused by
-      ``'augment'``.
+    alpha: scalar interpolation coefficient for ``'ot'`` views (may be
+      traced); None means `config.ot.alpha`.
 
   Returns:
-    `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the views fed to
-    the encoder and the strong augmentations they came from (equal to the
-    views for ``'augment'``).
+    `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the encoder's
+    views and the strong augmentations they came from.
   """
   _, views = resolve(config)
   k1, k2 = jax.random.split(key)
@@ -129,9 +107,5 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
 
 
 def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:
-  """Whether `beta * L_Sinkhorn` is part of the loss (then every step needs it).
-
-  With beta = 0 it is only a logged diagnostic. (With beta != 0 but a fixed
-  alpha it enters the loss value yet has no gradient, docs/method.md section 6.)
-  """
+  """Whether `beta * L_Sinkhorn` is in the loss (else only logged)."""
   return config.ot.beta != 0

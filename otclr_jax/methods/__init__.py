@@ -1,10 +1,7 @@
 """Self-supervised objectives behind one interface (`base.Method`).
 
-`get(name)` returns the method `config.method` names; `add_defaults(config)`
-adds every method's settings block (``config.moco`` ...) and ``config.views``
-where a config lacks them. Adding a method: one module defining ``METHOD``,
-its line in `_MODULES`, and its tests (docs/methods.md).
-`for_model(model)` gives the method of a network (evaluation embeds with it).
+Adding a method: one module defining ``METHOD``, its line in `_MODULES`, and
+its tests (docs/methods.md).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ NAMES = tuple(_REGISTRY)
 
 
 def get(name: str) -> base.Method:
-  """The method called `name` (a `config.method` value, not the alias 'otclr')."""
+  """The method called `name` (a `config.method`, not the alias 'otclr')."""
   if name not in _REGISTRY:
     raise ValueError(f'config.method must be one of {NAMES} (or the alias '
                      f"'otclr' = simclr with views='ot'), got {name!r}.")
@@ -34,10 +31,7 @@ def get(name: str) -> base.Method:
 
 
 def for_model(model) -> base.Method:
-  """The first registered method whose online network `model` is an instance of.
-
-  Methods that share a network (SimCLR and MoCo) share its embedding too.
-  """
+  """The first registered method whose online network class `model` is."""
   for method in _REGISTRY.values():
     if isinstance(model, method.network):
       return method
@@ -45,10 +39,7 @@ def for_model(model) -> base.Method:
 
 
 def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Adds the missing method blocks and ``config.views`` (in place).
-
-  ``config.views = ''`` means the method's default views: ``'ot'`` for the
-  alias ``'otclr'``, ``'augment'`` otherwise (`views.resolve`).
+  """Adds the missing method blocks and ``config.views = ''`` (in place).
 
   Args:
     config: an unlocked ConfigDict.
@@ -66,7 +57,7 @@ def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
 
 def title(method: str, views: str) -> str:
-  """A run's row name as the paper writes it: 'MoCo', 'MoCo + OT views', 'OTCLR'.
+  """A run's row name as the paper writes it, e.g. 'MoCo + OT views', 'OTCLR'.
 
   Args:
     method: a `config.method` value, or the alias 'otclr'.

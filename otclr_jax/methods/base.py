@@ -1,31 +1,8 @@
 """The interface every pretraining objective implements, and shared pieces.
 
-A method is a `Method`: a frozen bundle of pure functions that the generic
-train step (`otclr_jax.step`) calls in this order, once per step:
-
-1. ``loss(config, model, params, batch_stats, extra, v1, v2, progress)``
-   inside the differentiated function: runs the network(s) on the two view
-   batches and returns ``(loss, metrics, new_batch_stats, new_extra)``.
-   Gradients flow to ``params`` only; anything of ``extra`` (target network,
-   queue, centre) is constant for the step.
-2. the optimiser update of ``params``;
-3. ``post_update(config, extra, params, batch_stats, progress)`` -> extra,
-   with the updated parameters (EMA targets).
-
-``extra`` is any pytree of arrays (``{}`` for SimCLR). It lives in
-``TrainState.extra`` so that checkpoints hold it and a resumed run repeats an
-uninterrupted one bit for bit. Under ``jax.jit`` over a device mesh every
-array is global, so a queue is filled with the keys of the global batch and
-BatchNorm sees the global batch, without collectives written here.
-
-Every method's model maps images [B, H, W, 3] to a tuple whose first two
-entries are ``(h, z)``: encoder features [B, 512] (what the linear probe
-reads) and the embedding [B, D] the cluster and view metrics read;
-``Method.embed`` computes that z from h alone.
-
-Methods with an EMA target (``base_tau`` / ``final_tau`` in their config
-block) share `ema_targets`, whose momentum schedule fits the run's length
-(`horizon_base_tau`).
+Per step, `otclr_jax.step` differentiates ``loss`` (``extra``, e.g. a target
+network or queue, is constant), updates, then calls ``post_update``. Every
+model maps images [B, H, W, 3] to a tuple starting ``(h [B, 512], z [B, D])``.
 """
 
 from __future__ import annotations
@@ -48,8 +25,7 @@ class Progress(NamedTuple):
   """Where training stands, for schedules inside a method.
 
   Attributes:
-    step: number of optimiser updates done before this one (int32 scalar,
-      traced).
+    step: optimiser updates done before this one (traced int32 scalar).
     total_steps: length of the run in updates (static Python int).
     steps_per_epoch: updates per epoch (static Python int).
   """
@@ -60,30 +36,21 @@ class Progress(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """One self-supervised objective (see the module docstring for the protocol).
+  """One self-supervised objective (protocol in the module docstring).
 
   Attributes:
     name: the `config.method` value.
     title: the name tables print (the paper's spelling), e.g. ``'MoCo'``.
     create_model: ``config -> flax Module`` (the online network).
-    init_extra: ``(config, variables, key) -> extra``, with ``variables`` the
-      online network's ``{'params', 'batch_stats'}`` as initialised.
+    init_extra: ``(config, variables, key) -> extra`` from initial variables.
     loss: ``(config, model, params, batch_stats, extra, v1, v2, progress) ->
-      (loss, metrics, batch_stats, extra)``; ``params`` are the network's
-      parameters (``TrainState.params['net']``), ``v1, v2`` the view batches
-      [B, H, W, 3] float32, ``metrics`` a dict of scalars (without
-      ``'loss'``, which the step adds).
-    post_update: ``(config, extra, params, batch_stats, progress) -> extra``,
-      with the parameters after the optimiser update.
-    default_config: ``() -> ConfigDict`` of the method's own settings
-      (``config.<name>``), or None when it has none. A block may hold an
-      ``optim`` sub-block: the method's optimiser recipe, used instead of
-      ``config.optim`` (`optim.optim_settings`).
-    network: the class of the online network `create_model` builds
-      (`otclr_jax.methods.for_model` finds a model's method by it).
-    embed: ``(model, variables, h) -> z``: the embedding [N, D] the cluster
-      and view metrics read, from encoder features h [N, 512], with the
-      network's ``{'params', 'batch_stats'}`` (BatchNorm in inference mode).
+      (loss, metrics, batch_stats, extra)``; ``v1, v2`` [B, H, W, 3] float32,
+      ``metrics`` a dict of scalars (the step adds ``'loss'``).
+    post_update: ``(config, extra, params, batch_stats, progress) -> extra``.
+    default_config: ``() -> ConfigDict`` for ``config.<name>``, or None; an
+      ``optim`` sub-block replaces ``config.optim`` (`optim.optim_settings`).
+    network: the class of the online network `create_model` builds.
+    embed: ``(model, variables, h [N, 512]) -> z [N, D]``, BatchNorm frozen.
   """
   name: str
   title: str
@@ -113,21 +80,13 @@ def no_config() -> None:
 
 
 def copy_tree(tree):
-  """A copy of every array of `tree`.
-
-  Targets start equal to the online network but must not share its buffers:
-  the train step donates the whole state, and a buffer donated twice fails.
-  """
+  """A copy of every array of `tree` (the step donates; no shared buffers)."""
   return jax.tree_util.tree_map(jnp.copy, tree)
 
 
 def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
                    v2: jax.Array):
-  """Runs `model` in training mode on each view batch separately.
-
-  Each view is normalised by BatchNorm with its own batch statistics, as
-  solo-learn and BYOL forward one view at a time; the running averages are
-  updated by the first pass and then by the second.
+  """Runs `model` in training mode on each view batch (own BN statistics).
 
   Args:
     model: a network returning a tuple of [B, ...] arrays.
@@ -137,9 +96,8 @@ def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
     v2: second views [B, H, W, 3].
 
   Returns:
-    `(outputs, batch_stats)`: the outputs of both passes concatenated as
-    [view 1; view 2] along the batch ([2B, ...] each), and the statistics
-    after both passes.
+    `(outputs, batch_stats)`: outputs [view 1; view 2] ([2B, ...] each) and
+    the statistics after both passes.
   """
   out1, updates = model.apply({'params': params, 'batch_stats': batch_stats},
                               v1, train=True, mutable=['batch_stats'])
@@ -170,9 +128,8 @@ def cosine_momentum(step: jax.Array | int, total_steps: int, base: float,
                     final: float) -> jax.Array:
   """EMA momentum rising from `base` to `final` on a half cosine.
 
-  ``tau(k) = final - (final - base) * (cos(pi k / K) + 1) / 2`` (BYOL, Grill
-  et al. 2020, section 3.2; solo-learn ``solo/utils/momentum.py``): ``base``
-  at step 0, ``final`` at step K = `total_steps`.
+  ``tau(k) = final - (final - base) * (cos(pi k / K) + 1) / 2`` (BYOL
+  section 3.2; solo-learn ``solo/utils/momentum.py``).
 
   Args:
     step: updates done (int, may be traced).
@@ -188,17 +145,12 @@ def cosine_momentum(step: jax.Array | int, total_steps: int, base: float,
       jnp.cos(jnp.float32(math.pi) * frac) + 1.0) / 2.0
 
 
-# `report_horizon` warns when more than this share of a target's random
-# initialisation is still in it at the end of the run.
+# `report_horizon` warns above this share of initialisation left in a target.
 WARN_INIT_SHARE = 0.1
 
 
 def init_share(base: float, final: float, total_steps: int) -> float:
   """Share of a target's initial value left after the run's EMA updates.
-
-  After K updates ``t_K = prod_k tau(k) * t_0 + (...) * online``, so
-  ``prod_{k<K} tau(k)`` (with `cosine_momentum`) is the weight the random
-  initialisation still has in the target.
 
   Args:
     base: momentum at step 0.
@@ -217,13 +169,7 @@ def init_share(base: float, final: float, total_steps: int) -> float:
 
 def horizon_base_tau(base: float, final: float, total_steps: int,
                      max_init_share: float) -> float:
-  """The largest starting momentum <= `base` that fits the run's length.
-
-  Short runs lower the starting momentum, as BYOL's presets do (0.97, 0.99
-  and 0.996 for 40, 100-300 and 1000 epochs): the cosine schedule then runs
-  from the returned value to `final`, leaving at most `max_init_share` of the
-  initialisation in the target at the end (`init_share`). Long runs keep
-  `base`.
+  """The largest start momentum <= `base` leaving <= `max_init_share` (BYOL).
 
   Args:
     base: the configured momentum at step 0.
@@ -249,14 +195,14 @@ def horizon_base_tau(base: float, final: float, total_steps: int,
 
 def schedule_base_tau(settings: ml_collections.ConfigDict,
                       total_steps: int) -> float:
-  """`horizon_base_tau` of a method's ``base_tau, final_tau, max_init_share``."""
+  """`horizon_base_tau` of a block's base_tau, final_tau, max_init_share."""
   return horizon_base_tau(settings.base_tau, settings.final_tau, total_steps,
                           settings.max_init_share)
 
 
 def report_horizon(name: str, settings: ml_collections.ConfigDict,
                    total_steps: int) -> float:
-  """Logs the target's momentum schedule over the run; warns when it is too slow.
+  """Logs the target's momentum schedule; warns when it is too slow.
 
   Args:
     name: the config block, e.g. ``'byol'``.
@@ -282,16 +228,13 @@ def report_horizon(name: str, settings: ml_collections.ConfigDict,
 
 
 def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
-  """A `post_update` that moves `extra['target_params']` towards the online
-  parameters by EMA, with `cosine_momentum` from `schedule_base_tau` (the
-  configured `config.<block>.base_tau`, lowered for short runs) to
-  `config.<block>.final_tau` (MoCo's key encoder, BYOL's target, DINO's
-  teacher).
+  """A `post_update` moving `extra['target_params']` to the online ones by EMA.
+
+  Momentum: `cosine_momentum` from `schedule_base_tau` to ``final_tau``.
 
   Args:
     block: the method's config block, e.g. 'moco'.
-    online: maps the online params to the tree the target mirrors (BYOL drops
-      its predictor).
+    online: maps online params to the target's tree (BYOL drops a predictor).
   """
   def post_update(config, extra, params, batch_stats, progress):
     del batch_stats

@@ -1,29 +1,14 @@
-"""BYOL (Grill et al. 2020): an online network predicts an EMA target's projection.
+"""BYOL (Grill et al. 2020): an online network predicts an EMA target's output.
 
-Decisions and sources (docs/methods.md has the table with file and line):
+Recipe (docs/methods.md has the sources with file and line):
 
-* Networks: online = ResNet-18 + projector + predictor, both Dense ->
-  BatchNorm -> ReLU -> Dense with BYOL's widths 4096 -> 256 (`BYOLNet`;
-  `config.byol.proj_hidden_dim / proj_dim / pred_hidden_dim`). The paper has
-  no BYOL row, so BYOL keeps its own head rather than the paper's SimCLR
-  512-512-128.
-* BatchNorm per view: each view batch goes through the online and the target
-  network on its own (`base.apply_per_view`), as BYOL's and solo-learn's
-  per-view forward passes.
-* Target: encoder + projector (no predictor), initialised equal to the
-  online ones, updated after every step by ``tau * target + (1 - tau) *
-  online`` over all their parameters. Its BatchNorm runs in training mode with
-  its own running averages (``extra['target_batch_stats']``).
-* Momentum: cosine from ``base_tau`` = 0.99 to ``final_tau`` = 1.0
-  (solo-learn CIFAR), with ``base_tau`` lowered for short runs so that at most
-  ``max_init_share`` of the target's initialisation is left at the end
-  (`base.horizon_base_tau`).
-* Optimiser: solo-learn's CIFAR LARS (lr 1.0 x B/256, weight decay 1e-5,
-  eta 0.02, clip_lr, biases and BatchNorm excluded), ``config.byol.optim``.
-* Loss: symmetric normalised MSE, ``||p/|p| - z'/|z'| ||^2 = 2 - 2 cos``,
-  ``L = mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))`` (BYOL
-  eq. 2 and its symmetrisation; solo-learn ``solo/losses/byol.py``), target
-  projections ``z'`` under stop-gradient. The loss lies in [0, 8].
+* Projector and predictor 4096 -> 256, BYOL's own (no paper row to match).
+* BatchNorm per view (`base.apply_per_view`), as BYOL and solo-learn.
+* Target: encoder + projector, EMA of the online ones, own BatchNorm stats.
+* Momentum: cosine 0.99 -> 1.0 (solo-learn cifar/byol.yaml).
+* Optimiser: LARS, lr 1.0 x B/256, wd 1e-5, eta 0.02 (cifar/byol.yaml).
+* Loss: ``mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))``, in
+  [0, 8] (BYOL eq. 2; solo-learn ``solo/losses/byol.py``).
 """
 
 from __future__ import annotations
@@ -44,11 +29,8 @@ from otclr_jax.methods import simclr
 class BYOLNet(nn.Module):
   """BYOL's online network: encoder f, projector g and predictor q.
 
-  The predictor has the projector's shape (Dense -> BatchNorm -> ReLU ->
-  Dense, BYOL section 3.3). The submodules are named ``encoder`` and
-  ``head`` like ``models.SimCLRNet``, so the ``{'encoder', 'head'}`` part of
-  its parameters is a valid ``SimCLRNet`` parameter tree: the target network
-  (which has no predictor) applies ``SimCLRNet`` to it.
+  Predictor shaped as the projector (BYOL section 3.3); the ``{'encoder',
+  'head'}`` params form the target's ``SimCLRNet`` tree.
 
   Attributes:
     stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
@@ -98,8 +80,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.pred_hidden_dim = 4096
   config.base_tau = 0.99  # target momentum, cosine to final_tau (solo-learn).
   config.final_tau = 1.0
-  # base_tau is lowered when the run is too short to leave at most this share
-  # of the target's random initialisation in it at the end.
+  # Largest share of the target's initialisation left at the end.
   config.max_init_share = 0.01
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'lars'  # solo-learn cifar/byol.yaml.

@@ -1,36 +1,16 @@
-"""DINO (Caron et al. 2021) with a ResNet-18 and two global views, no multi-crop.
+"""DINO (Caron et al. 2021) with a ResNet-18 and two global views.
 
-Decisions and sources (docs/methods.md has the table with file and line):
+Recipe (docs/methods.md has the sources with file and line):
 
-* Networks: student = ResNet-18 + DINO head (3-layer MLP 512 -> 2048 -> 2048
-  -> 256 with GELU and no BatchNorm, l2 normalisation, weight-normalised
-  bias-free prototypes 256 -> 4096 with their norm fixed to 1); `DINONet`.
-  Widths are `config.dino.hidden_dim / bottleneck_dim / num_prototypes`,
-  defaults from solo-learn ``scripts/pretrain/cifar/dino.yaml`` (DINO's
-  ImageNet head has 65536 prototypes). Both views go through one forward pass
-  (BatchNorm over the 2B views), as DINO's multi-crop wrapper concatenates
-  crops of one resolution.
-* Teacher: a copy of the student updated by EMA of all parameters after every
-  step, momentum on a cosine from ``base_tau`` = 0.9995 (DINO's advice for
-  batch 256) to 1.0, ``base_tau`` lowered for short runs so that at most
-  ``max_init_share`` of the teacher's initialisation is left at the end
-  (`base.horizon_base_tau`). Its BatchNorm (in the encoder) keeps its own
-  running averages in training mode, as in DINO's code.
-* Loss: cross-entropy between the teacher's centred, sharpened softmax and the
-  student's softmax on the other view, ``L = 1/2 [H(P_t(x2), P_s(x1)) +
-  H(P_t(x1), P_s(x2))]`` averaged over the batch (DINO Algorithm 1 with two
-  crops), student temperature 0.1, teacher temperature a constant 0.04
-  (DINO's defaults; `teacher_temperature` can warm it up linearly).
-* Centre: ``c <- 0.9 c + 0.1 mean(teacher logits over both views of the
-  global batch)``, after the loss, in ``extra['centre']``.
-* Prototypes frozen (no gradient) for the first `config.dino.
-  freeze_last_layer` = 1 epoch, and every parameter's gradient clipped to
-  norm 3.0 on its own (``config.dino.optim.clip_grad``), as DINO.
-* Optimiser: solo-learn's CIFAR LARS (lr 0.3 x B/256, weight decay 1e-6),
-  ``config.dino.optim``; DINO's own code has no CIFAR ResNet-18 recipe.
-* Left out: multi-crop (its small crops need a second input size) and DINO's
-  weight-decay schedule (constant for its convnet recipe). DINOv3 needs a ViT
-  and Gram anchoring: not implemented.
+* Head 512-2048-2048-256, 4096 prototypes (solo-learn cifar/dino.yaml); both
+  views in one forward pass, as DINO's multi-crop wrapper.
+* Teacher: EMA of the student, cosine 0.9995 -> 1.0 (DINO's advice at batch
+  256), start lowered for short runs; own BatchNorm stats, as DINO's code.
+* Loss: ``1/2 [H(P_t(x2), P_s(x1)) + H(P_t(x1), P_s(x2))]`` (DINO Algorithm
+  1, two crops), temperatures 0.1 (student) and 0.04 (teacher).
+* Centre: ``c <- 0.9 c + 0.1 mean(teacher logits)`` after the loss.
+* Prototypes frozen for 1 epoch; per-parameter gradient clipping at 3.0 (DINO).
+* Optimiser: LARS, lr 0.3 x B/256, wd 1e-6 (solo-learn cifar/dino.yaml).
 """
 
 from __future__ import annotations
@@ -47,15 +27,7 @@ from otclr_jax.methods import base
 
 
 class DINOHead(nn.Module):
-  """DINO's head: 3-layer MLP, l2 normalisation, weight-normalised prototypes.
-
-  Dense(hidden) -> GELU -> Dense(hidden) -> GELU -> Dense(bottleneck), then
-  ``y / ||y||`` and a bias-free Dense(num_prototypes) whose weight is
-  normalised per prototype with its norm fixed to 1 (``norm_last_layer=True``,
-  DINO's and solo-learn's default). With ``use_bn`` each hidden Dense is
-  followed by BatchNorm before its GELU (DINO's and solo-learn's
-  ``use_bn_in_head``). The MLP uses truncated-normal (std 0.02) kernels and
-  zero biases as DINO does.
+  """DINO's head: 3-layer MLP, l2 norm, unit-norm prototypes (norm_last_layer).
 
   Attributes:
     hidden_dim: width of the two hidden layers.
@@ -77,13 +49,11 @@ class DINOHead(nn.Module):
 
     Args:
       h: features [B, D].
-      train: BatchNorm (``use_bn`` only) uses batch statistics and updates
-        its running averages.
+      train: BatchNorm (``use_bn`` only) uses batch statistics.
 
     Returns:
       y: bottleneck [B, bottleneck_dim], float32, before normalisation.
-      logits: prototype scores [B, num_prototypes], float32 (cosines, in
-        [-1, 1]; the loss divides them by its temperatures).
+      logits: prototype cosines [B, num_prototypes], float32, in [-1, 1].
     """
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
@@ -102,8 +72,7 @@ class DINOHead(nn.Module):
     y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
     u = y * jax.lax.rsqrt(
         jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
-    # torch.nn.Linear's default initialisation (DINO creates the last layer
-    # after its truncated-normal pass); the scale cancels in the normalisation.
+    # torch.nn.Linear's default init, as DINO (created after its trunc-normal).
     v = self.param('prototypes',
                    nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform'),
                    (self.bottleneck_dim, self.num_prototypes), jnp.float32)
@@ -144,8 +113,7 @@ class DINONet(nn.Module):
 
     Returns:
       h: encoder features [B, 512], float32.
-      z: head bottleneck [B, bottleneck_dim], float32, not normalised (the
-        embedding the cluster and view metrics use for this method).
+      z: head bottleneck [B, bottleneck_dim], float32, not normalised.
       logits: prototype scores [B, num_prototypes], float32.
     """
     h = models.ResNet18(stem=self.stem, dtype=self.dtype,
@@ -163,8 +131,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.hidden_dim = 2048  # DINO head MLP width (solo-learn CIFAR).
   config.bottleneck_dim = 256
   config.num_prototypes = 4096
-  # BatchNorm after the head's hidden layers: off in DINO's and solo-learn's
-  # defaults (their `use_bn_in_head`).
+  # Off, as DINO's and solo-learn's `use_bn_in_head`.
   config.use_bn_in_head = False
   config.student_temp = 0.1
   config.teacher_temp = 0.04  # DINO: constant 0.04 (no warm-up).
@@ -176,8 +143,7 @@ def default_config() -> ml_collections.ConfigDict:
   # Teacher momentum, cosine to final_tau (DINO's advice at batch 256).
   config.base_tau = 0.9995
   config.final_tau = 1.0
-  # base_tau is lowered when the run is too short to leave at most this share
-  # of the teacher's random initialisation in it at the end.
+  # Largest share of the teacher's initialisation left at the end.
   config.max_init_share = 0.01
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'lars'  # solo-learn cifar/dino.yaml.
@@ -200,10 +166,7 @@ def create_model(config: ml_collections.ConfigDict) -> DINONet:
 
 
 def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
-  """The head's bottleneck y [N, bottleneck_dim] of encoder features h [N, 512].
-
-  With ``use_bn_in_head`` the head's BatchNorm uses its running averages.
-  """
+  """The head's bottleneck [N, bottleneck_dim] of features h [N, 512]."""
   head = DINOHead(hidden_dim=model.hidden_dim,
                   bottleneck_dim=model.bottleneck_dim,
                   num_prototypes=model.num_prototypes,
@@ -216,14 +179,7 @@ def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
 
 def freeze_prototypes(config: ml_collections.ConfigDict, params,
                       progress: base.Progress):
-  """`params` whose prototypes pass no gradient in the first epochs.
-
-  DINO cancels the last layer's gradient while ``epoch <
-  freeze_last_layer``; here the prototypes enter the loss under
-  ``stop_gradient`` for the first ``freeze_last_layer * steps_per_epoch``
-  steps, so their gradient is exactly 0 (and LARS, which skips a zero
-  gradient, leaves them and their momentum unchanged).
-  """
+  """`params` with the prototypes frozen while epoch < freeze_last_layer."""
   frozen = progress.step < (config.dino.freeze_last_layer
                             * progress.steps_per_epoch)
   prototypes = params['head']['prototypes']
@@ -272,7 +228,7 @@ def dino_loss(student: jax.Array, teacher: jax.Array, centre: jax.Array,
 
 def teacher_entropy(teacher: jax.Array, centre: jax.Array,
                     teacher_temp: jax.Array | float) -> jax.Array:
-  """Mean entropy of the teacher's centred, sharpened softmax over [2B, K] rows."""
+  """Mean entropy of the teacher's centred, sharpened softmax, rows [2B, K]."""
   log_p_t = jax.nn.log_softmax(
       (teacher.astype(jnp.float32) - centre) / teacher_temp, axis=-1)
   return jnp.mean(jnp.sum(-jnp.exp(log_p_t) * log_p_t, axis=-1))
@@ -313,9 +269,7 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
       extra, target_batch_stats=target_updates['batch_stats'],
       centre=update_centre(extra['centre'], teacher,
                            config.dino.centre_momentum))
-  # The loss is H(P_t) + KL(P_t || P_s): logging the teacher's entropy separates
-  # the part the student can lower from the part the temperature and centre
-  # set (DINO, section 5.3, monitors both against collapse).
+  # Loss = H(P_t) + KL(P_t || P_s); DINO section 5.3 monitors both.
   metrics = {'dino': value, 'teacher_temp': temp,
              'teacher_entropy': teacher_entropy(teacher, extra['centre'],
                                                 temp)}

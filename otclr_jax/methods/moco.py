@@ -1,39 +1,16 @@
 """MoCo v2 (He et al. 2020; Chen et al. 2020, "Improved baselines"), symmetric.
 
-Decisions and sources (docs/methods.md has the full table):
+Recipe (docs/methods.md has the sources with file and line):
 
-* Network: the query encoder is the SimCLR network (ResNet-18 and the
-  paper's 512-512-128 head of `config.model`, `models.SimCLRNet`). The key
-  encoder is a second copy, initialised equal to it and never trained: after
-  every update it becomes ``tau * key + (1 - tau) * query`` over all
-  parameters (BatchNorm scales and offsets included). Query + key encoder
-  with heads count 2 x 11,505,344 = 23,010,688 parameters, the paper's
-  23.01M; the queue is a buffer, not a parameter.
-* BatchNorm statistics: each view batch goes through each encoder on its own
-  (`base.apply_per_view`), so the key k2 that is the positive of the query
-  q1 is normalised with statistics of the view-2 batch only and never sees
-  the view-1 batch the query came from (and likewise k1 for q2). This stands
-  in for MoCo's shuffled BatchNorm, whose purpose is that a query and its key
-  are not normalised over the same batch: on one global batch there are no
-  per-device sub-batches to shuffle. As in MoCo, the key encoder runs in
-  training mode and keeps its own running averages
-  (``extra['target_batch_stats']``).
-* Loss: InfoNCE with the positive key first and the queue as negatives,
-  temperature 0.2 (MoCo v2; solo-learn ``scripts/pretrain/cifar/
-  mocov2plus.yaml``). Symmetric, as solo-learn's ``mocov2plus``:
-  ``(L(q1, k2, queue_2) + L(q2, k1, queue_1)) / 2`` with one queue per view
-  (solo-learn ``solo/methods/mocov2plus.py``); MoCo v2 itself is asymmetric.
-* Queue: `config.moco.queue_size` = 32768 keys per view (solo-learn's CIFAR
-  value; MoCo's ImageNet value is 65536), initialised with random unit
-  vectors as MoCo does; FIFO: the B new keys overwrite the oldest, at a
-  pointer that wraps modulo the size.
-* Momentum: cosine schedule from 0.99 to 0.999 over the run (solo-learn
-  CIFAR); MoCo v2 keeps 0.999 fixed, which `base_tau = final_tau = 0.999`
-  reproduces. ``base_tau`` is lowered for runs too short to leave at most
-  ``max_init_share`` of the key encoder's initialisation in it at the end
-  (`base.horizon_base_tau`); the paper's 20-epoch runs are not affected.
-* Optimiser: the paper's (``config.optim``: SGD, momentum 0.9, weight decay
-  1e-4).
+* Key encoder: EMA copy of the SimCLR query network (23.01M, the paper's).
+* BatchNorm per view (`base.apply_per_view`), in place of MoCo's shuffled
+  BatchNorm: a query and its key never share batch statistics.
+* Loss: ``(L(q1, k2, queue_2) + L(q2, k1, queue_1)) / 2``, temperature 0.2
+  (solo-learn ``solo/methods/mocov2plus.py``; MoCo v2 is asymmetric).
+* Queue: 32768 random unit keys per view, FIFO (solo-learn
+  ``scripts/pretrain/cifar/mocov2plus.yaml``).
+* Momentum: cosine 0.99 -> 0.999 (solo-learn CIFAR; MoCo v2: 0.999 fixed).
+* Optimiser: the paper's ``config.optim``.
 """
 
 from __future__ import annotations
@@ -54,8 +31,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.temperature = 0.2  # MoCo v2.
   config.base_tau = 0.99  # key-encoder momentum, cosine to final_tau.
   config.final_tau = 0.999
-  # base_tau is lowered when the run is too short to leave at most this share
-  # of the key encoder's random initialisation in it at the end.
+  # Largest share of the key encoder's initialisation left at the end.
   config.max_init_share = 0.01
   return config
 
@@ -67,9 +43,6 @@ def create_model(config: ml_collections.ConfigDict):
 def infonce(q: jax.Array, k: jax.Array, queue: jax.Array,
             temperature: float) -> tuple[jax.Array, jax.Array]:
   """MoCo's InfoNCE: each query against its key and the queued negatives.
-
-  ``L = 1/B sum_b -log(exp(q_b.k_b / t) / (exp(q_b.k_b / t) +
-  sum_j exp(q_b.n_j / t)))`` with unit vectors q, k, n.
 
   Args:
     q: queries [B, D] (normalised here).

@@ -1,10 +1,7 @@
 """SimCLR (Chen et al. 2020): NT-Xent over the 2B projections of a batch.
 
-One forward pass of the concatenated views (BatchNorm statistics over the 2B
-views), NT-Xent with temperature `config.loss.temperature` (0.5, the paper's
-value) and the 512-512-128 projection head of `config.model`
-(`losses.nt_xent`, docs/method.md section 6). No extra state. With
-`config.views = 'ot'` this is OTCLR.
+One forward pass of both views (BatchNorm over 2B), the paper's temperature
+0.5 and 512-512-128 head (docs/method.md section 6). With OT views: OTCLR.
 """
 
 from __future__ import annotations
@@ -28,11 +25,7 @@ def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
 
 
 def embed(model, variables, h: jax.Array) -> jax.Array:
-  """The projection z = g(h) of encoder features h [N, 512] -> [N, proj_dim].
-
-  Applies the network's ``'head'`` (a `models.ProjectionHead` of the model's
-  ``proj_hidden_dim`` and ``proj_dim``), BatchNorm in inference mode.
-  """
+  """The projection z = g(h) [N, proj_dim] of features h [N, 512]."""
   head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
                                out_dim=model.proj_dim, dtype=model.dtype)
   return head.apply({'params': variables['params']['head'],
