@@ -33,7 +33,7 @@ def stat(values: Iterable[float]) -> dict[str, Any]:
   return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
 
 
-def is_number(value: Any) -> bool:
+def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -45,7 +45,7 @@ def aggregate_tree(trees: Sequence[dict[str, Any]]) -> dict[str, Any]:
     values = [t[key] for t in trees if t.get(key) is not None]
     if values and all(isinstance(v, dict) for v in values):
       out[key] = aggregate_tree(values)
-    elif values and all(is_number(v) for v in values):
+    elif values and all(_is_number(v) for v in values):
       finite = [v for v in values if math.isfinite(v)]
       if finite:
         out[key] = stat(finite)
@@ -100,7 +100,7 @@ def _run_key(result: dict[str, Any]) -> RunKey:
           run_id(result), _settings(result))
 
 
-def setting_of(key: RunKey) -> tuple:
+def _setting_of(key: RunKey) -> tuple:
   """The block of rows a run competes in (and shares a floor with)."""
   shared = tuple(p for p in key[3] if not p[0].startswith(_METHOD_PREFIXES))
   return (key[0], key[1], shared)
@@ -156,7 +156,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
              'title': runs[0].get('title') or method_name(key[2]),
              'label': _label(key, names),
              'settings': {n: json.loads(v) for n, v in key[3]},
-             'setting': setting_of(key),
+             'setting': _setting_of(key),
              'n': len(runs),
              'seeds': [r.get('seed') for r in runs],
              'steps': [r.get('step') for r in runs]}
@@ -167,10 +167,10 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
-  """random_init stats per setting (`setting_of`), one run per seed."""
+  """random_init stats per setting (`_setting_of`), one run per seed."""
   by_setting: dict[tuple, dict[Any, dict[str, Any]]] = {}
   for result in results:
-    by_setting.setdefault(setting_of(_run_key(result)), {}).setdefault(
+    by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
         result.get('seed'), result.get('random_init') or {})
   return {k: aggregate_tree(list(v.values())) for k, v in by_setting.items()}
 
@@ -215,7 +215,7 @@ def _by_seed(runs: dict[Any, dict[str, Any]], section: str, dataset: str,
   out = {}
   for seed, result in runs.items():
     value = ((result.get(section) or {}).get(dataset) or {}).get(metric)
-    if is_number(value) and math.isfinite(value):
+    if _is_number(value) and math.isfinite(value):
       out[seed] = float(value)
   return out
 

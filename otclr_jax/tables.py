@@ -231,7 +231,7 @@ def _several_settings(groups) -> bool:
 
 
 def _last_of_setting(groups, i: int) -> bool:
-  """Whether group i is the last of its setting (`aggregate.setting_of`)."""
+  """Whether group i is the last of its setting (the groups' 'setting')."""
   return (i + 1 == len(groups)
           or groups[i + 1]['setting'] != groups[i]['setting'])
 

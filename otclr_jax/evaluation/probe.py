@@ -252,9 +252,9 @@ def _solve_in_span(z, y, l2, num_classes, w, b, max_steps) -> Fit:
   live = size > EMPTY_DIRECTION * size.max(initial=0.0)
   if live.all():
     return _solve(z, y, l2, num_classes, w, b, max_steps)
-  fit = _solve(np.ascontiguousarray(z[:, live]), y, l2, num_classes, w[live],
-               b, max_steps)
-  logits = z[:, live] @ fit.w + fit.b
+  z_live = np.ascontiguousarray(z[:, live])
+  fit = _solve(z_live, y, l2, num_classes, w[live], b, max_steps)
+  logits = z_live @ fit.w + fit.b
   p = special.softmax(logits, axis=1)
   p[np.arange(len(y)), y] -= 1.0
   empty = z[:, ~live].T @ p / len(y)  # the gradient there, at W = 0
