@@ -131,6 +131,25 @@ def test_the_preconditioner_inverts_the_class_blocks():
                              rtol=0, atol=1e-5 * np.abs(gw).max())
 
 
+def test_the_coupled_preconditioner_inverts_the_whole_hessian():
+  # Four classes: the coupled preconditioner is the whole Hessian in the
+  # ones-complement, so the preconditioned gradient is the Newton direction
+  # there, up to float32 blocks and the bias floor (as above). The class
+  # blocks alone miss the coupling by orders more than that tolerance.
+  objective, x, _ = _objective(l2=1e-2, c=4)
+  rng = np.random.default_rng(3)
+  w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
+  w, b = w - w.mean(1, keepdims=True), b - b.mean()
+  _, gw, gb, p = objective.value_and_grad(w, b)
+  target = np.concatenate([gw.ravel(), gb])
+  errors = []
+  for coupled in (True, False):
+    sw, sb = probe._class_preconditioner(objective, p, coupled)(gw, gb)
+    hw, hb = objective.hessp(probe._transposed(p), sw, sb)
+    errors.append(np.abs(np.concatenate([hw.ravel(), hb]) - target).max())
+  assert errors[0] <= 1e-5 * np.abs(gw).max() < errors[1]
+
+
 def _reference_protocol(train_x, train_y, test_x, test_y, grid):
   """The probe's protocol solved by scikit-learn, float64, tol 1e-10.
 
@@ -198,6 +217,35 @@ def test_the_probe_equals_a_converged_reference(name):
   assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
   assert all(fit['converged'] for fit in ours['fits'])
   assert len(ours['fits']) == len(probe.L2_GRID) + 1
+
+
+def test_the_probe_with_coupled_steps_equals_the_reference(monkeypatch):
+  # CIFAR-10-sized fits switch to the coupled preconditioner; these small
+  # sets never need it, so force it at every Newton step.
+  monkeypatch.setattr(probe, 'COUPLE_AFTER', 1)
+  test_the_probe_equals_a_converged_reference('nearly_separable_blobs')
+
+
+def test_a_fit_from_a_far_start_reaches_the_optimum_from_zero(monkeypatch):
+  # The refit starts from weights fitted to other rows; a start far out on
+  # overlapping blobs makes the Newton step backtrack, so the damped steps
+  # run, and its classes' mean is not zero, so it is projected out. The
+  # loss is l2-strongly convex: |w - w*| <= |g| / l2 <= 1e-5.
+  x, y = _blobs(5, 80, 32, seed=3, spread=6.0)
+  x = (x - x.mean(0)) / x.std(0)
+  evaluations = []
+  value_and_grad = probe._Objective.value_and_grad
+  monkeypatch.setattr(probe._Objective, 'value_and_grad',
+                      lambda self, w, b: evaluations.append(1)
+                      or value_and_grad(self, w, b))
+  start = np.random.default_rng(0).normal(size=(32, 5))
+  near = probe._solve(x, y, 1e-3, 5, np.zeros((32, 5)), np.zeros(5), 500)
+  del evaluations[:]
+  far = probe._solve(x, y, 1e-3, 5, 30.0 * start, np.zeros(5), 500)
+  assert near.converged and far.converged
+  assert len(evaluations) > far.steps + 1  # some step backtracked
+  np.testing.assert_allclose(far.w, near.w, rtol=0, atol=2e-5)
+  np.testing.assert_allclose(far.b, near.b, rtol=0, atol=2e-5)
 
 
 def test_every_fit_is_recorded_and_converged_means_a_small_gradient():
