@@ -232,7 +232,7 @@ MAX_CG_STEPS = 250
 # At this many CG iterations in one Newton step, the preconditioner is
 # rebuilt at the current point with the class coupling and CG restarts from
 # its iterate. A coupled build costs ~350 Hessian products at N = 45,000;
-# with it the next Newton steps take 1-5 CG iterations, where the class
+# with it the next Newton steps take a few CG iterations, where the class
 # blocks alone take 250 (lambda = 1e-5, random-init CIFAR-10 features).
 COUPLE_AFTER = 120
 # After a step that backtracked, CG solves (H + DAMPING |g| I) s = -g: far
