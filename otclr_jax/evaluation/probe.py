@@ -185,6 +185,7 @@ def _class_preconditioner(objective, p, coupled=False):
       blocks[index, diagonal, diagonal] += l2
       # The bias is not penalised; a floor keeps its block invertible.
       blocks[index, -1, -1] += 1e-12 + 1e-9 * blocks[index, -1, -1]
+  solve = None
   if coupled:
     hessian = np.zeros((k, d1, k, d1))
     for block, (a, b) in zip(blocks, pairs):
@@ -195,14 +196,14 @@ def _class_preconditioner(objective, p, coupled=False):
     if info == 0:
       inverse, info = linalg.lapack.dpotri(factor, lower=True,
                                            overwrite_c=True)
-    if info != 0:  # Not positive definite in float64: keep the blocks.
-      return _class_preconditioner(objective, p)
-    inverse = np.tril(inverse) + np.tril(inverse, -1).T
-    solve = lambda g: (inverse @ g.ravel()).reshape(k, d1)
-  else:
+    if info == 0:
+      inverse = np.tril(inverse) + np.tril(inverse, -1).T
+      solve = lambda g: (inverse @ g.ravel()).reshape(k, d1)
+  if solve is None:  # also where the coupled one is not positive definite
+    own = blocks[[index for index, (a, b) in enumerate(pairs) if a == b]]
     # Batched explicit inverses L^-T L^-1: per-block LAPACK calls or solves
     # each step cost more than a Hessian product.
-    cholesky_inverse = np.linalg.inv(np.linalg.cholesky(blocks))
+    cholesky_inverse = np.linalg.inv(np.linalg.cholesky(own))
     inverses = np.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
     solve = lambda g: (inverses @ g[:, :, None])[:, :, 0]
 
