@@ -17,7 +17,8 @@ import torchvision
 
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 256, 'Images per step.')
 _IMAGE_SIZE = flags.DEFINE_integer('image_size', 32, 'Image side in pixels.')
-_THREADS = flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
+_THREADS = flags.DEFINE_integer('threads', 2, 'torch.set_num_threads (cpu).')
+_DEVICE = flags.DEFINE_string('device', 'cpu', "'cpu' or 'cuda'.")
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed steps first.')
 
@@ -56,17 +57,21 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   batch_size, image_size = _BATCH_SIZE.value, _IMAGE_SIZE.value
+  device = torch.device(_DEVICE.value)
   torch.set_num_threads(_THREADS.value)
   torch.manual_seed(0)
-  model = torchvision.models.resnet18().to(memory_format=torch.channels_last)
+  model = torchvision.models.resnet18().to(
+      device, memory_format=torch.channels_last)
   model.train()
   x = torch.rand(batch_size, 3, image_size, image_size).to(
-      memory_format=torch.channels_last)
+      device, memory_format=torch.channels_last)
   flops = 3.0 * conv_flops(model, x)  # forward + two backward products
 
   def step():
     model.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
+    if device.type == 'cuda':  # kernels run asynchronously
+      torch.cuda.synchronize()
 
   for _ in range(_WARMUP.value):
     step()
@@ -76,8 +81,11 @@ def main(argv) -> None:
     step()
     times.append(time.perf_counter() - start)
   ms = 1e3 * statistics.median(times)
+  where = (f'{torch.cuda.get_device_name()} (cuDNN TF32 '
+           f'{torch.backends.cudnn.allow_tf32})' if device.type == 'cuda'
+           else f'{torch.get_num_threads()} threads')
   print(f'torch {torch.__version__} torchvision {torchvision.__version__}, '
-        f'{torch.get_num_threads()} threads; ResNet-18 fwd+bwd, batch '
+        f'{where}; ResNet-18 fwd+bwd, batch '
         f'{batch_size}, {image_size}x{image_size}, '
         f'channels-last float32: median {ms:.1f} ms/step (min '
         f'{1e3 * min(times):.1f}) over {_STEPS.value} steps, '

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU measurements, in one command that writes each result as it has it:
+#   1. `bench train` (SimCLR and OTCLR steps) at batch 256 in float32 and
+#      bfloat16 and at 512 in float32; `bench resnet` beside PyTorch's
+#      ResNet-18 at 2 x 256 images.
+#   2. `bench ot`.
+#   3. CIFAR-10 runs of launch/sweeps/cifar10_paper.py at batch 256
+#      (SimCLR and OTCLR, seed 0 first), a seed more while the time allows,
+#      then their table.
+#
+#   bash launch/gpu_check.sh OUT SECONDS CIFAR10_JPEG_TAR_GZ
+#
+# OUT receives env.txt, bench.txt, cifar10.log, cifar10_table.txt and
+# cifar10_results.tar.gz. TINY=1 shrinks every size, for a check on a CPU.
+# PY names the interpreter (default python3).
+set -uo pipefail
+out=$1 budget=$2 tarball=$3
+py=${PY:-python3}
+work=${WORK:-.gpu}
+start=$SECONDS
+mkdir -p "$out" "$work"
+export PYTHONUNBUFFERED=1
+# Several runs share the GPU: each takes memory as it needs it.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+left() { echo $((budget - (SECONDS - start))); }
+# run SECONDS LOG CMD...: CMD under a limit of at most SECONDS and the time
+# left (less 20 s to write the table); its output appended to LOG.
+run() {
+  local cap=$1 log=$2; shift 2
+  local limit=$(( $(left) - 20 < cap ? $(left) - 20 : cap ))
+  if (( limit < 10 )); then echo "skipped (no time left): $*" >>"$log"; return 1; fi
+  echo "\$ $* (limit ${limit} s, at $((SECONDS - start)) s)" >>"$log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "rc $rc after $((SECONDS - t0)) s" >>"$log"
+  return $rc
+}
+
+if [[ ${TINY:-0} == 1 ]]; then
+  bench_train=('16 float32') repeats=2 ot_batches=16 seeds=(0)
+  steps=(--config.total_steps=4 --config.log_every_steps=2
+    --config.monitor.every_steps=0)
+else
+  bench_train=('256 float32' '256 bfloat16' '512 float32') repeats=10
+  ot_batches=256,512
+  steps=() seeds=(0 1 2)
+fi
+
+{ date -u; nvidia-smi -L 2>&1; lscpu | grep -E 'Model name|^CPU\(s\)'
+  echo "vector extensions: $(grep -owE 'avx2|avx512f|amx_tile' /proc/cpuinfo \
+    | sort -u | tr '\n' ' ')"
+  $py -c 'import jax, flax, optax; print("jax", jax.__version__,
+    jax.devices(), "flax", flax.__version__, "optax", optax.__version__)' 2>&1
+  $py -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1
+  } >"$out/env.txt"
+
+# The benchmarks may take the first 45% of the time; the runs the rest.
+bench_until=$((budget * 45 / 100))
+bench() {
+  local cap=$1; shift
+  if (( SECONDS - start > bench_until )); then
+    echo "skipped (benchmarks' share of the time used): $*" >>"$out/bench.txt"
+    return 1
+  fi
+  run "$cap" "$out/bench.txt" "$@"
+}
+for bd in "${bench_train[@]}"; do
+  bench 120 $py -m otclr_jax.bench train --config=configs/cifar10.py \
+    --methods=simclr --repeats=$repeats --config.batch_size=${bd% *} \
+    --config.dtype=${bd#* }
+done
+pair=$((2 * ${bench_train[0]% *}))
+bench 60 $py -m otclr_jax.bench resnet --config=configs/cifar10.py \
+  --conv_impls=xla --repeats=$repeats --config.batch_size=$pair
+bench 45 $py launch/bench_torch.py --device=${TORCH_DEVICE:-cuda} \
+  --batch_size=$pair --steps=$repeats
+bench 60 $py -m otclr_jax.bench ot --batch_sizes=$ot_batches
+
+# CIFAR-10: the JPEG folder, decoded once into the cache all runs read.
+data=$work/data
+if [[ ! -d $data/cifar10/train ]]; then
+  mkdir -p "$data" && tar xzf "$tarball" -C "$data"
+  [[ -d $data/train ]] && mkdir -p "$data/cifar10" && mv "$data"/train "$data"/test "$data/cifar10/"
+fi
+folder=folder:$data/cifar10
+log=$out/cifar10.log
+run 120 "$log" $py -c "from otclr_jax import data
+data.load_splits('$folder', ['train', 'test'], 32, '$data')"
+sweep=(-m launch.sweep --config=launch/sweeps/cifar10_paper.py
+  --workdir=$work/cifar10_paper --config.dataset=$folder
+  "--config.eval.datasets=(\"$folder\",)" --config.data_dir=$data
+  --config.eval.figures=False "${steps[@]}")
+# cifar10_paper's runs are ordered seed, batch size (256, 512), method.
+t_pair=0
+for seed in "${seeds[@]}"; do
+  if (( t_pair > 0 && $(left) < t_pair + t_pair / 5 + 40 )); then
+    echo "seed $seed not started: ${t_pair} s per seed, $(left) s left" >>"$log"
+    break
+  fi
+  t0=$SECONDS
+  for m in 0 1; do
+    run 600 "$log.$m" $py "${sweep[@]}" --only_index=$((4 * seed + m)) &
+  done
+  wait
+  cat "$log.0" "$log.1" >>"$log" && rm -f "$log.0" "$log.1"
+  t_pair=$((SECONDS - t0))
+  echo "seed $seed: both runs in ${t_pair} s" >>"$log"
+done
+$py "${sweep[@]}" --aggregate_only >"$out/cifar10_table.txt" 2>&1
+tar czf "$out/cifar10_results.tar.gz" \
+  $(find "$work/cifar10_paper" \( -name checkpoints -o -name encoder \
+      -o -name tensorboard -o -name features \) -prune -o -type f \( \
+      -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' \) \
+      -print 2>/dev/null)
+echo "done in $((SECONDS - start)) s" >>"$log"
