@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# The GPU measurements, in one command that writes each result as it has it:
-#   1. `bench train` (SimCLR and OTCLR steps) at batch 256 in float32 and
-#      bfloat16 and at 512 in float32; `bench resnet` beside PyTorch's
-#      ResNet-18 at 2 x 256 images.
-#   2. `bench ot`.
-#   3. CIFAR-10 runs of launch/sweeps/cifar10_paper.py at batch 256
-#      (SimCLR and OTCLR, seed 0 first), a seed more while the time allows,
-#      then their table.
+# The GPU measurements of docs/results.md, writing each result as it has it.
+# STAGES (default "bench cifar"; one 10-minute call holds one of them):
+#   bench  `bench resnet` beside PyTorch's ResNet-18 at 2 x 256 images, then
+#          `bench train` (SimCLR and OTCLR steps) at batch 256 in float32 and
+#          bfloat16 and at 512 in float32, then `bench ot`.
+#   cifar  CIFAR-10 runs of launch/sweeps/cifar10_paper.py at batch 256,
+#          SimCLR and OTCLR of one seed at once (about 7.5 min on an H200,
+#          6 of them the linear probes on the host CPU), a seed more while
+#          the time allows, then their table.
 #
-#   bash launch/gpu_check.sh OUT SECONDS CIFAR10_JPEG_TAR_GZ
+#   bash launch/gpu_check.sh OUT SECONDS CIFAR10_JPEG_TAR_GZ [STAGES]
 #
-# OUT receives env.txt, bench.txt, cifar10.log, cifar10_table.txt and
-# cifar10_results.tar.gz. TINY=1 shrinks every size, for a check on a CPU.
-# PY names the interpreter (default python3).
+# Wheels in .whl/ (../shared/tools/gpu-wheels.sh flax==0.12.8 optax==0.2.8
+# orbax-checkpoint==0.12.8) are installed first. OUT receives env.txt,
+# bench.txt, cifar10.log, cifar10_table.txt and cifar10_results.tar.gz.
+# TINY=1 shrinks every size, for a check on a CPU; PY names the interpreter.
 set -uo pipefail
-out=$1 budget=$2 tarball=$3
+out=$1 budget=$2 tarball=$3 stages=${4:-bench cifar}
 py=${PY:-python3}
+if compgen -G '.whl/*.whl' >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 2
+  # ott-jax imports its optional flax.nnx module inside suppress(ImportError);
+  # on the image's jax, flax 0.12.8's nnx raises AttributeError instead.
+  sed -i 's/suppress(ImportError)/suppress(ImportError, AttributeError)/' \
+    /tmp/site/ott/__init__.py
+  export PYTHONPATH=/tmp/site:$PWD
+fi
 work=${WORK:-.gpu}
 start=$SECONDS
 mkdir -p "$out" "$work"
@@ -56,27 +67,24 @@ fi
   $py -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1
   } >"$out/env.txt"
 
-# The benchmarks may take the first 45% of the time; the runs the rest.
-bench_until=$((budget * 45 / 100))
 bench() {
-  local cap=$1; shift
-  if (( SECONDS - start > bench_until )); then
-    echo "skipped (benchmarks' share of the time used): $*" >>"$out/bench.txt"
-    return 1
-  fi
-  run "$cap" "$out/bench.txt" "$@"
+  run "$1" "$out/bench.txt" "${@:2}"
 }
-for bd in "${bench_train[@]}"; do
-  bench 120 $py -m otclr_jax.bench train --config=configs/cifar10.py \
-    --methods=simclr --repeats=$repeats --config.batch_size=${bd% *} \
-    --config.dtype=${bd#* }
-done
-pair=$((2 * ${bench_train[0]% *}))
-bench 60 $py -m otclr_jax.bench resnet --config=configs/cifar10.py \
-  --conv_impls=xla --repeats=$repeats --config.batch_size=$pair
-bench 45 $py launch/bench_torch.py --device=${TORCH_DEVICE:-cuda} \
-  --batch_size=$pair --steps=$repeats
-bench 60 $py -m otclr_jax.bench ot --batch_sizes=$ot_batches
+if [[ $stages == *bench* ]]; then
+  pair=$((2 * ${bench_train[0]% *}))
+  bench 60 $py -m otclr_jax.bench resnet --config=configs/cifar10.py \
+    --conv_impls=xla --repeats=$repeats --config.batch_size=$pair
+  bench 45 $py launch/bench_torch.py --device=${TORCH_DEVICE:-cuda} \
+    --batch_size=$pair --steps=$repeats
+  # Compiling its three steps alone took 75 s on an H200.
+  for bd in "${bench_train[@]}"; do
+    bench 200 $py -m otclr_jax.bench train --config=configs/cifar10.py \
+      --methods=simclr --repeats=$repeats --config.batch_size=${bd% *} \
+      --config.dtype=${bd#* }
+  done
+  bench 150 $py -m otclr_jax.bench ot --batch_sizes=$ot_batches
+fi
+[[ $stages == *cifar* ]] || exit 0
 
 # CIFAR-10: the JPEG folder, decoded once into the cache all runs read.
 data=$work/data
