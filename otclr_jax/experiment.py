@@ -1,8 +1,7 @@
-"""What a config builds (method, model, optimiser, state), for every tool."""
+"""What a config is: its checks, its method and model, its devices, its run."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -13,7 +12,6 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
-import optax
 
 from otclr_jax import checkpoint
 from otclr_jax import cli
@@ -23,7 +21,6 @@ from otclr_jax import models
 from otclr_jax import optim
 from otclr_jax import ot
 from otclr_jax import rundir
-from otclr_jax import step as step_lib
 from otclr_jax import views as views_lib
 from otclr_jax.methods import base
 
@@ -225,54 +222,6 @@ def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
       NamedSharding(mesh, P('data')), rows, batch.shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-  """Everything a config builds for a run of known length.
-
-  Attributes:
-    method: the objective (`methods.get`).
-    views: the view generator, 'augment' or 'ot'.
-    title: the run's row name ('MoCo + OT views', 'OTCLR', ...).
-    model: the trained network.
-    schedule: the learning-rate schedule.
-    tx: the optimiser.
-    steps_per_epoch: updates per epoch.
-    total_steps: length of the run in updates.
-  """
-  method: base.Method
-  views: str
-  title: str
-  model: Any
-  schedule: optax.Schedule
-  tx: optax.GradientTransformation
-  steps_per_epoch: int
-  total_steps: int
-
-
-def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
-  """The run's method, model, schedule and optimiser.
-
-  Args:
-    config: a validated config.
-    steps_per_epoch: updates per epoch (`data.steps_per_epoch`).
-  """
-  method_name, views = views_lib.resolve(config)
-  method = methods.get(method_name)
-  total = total_steps_for(config, steps_per_epoch)
-  schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
-  opt = optim.optim_settings(config)
-  logging.info('Optimiser: %s', ', '.join(
-      f'{k}={v}' for k, v in sorted(opt.items())))
-  block = config.get(method_name, None)
-  if block is not None and 'base_tau' in block:
-    base.report_horizon(method_name, block, total)
-  return Setup(method=method, views=views,
-               title=methods.title(method_name, views),
-               model=method.create_model(config), schedule=schedule,
-               tx=optim.create_optimizer(config, schedule),
-               steps_per_epoch=steps_per_epoch, total_steps=total)
-
-
 def init_key(config: ml_collections.ConfigDict) -> jax.Array:
   """The key the network is initialised from (the first of `config.seed`'s split)."""
   return jax.random.split(jax.random.key(config.seed))[0]
@@ -281,36 +230,6 @@ def init_key(config: ml_collections.ConfigDict) -> jax.Array:
 def train_key(config: ml_collections.ConfigDict) -> jax.Array:
   """The key every step folds its step number into."""
   return jax.random.split(jax.random.key(config.seed))[1]
-
-
-def initial_state(config: ml_collections.ConfigDict, run: Setup,
-                  mesh: Mesh | None = None) -> step_lib.TrainState:
-  """The state at step 0 from `initial_variables`, replicated over `mesh`."""
-  init = functools.partial(step_lib.init_state, config, run.method, run.model,
-                           run.tx)
-  variables = initial_variables(config)
-  if mesh is None:
-    return jax.jit(init)(init_key(config), variables)
-  return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
-      init_key(config), variables)
-
-
-def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
-          mesh: Mesh) -> tuple[Setup, step_lib.TrainState, Callable[..., Any]]:
-  """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
-  run = setup(config, steps_per_epoch)
-  state = initial_state(config, run, mesh)
-  step_fn = step_lib.jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
-  return run, state, step_fn
-
-
-def pretraining_params(state: step_lib.TrainState) -> int:
-  """Parameters of the network and its targets (not queues or statistics)."""
-  extra = state.extra if isinstance(state.extra, dict) else {}
-  targets = {k: v for k, v in extra.items() if k.endswith('params')}
-  return count_params(state.params['net']) + count_params(targets)
 
 
 @functools.lru_cache(maxsize=8)

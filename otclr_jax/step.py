@@ -1,10 +1,13 @@
-"""The generic pretraining step: views -> model -> objective -> update."""
+"""The pretraining step (views -> model -> objective -> update), and what a
+config builds for it: method, model, optimiser, step-0 state, jitted step."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
+from absl import logging
 import flax.struct
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -12,7 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from otclr_jax import experiment
 from otclr_jax import losses
+from otclr_jax import methods
+from otclr_jax import optim
 from otclr_jax import views
 from otclr_jax.methods import base
 
@@ -164,3 +170,82 @@ def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
 
   return jax.jit(step, in_shardings=(replicated, data, replicated),
                  out_shardings=(replicated, replicated), donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything a config builds for a run of known length.
+
+  Attributes:
+    method: the objective (`methods.get`).
+    views: the view generator, 'augment' or 'ot'.
+    title: the run's row name ('MoCo + OT views', 'OTCLR', ...).
+    model: the trained network.
+    schedule: the learning-rate schedule.
+    tx: the optimiser.
+    steps_per_epoch: updates per epoch.
+    total_steps: length of the run in updates.
+  """
+  method: base.Method
+  views: str
+  title: str
+  model: Any
+  schedule: optax.Schedule
+  tx: optax.GradientTransformation
+  steps_per_epoch: int
+  total_steps: int
+
+
+def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
+  """The run's method, model, schedule and optimiser.
+
+  Args:
+    config: a validated config.
+    steps_per_epoch: updates per epoch (`data.steps_per_epoch`).
+  """
+  method_name, view_kind = views.resolve(config)
+  method = methods.get(method_name)
+  total = experiment.total_steps_for(config, steps_per_epoch)
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
+  opt = optim.optim_settings(config)
+  logging.info('Optimiser: %s', ', '.join(
+      f'{k}={v}' for k, v in sorted(opt.items())))
+  block = config.get(method_name, None)
+  if block is not None and 'base_tau' in block:
+    base.report_horizon(method_name, block, total)
+  return Setup(method=method, views=view_kind,
+               title=methods.title(method_name, view_kind),
+               model=method.create_model(config), schedule=schedule,
+               tx=optim.create_optimizer(config, schedule),
+               steps_per_epoch=steps_per_epoch, total_steps=total)
+
+
+def initial_state(config: ml_collections.ConfigDict, run: Setup,
+                  mesh: Mesh | None = None) -> TrainState:
+  """The state at step 0 from `initial_variables`, replicated over `mesh`."""
+  init = functools.partial(init_state, config, run.method, run.model,
+                           run.tx)
+  variables = experiment.initial_variables(config)
+  if mesh is None:
+    return jax.jit(init)(experiment.init_key(config), variables)
+  return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
+      experiment.init_key(config), variables)
+
+
+def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
+          mesh: Mesh) -> tuple[Setup, TrainState, Callable[..., Any]]:
+  """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
+  run = setup(config, steps_per_epoch)
+  state = initial_state(config, run, mesh)
+  step_fn = jit_train_step(
+      run.method, config, run.model, run.tx, run.schedule, mesh,
+      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  return run, state, step_fn
+
+
+def pretraining_params(state: TrainState) -> int:
+  """Parameters of the network and its targets (not queues or statistics)."""
+  extra = state.extra if isinstance(state.extra, dict) else {}
+  targets = {k: v for k, v in extra.items() if k.endswith('params')}
+  return (experiment.count_params(state.params['net'])
+          + experiment.count_params(targets))

@@ -418,7 +418,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   trained_on = data_identity(config, train_data)
   check_data(workdir, trained_on, resuming=stored is not None)
 
-  run, state, step_fn = experiment.build(config, spe, mesh)
+  run, state, step_fn = step_lib.build(config, spe, mesh)
   # Jitted onto the mesh, so that every process holds the same replicated key.
   train_key = jax.jit(functools.partial(experiment.train_key, config),
                       out_shardings=NamedSharding(mesh, P()))()
@@ -443,7 +443,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
       'batch %d over %d device(s); %.2fM pretraining parameters (network and '
       'its targets).', run.title, run.method.name, run.views, config.dataset,
       len(train_data.images), spe, total, config.batch_size, mesh.size,
-      experiment.pretraining_params(state) / 1e6)
+      step_lib.pretraining_params(state) / 1e6)
 
   batches: Iterator[np.ndarray] = data.train_batches(
       train_data.images, config.batch_size, config.seed, start_step=start)

@@ -11,10 +11,10 @@ import pytest
 
 from configs import default
 from configs import digits
-from otclr_jax import experiment
 from otclr_jax import optim
 from otclr_jax import methods
 from otclr_jax import models
+from otclr_jax import step as step_lib
 from otclr_jax.methods import base
 from otclr_jax.methods import byol
 from otclr_jax.methods import dino
@@ -587,5 +587,5 @@ def test_setup_logs_the_horizon_of_ema_methods(monkeypatch):
                       lambda name, block, steps: reports.append((name, steps)))
   for name in ('simclr', 'byol'):
     config = _small_config(name)
-    experiment.setup(config, 11)
+    step_lib.setup(config, 11)
   assert reports == [('byol', 11 * config.num_epochs)]

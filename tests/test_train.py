@@ -125,7 +125,7 @@ def test_train_step_compiles_once(data_dir):
   config = tiny_config(data_dir, method='simclr')
   mesh = experiment.make_mesh()
   # Built as training builds it, so the donated output matches.
-  _, state, step = experiment.build(config, 10, mesh)
+  _, state, step = step_lib.build(config, 10, mesh)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
   with traces() as traced:
     for _ in range(3):
@@ -136,8 +136,8 @@ def test_train_step_compiles_once(data_dir):
 
 def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
   config = tiny_config(data_dir, method='byol')  # targets copy the network
-  run = experiment.setup(config, steps_per_epoch=10)
-  state = experiment.initial_state(config, run)
+  run = step_lib.setup(config, steps_per_epoch=10)
+  state = step_lib.initial_state(config, run)
   # The state drawn inside one jit, as before the init was shared.
   reference = jax.jit(functools.partial(
       step_lib.init_state, config, run.method, run.model, run.tx))(

@@ -54,8 +54,8 @@ class Variant:
 
 def _compile_variant(config, batch, key, mesh) -> Variant:
   """Compiles `config`'s step; counts its FLOPs and parameters."""
-  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
-  run, state, step = experiment.build(config, 100, mesh)
+  from otclr_jax import experiment, step as step_lib  # pylint: disable=g-import-not-at-top
+  run, state, step = step_lib.build(config, 100, mesh)
   compiled = step.lower(state, batch, key).compile()
   # XLA skips a convolution's zero padding: below the papers' naive counts.
   views_in = jnp.zeros((2 * batch.shape[0],) + batch.shape[1:], jnp.float32)
@@ -64,7 +64,7 @@ def _compile_variant(config, batch, key, mesh) -> Variant:
   return Variant(
       run.title, compiled, state, common.flops(compiled),
       common.flops(fwd.lower(variables, views_in).compile()),
-      experiment.pretraining_params(state) / 1e6,
+      step_lib.pretraining_params(state) / 1e6,
       experiment.count_params(state.params['net']['encoder']) / 1e6)
 
 
