@@ -222,7 +222,7 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
 
 def initial_state(config: ml_collections.ConfigDict, run: Setup,
                   mesh: Mesh | None = None) -> TrainState:
-  """The state at step 0 from `initial_variables`, replicated over `mesh`."""
+  """The state at step 0 from `experiment.initial_variables`, on `mesh`."""
   init = functools.partial(init_state, config, run.method, run.model,
                            run.tx)
   variables = experiment.initial_variables(config)
