@@ -100,21 +100,31 @@ sweep=(-m launch.sweep --config=launch/sweeps/cifar10_paper.py
   --workdir=$work/cifar10_paper --config.dataset=$folder
   "--config.eval.datasets=(\"$folder\",)" --config.data_dir=$data
   --config.eval.figures=False "${steps[@]}")
-# cifar10_paper's runs are ordered seed, batch size (256, 512), method.
+# One seed's batch-256 runs, by their 0-based index in the sweep's own list.
+indices_of() {
+  $py "${sweep[@]}" --dry_run 2>/dev/null | sed -nE \
+    "s/^\[([0-9]+)\/[0-9]+\] seed=$1,batch_size=256,.*/\1/p" \
+    | while read -r n; do echo $((n - 1)); done
+}
 t_pair=0
 for seed in "${seeds[@]}"; do
   if (( t_pair > 0 && $(left) < t_pair + t_pair / 5 + 40 )); then
     echo "seed $seed not started: ${t_pair} s per seed, $(left) s left" >>"$log"
     break
   fi
+  indices=$(indices_of "$seed" | xargs)
+  if [[ -z $indices ]]; then
+    echo "seed $seed: no batch-256 run in the sweep's list" >>"$log"
+    break
+  fi
   t0=$SECONDS
-  for m in 0 1; do
-    run 600 "$log.$m" $py "${sweep[@]}" --only_index=$((4 * seed + m)) &
+  for i in $indices; do
+    run 600 "$log.$i" $py "${sweep[@]}" --only_index=$i &
   done
   wait
-  cat "$log.0" "$log.1" >>"$log" && rm -f "$log.0" "$log.1"
+  for i in $indices; do cat "$log.$i" >>"$log" && rm -f "$log.$i"; done
   t_pair=$((SECONDS - t0))
-  echo "seed $seed: both runs in ${t_pair} s" >>"$log"
+  echo "seed $seed: runs $indices at once in ${t_pair} s" >>"$log"
 done
 $py "${sweep[@]}" --aggregate_only >"$out/cifar10_table.txt" 2>&1
 tar czf "$out/cifar10_results.tar.gz" \
