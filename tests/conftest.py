@@ -5,11 +5,27 @@ Helpers that tests import live in tests/helpers.py."""
 import os
 
 import pytest
+import threadpoolctl
 
 # POT probes every installed array backend at import; TensorFlow's import alone
 # costs seconds and the tests only use POT's NumPy path.
 for _backend in ('TENSORFLOW', 'PYTORCH', 'CUPY', 'JAX'):
   os.environ.setdefault(f'POT_BACKEND_DISABLE_{_backend}', '1')
+
+# Under pytest-xdist each worker gets its share of the cores for BLAS and
+# OpenMP (scikit-learn's t-SNE): their threads spin while they wait, so a
+# full pool per worker takes the cores the other workers need (2 cores, 2
+# workers: the suite 21% faster with one thread each). XLA keeps its
+# threads, which block instead. NumPy is loaded before this file, so its
+# pool is resized in place (threadpoolctl, a scikit-learn dependency); the
+# variables reach the libraries loaded later and the subprocesses tests
+# start.
+_workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+if _workers > 1:
+  _threads = str(max(1, (os.cpu_count() or 1) // _workers))
+  for _variable in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS'):
+    os.environ.setdefault(_variable, _threads)
+  threadpoolctl.threadpool_limits(int(_threads))
 
 # Several tests build the same tiny training step in fresh closures; the
 # persistent cache turns their repeated XLA compilations into disk reads.
@@ -69,3 +85,21 @@ def finished_run(tmp_path_factory, data_dir):
   config = tiny_config(data_dir)
   workdir = str(tmp_path_factory.mktemp('finished') / 'run')
   return config, workdir, train.train(config, workdir).state
+
+
+@pytest.fixture(scope='session')
+def evaluated_run(finished_run, tmp_path_factory):
+  """(config, workdir) of a copy of `finished_run` evaluated at its step 4.
+
+  `eval_config` on `small_digits`, figures drawn (`main.evaluate_and_draw`),
+  as `python -m otclr_jax.main` evaluates; tests copy it to change it.
+  """
+  from otclr_jax import main  # pylint: disable=g-import-not-at-top
+  from tests import helpers  # pylint: disable=g-import-not-at-top
+  config, workdir, _ = finished_run
+  workdir = helpers.copy_run(workdir, tmp_path_factory.mktemp('evaluated'))
+  config = helpers.eval_config(config.data_dir)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    helpers.small_digits(monkeypatch)
+    main.evaluate_and_draw(config, workdir)
+  return config, workdir

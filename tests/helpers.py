@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import textwrap
 import threading
@@ -108,6 +109,33 @@ def tiny_config(data_dir, **overrides):
   config.update_from_flattened_dict(overrides)
   config.unlock()
   return config
+
+
+def eval_config(data_dir, **overrides):
+  """`tiny_config` with a small evaluation: 16 view images, 10 Newton steps
+  per probe fit, batches of 64; `evaluated_run`'s settings."""
+  config = tiny_config(data_dir, **overrides)
+  config.eval.num_view_images = 16
+  config.eval.probe_steps = 10
+  config.eval.batch_size = 64
+  return config
+
+
+# Images per class of train and test that `small_digits` keeps.
+SMALL_DIGITS = (12, 6)
+
+
+def small_digits(monkeypatch):
+  """Cuts digits to `SMALL_DIGITS` images per class: the evaluation size of
+  the tests, `evaluated_run`'s included."""
+  shrink_digits(monkeypatch, *SMALL_DIGITS)
+
+
+def copy_run(workdir: str, tmp_path) -> str:
+  """A copy of the run directory `workdir` at `tmp_path/run`, to change."""
+  copy = os.path.join(str(tmp_path), 'run')
+  shutil.copytree(workdir, copy)
+  return copy
 
 
 def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):

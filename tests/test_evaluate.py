@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,12 @@ from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
 from tests.folder_trees import save_image
+from tests.helpers import copy_run
+from tests.helpers import eval_config
 from tests.helpers import resnet18_chain
 from tests.helpers import rounding_tol
-from tests.helpers import shrink_digits
+from tests.helpers import SMALL_DIGITS
+from tests.helpers import small_digits
 from tests.helpers import tiny_config
 from tests.helpers import traces
 
@@ -49,14 +53,10 @@ def test_dataset_keys_are_file_names():
     features.dataset_key('mnist')
 
 
-def _small_digits(monkeypatch):
-  """Cuts digits to 20 train / 8 test images per class for speed."""
-  shrink_digits(monkeypatch, 20, 8)
-
-
-def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
-  workdir = str(tmp_path / 'run')
-  config = tiny_config(data_dir)
+def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
+  base, trained, _ = finished_run
+  empty = str(tmp_path / 'empty')
+  config = tiny_config(base.data_dir)
   config.eval.datasets = ('digits',)
   config.eval.num_view_images = 40
   config.eval.probe_steps = 30
@@ -64,22 +64,22 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   config.eval.recompute_bn = True
 
   with pytest.raises(FileNotFoundError, match='pretrain first'):
-    _evaluate(config, workdir)
-  assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+    _evaluate(config, empty)
+  assert not os.path.exists(os.path.join(empty, 'checkpoints'))
 
-  train.train(config, workdir, stop_after_steps=2)
-  with pytest.raises(ValueError, match=r'available steps: \[2\]'):
+  workdir = copy_run(trained, tmp_path)
+  with pytest.raises(ValueError, match=r'available steps: \[2, 4\]'):
     _evaluate(config, workdir, step=3)
-  _small_digits(monkeypatch)
+  small_digits(monkeypatch)
   results = _evaluate(config, workdir)
 
   with open(os.path.join(workdir, 'eval', 'results.json')) as f:
     assert json.load(f) == results
-  assert os.path.exists(os.path.join(workdir, 'eval', 'results_step2.json'))
+  assert os.path.exists(os.path.join(workdir, 'eval', 'results_step4.json'))
   for name in ('tables.md', 'tables.tex'):
     assert os.path.getsize(os.path.join(workdir, 'eval', name)) > 0
-  assert results['step'] == 2
-  assert results['checkpoint'].endswith(os.path.join('checkpoints', '2'))
+  assert results['step'] == 4
+  assert results['checkpoint'].endswith(os.path.join('checkpoints', '4'))
   assert (results['method'], results['seed'], results['batch_size'],
           results['pretrain_dataset'], results['image_size']) == (
               'otclr', 0, 16, 'digits', 8)
@@ -90,11 +90,12 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
     for key in ('top1', 'top5', 'knn_top1'):
       assert 0.0 <= row[key] <= 100.0
     assert row['top5'] >= row['top1']
-    assert (row['num_train'], row['num_test']) == (200, 80)
+    assert (row['num_train'], row['num_test']) == tuple(
+        10 * n for n in SMALL_DIGITS)
   assert results['random_init']['digits'] != results['linear']['digits']
   protocol = results['protocol']
   assert (protocol['embedding'], protocol['recompute_bn'],
-          protocol['bn_images']) == ('z', True, 200)
+          protocol['bn_images']) == ('z', True, 10 * SMALL_DIGITS[0])
   cluster_keys = {'silhouette', 'compactness', 'centroid_margin',
                   'inter_intra_ratio'}
   assert set(results['clusters']['digits']) >= cluster_keys
@@ -119,7 +120,7 @@ def test_evaluate_end_to_end(tmp_path, data_dir, monkeypatch, capsys):
   with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
     assert 'embedding z, l2-normalised projection output' in f.read()
   feature_dir = os.path.join(workdir, 'eval', 'features')
-  for tag in ('step2', 'step2_cleanbn'):
+  for tag in ('step4', 'step4_cleanbn'):
     assert sorted(os.listdir(os.path.join(feature_dir, tag))) == [
         'digits_test.npz', 'digits_train.npz']
 
@@ -283,70 +284,52 @@ def test_embedding_config_is_checked():
 # Results that cannot be silently wrong.
 
 
-def _eval_config(data_dir, **overrides):
-  config = tiny_config(data_dir, **overrides)
-  config.eval.num_view_images = 16
-  config.eval.probe_steps = 10
-  config.eval.batch_size = 64
-  return config
+def _results(workdir):
+  with open(os.path.join(workdir, 'eval', 'results.json')) as f:
+    return json.load(f)
 
 
-@pytest.fixture(scope='module')
-def trained_run(tmp_path_factory, data_dir):
-  """A tiny run trained to step 2 (seed 0, otclr); tests copy it."""
-  workdir = str(tmp_path_factory.mktemp('trained') / 'run')
-  train.train(_eval_config(data_dir), workdir,
-                 stop_after_steps=2)
-  return workdir
-
-
-def _copy_run(trained_run, tmp_path):
-  workdir = str(tmp_path / 'run')
-  shutil.copytree(trained_run, workdir)
-  return workdir
-
-
-def test_retrained_workdir_recomputes_cached_features(trained_run, tmp_path,
-                                                      data_dir, monkeypatch):
+def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
+                                                      monkeypatch):
   # Run A is evaluated; its training is then thrown away (as after deleting a
   # diverged run's checkpoints) and run B, another seed and method, is trained
   # into the same workdir to the same step. B's numbers must be B's.
-  workdir = _copy_run(trained_run, tmp_path)
-  _small_digits(monkeypatch)
-  config_a = _eval_config(data_dir)
-  first = _evaluate(config_a, workdir)
-  features_a = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
+  config_a, evaluated = evaluated_run
+  workdir = copy_run(evaluated, tmp_path)
+  small_digits(monkeypatch)
+  first = _results(workdir)
+  features_a = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
   for entry in os.listdir(workdir):
     if entry != 'eval':
       path = os.path.join(workdir, entry)
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  config_b = _eval_config(data_dir, seed=1, method='simclr')
-  train.train(config_b, workdir, stop_after_steps=2)
+  config_b = eval_config(config_a.data_dir, seed=1, method='simclr')
+  train.train(config_b, workdir)
   warnings = []
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
   second = _evaluate(config_b, workdir)
-  features_b = features.load_features(workdir, 2, 'digits', 'test', 8)[0]
-  assert second['step'] == first['step'] == 2
+  features_b = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
+  assert second['step'] == first['step'] == 4
   assert (second['method'], second['seed']) == ('simclr', 1)
   assert not np.array_equal(features_a, features_b)
   for section in ('linear', 'random_init'):
     assert second[section] != first[section], section
   # One line per recomputed file, saying why.
   stale = [w for w in warnings if 'Recomputing feature cache' in w]
-  assert len(stale) == 4, warnings  # {step2, init} x {train, test}
+  assert len(stale) == 4, warnings  # {step4, init} x {train, test}
   assert all('other weights' in w for w in stale)
 
 
 def test_changed_settings_or_damaged_feature_cache_is_recomputed(
-    trained_run, tmp_path, data_dir, monkeypatch):
-  workdir = _copy_run(trained_run, tmp_path)
-  _small_digits(monkeypatch)
-  config = _eval_config(data_dir)
-  first = _evaluate(config, workdir)
+    evaluated_run, tmp_path, monkeypatch):
+  config, evaluated = evaluated_run
+  workdir = copy_run(evaluated, tmp_path)
+  small_digits(monkeypatch)
+  first = _results(workdir)
   feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
-  changed = os.path.join(feature_dir, 'step2', 'digits_test.npz')
+  changed = os.path.join(feature_dir, 'step4', 'digits_test.npz')
   with np.load(changed) as f:
     stored = {k: f[k] for k in f.files}
   stored['settings'] = stored['settings'].item().replace('"model"', '"x"')
@@ -364,13 +347,13 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
                       lambda msg, *args: warnings.append(msg % args))
   again = _evaluate(config, workdir)
   assert sorted(calls) == ['init features digits/train',
-                           'step2 features digits/test']
+                           'step4 features digits/test']
   assert any(changed in w and 'other model settings' in w for w in warnings)
   assert any(torn in w and 'unreadable' in w for w in warnings), warnings
   for section in ('linear', 'random_init'):
     assert again[section] == first[section]
   with np.load(torn) as f:
-    assert f['features'].shape == (200, 512)
+    assert f['features'].shape == (10 * SMALL_DIGITS[0], 512)
 
 
 def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
@@ -379,7 +362,7 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
   for split in ('train', 'test'):
     for cls in ('bee', 'cow'):
       save_image(root, split, cls, '0.png', pixels)
-  config = _eval_config(str(tmp_path / 'data'))
+  config = eval_config(str(tmp_path / 'data'))
   before = features._cache_settings(config, 'folder:' + root)
   assert features._cache_settings(config, 'folder:' + root) == before
   # 'ant' sorts first and shifts every label: cached features must not be
@@ -388,10 +371,10 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
   assert features._cache_settings(config, 'folder:' + root) != before
 
 
-def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
-                                          monkeypatch):
-  workdir = _copy_run(trained_run, tmp_path)
-  _small_digits(monkeypatch)
+def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):
+  workdir = copy_run(finished_run[1], tmp_path)
+  data_dir = finished_run[0].data_dir
+  small_digits(monkeypatch)
   restore = checkpoint.restore_part
 
   def poisoned(workdir, step, item):
@@ -402,20 +385,19 @@ def test_non_finite_checkpoint_is_refused(trained_run, tmp_path, data_dir,
 
   monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
   with pytest.raises(features.NonFiniteError,
-                     match=f'{workdir}: checkpoint step 2 .*non-finite'):
-    _evaluate(_eval_config(data_dir), workdir)
+                     match=f'{workdir}: checkpoint step 4 .*non-finite'):
+    _evaluate(eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
   # The command line ends in one error line and the data-error status.
-  config = _eval_config(data_dir)
+  config = eval_config(data_dir)
   config.mode = 'eval'
   assert main.run(config, workdir) == rundir.EXIT_DIVERGED
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
-def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
-                                         monkeypatch):
-  workdir = _copy_run(trained_run, tmp_path)
-  _small_digits(monkeypatch)
+def test_non_finite_features_are_refused(finished_run, tmp_path, monkeypatch):
+  workdir = copy_run(finished_run[1], tmp_path)
+  small_digits(monkeypatch)
   extract = features.extract_features
 
   def nan_features(*args, **kwargs):
@@ -426,16 +408,15 @@ def test_non_finite_features_are_refused(trained_run, tmp_path, data_dir,
 
   monkeypatch.setattr(features, 'extract_features', nan_features)
   with pytest.raises(features.NonFiniteError,
-                     match=f'{workdir}: the step2 encoder .* on digits/train'):
-    _evaluate(_eval_config(data_dir), workdir)
+                     match=f'{workdir}: the step4 encoder .* on digits/train'):
+    _evaluate(eval_config(finished_run[0].data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
 def test_restore_falls_back_past_a_truncated_newest_checkpoint(
-    tmp_path, data_dir, caplog):
-  config = _eval_config(data_dir, method='simclr')
-  workdir = tmp_path / 'run'
-  train.train(config, str(workdir))  # checkpoints 2 and 4
+    finished_run, tmp_path, caplog):
+  config, finished, _ = finished_run
+  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
   # What a crash mid-write leaves: the newest checkpoint's data cut short.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
@@ -459,12 +440,11 @@ def test_restore_falls_back_past_a_truncated_newest_checkpoint(
 
 
 def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
-    tmp_path, data_dir, monkeypatch, caplog):
+    finished_run, tmp_path, monkeypatch, caplog):
   # A run still training with keep_checkpoints=1: evaluation lists [2], and
   # while it reads 2 the run saves 4 and deletes 2.
-  config = _eval_config(data_dir, method='simclr')
-  workdir = tmp_path / 'run'
-  train.train(config, str(workdir))  # checkpoints 2 and 4
+  config, finished, _ = finished_run
+  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
   _, expected, _ = evaluate.restore(config, str(workdir), step=4)
   aside = tmp_path / 'newer'
   (workdir / 'checkpoints' / '4').rename(aside)
@@ -510,8 +490,8 @@ def test_command_line_takes_the_eval_lock(tmp_path):
 @pytest.mark.parametrize('method', ['moco', 'byol', 'dino'])
 def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
                                               method):
-  _small_digits(monkeypatch)
-  config = _eval_config(data_dir, method=method, views='ot', total_steps=2,
+  small_digits(monkeypatch)
+  config = eval_config(data_dir, method=method, views='ot', total_steps=2,
                         **{'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
                            'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
                            'dino.num_prototypes': 32})
@@ -525,21 +505,21 @@ def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
   assert set(results['views']) == {'simclr', 'otclr'}
 
 
-def test_checkpoint_without_extra_state_still_evaluates(trained_run, tmp_path,
-                                                         data_dir):
+def test_checkpoint_without_extra_state_still_evaluates(finished_run,
+                                                         tmp_path):
   # Evaluation reads params and batch_stats only: a checkpoint whose other
   # parts (here: no `extra`, as before methods were plug-ins, and another
   # optimiser's state) differ from today's TrainState still restores.
-  workdir = _copy_run(trained_run, tmp_path)
-  config = _eval_config(data_dir)
+  config, finished, _ = finished_run
+  workdir = copy_run(finished, tmp_path)
   _, expected, step = evaluate.restore(config, workdir)
   ckpt = checkpoint.Checkpointer(workdir)
-  ckpt.save(3, {'step': np.int32(3), 'params': {'net': expected['params']},
+  ckpt.save(5, {'step': np.int32(5), 'params': {'net': expected['params']},
                 'batch_stats': expected['batch_stats'],
                 'opt_state': {'other_optimiser': np.zeros(3, np.float32)}})
   ckpt.close()
   _, restored, step = evaluate.restore(config, workdir)
-  assert step == 3
+  assert step == 5
   for a, b in zip(jax.tree_util.tree_leaves(expected),
                   jax.tree_util.tree_leaves(restored)):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
@@ -578,8 +558,8 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
   config = tiny_config(data_dir, **{'model.stem': 'cifar'})
   model, _, images = _tiny_net(seed=3, num_images=12)
   # Initial statistics: _tiny_net's shifted means silence this tiny network.
-  variables = model.init(jax.random.key(3), jnp.zeros((2, 8, 8, 3)),
-                         train=False)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
   features._compiled_apply.cache_clear()
   encoder = features.Encoder(model)
   features.extract_features(encoder, variables, images, 8, log_progress=False)
@@ -593,10 +573,10 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
                                          num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
   assert 'apply' not in traced, traced
-  h, z = (np.asarray(t, np.float64) for t in model.apply(
-      variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0,
-      train=False)[:2])
-  # Two programs (the compiled, padded encoder against the eager network):
+  apply = jax.jit(functools.partial(model.apply, train=False))
+  h, z = (np.asarray(t, np.float64) for t in apply(
+      variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0)[:2])
+  # Two programs (the compiled, padded encoder against the whole network):
   # the encoder's chain relative to z, the head's bound, then normalising
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
   # one of the unit rows at most twice as large relative to |z|.
@@ -628,8 +608,8 @@ def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
 def test_view_metrics_do_not_depend_on_the_evaluation_batch_size(data_dir):
   config = tiny_config(data_dir, **{'model.stem': 'cifar'})
   model, _, images = _tiny_net(seed=3, num_images=12)
-  variables = model.init(jax.random.key(3), jnp.zeros((2, 8, 8, 3)),
-                         train=False)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
   small, large = (view_quality.view_embeddings(
       config, model, variables, images, num_images=10, batch_size=b)
                   for b in (4, 16))

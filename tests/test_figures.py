@@ -30,19 +30,14 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
 from otclr_jax import train
+from tests.helpers import copy_run
 from tests.helpers import EPS64
+from tests.helpers import eval_config
 from tests.helpers import rounding_tol
-from tests.helpers import shrink_digits
-from tests.helpers import tiny_config
+from tests.helpers import SMALL_DIGITS
+from tests.helpers import small_digits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _figure_config(data_dir, **overrides):
-  """The shared tiny run: 2 steps logged every step, a small evaluation."""
-  return tiny_config(data_dir, total_steps=2, log_every_steps=1, **{
-      'eval.num_view_images': 30, 'eval.probe_steps': 10,
-      'eval.batch_size': 64}, **overrides)
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -130,34 +125,27 @@ def test_load_default_image_and_strong_view():
 
 
 # ----------------------------------------------------------------------------
-# Figures of evaluated runs: tiny digits runs, trained 2 steps and evaluated.
-
-
-def _small_digits(monkeypatch):
-  """Cuts digits to 12 train / 6 test images per class for speed."""
-  shrink_digits(monkeypatch, 12, 6)
+# Figures of evaluated runs: tiny digits runs, trained 4 steps and evaluated.
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory, data_dir):
+def runs(evaluated_run, tmp_path_factory):
   """Two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}.
 
-  The OTCLR run's evaluation draws its figures (the default), the SimCLR
-  run's does not (`config.eval.figures = False`).
+  The OTCLR run is a copy of `evaluated_run`, whose evaluation drew its
+  figures (the default); the SimCLR run's evaluation does not
+  (`config.eval.figures = False`).
   """
-  root = tmp_path_factory.mktemp('runs')
-  out = {}
+  config, evaluated = evaluated_run
+  out = {'otclr': copy_run(evaluated, tmp_path_factory.mktemp('otclr'))}
+  config = eval_config(config.data_dir, method='simclr')
+  config.eval.figures = False
+  out['simclr'] = str(tmp_path_factory.mktemp('simclr') / 'run')
+  train.train(config, out['simclr'])
   with pytest.MonkeyPatch.context() as monkeypatch:
-    _small_digits(monkeypatch)
-    for method in ('otclr', 'simclr'):
-      config = _figure_config(data_dir, method=method)
-      if method == 'simclr':
-        config.eval.figures = False
-      workdir = str(root / f'digits_{method}')
-      train.train(config, workdir)
-      main.evaluate_and_draw(config, workdir)
-      out[method] = workdir
-    yield out
+    small_digits(monkeypatch)
+    main.evaluate_and_draw(config, out['simclr'])
+  return out
 
 
 def _assert_png_and_pdf(png):
@@ -178,15 +166,16 @@ def test_evaluate_draws_tsne_and_curves(runs):
   assert config['method'] == 'simclr' and config['ot']['grid_size'] == 4
 
 
-def test_figure_failure_does_not_fail_evaluation(runs, monkeypatch, caplog):
+def test_figure_failure_does_not_fail_evaluation(runs, evaluated_run,
+                                                monkeypatch, caplog):
   def broken(*args, **kwargs):
     raise RuntimeError('no figures today')
 
   monkeypatch.setattr(figures, 'report_single', broken)
-  _small_digits(monkeypatch)
-  config = _figure_config(str(pathlib.Path(runs['otclr']).parent / 'data'))
+  small_digits(monkeypatch)
+  config = eval_config(evaluated_run[0].data_dir)
   results = main.evaluate_and_draw(config, runs['otclr'])
-  assert results['step'] == 2
+  assert results['step'] == 4
   assert 'Drawing the figures failed' in caplog.text
 
 
@@ -195,13 +184,13 @@ def test_probe_file_reproduces_reported_top1(runs, method):
   workdir = runs[method]
   results = json.loads((pathlib.Path(workdir) / 'eval' /
                         'results.json').read_text())
-  path = probe.probe_path(workdir, 2, 'digits')
-  assert path == os.path.join(workdir, 'eval', 'probe_step2_digits.npz')
+  path = probe.probe_path(workdir, 4, 'digits')
+  assert path == os.path.join(workdir, 'eval', 'probe_step4_digits.npz')
   fitted = probe.load_probe(path)
   assert fitted.w.shape == (512, 10) and fitted.b.shape == (10,)
   assert fitted.weight_decay == results['linear']['digits']['weight_decay']
-  feats, labels = features.load_features(workdir, 2, 'digits', 'test', 8)
-  assert len(labels) == 60
+  feats, labels = features.load_features(workdir, 4, 'digits', 'test', 8)
+  assert len(labels) == 10 * SMALL_DIGITS[1]
   top1 = 100.0 * np.mean(fitted.logits(feats).argmax(axis=1) == labels)
   # The same correct predictions: 100 k / 60 in float64 both ways, up to
   # the order of the division, the mean and the product (3 roundings).
@@ -221,7 +210,7 @@ def test_missing_probe_says_to_evaluate(tmp_path):
 
 
 def test_tsne_command(runs, tmp_path, monkeypatch):
-  _small_digits(monkeypatch)
+  small_digits(monkeypatch)
   out = tmp_path / 'tsne.png'
   assert figures_cli.main(['figures', 'tsne', '--workdir', runs['simclr'],
                            '--n', '12', '--perplexity', '5', '--out',
@@ -259,7 +248,7 @@ def test_tsne_points_and_classwise_silhouette():
 
 
 def test_top5_command(runs, tmp_path, monkeypatch, capsys):
-  _small_digits(monkeypatch)
+  small_digits(monkeypatch)
   out = tmp_path / 'top5.png'
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['simclr'],
                            '--workdir', runs['otclr'], '--index', '3',
@@ -332,7 +321,7 @@ def test_curves_command(tmp_path, capsys):
 
 
 def test_report_draws_every_figure(runs, monkeypatch, capsys):
-  _small_digits(monkeypatch)
+  small_digits(monkeypatch)
   figs = pathlib.Path(runs['simclr']) / 'eval' / 'figures'
   assert figures_cli.main(['figures', 'report', '--workdir', runs['simclr'],
                            '--compare', runs['otclr'], '--n', '12',

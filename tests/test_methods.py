@@ -411,13 +411,14 @@ def _small_config(method):
 def _init(config):
   method = methods.get(config.method)
   model = method.create_model(config)
-  variables = model.init({'params': jax.random.key(0)},
-                         jnp.zeros((1, 8, 8, 3)), train=False)
+  # Jitted: eagerly, every layer's operations would compile one by one.
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      {'params': jax.random.key(0)}, jnp.zeros((1, 8, 8, 3)))
   extra = method.init_extra(config, variables, jax.random.key(1))
   if 'target_params' in extra:
     # Targets that differ from the online networks, as after some training.
-    extra['target_params'] = jax.tree_util.tree_map(
-        lambda x: x * 1.1, extra['target_params'])
+    extra['target_params'] = jax.jit(functools.partial(
+        jax.tree_util.tree_map, lambda x: x * 1.1))(extra['target_params'])
   return method, model, variables, extra
 
 
