@@ -106,6 +106,9 @@ indices_of() {
     "s/^\[([0-9]+)\/[0-9]+\] seed=$1,batch_size=256,.*/\1/p" \
     | while read -r n; do echo $((n - 1)); done
 }
+# The runs of a seed share the host's cores, and the probe runs in NumPy:
+# each process gets its share for BLAS, whose waiting threads spin.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))}
 t_pair=0
 for seed in "${seeds[@]}"; do
   if (( t_pair > 0 && $(left) < t_pair + t_pair / 5 + 40 )); then
