@@ -14,12 +14,11 @@ for _backend in ('TENSORFLOW', 'PYTORCH', 'CUPY', 'JAX'):
 
 # Under pytest-xdist each worker gets its share of the cores for BLAS and
 # OpenMP (scikit-learn's t-SNE): their threads spin while they wait, so a
-# full pool per worker takes the cores the other workers need (2 cores, 2
-# workers: the suite 21% faster with one thread each). XLA keeps its
-# threads, which block instead. NumPy is loaded before this file, so its
-# pool is resized in place (threadpoolctl, a scikit-learn dependency); the
-# variables reach the libraries loaded later and the subprocesses tests
-# start.
+# full pool per worker takes the cores the other workers need
+# (docs/results.md, the suite's row). XLA keeps its threads, which block
+# instead. NumPy is loaded before this file, so its pool is resized in
+# place (threadpoolctl, a scikit-learn dependency); the variables reach the
+# libraries loaded later and the subprocesses tests start.
 _workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
 if _workers > 1:
   _threads = str(max(1, (os.cpu_count() or 1) // _workers))

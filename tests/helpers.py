@@ -125,12 +125,6 @@ def eval_config(data_dir, **overrides):
 SMALL_DIGITS = (12, 6)
 
 
-def small_digits(monkeypatch):
-  """Cuts digits to `SMALL_DIGITS` images per class: the evaluation size of
-  the tests, `evaluated_run`'s included."""
-  shrink_digits(monkeypatch, *SMALL_DIGITS)
-
-
 def copy_run(workdir: str, tmp_path) -> str:
   """A copy of the run directory `workdir` at `tmp_path/run`, to change."""
   copy = os.path.join(str(tmp_path), 'run')
@@ -138,14 +132,15 @@ def copy_run(workdir: str, tmp_path) -> str:
   return copy
 
 
-def shrink_digits(monkeypatch, train_per_class: int, test_per_class: int):
-  """Makes `data.load_split` return the first images of each class."""
+def small_digits(monkeypatch):
+  """Makes `data.load_split` return the first `SMALL_DIGITS` images of each
+  class: the evaluation size of the tests, `evaluated_run`'s included."""
   from otclr_jax import data  # pylint: disable=g-import-not-at-top
   load = data.load_split
 
   def small(name, split, image_size, data_dir=None, **kwargs):
     full = load(name, split, image_size, data_dir, **kwargs)
-    per_class = train_per_class if split == 'train' else test_per_class
+    per_class = SMALL_DIGITS[0] if split == 'train' else SMALL_DIGITS[1]
     keep = np.sort(np.concatenate([np.flatnonzero(full.labels == c)[:per_class]
                                    for c in range(full.num_classes)]))
     return full._replace(images=full.images[keep], labels=full.labels[keep])

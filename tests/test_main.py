@@ -23,15 +23,13 @@ from tests.folder_trees import run_python
 from tests.folder_trees import save_image
 from tests.helpers import SignalsInAFinaliser
 from tests.helpers import assert_usage_error
-from tests.helpers import shrink_digits
+from tests.helpers import eval_config
+from tests.helpers import small_digits
 from tests.helpers import tiny_config
 
 
 def _config(data_dir, **overrides):
-  config = tiny_config(data_dir, **overrides)
-  config.eval.num_view_images = 16
-  config.eval.probe_steps = 10
-  config.eval.batch_size = 64
+  config = eval_config(data_dir, **overrides)
   config.eval.figures = False
   return config
 
@@ -53,7 +51,7 @@ def _copy(run, tmp_path):
 
 def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
                                                monkeypatch):
-  shrink_digits(monkeypatch, train_per_class=10, test_per_class=4)
+  small_digits(monkeypatch)
   workdir = _copy(moco_run, tmp_path)
   # The config file's defaults (OTCLR, seed 0) differ from the run's.
   config = _config(data_dir, mode='eval')
