@@ -1,7 +1,6 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from otclr_jax import export
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
+from tests.helpers import copy_run
 from tests.helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,8 +125,7 @@ def test_stopped_run_exports_nothing(tmp_path, data_dir):
 
 def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
   config, finished, _ = finished_run
-  workdir = str(tmp_path / 'run')
-  shutil.copytree(finished, workdir)  # the export writes into the run
+  workdir = copy_run(finished, tmp_path)  # the export writes into the run
   assert export.main(['export', f'--workdir={workdir}', '--step=2']) == 0
   path = export.encoder_path(workdir, 2)
   assert path in capsys.readouterr().out

@@ -23,6 +23,7 @@ from tests.folder_trees import run_python
 from tests.folder_trees import save_image
 from tests.helpers import SignalsInAFinaliser
 from tests.helpers import assert_usage_error
+from tests.helpers import copy_run
 from tests.helpers import eval_config
 from tests.helpers import small_digits
 from tests.helpers import tiny_config
@@ -43,16 +44,10 @@ def moco_run(tmp_path_factory, data_dir):
   return workdir
 
 
-def _copy(run, tmp_path):
-  workdir = str(tmp_path / 'run')
-  shutil.copytree(run, workdir)
-  return workdir
-
-
 def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
                                                monkeypatch):
   small_digits(monkeypatch)
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   # The config file's defaults (OTCLR, seed 0) differ from the run's.
   config = _config(data_dir, mode='eval')
   assert main.run(config, workdir) == 0
@@ -71,7 +66,7 @@ def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
 def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
                                                             tmp_path,
                                                             data_dir, caplog):
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   config = _config(data_dir, mode='eval', method='simclr')
   assert_usage_error(
       caplog, r"--config.method contradicts .*config.json "
@@ -86,7 +81,7 @@ def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
 
 def test_deleted_config_json_still_guards_the_resume(moco_run, tmp_path,
                                                      data_dir):
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
   other = _config(data_dir, method='moco', seed=4, **{'moco.queue_size': 32,
                                                       'ot.epsilon': 0.1})
@@ -105,7 +100,7 @@ def test_deleted_config_json_still_guards_the_resume(moco_run, tmp_path,
 
 def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
                                                         data_dir):
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
   checkpoints = os.path.join(workdir, 'checkpoints')
   for step in os.listdir(checkpoints):
@@ -118,7 +113,7 @@ def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
 
 def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
                                              caplog):
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   with open(os.path.join(workdir, rundir.CONFIG_FILE), 'w') as f:
     f.write('{"seed": 3,')
   for mode in ('train', 'eval'):
@@ -195,7 +190,7 @@ def test_data_errors_are_usage_errors(tmp_path, data_dir, caplog):
 def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
                                                   data_dir, monkeypatch,
                                                   caplog, signum):
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   real = features.extract_features
 
   def interrupted(*args, **kwargs):
@@ -213,7 +208,7 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
 def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
     moco_run, tmp_path, data_dir, monkeypatch, caplog):
   # As when the signal lands in JAX's garbage-collection callback.
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   real = features.extract_features
 
   def interrupted(*args, **kwargs):
@@ -259,7 +254,7 @@ def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
                                                   data_dir):
   # SIGTERM alone: both signals take one path, checked in process above; this
   # checks the process's own exit.
-  workdir = _copy(moco_run, tmp_path)
+  workdir = copy_run(moco_run, tmp_path)
   proc = subprocess.Popen(
       [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
        f'--config.data_dir={data_dir}', '--config.mode=eval',

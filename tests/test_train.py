@@ -4,6 +4,7 @@ import errno
 import functools
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
 from tests.helpers import assert_usage_error
+from tests.helpers import copy_run
 from tests.helpers import rounding_tol
 from tests.helpers import tiny_config
 from tests.helpers import traces
@@ -371,8 +373,7 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
                                                     data_dir, caplog):
   config = tiny_config(data_dir)
   _, straight_workdir, straight = finished_run
-  workdir = tmp_path / 'b'
-  shutil.copytree(straight_workdir, workdir)
+  workdir = pathlib.Path(copy_run(straight_workdir, tmp_path))
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
   # half-written metrics line.
   data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
