@@ -37,8 +37,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 def pytest_addoption(parser):
   parser.addoption(
       '--runslow', action='store_true', default=False,
-      help='also run the end-to-end tests marked slow (the whole suite then '
-      'takes ~6.5 min with -n 2 on a 2-core CPU): every method x views '
+      help='also run the end-to-end tests marked slow: every method x views '
       'training and resuming, 4 devices against 1, the complexity-table '
       'benchmark, seeded sweeps end to end')
 
