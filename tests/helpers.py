@@ -113,12 +113,11 @@ def tiny_config(data_dir, **overrides):
 
 def eval_config(data_dir, **overrides):
   """`tiny_config` with a small evaluation: 16 view images, 10 Newton steps
-  per probe fit, batches of 64; `evaluated_run`'s settings."""
-  config = tiny_config(data_dir, **overrides)
-  config.eval.num_view_images = 16
-  config.eval.probe_steps = 10
-  config.eval.batch_size = 64
-  return config
+  per probe fit, batches of 64; `evaluated_run`'s settings. `overrides`
+  (dotted fields) apply last, these included."""
+  return tiny_config(data_dir, **{
+      'eval.num_view_images': 16, 'eval.probe_steps': 10,
+      'eval.batch_size': 64, **overrides})
 
 
 # Images per class of train and test that `small_digits` keeps.

@@ -56,12 +56,9 @@ def test_dataset_keys_are_file_names():
 def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
   base, trained, _ = finished_run
   empty = str(tmp_path / 'empty')
-  config = tiny_config(base.data_dir)
-  config.eval.datasets = ('digits',)
-  config.eval.num_view_images = 40
-  config.eval.probe_steps = 30
-  config.eval.batch_size = 64
-  config.eval.recompute_bn = True
+  config = eval_config(base.data_dir, **{
+      'eval.num_view_images': 40, 'eval.probe_steps': 30,
+      'eval.recompute_bn': True})
 
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     _evaluate(config, empty)
