@@ -86,6 +86,21 @@ def finished_run(tmp_path_factory, data_dir):
 
 
 @pytest.fixture(scope='session')
+def stopped_run(tmp_path_factory, data_dir):
+  """(config, workdir) of `tiny_config` stopped after its step 2.
+
+  Checkpoint 2, status 'stopped', no encoder exported: the run a preemption
+  leaves; tests that resume or change it work on a copy.
+  """
+  from otclr_jax import train  # pylint: disable=g-import-not-at-top
+  from tests.helpers import tiny_config  # pylint: disable=g-import-not-at-top
+  config = tiny_config(data_dir)
+  workdir = str(tmp_path_factory.mktemp('stopped') / 'run')
+  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+  return config, workdir
+
+
+@pytest.fixture(scope='session')
 def evaluated_run(finished_run, tmp_path_factory):
   """(config, workdir) of a copy of `finished_run` evaluated at its step 4.
 

@@ -18,9 +18,7 @@ from otclr_jax.evaluation import features
 from otclr_jax import export
 from otclr_jax import models
 from otclr_jax import rundir
-from otclr_jax import train
 from tests.helpers import copy_run
-from tests.helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,10 +114,8 @@ def test_finished_run_exports_its_encoder(finished_run):
   assert (meta['step'], meta['method'], meta['image_size']) == (4, 'otclr', 8)
 
 
-def test_stopped_run_exports_nothing(tmp_path, data_dir):
-  config = tiny_config(data_dir)
-  workdir = str(tmp_path / 'run')
-  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+def test_stopped_run_exports_nothing(stopped_run):
+  _, workdir = stopped_run
   assert not os.path.exists(export.encoder_path(workdir))
 
 
