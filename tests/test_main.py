@@ -127,7 +127,7 @@ def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
                                                     monkeypatch):
   monkeypatch.setenv('HOME', str(tmp_path / 'home'))
   monkeypatch.chdir(tmp_path)
-  config = _config(data_dir)  # finished_run's compiled step, when cached
+  config = _config(data_dir)  # 4 steps: the step finished_run compiles
   config.monitor.every_steps = 0
   assert main.run(config, '~/run') == 0
   assert rundir.read_status(str(tmp_path / 'home' / 'run'))['state'] == (
