@@ -12,6 +12,7 @@ from otclr_jax.bench import __main__ as bench
 from otclr_jax.bench import common
 from otclr_jax.bench import ot_views
 from otclr_jax import ot
+from otclr_jax.evaluation.probe import linear_probe
 from tests.helpers import EPS64
 from tests.helpers import rounding_tol
 
@@ -233,3 +234,29 @@ def test_train_bench_refuses_typos():
   # config_flags on the locked config: an unknown field, with a suggestion.
   with pytest.raises(AttributeError, match='Did you mean "epsilon"'):
     _parse(['train', '--config=configs/digits.py', '--config.ot.epsilonn=0.1'])
+
+
+def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
+  _, workdir = evaluated_run
+  prefix = f'{workdir}/eval/features/step4/digits'
+  assert _bench(['probe', f'--features={prefix}', '--repeats=1']) == 0
+  out = capsys.readouterr().out
+  # The same probe on the same arrays, read without the bench.
+  split = {s: np.load(f'{prefix}_{s}.npz') for s in ('train', 'test')}
+  row = linear_probe(split['train']['features'], split['train']['labels'],
+                     split['test']['features'], split['test']['labels'], 10)
+  assert f"top-1 {row['top1']:.2f}%, top-5 {row['top5']:.2f}%" in out, out
+  fits = re.findall(r'^\| (held-out selection|refit \(all train\)) \| '
+                    r'[\d.e-]+ \| (?:[\d.]+|-) \| \d+ \| [\d.e+-]+ \| True \|$',
+                    out, re.M)
+  assert fits == ['held-out selection'] * 5 + ['refit (all train)'], out
+
+
+def test_probe_bench_names_a_missing_cache(tmp_path):
+  with pytest.raises(app.UsageError, match='--features'):
+    _bench(['probe'])
+  with pytest.raises(FileNotFoundError, match=str(tmp_path / 'x_train.npz')):
+    _bench(['probe', f'--features={tmp_path}/x'])
+  np.savez(tmp_path / 'y_train.npz', labels=np.zeros(3))
+  with pytest.raises(app.UsageError, match='y_train.npz is not a feature'):
+    _bench(['probe', f'--features={tmp_path}/y'])

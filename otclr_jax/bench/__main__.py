@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet> [flags]`.
+"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet|probe> [flags]`.
 
   ot   ms per batch of the OT view generator (docs/method.md sections 2-5)
        against ott-jax, POT (skipped if absent) and its other Sinkhorn core.
@@ -6,6 +6,8 @@
        complexity table of every method with both view generators.
   resnet --config=configs/X.py [--conv_impls=xla,matmul,auto] [--per_layer]
        ResNet-18 forward + backward per `model.conv_impl`.
+  probe --features=<run>/eval/features/<tag>/<dataset key>
+       seconds of the linear probe on one cached feature set.
 
 Override config fields as `--config.a.b=v`.
 """
@@ -21,10 +23,11 @@ from ml_collections import config_flags
 
 from otclr_jax import cli
 from otclr_jax.bench import ot_views
+from otclr_jax.bench import probe
 from otclr_jax.bench import resnet
 from otclr_jax.bench import train_step
 
-COMMANDS = ('ot', 'train', 'resnet')
+COMMANDS = ('ot', 'train', 'resnet', 'probe')
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
@@ -53,6 +56,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                     'first.', **fv)
   flags.DEFINE_bool('per_layer', False, 'resnet: also time every '
                     'convolution under xla and matmul.', **fv)
+  flags.DEFINE_string('features', None, 'probe: an evaluation\'s feature '
+                      'cache, <run>/eval/features/<tag>/<dataset key>.', **fv)
 
 
 def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
@@ -64,6 +69,8 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
   command = argv[1]
   if command == 'ot':
     return ot_views.run_ot(flag_values)
+  if command == 'probe':
+    return probe.run_probe(flag_values)
   config = flag_values.config
   if config is None:
     raise app.UsageError(f'{command} needs --config=configs/X.py.')
@@ -73,7 +80,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 
 
 def run() -> None:
-  """`python -m otclr_jax.bench <ot|train|resnet> [flags]`."""
+  """`python -m otclr_jax.bench <ot|train|resnet|probe> [flags]`."""
   define_flags()
   cli.run(lambda argv: app.run(cli.guarded(main), argv=argv))
 

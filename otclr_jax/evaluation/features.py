@@ -176,6 +176,12 @@ def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
                     sort_keys=True)
 
 
+def read_cache(path: str) -> tuple[np.ndarray, np.ndarray, int]:
+  """A cache file's features [N, D], labels [N] and number of classes."""
+  with np.load(path, allow_pickle=False) as f:
+    return f['features'], f['labels'], int(f['num_classes'])
+
+
 def _load_cached(path: str, name: str, image_size: int,
                  weights: str | None = None, settings: str | None = None):
   """A cache file's (features, labels, num_classes), or None (logged) if stale.
