@@ -258,5 +258,8 @@ def test_probe_bench_names_a_missing_cache(tmp_path):
   with pytest.raises(FileNotFoundError, match=str(tmp_path / 'x_train.npz')):
     _bench(['probe', f'--features={tmp_path}/x'])
   np.savez(tmp_path / 'y_train.npz', labels=np.zeros(3))
-  with pytest.raises(app.UsageError, match='y_train.npz is not a feature'):
-    _bench(['probe', f'--features={tmp_path}/y'])
+  (tmp_path / 'z_train.npz').write_text('not an archive')
+  for name in ('y', 'z'):
+    with pytest.raises(app.UsageError,
+                       match=f'{name}_train.npz is not a feature cache'):
+      _bench(['probe', f'--features={tmp_path}/{name}'])

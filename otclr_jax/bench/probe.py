@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import zipfile
 
 from absl import app
 from absl import flags
@@ -26,8 +27,9 @@ def run_probe(flag_values: flags.FlagValues) -> int:
     path = f'{prefix}_{split}.npz'
     try:
       splits[split] = features.read_cache(path)
-    except KeyError as e:
-      raise app.UsageError(f'{path} is not a feature cache (no {e}).') from e
+    except (KeyError, ValueError, zipfile.BadZipFile) as e:
+      raise app.UsageError(f'{path} is not a feature cache '
+                           f'({type(e).__name__}: {e}).') from e
   (train_x, train_y, num_classes), (test_x, test_y, _) = (
       splits['train'], splits['test'])
   seconds = []
