@@ -24,7 +24,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from sklearn import cluster as sk_cluster
 
 # Rows of the pairwise-distance slab per `lax.map` step (40 MB at n = 10k).
 DEFAULT_BLOCK_SIZE = 1024
@@ -447,7 +446,10 @@ def cluster_metrics(z: np.ndarray, num_clusters: int,
     raise ValueError(
         f'num_clusters ({num_clusters}) must be smaller than the number of '
         f'points ({z.shape[0]}).')
-  kmeans = sk_cluster.KMeans(
+  # Late: importing scikit-learn is a third of every command's start-up, and
+  # only this needs it.
+  from sklearn import cluster  # pylint: disable=g-import-not-at-top
+  kmeans = cluster.KMeans(
       n_clusters=num_clusters, random_state=seed, n_init=10)
   assign = kmeans.fit_predict(z).astype(np.int32)
   if not 2 <= np.unique(assign).size <= z.shape[0] - 1:
