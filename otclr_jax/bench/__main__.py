@@ -63,8 +63,8 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     raise app.UsageError(
         f'Expected one subcommand of {COMMANDS}, got {list(argv[1:])}.')
   command = argv[1]
-  # Each command imports only its own module: `ot` alone needs ott-jax,
-  # whose import is most of a start-up.
+  # Each command imports only its own module: `ot` alone needs ott-jax, whose
+  # import is slow.
   # pylint: disable=g-import-not-at-top
   if command == 'ot':
     from otclr_jax.bench import ot_views

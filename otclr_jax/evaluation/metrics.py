@@ -446,8 +446,8 @@ def cluster_metrics(z: np.ndarray, num_clusters: int,
     raise ValueError(
         f'num_clusters ({num_clusters}) must be smaller than the number of '
         f'points ({z.shape[0]}).')
-  # Late: importing scikit-learn is a third of every command's start-up, and
-  # only this needs it.
+  # Late: only this needs scikit-learn, whose import would slow every
+  # command's start-up.
   from sklearn import cluster  # pylint: disable=g-import-not-at-top
   kmeans = cluster.KMeans(
       n_clusters=num_clusters, random_state=seed, n_init=10)
