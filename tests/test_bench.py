@@ -1,5 +1,6 @@
 """Smoke tests of `python -m otclr_jax.bench`: tiny sizes, no timings."""
 
+import os
 import re
 
 from absl import app
@@ -13,6 +14,7 @@ from otclr_jax.bench import common
 from otclr_jax.bench import ot_views
 from otclr_jax import ot
 from otclr_jax.evaluation.probe import linear_probe
+from tests.helpers import copy_run
 from tests.helpers import EPS64
 from tests.helpers import rounding_tol
 
@@ -238,10 +240,11 @@ def test_train_bench_refuses_typos():
 
 def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
   _, workdir = evaluated_run
-  prefix = f'{workdir}/eval/features/step4/digits'
-  assert _bench(['probe', f'--features={prefix}', '--repeats=1']) == 0
+  assert _bench(['probe', f'--workdir={workdir}', '--tag=step4',
+                 '--repeats=1']) == 0
   out = capsys.readouterr().out
   # The same probe on the same arrays, read without the bench.
+  prefix = f'{workdir}/eval/features/step4/digits'
   split = {s: np.load(f'{prefix}_{s}.npz') for s in ('train', 'test')}
   row = linear_probe(split['train']['features'], split['train']['labels'],
                      split['test']['features'], split['test']['labels'], 10)
@@ -252,14 +255,22 @@ def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
   assert fits == ['held-out selection'] * 5 + ['refit (all train)'], out
 
 
-def test_probe_bench_names_a_missing_cache(tmp_path):
-  with pytest.raises(app.UsageError, match='--features'):
-    _bench(['probe'])
-  with pytest.raises(FileNotFoundError, match=str(tmp_path / 'x_train.npz')):
-    _bench(['probe', f'--features={tmp_path}/x'])
-  np.savez(tmp_path / 'y_train.npz', labels=np.zeros(3))
-  (tmp_path / 'z_train.npz').write_text('not an archive')
-  for name in ('y', 'z'):
-    with pytest.raises(app.UsageError,
-                       match=f'{name}_train.npz is not a feature cache'):
-      _bench(['probe', f'--features={tmp_path}/{name}'])
+def test_probe_bench_names_a_missing_or_foreign_cache(evaluated_run,
+                                                     tmp_path):
+  with pytest.raises(app.UsageError, match='--workdir'):
+    _bench(['probe', '--tag=init'])
+  _, evaluated = evaluated_run
+  workdir = copy_run(evaluated, tmp_path)
+  missing = os.path.join(workdir, 'eval', 'features', 'step2', 'digits_train')
+  with pytest.raises(FileNotFoundError, match=f'digits/train .* {missing}'):
+    _bench(['probe', f'--workdir={workdir}', '--tag=step2'])
+  test_file = os.path.join(workdir, 'eval', 'features', 'init',
+                           'digits_test.npz')
+  for damage in (b'not an archive', None):
+    if damage is None:  # an archive without the cache's fields
+      np.savez(test_file, labels=np.zeros(3))
+    else:
+      with open(test_file, 'wb') as f:
+        f.write(damage)
+    with pytest.raises(FileNotFoundError, match='digits/test'):
+      _bench(['probe', f'--workdir={workdir}', '--tag=init'])

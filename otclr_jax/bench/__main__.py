@@ -6,8 +6,8 @@
        complexity table of every method with both view generators.
   resnet --config=configs/X.py [--conv_impls=xla,matmul,auto] [--per_layer]
        ResNet-18 forward + backward per `model.conv_impl`.
-  probe --features=<run>/eval/features/<tag>/<dataset key>
-       seconds of the linear probe on one cached feature set.
+  probe --workdir=<run> --tag=<step<N>|init> [--dataset=digits]
+       seconds of the linear probe on one evaluation's cached features.
 
 Override config fields as `--config.a.b=v`.
 """
@@ -52,8 +52,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                     'first.', **fv)
   flags.DEFINE_bool('per_layer', False, 'resnet: also time every '
                     'convolution under xla and matmul.', **fv)
-  flags.DEFINE_string('features', None, 'probe: an evaluation\'s feature '
-                      'cache, <run>/eval/features/<tag>/<dataset key>.', **fv)
+  flags.DEFINE_string('workdir', None, 'probe: the evaluated run.', **fv)
+  flags.DEFINE_string('tag', None, 'probe: the encoder whose cached features '
+                      'to fit, step<N> or init (random init).', **fv)
+  flags.DEFINE_string('dataset', 'digits', 'probe: the dataset, as in '
+                      'config.eval.datasets.', **fv)
 
 
 def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS

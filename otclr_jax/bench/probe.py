@@ -1,12 +1,11 @@
-"""Seconds of the linear probe on one cached feature set (docs/method.md
-section 7): every fit's lambda, held-out top-1, Newton steps and final
-gradient norm."""
+"""Seconds of the linear probe on one evaluation's cached features
+(docs/method.md section 7): every fit's lambda, held-out top-1, Newton
+steps and final gradient norm."""
 
 from __future__ import annotations
 
 import statistics
 import time
-import zipfile
 
 from absl import app
 from absl import flags
@@ -16,20 +15,13 @@ from otclr_jax.evaluation import probe
 
 
 def run_probe(flag_values: flags.FlagValues) -> int:
-  """Fits the probe `--repeats` times on `--features`; prints one table."""
-  prefix = flag_values.features
-  if not prefix:
+  """Fits the probe `--repeats` times on one cache; prints one table."""
+  if not (flag_values.workdir and flag_values.tag):
     raise app.UsageError(
-        'probe needs --features=<run>/eval/features/<tag>/<dataset key> '
-        '(the cache files without _train.npz / _test.npz).')
-  splits = {}
-  for split in ('train', 'test'):
-    path = f'{prefix}_{split}.npz'
-    try:
-      splits[split] = features.read_cache(path)
-    except (KeyError, ValueError, zipfile.BadZipFile) as e:
-      raise app.UsageError(f'{path} is not a feature cache '
-                           f'({type(e).__name__}: {e}).') from e
+        'probe needs --workdir=<run> and --tag=<step<N> or init> (a '
+        'directory of <run>/eval/features), and --dataset if not digits.')
+  splits = features.load_cache(flag_values.workdir, flag_values.tag,
+                               flag_values.dataset)
   (train_x, train_y, num_classes), (test_x, test_y, _) = (
       splits['train'], splits['test'])
   seconds = []
@@ -37,8 +29,9 @@ def run_probe(flag_values: flags.FlagValues) -> int:
     start = time.perf_counter()
     row = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes)
     seconds.append(time.perf_counter() - start)
-  print(f'linear probe, {prefix}: train {train_x.shape}, test '
-        f'{test_x.shape}, {num_classes} classes')
+  print(f'linear probe, {flag_values.dataset} features of '
+        f'{flag_values.workdir} ({flag_values.tag}): train {train_x.shape}, '
+        f'test {test_x.shape}, {num_classes} classes')
   print('| fit | lambda | held-out top-1 | Newton steps | gradient norm | '
         'converged |')
   print('|---|---|---|---|---|---|')

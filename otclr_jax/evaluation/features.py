@@ -176,17 +176,11 @@ def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
                     sort_keys=True)
 
 
-def read_cache(path: str) -> tuple[np.ndarray, np.ndarray, int]:
-  """A cache file's features [N, D], labels [N] and number of classes."""
-  with np.load(path, allow_pickle=False) as f:
-    return f['features'], f['labels'], int(f['num_classes'])
-
-
-def _load_cached(path: str, name: str, image_size: int,
+def _load_cached(path: str, name: str, image_size: int | None,
                  weights: str | None = None, settings: str | None = None):
   """A cache file's (features, labels, num_classes), or None (logged) if stale.
 
-  `weights` / `settings` None skip their check.
+  `image_size` / `weights` / `settings` None skip their check.
   """
   if not os.path.exists(path):
     return None
@@ -201,6 +195,8 @@ def _load_cached(path: str, name: str, image_size: int,
     logging.warning('Feature cache %s is unreadable (%s: %s); recomputing it.',
                     path, type(e).__name__, e)
     return None
+  if image_size is None:  # any size will do
+    image_size = made_for[1]
   if made_for != (name, image_size):
     logging.warning('Recomputing feature cache %s: made for %s at %d px, not '
                     '%s at %d px.', path, *made_for, name, image_size)
@@ -276,6 +272,34 @@ def load_features(workdir: str, step: int, name: str, split: str,
         f'--config=configs/<config>.py --workdir={workdir} '
         '--config.mode=eval`.')
   return cached[0], cached[1]
+
+
+def load_cache(workdir: str, tag: str, name: str
+               ) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+  """Every split's cached features of `name` under eval/features/<tag>/.
+
+  Args:
+    workdir: the run directory.
+    tag: the encoder's cache directory, 'step<N>' or 'init' (random init).
+    name: the dataset, as in `config.eval.datasets`.
+
+  Returns:
+    `{split: (features float32 [N, 512], labels int32 [N], num_classes)}`.
+
+  Raises:
+    FileNotFoundError: a split's file is absent, unreadable or made for
+      another dataset (the reason is logged).
+  """
+  out = {}
+  for split in _SPLITS:
+    path = _cache_path(workdir, tag, name, split)
+    out[split] = _load_cached(path, name, None)
+    if out[split] is None:
+      raise FileNotFoundError(
+          f'No usable cached {name}/{split} features at {path}; run the '
+          f'evaluation first: `python -m otclr_jax.main --config=configs/'
+          f'<config>.py --workdir={workdir} --config.mode=eval`.')
+  return out
 
 
 def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
