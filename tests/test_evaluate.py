@@ -281,11 +281,6 @@ def test_embedding_config_is_checked():
 # Results that cannot be silently wrong.
 
 
-def _results(workdir):
-  with open(os.path.join(workdir, 'eval', 'results.json')) as f:
-    return json.load(f)
-
-
 def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
                                                       monkeypatch):
   # Run A is evaluated; its training is then thrown away (as after deleting a
@@ -294,7 +289,7 @@ def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
   config_a, evaluated = evaluated_run
   workdir = copy_run(evaluated, tmp_path)
   small_digits(monkeypatch)
-  first = _results(workdir)
+  first = rundir.read_results(workdir)
   features_a = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
   for entry in os.listdir(workdir):
     if entry != 'eval':
@@ -323,7 +318,7 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
   config, evaluated = evaluated_run
   workdir = copy_run(evaluated, tmp_path)
   small_digits(monkeypatch)
-  first = _results(workdir)
+  first = rundir.read_results(workdir)
   feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
   changed = os.path.join(feature_dir, 'step4', 'digits_test.npz')
