@@ -479,14 +479,16 @@ def test_moco_key_encoder_statistics_never_see_the_query_batch():
   v1, v2 = _views()
   progress = base.Progress(jnp.int32(0), 10, 5)
 
+  # The network's state is an argument, not a constant baked into the program.
   @jax.jit
-  def keys(v1, v2):
+  def run(variables, extra, v1, v2):
     _, _, _, new_extra = method.loss(config, model, variables['params'],
                                      variables['batch_stats'], extra, v1, v2,
                                      progress)
     # Enqueued this step at slots 0-3: k1 in queue 0, k2 in queue 1.
     return new_extra['queue'][0, :4], new_extra['queue'][1, :4]
 
+  keys = lambda v1, v2: run(variables, extra, v1, v2)
   k1, k2 = map(np.asarray, keys(v1, v2))
   other = jax.random.uniform(jax.random.key(5), v1.shape)
   # k2 is the positive of q1 = query(v1): another view-1 batch must leave it
