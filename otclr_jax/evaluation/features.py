@@ -253,6 +253,23 @@ def check_finite_features(features: np.ndarray, workdir: str, tag: str,
         'or retrain with a smaller learning rate.')
 
 
+def _read_cache(workdir: str, tag: str, name: str, split: str,
+                image_size: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+  """(features, labels, num_classes) of one cache file, or FileNotFoundError.
+
+  `image_size` None accepts any size.
+  """
+  path = _cache_path(workdir, tag, name, split)
+  cached = _load_cached(path, name, image_size)
+  if cached is None:
+    size = '' if image_size is None else f' at {image_size} px'
+    raise FileNotFoundError(
+        f'No usable cached {name}/{split} features of {tag}{size}: {path}; '
+        'run the evaluation first: `python -m otclr_jax.main --config='
+        f'configs/<config>.py --workdir={workdir} --config.mode=eval`.')
+  return cached
+
+
 def load_features(workdir: str, step: int, name: str, split: str,
                   image_size: int) -> tuple[np.ndarray, np.ndarray]:
   """Cached encoder features of checkpoint `step`, as `evaluate` stored them.
@@ -263,15 +280,7 @@ def load_features(workdir: str, step: int, name: str, split: str,
   Raises:
     FileNotFoundError: no cache for this step, dataset, split and size.
   """
-  path = _cache_path(workdir, f'step{int(step)}', name, split)
-  cached = _load_cached(path, name, image_size)
-  if cached is None:
-    raise FileNotFoundError(
-        f'No cached {name}/{split} features of step {step} at {image_size} px '
-        f'({path}); run the evaluation first: `python -m otclr_jax.main '
-        f'--config=configs/<config>.py --workdir={workdir} '
-        '--config.mode=eval`.')
-  return cached[0], cached[1]
+  return _read_cache(workdir, f'step{int(step)}', name, split, image_size)[:2]
 
 
 def load_cache(workdir: str, tag: str, name: str
@@ -290,16 +299,8 @@ def load_cache(workdir: str, tag: str, name: str
     FileNotFoundError: a split's file is absent, unreadable or made for
       another dataset (the reason is logged).
   """
-  out = {}
-  for split in _SPLITS:
-    path = _cache_path(workdir, tag, name, split)
-    out[split] = _load_cached(path, name, None)
-    if out[split] is None:
-      raise FileNotFoundError(
-          f'No usable cached {name}/{split} features at {path}; run the '
-          f'evaluation first: `python -m otclr_jax.main --config=configs/'
-          f'<config>.py --workdir={workdir} --config.mode=eval`.')
-  return out
+  return {split: _read_cache(workdir, tag, name, split, None)
+          for split in _SPLITS}
 
 
 def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
