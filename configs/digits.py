@@ -17,7 +17,7 @@ changed for 8 x 8 grey digits:
   default 512-512-128.
 - MoCo's queue holds 1,024 keys per view, not 32,768: the whole run enqueues
   ~17,000 keys, so a 32,768-key queue would hold mostly its random initial
-  vectors, and more keys than the 1,437 training images would put each image's
+  vectors, and more keys than the 1,438 training images would put each image's
   own older keys among its negatives.
 - Over the run's 132 steps MoCo starts its EMA momentum at ~0.933 instead of
   0.99, fitted to the run's length
