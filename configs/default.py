@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = 'imagenet300'  # see otclr_jax/data/ for names.
   config.data_dir = ''  # '' = $TFDS_DATA_DIR or ~/tensorflow_datasets.
   # XLA's persistent compilation cache: a run reads the programs an earlier
-  # run of the same shapes compiled (experiment.use_compilation_cache).
+  # run of the same shapes compiled (main.use_compilation_cache).
   # '' leaves JAX's own setting ($JAX_COMPILATION_CACHE_DIR, which also wins
   # when set; off by default).
   config.compilation_cache_dir = '~/.cache/otclr_jax/xla'

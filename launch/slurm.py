@@ -49,7 +49,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
   lines = ['#!/bin/bash',
            f'#SBATCH --job-name={job_name}',
            f'#SBATCH --array={array}',
-           f'#SBATCH --output={workdir}/slurm/%A_%a.out',
+           f'#SBATCH --output={workdir}/{rundir.SLURM_DIR}/%A_%a.out',
            '#SBATCH --open-mode=append',
            '#SBATCH --ntasks=1',
            f'#SBATCH --cpus-per-task={cpus_per_task}',
@@ -118,7 +118,7 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
            f'#SBATCH --cpus-per-task={cpus_per_task}',
            f'#SBATCH --mem={mem}',
            f'#SBATCH --time={time_limit}',
-           f'#SBATCH --output={workdir}/slurm/%j.out',
+           f'#SBATCH --output={workdir}/{rundir.SLURM_DIR}/%j.out',
            '#SBATCH --open-mode=append',
            '#SBATCH --requeue',
            # Without B: the signal goes to every task of the job's steps.
@@ -152,8 +152,8 @@ def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   rundir.check_directory(workdir, '--workdir')
   text = multinode_script(run_argv, REPO, workdir, **kwargs)
-  os.makedirs(os.path.join(workdir, 'slurm'), exist_ok=True)
-  path = os.path.join(workdir, 'run.sbatch')
+  os.makedirs(os.path.join(workdir, rundir.SLURM_DIR), exist_ok=True)
+  path = os.path.join(workdir, rundir.RUN_SCRIPT)
   fileio.write_text(path, text)
   os.chmod(path, 0o755)
   return path

@@ -226,13 +226,13 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     # A command killed by the sweep's signal exits non-zero: no failure.
     if stop() is not None:
       return report('interrupted', f'stopped at step {at()}; rerun to resume')
-    if code == rundir.EXIT_STOPPED:
+    if code == cli.EXIT_STOPPED:
       # Preempted: the sweep stops so that a requeue resumes it.
       return report('stopped', f'training stopped at step {at()} (exit '
                     f'{code}); rerun to resume')
     if code != 0:
       why = (' (diverged: non-finite loss or state)'
-             if code == rundir.EXIT_DIVERGED else '')
+             if code == cli.EXIT_DIVERGED else '')
       return report('failed', f'training exited {code}{why}, see '
                     f'{train_log}')
     final = run_state.final_step(config, wd)
@@ -265,6 +265,20 @@ class RunConflictError(cli.UsageError):
   """A run directory holds a run made with other result-changing settings."""
 
 
+def check_identities(sweep: Sweep, runs: Sequence[Run]) -> None:
+  """Raises RunConflictError naming every run directory of `runs` that holds
+  a run made with other result-changing settings than `sweep` asks for."""
+  conflicts = [f'{run.workdir}: {why}' for run in runs
+               if (why := run_state.identity_conflict(sweep.run_config(run),
+                                                      run.workdir))]
+  if conflicts:
+    raise RunConflictError(
+        f'{len(conflicts)} run directories hold runs made with other '
+        'settings than this sweep asks for, so their results cannot be '
+        'reported as its results: ' + '; '.join(conflicts) + '. Use another '
+        '--workdir, or delete those run directories to recompute them.')
+
+
 def run_sweep(sweep: Sweep, workdir: str, *,
               launcher: Launcher | None = None,
               only_index: int | None = None,
@@ -274,7 +288,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
   """Runs the sweep's runs (or `only_index`: no lock, no summary) in order here.
 
   Returns:
-    0 all finished; 1 any failed; `rundir.EXIT_STOPPED` on a signal or stop.
+    0 all finished; 1 any failed; `cli.EXIT_STOPPED` on a signal or stop.
 
   Raises:
     RunConflictError: run directories hold runs with other settings.
@@ -288,15 +302,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
                        f'{only_index}.')
     _check_run_list(runs, workdir)
     selected = [runs[only_index]]
-  conflicts = [f'  {run.workdir}: {why}' for run in selected
-               if (why := run_state.identity_conflict(sweep.run_config(run),
-                                                      run.workdir))]
-  if conflicts:
-    raise RunConflictError(
-        'These run directories hold runs made with other settings than this '
-        'sweep asks for, so their results cannot be reported as its results:'
-        '\n' + '\n'.join(conflicts) + '\nUse another --workdir, or delete '
-        'those run directories to recompute them.')
+  check_identities(sweep, selected)
   if dry_run:
     for run in selected:
       run_one(sweep, run, launcher, total=len(runs), dry_run=True)
@@ -309,7 +315,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
   with rundir.lock(workdir, rundir.SWEEP_LOCK_FILE):
     write_run_list(sweep, runs, workdir)
     status = _run_all(sweep, selected, len(runs), launcher, stop_on_error)
-    if aggregate and status != rundir.EXIT_STOPPED:
+    if aggregate and status != cli.EXIT_STOPPED:
       summary.aggregate_dir(workdir)
     return status
 
@@ -325,12 +331,12 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
       name = signal.Signals(stop() or signal.SIGTERM).name
       print(f'Sweep {sweep.name} stopped by {name}; rerun the same command '
             'to resume.', file=sys.stderr, flush=True)
-      return rundir.EXIT_STOPPED
+      return cli.EXIT_STOPPED
     if outcomes[-1].status == 'stopped':
       print(f'Sweep {sweep.name} stopped: {outcomes[-1].run.name} was stopped '
-            f'before its final step (exit {rundir.EXIT_STOPPED}); rerun the '
+            f'before its final step (exit {cli.EXIT_STOPPED}); rerun the '
             'same command to resume.', flush=True)
-      return rundir.EXIT_STOPPED
+      return cli.EXIT_STOPPED
     if outcomes[-1].status == 'failed' and stop_on_error:
       break
   failed = [o for o in outcomes if o.status == 'failed']
@@ -370,11 +376,12 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   """Writes DIR/runs.json and DIR/sweep.sbatch; returns the script's path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
   runs = sweep.runs(workdir)
+  check_identities(sweep, runs)
   write_run_list(sweep, runs, workdir)
-  os.makedirs(os.path.join(workdir, 'slurm'), exist_ok=True)
+  os.makedirs(os.path.join(workdir, rundir.SLURM_DIR), exist_ok=True)
   task = [sys.executable, '-m', 'launch.sweep', f'--config={sweep.path}',
           f'--workdir={workdir}', *sweep.flags]
-  path = os.path.join(workdir, 'sweep.sbatch')
+  path = os.path.join(workdir, rundir.SWEEP_SCRIPT)
   fileio.write_text(path, slurm.slurm_script(
       task, REPO, workdir, [r.name for r in runs], **kwargs))
   os.chmod(path, 0o755)
@@ -390,6 +397,7 @@ def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
                  f'but {sweep.path} expands to {len(runs)} runs; fix its axes '
                  'with --config.a.b=v or use a one-run sweep file.')
   try:
+    check_identities(sweep, runs)
     path = slurm.write_multinode(
         command(sweep, runs[0], 'train'), workdir, nodes=fv.nodes,
         gpus_per_node=fv.gpus_per_node, job_name=fv.job_name or sweep.name,
@@ -441,7 +449,7 @@ def main(argv: Sequence[str]) -> int:
     with rundir.stop_on_signals():
       return _main(argv)
   except rundir.StopRequested as e:
-    return _fail(rundir.EXIT_STOPPED, f'Sweep stopped by {e.name}; rerun the '
+    return _fail(cli.EXIT_STOPPED, f'Sweep stopped by {e.name}; rerun the '
                  'same command to resume.')
 
 
@@ -481,11 +489,14 @@ def _main(argv: Sequence[str]) -> int:
   if fv.slurm and fv.nodes * fv.gpus_per_node > 1:
     return _write_multinode(sweep, workdir, fv)
   if fv.slurm:
-    path = write_slurm(
-        sweep, workdir, job_name=fv.job_name or sweep.name,
-        partition=fv.partition, gres=fv.gres, time_limit=fv.time,
-        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
-        max_parallel=fv.max_parallel)
+    try:
+      path = write_slurm(
+          sweep, workdir, job_name=fv.job_name or sweep.name,
+          partition=fv.partition, gres=fv.gres, time_limit=fv.time,
+          cpus_per_task=fv.cpus_per_task, mem=fv.mem,
+          max_parallel=fv.max_parallel)
+    except RunConflictError as e:
+      return _fail(2, f'Sweep {sweep.name} refused: {e}')
     print(f'Wrote {path} ({len(sweep.hypers)} array tasks).\nSubmit with:  '
           f'sbatch {path}\nWhen all tasks are done:  python -m launch.sweep '
           f'--workdir={workdir} --aggregate_only')
@@ -494,7 +505,7 @@ def _main(argv: Sequence[str]) -> int:
     return run_sweep(sweep, workdir, only_index=fv.only_index,
                      dry_run=fv.dry_run, stop_on_error=fv.stop_on_error)
   except rundir.WorkdirLockedError as e:
-    return _fail(rundir.EXIT_LOCKED, f'Sweep {sweep.name} refused: {e}')
+    return _fail(cli.EXIT_LOCKED, f'Sweep {sweep.name} refused: {e}')
   except ValueError as e:  # a run conflict, --only_index, a changed file
     return _fail(2, f'Sweep {sweep.name} refused: {e}')
 

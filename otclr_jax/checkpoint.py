@@ -11,6 +11,7 @@ from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
+from otclr_jax import cli
 from otclr_jax import rundir
 
 
@@ -161,7 +162,7 @@ class Checkpointer:
       `(state, step)`, or `(target, None)` when there is no checkpoint.
 
     Raises:
-      RuntimeError: no checkpoint restores (each step and why is listed).
+      cli.BrokenRunError: no checkpoint restores (each step and why).
     """
     skipped = []
     for step in sorted(self.all_steps(), reverse=True):
@@ -179,7 +180,7 @@ class Checkpointer:
       skipped.append((step, problem))
     if skipped:
       reasons = '; '.join(f'step {s}: {p}' for s, p in skipped)
-      raise RuntimeError(
+      raise cli.BrokenRunError(
           f'No checkpoint in {self.directory} restores ({reasons}). Move '
           'that directory aside to start afresh.')
     return target, None

@@ -4,7 +4,8 @@ Tools end through `run(main)` (or `guarded(main)` under `app.run`):
 `status_of` maps an escaped exception to a status (docs/operations.md): 2
 `UsageError` or a bad path, 65 `DivergedRunError`, 73 `WorkdirLockedError`
 or an unwritable path, 75 `StopRequested` (also during start-up), 1 a full
-disk or an unknown exception (a bug: traceback). Imports nothing heavy.
+disk, a `BrokenRunError` or an unknown exception (a bug: traceback). Imports
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class UsageError(ValueError):
 
 class DivergedRunError(ValueError):
   """A run or checkpoint is not finite (status 65)."""
+
+
+class BrokenRunError(RuntimeError):
+  """A run's stored state cannot be used: no checkpoint restores (status 1)."""
 
 
 # A path the user named is of the wrong kind or absent: a usage error.
@@ -58,6 +63,8 @@ def status_of(error: BaseException) -> tuple[int, str] | None:
     return EXIT_LOCKED, one_line(error)
   if isinstance(error, DivergedRunError):
     return EXIT_DIVERGED, one_line(error)
+  if isinstance(error, BrokenRunError):
+    return EXIT_FAILED, one_line(error)
   from absl import app  # pylint: disable=g-import-not-at-top
   if isinstance(error, (UsageError, app.UsageError,
                         rundir.IncompleteEvaluationError)):

@@ -33,8 +33,6 @@ from otclr_jax import rundir
 FORMAT = 'otclr_jax.encoder'
 VERSION = 1
 FEATURE_DIM = 512
-ENCODER_DIR = rundir.ENCODER_DIR
-ENCODER_FILE = 'encoder.msgpack'
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -57,8 +55,7 @@ def _encoder_tree(variables: Mapping[str, Any]) -> dict[str, Any]:
 
 def encoder_path(workdir: str, step: int | None = None) -> str:
   """`workdir/encoder/encoder.msgpack`, or `encoder_step<S>.msgpack`."""
-  name = ENCODER_FILE if step is None else f'encoder_step{int(step)}.msgpack'
-  return os.path.join(workdir, ENCODER_DIR, name)
+  return os.path.join(workdir, rundir.encoder_file(step))
 
 
 def export_encoder(path: str, variables: Mapping[str, Any], config, *,
@@ -225,7 +222,7 @@ def export_checkpoint(workdir: str, step: int | None = None,
   if out is not None and os.path.isdir(out):
     raise config_files.UsageError(
         f'--out {out} is a directory; give the file to write, e.g. '
-        f'{os.path.join(out, ENCODER_FILE)}.')
+        f'{os.path.join(out, rundir.ENCODER_FILE)}.')
   config = config_files.load(config_path)
   _, restored, step = evaluate.restore(config, workdir, step)
   variables = {'params': restored['params'],
@@ -267,7 +264,7 @@ def main(argv: Sequence[str]) -> int:
   except rundir.StopRequested as e:
     print(f'Export stopped by {e.name}; nothing was written.',
           file=sys.stderr)
-    return rundir.EXIT_STOPPED
+    return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     # This command's ValueErrors all describe its inputs.
     return cli.report(e, usage_errors=(ValueError,))

@@ -62,10 +62,6 @@ _SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
     'the end for process 0 (its evaluation and figures) before giving up.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
-EXIT_USAGE = 2
-EXIT_DISK_FULL = 1  # like any other failure; status.json says 'failed'
-EXIT_PEER_LOST = 1  # likewise
-
 _ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
         'num_processes': 'JAX_NUM_PROCESSES', 'process_id': 'JAX_PROCESS_ID'}
 
@@ -250,7 +246,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       rundir.check_directory(config.data_dir, '--config.data_dir')
   except rundir.PathError as e:
     logging.error('%s', e)
-    return EXIT_USAGE
+    return cli.EXIT_USAGE
   cache = use_compilation_cache(config)
   if cache:
     logging.info('XLA compilation cache: %s', cache)
@@ -263,7 +259,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         check_evaluation_data(config)
       result = train.train(config, workdir, make_monitor=make_monitor)
       if result.status != 'finished':
-        return rundir.EXIT_STOPPED
+        return cli.EXIT_STOPPED
       if not config.eval.at_end:
         return 0
     if jax.process_index() != 0:
@@ -287,7 +283,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   except rundir.StopRequested as e:
     logging.error('%s during evaluation: stopped with nothing half-written; '
                   'rerun the same command to evaluate %s.', e.name, workdir)
-    return rundir.EXIT_STOPPED
+    return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
       # A peer died: end before the shutdown barrier waits for it.
@@ -296,13 +292,13 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
                     'every process to resume from the newest checkpoint in '
                     '%s.', jax.process_index(), jax.process_count(),
                     ' '.join(str(e).split())[:300], workdir)
-      return EXIT_PEER_LOST
+      return cli.EXIT_FAILED
     path = _unwritable_path(e)
     if path is not None:
       logging.error('Cannot write %s (%s): --workdir %s must be a directory '
                     'this user can write.', path, os.strerror(e.errno),
                     workdir)
-      return rundir.EXIT_CANT_CREATE
+      return cli.EXIT_CANT_CREATE
     where = disk_full_path(e, workdir)
     if where is None:
       # cli's table; an exception it does not know is a bug: traceback.
@@ -314,14 +310,14 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     logging.error('Disk full: could not write %s (No space left on device). '
                   'Free space there and rerun the same command to resume from '
                   'the newest complete checkpoint in %s.', where, workdir)
-    return EXIT_DISK_FULL
+    return cli.EXIT_FAILED
 
 
 def main(argv):
   if len(argv) > 1:
     logging.error('Unexpected arguments %s: every setting is a --config.a.b=v '
                   'flag.', argv[1:])
-    return EXIT_USAGE
+    return cli.EXIT_USAGE
   checkpoint.quiet_logs()
   try:
     settings = distributed_settings(
@@ -329,7 +325,7 @@ def main(argv):
         _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value)
   except experiment.ConfigError as e:
     logging.error('%s', e)
-    rundir.exit_now(EXIT_USAGE)
+    rundir.exit_now(cli.EXIT_USAGE)
   if settings is not None:
     jax.distributed.initialize(**settings)
   logging.info('process %d of %d, local devices %s', jax.process_index(),
@@ -351,7 +347,7 @@ def _parse_flags(argv):
     message = ' '.join(str(e.args[0] if e.args else e).split())
     sys.stderr.write(f'FATAL Flags parsing error: {message}\n'
                      'Pass --helpshort or --helpfull to see help on flags.\n')
-    sys.exit(EXIT_USAGE)
+    sys.exit(cli.EXIT_USAGE)
 
 
 if __name__ == '__main__':

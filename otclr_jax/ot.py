@@ -599,7 +599,7 @@ def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,
     core: `'separable'` or `'ott'`.
 
   Returns:
-    `[B]` costs `mean_c S_eps(x_c, y_c)` (docs/method.md section 6 [decision]).
+    `[B]` costs `mean_c S_eps(x_c, y_c)` (docs/method.md sections 6 and 9).
   """
   _, _, _, epsilon, u, v = _solve_images(x, y, 'y', grid_size, epsilon,
                                          num_iters, core)

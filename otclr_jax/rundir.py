@@ -1,11 +1,6 @@
-"""Run directory (workdir) rules: exit statuses, stored files, the lock.
+"""Run directory (workdir) rules: stored files, the lock, run identity.
 
-Exit statuses of every tool (docs/operations.md, "Exit statuses"): 0
-finished; 2 usage error (bad flag or field, a resume that differs from
-config.json); 65 `EXIT_DIVERGED` (non-finite loss, gradient or state); 73
-`EXIT_LOCKED` (workdir held by another process) or `EXIT_CANT_CREATE` (an
-output cannot be written); 75 `EXIT_STOPPED` (SIGTERM/SIGINT or
-`stop_after_steps`; rerunning resumes); 1 anything else.
+Exit statuses are `cli`'s (docs/operations.md, "Exit statuses").
 """
 
 from __future__ import annotations
@@ -28,12 +23,6 @@ from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import fileio
 
-EXIT_STOPPED = 75
-EXIT_DIVERGED = 65
-EXIT_LOCKED = 73
-# EX_CANTCREAT too: an output the user named cannot be written (read-only).
-EXIT_CANT_CREATE = 73
-
 CONFIG_FILE = 'config.json'
 STATUS_FILE = 'status.json'
 LOCK_FILE = '.lock'
@@ -55,6 +44,12 @@ FIGURES_DIR = os.path.join(EVAL_DIR, 'figures')
 SKIPPED_CHECKPOINTS_DIR = 'checkpoints_skipped'
 TENSORBOARD_DIR = 'tensorboard'
 ENCODER_DIR = 'encoder'
+ENCODER_FILE = 'encoder.msgpack'
+# Slurm jobs: the script (a sweep's array job, or one multi-node run) and
+# the directory of their logs.
+SWEEP_SCRIPT = 'sweep.sbatch'
+RUN_SCRIPT = 'run.sbatch'
+SLURM_DIR = 'slurm'
 # A sweep directory's files.
 RUNS_FILE = 'runs.json'
 TRAIN_LOG = 'train.log'
@@ -71,6 +66,18 @@ def checkpoint_dir(workdir: str, step: int) -> str:
 def probe_file(step: int, dataset_key: str) -> str:
   """The probe an evaluation saves, relative to the workdir."""
   return os.path.join(EVAL_DIR, f'probe_step{int(step)}_{dataset_key}.npz')
+
+
+def encoder_file(step: int | None = None) -> str:
+  """`encoder/encoder.msgpack`, or `encoder/encoder_step<S>.msgpack`."""
+  name = (ENCODER_FILE if step is None
+          else f'encoder_step{int(step)}.msgpack')
+  return os.path.join(ENCODER_DIR, name)
+
+
+def features_file(tag: str, dataset_key: str, split: str) -> str:
+  """An encoder's cached features of one split, relative to the workdir."""
+  return os.path.join(FEATURES_DIR, tag, f'{dataset_key}_{split}.npz')
 
 
 def step_results_file(step: int) -> str:
@@ -491,7 +498,7 @@ def stop_on_signals(
 ) -> Iterator[None]:
   """Turns `signals` into `StopRequested` inside the block (main thread only).
 
-  A tool catches it and returns `EXIT_STOPPED` with one line. A `fileio`
+  A tool catches it and returns `cli.EXIT_STOPPED` with one line. A `fileio`
   write is complete or absent; a raise dropped in a finaliser surfaces at
   the next `check_stop()`. Handlers are restored on exit; blocks do not nest.
 

@@ -22,6 +22,7 @@ import pytest
 
 from configs import digits
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import experiment
 from otclr_jax import main
@@ -234,7 +235,7 @@ def test_two_processes_stop_resume_and_match_one_process(tmp_path, data_dir):
     for proc in procs:
       proc.send_signal(signal.SIGTERM)
     statuses = _wait(procs, logs + '/a')
-  assert statuses == [rundir.EXIT_STOPPED] * 2, [
+  assert statuses == [cli.EXIT_STOPPED] * 2, [
       _log(logs + '/a', i)[-2000:] for i in range(2)]
   assert 'process 1 of 2, local devices' in _log(logs + '/a', 1)
   status = rundir.read_status(workdir)
@@ -352,4 +353,4 @@ def test_a_killed_process_ends_the_other_and_the_workdir_resumes(tmp_path,
                    + 2)
     assert 'Resumed from step ' in _log(resumed_logs, 0)
     procs[0].send_signal(signal.SIGTERM)
-    assert _wait(procs, resumed_logs) == [rundir.EXIT_STOPPED]
+    assert _wait(procs, resumed_logs) == [cli.EXIT_STOPPED]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax.evaluation import clusters
@@ -383,7 +384,7 @@ def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):
   # The command line ends in one error line and the data-error status.
   config = eval_config(data_dir)
   config.mode = 'eval'
-  assert main.run(config, workdir) == rundir.EXIT_DIVERGED
+  assert main.run(config, workdir) == cli.EXIT_DIVERGED
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
@@ -473,7 +474,7 @@ def test_command_line_takes_the_eval_lock(tmp_path):
         [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
          f'--workdir={workdir}', '--config.mode=eval'],
         cwd=repo, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == rundir.EXIT_LOCKED, proc.stderr[-2000:]
+  assert proc.returncode == cli.EXIT_LOCKED, proc.stderr[-2000:]
   assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
   assert not os.path.exists(os.path.join(workdir, 'eval'))
 

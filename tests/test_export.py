@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
@@ -170,7 +171,7 @@ def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
   finally:
     locked.chmod(0o755)
   err = capsys.readouterr().err
-  assert code == rundir.EXIT_CANT_CREATE, err
+  assert code == cli.EXIT_CANT_CREATE, err
   assert err.count('\n') == 1 and out in err
   assert 'Traceback' not in err and os.listdir(locked) == []
 
@@ -190,7 +191,7 @@ _SIGNALLED_EXPORT = textwrap.dedent("""
 def test_a_signal_ends_the_export_with_75_and_one_line(signum):
   done = subprocess.run([sys.executable, '-c', _SIGNALLED_EXPORT, str(signum)],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert done.returncode == rundir.EXIT_STOPPED, done.stderr
+  assert done.returncode == cli.EXIT_STOPPED, done.stderr
   assert done.stderr.strip().splitlines() == [
       f'Export stopped by {signal.Signals(signum).name}; nothing was written.']
 

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 from sklearn import metrics
 
+from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
@@ -387,7 +388,7 @@ def test_a_signal_ends_the_figures_with_75_and_one_line(signum):
   done = subprocess.run([sys.executable, '-c', _SIGNALLED_FIGURES,
                          str(signum)], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
-  assert done.returncode == rundir.EXIT_STOPPED, done.stderr
+  assert done.returncode == cli.EXIT_STOPPED, done.stderr
   assert done.stderr.strip().splitlines() == [
       f'Figures stopped by {signal.Signals(signum).name}; rerun to draw them.']
 

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from otclr_jax import cli
 from otclr_jax import experiment
 from otclr_jax import main
 from otclr_jax import rundir
@@ -146,7 +147,7 @@ def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
   else:
     os.chmod(os.path.dirname(workdir), 0o555)
   with caplog.at_level(logging.ERROR):
-    assert main.run(_config(data_dir), workdir) == rundir.EXIT_CANT_CREATE
+    assert main.run(_config(data_dir), workdir) == cli.EXIT_CANT_CREATE
   assert re.search('Cannot write .*Permission denied', caplog.text)
 
 
@@ -200,7 +201,7 @@ def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
   monkeypatch.setattr(features, 'extract_features', interrupted)
   with caplog.at_level(logging.ERROR):
     assert main.run(_config(data_dir, mode='eval'), workdir) == (
-        rundir.EXIT_STOPPED)
+        cli.EXIT_STOPPED)
   assert f'{signal.Signals(signum).name} during evaluation' in caplog.text
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
@@ -218,7 +219,7 @@ def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
   monkeypatch.setattr(features, 'extract_features', interrupted)
   with caplog.at_level(logging.ERROR):
     assert main.run(_config(data_dir, mode='eval'), workdir) == (
-        rundir.EXIT_STOPPED)
+        cli.EXIT_STOPPED)
   assert 'SIGTERM during evaluation' in caplog.text
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
@@ -275,7 +276,7 @@ def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
   finally:
     proc.kill()
   stderr = ''.join(lines) + rest
-  assert proc.returncode == rundir.EXIT_STOPPED, stderr
+  assert proc.returncode == cli.EXIT_STOPPED, stderr
   assert 'Traceback' not in stderr and 'Fatal Python error' not in stderr
   assert 'SIGTERM during evaluation' in stderr
 

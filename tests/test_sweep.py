@@ -16,6 +16,7 @@ import pytest
 
 from launch import launcher as launcher_lib
 from launch import sweep as sweep_lib
+from otclr_jax import cli
 from otclr_jax import experiment
 from otclr_jax import rundir
 from tests.helpers import FakeLauncher
@@ -345,6 +346,15 @@ def test_a_rerun_that_changes_the_result_is_refused_and_runs_json_kept(
                          flag]) == 2
   err = capsys.readouterr().err
   assert 'refused' in err and re.search(change, err), err
+  assert len(err.strip().splitlines()) == 1, err
+  # A SLURM job (array or multi-node) is refused alike, before any file.
+  for job in (['--slurm'], ['--slurm', '--nodes=2']):
+    assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
+                           flag, *job]) == 2
+    err = capsys.readouterr().err
+    assert 'refused' in err and re.search(change, err), err
+  assert open(os.path.join(workdir, 'runs.json')).read() == runs_json
+  assert not glob.glob(os.path.join(workdir, '*.sbatch'))
   # Settings that do not change the result are no conflict.
   again = FakeLauncher()
   assert sweep_lib.run_sweep(sweep_lib.load_sweep(
@@ -467,7 +477,7 @@ def test_a_second_sweep_on_one_directory_is_refused_with_73(tmp_path, capsys):
   try:
     assert holder.stdout.readline().strip() == 'locked'
     assert sweep_lib.main(['sweep', f'--config={path}',
-                           f'--workdir={workdir}']) == rundir.EXIT_LOCKED
+                           f'--workdir={workdir}']) == cli.EXIT_LOCKED
   finally:
     holder.kill()
     holder.wait()
@@ -500,7 +510,7 @@ def test_a_signal_ends_the_sweep_with_75_and_one_line(tmp_path, signum):
   # Loading the sweep imports the model code: slow on a busy machine.
   when_ready(str(ready), lambda: sweep.send_signal(signum), 300).join()
   out, err = sweep.communicate(timeout=60)
-  assert sweep.returncode == rundir.EXIT_STOPPED, (out, err)
+  assert sweep.returncode == cli.EXIT_STOPPED, (out, err)
   assert ready.exists() and 'Traceback' not in err
   assert err.strip().splitlines() == [
       f'Sweep s stopped by {signal.Signals(signum).name}; rerun the same '

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import data
 from otclr_jax import experiment
@@ -305,7 +306,7 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
   with pytest.raises(train.DivergedError,
                      match='step 1: .*No checkpoint was saved yet'):
     train.train(config, str(tmp_path))
-  assert main.run(config, str(tmp_path)) == rundir.EXIT_DIVERGED
+  assert main.run(config, str(tmp_path)) == cli.EXIT_DIVERGED
   # Nothing to resume: a retry with other settings starts afresh. (Another
   # seed: the step `finished_run` compiled, so a cold cache compiles less.)
   monkeypatch.undo()
@@ -348,7 +349,7 @@ def test_second_trainer_in_a_workdir_is_refused(tmp_path, data_dir):
     with pytest.raises(rundir.WorkdirLockedError,
                        match=f'in use by process {holder.pid}'):
       train.train(config, workdir)
-    assert main.run(config, workdir) == rundir.EXIT_LOCKED
+    assert main.run(config, workdir) == cli.EXIT_LOCKED
   finally:
     holder.kill()
     holder.wait()
@@ -425,6 +426,27 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
     np.testing.assert_array_equal(a, b)
 
 
+def test_no_checkpoint_that_restores_ends_with_one_line(stopped_run, tmp_path,
+                                                        caplog):
+  config, stopped = stopped_run
+  workdir = pathlib.Path(copy_run(stopped, tmp_path))
+  data = workdir / 'checkpoints' / '2' / 'default' / 'ocdbt.process_0' / 'd'
+  for path in data.iterdir():
+    with open(path, 'r+b') as f:
+      f.truncate(10)
+  for mode in ('train', 'eval'):
+    caplog.clear()
+    run_config = config.copy_and_resolve_references()
+    run_config.mode = mode
+    assert main.run(run_config, str(workdir)) == cli.EXIT_FAILED
+    errors = [r.getMessage() for r in caplog.records if r.levelname == 'ERROR']
+    assert len(errors) == 1 and '\n' not in errors[0], errors
+    assert errors[0].startswith('No checkpoint in ') and 'step 2' in errors[0]
+  # Nothing is set aside when no checkpoint restores.
+  assert checkpoint.Checkpointer(str(workdir)).all_steps() == [2]
+  assert not (workdir / 'checkpoints_skipped').exists()
+
+
 def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
                                                       monkeypatch, caplog):
   path = str(tmp_path / 'metrics.jsonl')
@@ -445,7 +467,7 @@ def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
                                                monkeypatch):
   _sigterm_after_two_batches(monkeypatch)
   config = tiny_config(data_dir, checkpoint_every_steps=100)
-  assert main.run(config, str(tmp_path)) == rundir.EXIT_STOPPED == 75
+  assert main.run(config, str(tmp_path)) == cli.EXIT_STOPPED == 75
   status = rundir.read_status(str(tmp_path))
   assert (status['state'], status['step'], status['total_steps']) == (
       'stopped', 2, 4)

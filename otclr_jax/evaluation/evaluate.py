@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from otclr_jax import checkpoint
+from otclr_jax import cli
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import rundir
@@ -64,7 +65,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     FileNotFoundError: `workdir` holds no checkpoint.
     ValueError: no checkpoint for `step`.
-    RuntimeError: no checkpoint restores.
+    cli.BrokenRunError: no checkpoint restores.
   """
   directory = os.path.join(os.path.abspath(workdir), rundir.CHECKPOINTS_DIR)
   how = ('pretrain first, e.g. `python -m otclr_jax.main '
@@ -111,8 +112,9 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
     if not vanished:
       break
   reasons = '; '.join(f'step {s}: {why}' for s, why in failures.items())
-  raise RuntimeError(f'No checkpoint in {directory} restores '
-                     f'({reasons or "each was deleted while being read"}).')
+  raise cli.BrokenRunError(
+      f'No checkpoint in {directory} restores '
+      f'({reasons or "each was deleted while being read"}).')
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

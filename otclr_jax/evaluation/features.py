@@ -152,8 +152,8 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
 
 
 def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
-  return os.path.join(workdir, rundir.FEATURES_DIR, tag,
-                      f'{dataset_key(name)}_{split}.npz')
+  return os.path.join(workdir,
+                      rundir.features_file(tag, dataset_key(name), split))
 
 
 def variables_fingerprint(variables: Any) -> str:

@@ -134,7 +134,7 @@ def main(argv: Sequence[str]) -> int:
   except rundir.StopRequested as e:
     print(f'Figures stopped by {e.name}; rerun to draw them.',
           file=sys.stderr)
-    return rundir.EXIT_STOPPED
+    return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     # The figures' ValueErrors all describe their inputs.
     return cli.report(e, usage_errors=(ValueError,))
