@@ -192,7 +192,7 @@ def main(argv: Sequence[str]) -> int:
     parsed = config_files.parse_flags(argv, _define_flags, __doc__)
   except config_files.UsageError as e:
     print(f'launch.slurm refused: {e}', file=sys.stderr)
-    return 2
+    return cli.EXIT_USAGE
   if parsed is None:
     return 0
   fv, rest = parsed
@@ -200,7 +200,7 @@ def main(argv: Sequence[str]) -> int:
     print('Usage: python -m launch.slurm --config=FILE --workdir=DIR '
           '--nodes=N --gpus_per_node=G [--config.a.b=v ...]; see --help.',
           file=sys.stderr)
-    return 2
+    return cli.EXIT_USAGE
   # Not at the top: `launch.sweep` imports this module without JAX.
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
   try:
@@ -221,7 +221,7 @@ def main(argv: Sequence[str]) -> int:
         heartbeat_timeout=fv.heartbeat_timeout)
   except ValueError as e:
     print(f'launch.slurm refused: {e}', file=sys.stderr)
-    return 2
+    return cli.EXIT_USAGE
   print(f'Wrote {path} ({fv.nodes} node(s) x {fv.gpus_per_node} GPU(s), '
         f'one process per GPU).\nSubmit with:  sbatch {path}')
   return 0
