@@ -62,11 +62,7 @@ def _eval_config_conflict(config, workdir: str,
     if not isinstance(stored, dict):
       return f'{path} is not a JSON object'
   new = json.loads(json.dumps(config.to_dict()))
-  names = rundir.result_changing_diff(stored, new, length=True)
-  flat_stored, flat_new = rundir.flatten(stored), rundir.flatten(new)
-  names += sorted(n for n in set(flat_stored) | set(flat_new)
-                  if n.startswith('eval.') and n != 'eval.figures'
-                  and flat_stored.get(n) != flat_new.get(n))
+  names = rundir.evaluation_diff(stored, new)
   return (f'it was evaluated with other settings: '
           f'{rundir.describe_diff(stored, new, names)}' if names else None)
 

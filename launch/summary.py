@@ -6,7 +6,7 @@ import dataclasses
 import glob
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from otclr_jax import aggregate
 from otclr_jax import fileio
@@ -48,6 +48,11 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
     return f'trained, not evaluated (no {rundir.RESULTS_FILE})'
   if results.get('step') != total:
     return f'results are for step {results.get("step")}, not the final {total}'
+  unconverged = aggregate.unconverged_probes(results)
+  if unconverged:
+    return ('its linear probe did not reach its optimum ('
+            + ', '.join(unconverged) + '; see probe_fits in results.json): '
+            'evaluate again with a larger eval.probe_steps')
   return None
 
 
@@ -77,8 +82,16 @@ def _with_config(run_dir: str, results: dict) -> dict:
   return {**results, 'config': stored} if stored else results
 
 
-def collect_results(workdir: str) -> Collected:
-  """The results of the runs DIR/runs.json lists (or all), sorted by trust."""
+def collect_results(workdir: str,
+                    stale: Callable[[str], str | None] | None = None
+                    ) -> Collected:
+  """The results of the runs DIR/runs.json lists (or all), sorted by trust.
+
+  Args:
+    workdir: the sweep directory.
+    stale: run directory -> why its results are not the ones asked for (the
+      sweep's own settings), or None.
+  """
   collected = Collected([], [])
   listed = listed_runs(workdir)
   present = sorted(
@@ -97,9 +110,12 @@ def collect_results(workdir: str) -> Collected:
     run_dir = os.path.join(workdir, name)
     try:
       results = rundir.read_results(run_dir)
-      if results is not None and not isinstance(results, dict):
-        raise ValueError(f'{os.path.join(run_dir, rundir.RESULTS_FILE)} holds '
-                         f'{type(results).__name__}, not a results object.')
+      if results is not None:
+        try:
+          aggregate.check_result(results)
+        except ValueError as e:
+          raise ValueError(
+              f'{os.path.join(run_dir, rundir.RESULTS_FILE)} {e}') from None
     except rundir.IncompleteEvaluationError as e:
       collected.excluded.append((run_dir, f'incomplete evaluation: {e}'))
       continue
@@ -109,7 +125,15 @@ def collect_results(workdir: str) -> Collected:
       continue
     why = _why_not_averaged(run_dir, results)
     if why is None:
-      collected.results.append(_with_config(run_dir, results))
+      results = _with_config(run_dir, results)
+      if not isinstance(results.get('config'), dict):
+        why = (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
+               'records the config that made these results, so their row '
+               'cannot be told')
+    if why is None and stale is not None:
+      why = stale(run_dir)
+    if why is None:
+      collected.results.append(results)
     else:
       collected.excluded.append((run_dir, why))
   return collected
@@ -127,9 +151,14 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def aggregate_dir(workdir: str) -> str | None:
-  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown."""
-  collected = collect_results(workdir)
+def aggregate_dir(workdir: str,
+                  stale: Callable[[str], str | None] | None = None
+                  ) -> str | None:
+  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown.
+
+  `stale` as for `collect_results`.
+  """
+  collected = collect_results(workdir, stale)
   results, excluded = collected.results, collected.excluded
   for run_dir, why in excluded:
     print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
@@ -141,12 +170,13 @@ def aggregate_dir(workdir: str) -> str | None:
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
            '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  md_file, tex_file, json_file = rundir.SUMMARY_FILES
-  fileio.write_text(os.path.join(workdir, md_file), markdown)
-  fileio.write_text(os.path.join(workdir, tex_file), latex)
   rows = aggregate.aggregate(results) if results else []
   for row in rows:
     del row['setting']  # the grouping key; `settings` and `label` say it
+  # Everything is rendered before the first file is replaced.
+  md_file, tex_file, json_file = rundir.SUMMARY_FILES
+  fileio.write_text(os.path.join(workdir, md_file), markdown)
+  fileio.write_text(os.path.join(workdir, tex_file), latex)
   rundir.write_json(os.path.join(workdir, json_file), {
       'rows': rows,
       'not_averaged': [{'run': os.path.basename(d), 'workdir': d, 'why': why}

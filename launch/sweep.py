@@ -316,7 +316,11 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     write_run_list(sweep, runs, workdir)
     status = _run_all(sweep, selected, len(runs), launcher, stop_on_error)
     if aggregate and status != cli.EXIT_STOPPED:
-      summary.aggregate_dir(workdir)
+      # A run whose evaluation failed keeps older results: not this sweep's.
+      configs = {run.workdir: sweep.run_config(run) for run in runs}
+      summary.aggregate_dir(workdir, lambda run_dir: (
+          run_state.stale_results_reason(configs[run_dir], run_dir)
+          if run_dir in configs else None))
     return status
 
 

@@ -1,7 +1,8 @@
 """Runs grouped into table rows: statistics over seeds, paired differences.
 
 The seeds of a run are one row: runs whose stored configs agree in every
-result-changing field but the seed (`rundir.identity`). A row's numbers are
+result-changing field but the seed, evaluation settings included
+(`rundir.evaluation_identity`), evaluated with the same probe protocol. A row's numbers are
 `stat`s, `46.90 ± 0.40 (n=3)` with std at ddof = 1.
 """
 
@@ -31,6 +32,46 @@ def stat(values: Iterable[float]) -> dict[str, Any]:
     raise ValueError('stat needs at least one value.')
   std = statistics.stdev(values) if len(values) > 1 else None
   return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
+
+
+def check_result(result: Any) -> None:
+  """Raises ValueError, naming the fields, unless `result` has the shape of
+  an evaluation's results.json as far as the tables read it."""
+  if not isinstance(result, dict):
+    raise ValueError(f'holds {type(result).__name__}, not a results object')
+  problems = [f'{key}={result.get(key)!r}'
+              for key, kind in (('pretrain_dataset', str), ('method', str),
+                                ('batch_size', int))
+              if not isinstance(result.get(key), kind)
+              or isinstance(result.get(key), bool)]
+  seed = result.get('seed')
+  if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    problems.append(f'seed={seed!r}')
+  for section in SECTIONS:
+    rows = result.get(section)
+    if rows is None:
+      continue
+    if not isinstance(rows, dict) or not all(
+        isinstance(row, dict) for row in rows.values()):
+      problems.append(f'{section} is not {{name: {{metric: value}}}}')
+      continue
+    for name, row in rows.items():
+      problems += [f'{section}.{name}.{metric}={row[metric]!r}'
+                   for metric in ('top1', 'top5', 'knn_top1')
+                   if row.get(metric) is not None
+                   and not _is_number(row[metric])]
+  if problems:
+    raise ValueError('not the results of an evaluation: '
+                     + ', '.join(problems))
+
+
+def unconverged_probes(result: dict[str, Any]) -> list[str]:
+  """'section/dataset' of each probe in `result` that stopped before its
+  optimum (at `eval.probe_steps`): its numbers are not the protocol's."""
+  return sorted(
+      f'{section}/{dataset}' for section in SECTIONS
+      for dataset, row in (result.get(section) or {}).items()
+      if isinstance(row, dict) and row.get('converged') is False)
 
 
 def _is_number(value: Any) -> bool:
@@ -70,20 +111,28 @@ def run_id(result: dict[str, Any]) -> str:
   return f'{method}+ot' if views == 'ot' else method
 
 
+# What results.json's protocol says of the probe; another value is another
+# instrument, so another row.
+_PROTOCOL_FIELDS = ('probe', 'l2_grid', 'probe_tolerance')
 # Identity fields shown elsewhere in a row (title, setting), and the seed.
 _SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
 _METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
 
 
 def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-  """`rundir.identity` but the seed as sorted (name, JSON) pairs; () if none."""
+  """`rundir.evaluation_identity` but the seed, and the probe protocol, as
+  sorted (name, JSON) pairs; () without a config."""
   config = result.get('config')
   if not isinstance(config, dict):
     return ()
-  return tuple(sorted(
-      (name, json.dumps(value, sort_keys=True))
-      for name, value in rundir.identity(config).items()
-      if name not in _SHOWN_FIELDS))
+  settings = {n: v for n, v in rundir.evaluation_identity(config).items()
+              if n not in _SHOWN_FIELDS}
+  protocol = result.get('protocol')
+  if isinstance(protocol, dict):
+    settings.update({f'protocol.{n}': protocol[n] for n in _PROTOCOL_FIELDS
+                     if n in protocol})
+  return tuple(sorted((name, json.dumps(value, sort_keys=True))
+                      for name, value in settings.items()))
 
 
 RunKey = tuple[str, int, str, tuple[tuple[str, str], ...]]

@@ -92,6 +92,14 @@ IGNORED_FIELDS = ('mode', 'data_dir', 'compilation_cache_dir',
                   'keep_checkpoints')
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
+# `eval.*` fields that change no result file: results made otherwise are
+# not stale.
+EVAL_UNUSED_FIELDS = ('eval.figures', 'eval.at_end')
+# `eval.*` fields that change what a reported number measures. The others
+# choose which numbers exist (datasets, evaluators, recompute_bn) or change
+# none (batch_size; probe_steps, as a probe it stops is flagged unconverged).
+EVAL_RESULT_FIELDS = ('eval.num_view_images', 'eval.embedding',
+                      'eval.views_dataset')
 # Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).
 METHOD_BLOCKS = ('moco', 'byol', 'dino')
 
@@ -247,6 +255,28 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
       name for name in set(stored) | set(new)
       if not _ignored(name, unread, length)
       and stored.get(name, missing) != new.get(name, missing))
+
+
+def _eval_fields(config: dict[str, Any], keep) -> dict[str, Any]:
+  flat = flatten(json.loads(json.dumps(config)))
+  return {n: v for n, v in flat.items() if n.startswith('eval.') and keep(n)}
+
+
+def evaluation_identity(config: dict[str, Any]) -> dict[str, Any]:
+  """`identity` (length included) plus `EVAL_RESULT_FIELDS`: the settings
+  whose results are one run's numbers."""
+  return {**identity(config),
+          **_eval_fields(config, lambda n: n in EVAL_RESULT_FIELDS)}
+
+
+def evaluation_diff(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
+  """`result_changing_diff` with the length and every `eval.*` field but
+  `EVAL_UNUSED_FIELDS`: why results made by `stored` are not `new`'s."""
+  used = lambda n: n not in EVAL_UNUSED_FIELDS
+  a, b = _eval_fields(stored, used), _eval_fields(new, used)
+  missing = object()
+  return sorted(result_changing_diff(stored, new, length=True) + [
+      n for n in set(a) | set(b) if a.get(n, missing) != b.get(n, missing)])
 
 
 def describe_diff(stored: dict[str, Any], new: dict[str, Any],

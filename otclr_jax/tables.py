@@ -468,6 +468,22 @@ def embedding_label(results: Sequence[dict[str, Any]]) -> str:
   return '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in used)
 
 
+def _unconverged_warning(results: Sequence[dict[str, Any]]) -> str | None:
+  """A line naming every run whose probe stopped before its optimum."""
+  runs = []
+  for result in results:
+    where = aggregate.unconverged_probes(result)
+    if where:
+      name = (result.get('title')
+              or aggregate.method_name(aggregate.run_id(result)))
+      runs.append(f'{name} seed {result.get("seed")} ({", ".join(where)})')
+  if not runs:
+    return None
+  return ('Not at their optimum: the linear probes of ' + '; '.join(runs)
+          + ' stopped at eval.probe_steps (probe_fits in results.json); '
+          "their probe numbers are not the protocol's.")
+
+
 def render_report(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
   """All results tables, each under a heading (a comment in LaTeX)."""
@@ -483,6 +499,10 @@ def render_report(results: Sequence[dict[str, Any]],
       (f'Cluster metrics of the test embeddings (K-means, K = classes; '
        f'embedding {embedding})', cluster_table(results, fmt)),
   ]
+  warning = _unconverged_warning(results)
+  if warning:
+    parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '') + warning
+                     + '\n'))
   paired = paired_table(results, fmt)
   if paired:
     parts.append(('Paired differences over seeds (percentage points; '

@@ -455,7 +455,8 @@ def write_run_files(workdir, config, *, state='finished', step=None,
     json.dump({'state': state, 'step': step, 'total_steps': total,
                'updated': '2026-11-21T00:00:00+00:00'}, f)
   if evaluated:
-    fake_results(workdir, step if results_step is None else results_step)
+    fake_results(workdir, step if results_step is None else results_step,
+                 config)
     with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
       json.dump({**train_config, 'mode': 'eval'}, f)
 
@@ -493,16 +494,23 @@ class FakeLauncher:
       write_run_files(workdir, config, evaluated=False)
     else:
       status = json.load(open(os.path.join(workdir, 'status.json')))
-      fake_results(workdir, status['step'])
+      fake_results(workdir, status['step'], config)
       with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
         json.dump(config.to_dict(), f)
     return 0
 
 
-def fake_results(workdir, step):
+def fake_results(workdir, step, config=None):
+  """eval/results.json at `step`; with `config`, what the tables read too."""
   os.makedirs(os.path.join(workdir, 'eval'), exist_ok=True)
+  results = {'step': step}
+  if config is not None:
+    results.update(method=config.method, seed=config.seed,
+                   batch_size=config.batch_size,
+                   pretrain_dataset=config.dataset,
+                   config={**config.to_dict(), 'mode': 'eval'})
   with open(os.path.join(workdir, 'eval', 'results.json'), 'w') as f:
-    json.dump({'step': step}, f)
+    json.dump(results, f)
 
 
 # Evaluation results as results.json holds them.
@@ -539,19 +547,24 @@ def paired_results(otclr_top1, simclr_top1, floors):
              enumerate(zip(simclr_top1, floors))])
 
 
-def configured_results(method, seed, top1, floor, **fields):
-  """`run_results` with its stored digits config, `fields` overridden."""
+def stored_config(method, seed, batch_size, dataset, **fields):
+  """The default config as results.json stores it, with these settings."""
   from configs import default  # pylint: disable=g-import-not-at-top
   config = default.get_config()
-  config.method, config.seed, config.dataset = method, seed, 'digits'
-  config.batch_size = 64
+  config.method, config.seed, config.dataset = method, seed, dataset
+  config.batch_size = batch_size
   for name, value in fields.items():
     *parents, leaf = name.split('.')
     node = config
     for part in parents:
       node = node[part]
     node[leaf] = value
+  return config.to_dict()
+
+
+def configured_results(method, seed, top1, floor, **fields):
+  """`run_results` with its stored digits config, `fields` overridden."""
   result = run_results(method, seed, top1, floor, batch_size=64,
                        pretrain='digits')
-  result['config'] = config.to_dict()
+  result['config'] = stored_config(method, seed, 64, 'digits', **fields)
   return result

@@ -95,3 +95,21 @@ def test_only_fields_that_change_a_result_split_rows():
                                 **{'eval.probe_steps': 9})]
   (group,) = aggregate.aggregate(results)
   assert group['n'] == 2
+
+
+def test_other_evaluation_settings_or_probe_protocols_are_other_rows():
+  # The cluster metrics of z and of h, or probes solved two ways, are not
+  # seeds of one number.
+  results = [configured_results('otclr', 0, 94.7, 30.0),
+             configured_results('otclr', 1, 97.5, 30.0,
+                                **{'eval.embedding': 'h'})]
+  rows = aggregate.aggregate(results)
+  assert [(r['n'], r['label']) for r in rows] == [
+      (1, 'eval.embedding=h'), (1, 'eval.embedding=z')]
+  solved = configured_results('otclr', 1, 97.5, 30.0)
+  results = [configured_results('otclr', 0, 94.7, 30.0), solved]
+  for result, probe in zip(results, ('L-BFGS', 'Newton')):
+    result['protocol'] = {'probe': probe}
+  rows = aggregate.aggregate(results)
+  assert sorted(r['label'] for r in rows) == ['protocol.probe=L-BFGS',
+                                              'protocol.probe=Newton']

@@ -212,6 +212,7 @@ def test_the_probe_equals_a_converged_reference(name):
   # Within one test image.
   assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
   assert all(fit['converged'] for fit in ours['fits'])
+  assert ours['converged'] is True
   assert len(ours['fits']) == len(probe.L2_GRID) + 1
 
 
@@ -274,6 +275,8 @@ def test_a_fit_cut_short_is_flagged(caplog):
   short = probe.linear_probe(train_x, train_y, test_x, test_y, 10,
                              max_steps=2)
   assert not any(fit['converged'] for fit in short['fits'])
+  # The reported number says so too (results.json's row, the summary).
+  assert short['converged'] is False
   assert all(fit['steps'] == 2 and fit['grad_norm'] > probe.GRAD_TOL
              for fit in short['fits'])
   assert 'did not converge' in caplog.text

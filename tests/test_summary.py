@@ -5,10 +5,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from launch import sweep as sweep_lib
 from tests.helpers import aggregate_only
 from tests.helpers import mean_std_rtol
+from tests.helpers import stored_config
 from tests.helpers import write_sweep
 
 
@@ -20,6 +22,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
       name = f'method={method},batch_size={batch},seed={seed}'
       fake = {'step': 10, 'method': method, 'seed': seed, 'batch_size': batch,
               'pretrain_dataset': 'cifar10',
+              'config': stored_config(method, seed, batch, 'cifar10'),
               'linear': {'cifar10': {'top1': value, 'top5': 90.0 + seed}},
               'random_init': {'cifar10': {'top1': 20.0 + seed,
                                           'top5': 50.0}}}
@@ -54,12 +57,16 @@ def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def _results_run(root, name, top1, status):
+def _results_run(root, name, top1, status, config=True, converged=True):
   os.makedirs(root / name / 'eval')
-  (root / name / 'eval' / 'results.json').write_text(json.dumps({
+  results = {
       'step': status['step'], 'method': 'otclr', 'seed': 0, 'batch_size': 16,
       'pretrain_dataset': 'digits',
-      'linear': {'digits': {'top1': top1, 'top5': 99.0}}}))
+      'linear': {'digits': {'top1': top1, 'top5': 99.0,
+                            'converged': converged}}}
+  if config:
+    results['config'] = stored_config('otclr', 0, 16, 'digits')
+  (root / name / 'eval' / 'results.json').write_text(json.dumps(results))
   (root / name / 'status.json').write_text(json.dumps(status))
 
 
@@ -96,6 +103,45 @@ def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
       tmp_path / 'summary.md').read()
 
 
+def test_results_that_cannot_be_told_apart_or_did_not_converge_are_listed(
+    tmp_path):
+  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
+  _results_run(tmp_path, 's0', 84.7, finished)
+  # Without a stored config its row is unknown (it might be any setting).
+  _results_run(tmp_path, 's1', 10.0, finished, config=False)
+  # A probe stopped by eval.probe_steps is not the protocol's number.
+  _results_run(tmp_path, 's2', 30.0, finished, converged=False)
+  assert aggregate_only(tmp_path) == 0
+  summary = json.load(open(tmp_path / 'summary.json'))
+  (row,) = summary['rows']
+  assert row['linear']['digits']['top1'] == {'mean': 84.7, 'std': None,
+                                             'n': 1}
+  why = {e['run']: e['why'] for e in summary['not_averaged']}
+  assert set(why) == {'s1', 's2'}
+  assert 'records the config' in why['s1']
+  assert 'did not reach its optimum (linear/digits' in why['s2']
+
+
+@pytest.mark.parametrize('field, value, named', [
+    ('batch_size', 'big', "batch_size='big'"),
+    ('seed', float('nan'), 'seed=nan'),
+    ('linear', [1, 2], 'linear is not'),
+    ('linear', {'digits': {'top1': '84.7'}}, "linear.digits.top1='84.7'"),
+])
+def test_a_results_file_of_the_wrong_shape_is_named_and_left_out(
+    tmp_path, capsys, field, value, named):
+  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
+  _results_run(tmp_path, 's0', 84.7, finished)
+  _results_run(tmp_path, 's1', 80.0, finished)
+  path = tmp_path / 's1' / 'eval' / 'results.json'
+  path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+  assert aggregate_only(tmp_path) == 1
+  err = capsys.readouterr().err
+  assert f'{path} not the results of an evaluation' in err and named in err
+  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
+  assert row['linear']['digits']['top1']['mean'] == 84.7
+
+
 def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   missing = str(tmp_path / 'typo')
   assert aggregate_only(missing) == 2
@@ -128,7 +174,7 @@ def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
   for run, top1 in zip(sweep.runs(str(workdir)), (94.7, 97.5)):
     config = sweep.run_config(run)
     _results_run(workdir, run.name, top1, {'state': 'finished', 'step': 2,
-                                          'total_steps': 2})
+                                          'total_steps': 2}, config=False)
     (workdir / run.name / 'eval' / 'config.json').write_text(
         json.dumps({**config.to_dict(), 'mode': 'eval'}))
   assert aggregate_only(workdir) == 0

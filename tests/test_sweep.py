@@ -387,6 +387,23 @@ def test_other_evaluation_settings_are_evaluated_again(tmp_path, capsys):
   assert 'eval.probe_steps: 500 -> 7' in capsys.readouterr().out
 
 
+def test_results_a_failed_evaluation_left_are_not_the_sweeps(tmp_path):
+  # The sweep asks for another embedding; seed 1's evaluation fails, so its
+  # results are still the old embedding's and stay out of the means.
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)))
+  workdir = str(tmp_path / 'out')
+  sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
+                      launcher=FakeLauncher(), aggregate=False)
+  names = ['seed=0,method=otclr', 'seed=1,method=otclr']
+  assert sweep_lib.run_sweep(
+      sweep_lib.load_sweep(path, ['--config.eval.embedding=h']), workdir,
+      launcher=FakeLauncher(fail={(names[1], 'eval')})) == 1
+  summary = json.load(open(os.path.join(workdir, 'summary.json')))
+  (excluded,) = summary['not_averaged']
+  assert excluded['run'] == names[1]
+  assert "eval.embedding: 'z' -> 'h'" in excluded['why']
+
+
 def test_a_preempted_child_leaves_its_run_unfinished(four_runs, capsys):
   sweep, workdir, names = four_runs
   launcher = FakeLauncher(exit_stopped={names[1]})

@@ -188,3 +188,16 @@ def test_runs_of_other_settings_are_other_rows_labelled_by_what_differs():
   assert 'ot.epsilon' not in tables.linear_table(seeds)
 
 
+
+
+def test_a_probe_that_stopped_short_is_called_out_above_the_tables():
+  result = run_results('otclr', 0, 90.0, 30.0)
+  done = run_results('simclr', 0, 80.0, 30.0)
+  result['linear']['cifar10']['converged'] = False
+  done['linear']['cifar10']['converged'] = True
+  for fmt in ('markdown', 'latex'):
+    report = tables.render_report([result, done], fmt)
+    assert (report.index('OTCLR seed 0 (linear/cifar10)')
+            < report.index('Linear probe and kNN')), fmt
+    assert 'SimCLR seed 0' not in report
+  assert 'Not at their optimum' not in tables.render_report([done])

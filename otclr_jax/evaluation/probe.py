@@ -466,8 +466,9 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     return_probe: also return the final probe.
 
   Returns:
-    {'top1', 'top5' (test, percent), 'weight_decay' (chosen lambda),
-    'val_top1' (its held-out top-1, percent), 'num_train', 'num_test',
+    {'top1', 'top5' (test, percent), 'converged' (the chosen fit and the
+    refit reached `GRAD_TOL`), 'weight_decay' (chosen lambda), 'val_top1'
+    (its held-out top-1, percent), 'num_train', 'num_test',
     'fits' (per lambda, then the refit: `Fit.record`, plus held-out scores)};
     with `return_probe`, the pair (that dict, `Probe`).
   """
@@ -512,6 +513,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   top1, top5, _ = _scores(w, refit.b, (test_x - mean) / std, test_y)
   row = {'top1': 100.0 * float(np.mean(top1)),
          'top5': 100.0 * float(np.mean(top5)),
+         # The reported number is the protocol's only if both fits are.
+         'converged': bool(chosen.converged and refit.converged),
          'weight_decay': chosen.l2, 'val_top1': val_top1,
          'num_train': int(len(train_y)), 'num_test': int(len(test_y)),
          'fits': records + [dict(refit.record(), refit=True)]}
