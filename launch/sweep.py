@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import re
 import shlex
@@ -150,9 +151,12 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
-  for key in (k for h in hypers for k in h):
+  for key, value in ((k, v) for h in hypers for k, v in h.items()):
     if not key.startswith('config.'):
       raise ValueError(f'{path}: sweep keys are config.<field>, got {key!r}.')
+    if isinstance(value, dict):
+      raise ValueError(f'{path}: {key} is a block of fields; sweep each '
+                       f'field, e.g. {key}.{next(iter(value), "field")}.')
   swept = {k[len('config.'):] for h in hypers for k in h}
   for flag in cli_flags:
     key = flag[len('--config.'):].split('=', 1)[0]
@@ -171,8 +175,9 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
   for run in sweep.runs(REPO):
     try:
       evaluate.validate(sweep.run_config(run))
-    except ValueError as e:
-      raise ValueError(f'{path} (run {run.name}): {e}') from None
+    except Exception as e:  # pylint: disable=broad-except
+      what = '' if isinstance(e, ValueError) else f'{type(e).__name__}: '
+      raise ValueError(f'{path} (run {run.name}): {what}{e}') from None
   return sweep
 
 
@@ -300,7 +305,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
     if not 0 <= only_index < len(runs):
       raise ValueError(f'--only_index must lie in [0, {len(runs) - 1}], got '
                        f'{only_index}.')
-    _check_run_list(runs, workdir)
+    _check_run_list(sweep, runs, workdir)
     selected = [runs[only_index]]
   check_identities(sweep, selected)
   if dry_run:
@@ -359,22 +364,35 @@ def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
   path = os.path.join(workdir, summary.RUNS_FILE)
   entries = [{'index': r.index, 'name': r.name, 'workdir': r.workdir,
               'overrides': dict(r.overrides),
+              'config': sweep.run_config(r).to_dict(),
               'train': shlex.join(command(sweep, r, 'train')),
               'eval': shlex.join(command(sweep, r, 'eval'))} for r in runs]
   rundir.write_json(path, {'sweep': sweep.path, 'runs': entries})
   return path
 
 
-def _check_run_list(runs: Sequence[Run], workdir: str) -> None:
-  # An edited sweep file would map an array index to another run.
+def _check_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> None:
+  # An edited sweep file would map an array index to another run, or give a
+  # run other settings than the tasks that already ran it.
   path = os.path.join(workdir, summary.RUNS_FILE)
   listed = summary.listed_runs(workdir)
   if listed is None:
     return
+  fix = ('the sweep file changed after the job was written. Restore it or '
+         'write a new job with --slurm.')
   if listed != [r.name for r in runs]:
     raise ValueError(f'{path} lists other runs than the sweep file now '
-                     'expands to; the sweep file changed after the job was '
-                     'written. Restore it or write a new job with --slurm.')
+                     f'expands to; {fix}')
+  for run, entry in zip(runs, rundir.read_json_file(path)['runs']):
+    stored = entry.get('config')
+    if not isinstance(stored, dict):
+      raise ValueError(f'{path} does not record the settings of run '
+                       f'{run.name}; write a new job with --slurm.')
+    new = json.loads(json.dumps(sweep.run_config(run).to_dict()))
+    names = rundir.evaluation_diff(stored, new)
+    if names:
+      raise ValueError(f'{path} lists run {run.name} with other settings '
+                       f'({rundir.describe_diff(stored, new, names)}); {fix}')
 
 
 def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:

@@ -161,18 +161,18 @@ def _sort_key(key: RunKey):
 
 
 def _differing(keys: Sequence[RunKey]) -> list[str]:
-  """The setting names whose values differ between the given runs."""
-  values: dict[str, set[str]] = {}
-  for key in keys:
-    for name, value in key[3]:
-      values.setdefault(name, set()).add(value)
-  return sorted(n for n, v in values.items() if len(v) > 1)
+  """The setting names whose values differ between the given runs (a field
+  one config lacks differs too)."""
+  names = {name for key in keys for name, _ in key[3]}
+  return sorted(n for n in names
+                if len({dict(key[3]).get(n) for key in keys}) > 1)
 
 
 def _label(key: RunKey, names: Sequence[str]) -> str:
   """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
   own = dict(key[3])
-  return ', '.join(f'{n}={_plain(own[n])}' for n in names if n in own)
+  return ', '.join(f'{n}={_plain(own[n]) if n in own else "(absent)"}'
+                   for n in names)
 
 
 def _plain(text: str) -> str:
@@ -255,7 +255,8 @@ def _paired(values: dict[Any, float], base: dict[Any, float]
     t = summary['mean'] / (summary['std'] / math.sqrt(len(diffs)))
     p = float(2 * scipy_stats.t.sf(abs(t), len(diffs) - 1))
   return {'seeds': seeds, 'differences': diffs, **summary, 't': t, 'p': p,
-          'wins': sum(d > 0 for d in diffs)}
+          'wins': sum(d > 0 for d in diffs),
+          'unpaired': sorted(set(values) ^ set(base), key=str)}
 
 
 def _by_seed(runs: dict[Any, dict[str, Any]], section: str, dataset: str,

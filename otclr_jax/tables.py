@@ -436,7 +436,11 @@ def paired_table(results: Sequence[dict[str, Any]],
     title = titles.get(r['method'], aggregate.method_name(r['method']))
     comparison = f'{title} − {base}'
     comparison += _suffix(r, several)
-    per_seed = ', '.join(f'{d:+.2f}' for d in r['differences'])
+    per_seed = ', '.join(f'seed {s}: {d:+.2f}'
+                         for s, d in zip(r['seeds'], r['differences']))
+    if r.get('unpaired'):
+      per_seed += ('; without a pair: seed '
+                   + ', '.join(str(s) for s in r['unpaired']))
     mean = _value_text(r, 2, fmt)
     body.append([dataset_name(r['dataset']), comparison, names[r['metric']],
                  per_seed, mean,

@@ -113,3 +113,12 @@ def test_other_evaluation_settings_or_probe_protocols_are_other_rows():
   rows = aggregate.aggregate(results)
   assert sorted(r['label'] for r in rows) == ['protocol.probe=L-BFGS',
                                               'protocol.probe=Newton']
+
+
+def test_a_field_one_config_lacks_labels_both_rows():
+  results = [configured_results('otclr', 0, 94.7, 30.0),
+             configured_results('otclr', 0, 70.0, 30.0)]
+  del results[1]['config']['ot']['beta']
+  rows = aggregate.aggregate(results)
+  assert sorted(r['label'] for r in rows) == ['ot.beta=(absent)',
+                                              'ot.beta=0.0']

@@ -108,6 +108,8 @@ def test_overrides_reach_the_command_line_with_config_flag_syntax(tmp_path):
     ({**tiny_grid(), 'seed': [0, 0]}, None, 'duplicate run names'),
     ({'method': ['simclr', 'nosuch']}, None,
      r'run method=nosuch\): config\.method must be one of'),
+    (tiny_grid(), {'ot': {'epsilon': 0.1}},
+     r'config\.ot is a block of fields; .*config\.ot\.epsilon'),
 ])
 def test_bad_sweep_files_are_rejected(tmp_path, axes, fixed, message):
   path = write_sweep(tmp_path / 's.py', axes, fixed)
@@ -210,6 +212,26 @@ def test_array_task_refuses_a_changed_sweep_file(tmp_path):
   write_sweep(tmp_path / 's.py', tiny_grid(seeds=(1, 2)))
   with pytest.raises(ValueError, match='sweep file changed'):
     sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir, only_index=0,
+                        launcher=FakeLauncher())
+
+
+def test_array_task_refuses_a_sweep_file_that_changed_a_runs_settings(
+    tmp_path):
+  # The same run names, another value of a fixed setting: the tasks still to
+  # run would train otherwise than the ones that ran.
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)),
+                     base={'ot.epsilon': 0.05})
+  workdir = str(tmp_path / 'out')
+  sweep_lib.write_slurm(sweep_lib.load_sweep(path), workdir, job_name='t')
+  launcher = FakeLauncher()
+  assert sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir,
+                             only_index=1, launcher=launcher) == 0
+  assert launcher.calls
+  write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)),
+              base={'ot.epsilon': 0.5})
+  with pytest.raises(ValueError,
+                     match=r'run seed=0.*ot\.epsilon: 0\.05 -> 0\.5'):
+    sweep_lib.run_sweep(sweep_lib.load_sweep(path), workdir, only_index=1,
                         launcher=FakeLauncher())
 
 

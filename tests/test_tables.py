@@ -155,12 +155,18 @@ def test_paired_table_is_in_the_report_with_several_seeds_only():
   runs = paired_results([46.0, 47.5], [45.0, 46.0], [40, 41])
   for fmt in tables.FORMATS:
     table = tables.paired_table(runs, fmt)
-    assert '+1.00, +1.50' in table and '2/2' in table
+    assert 'seed 0: +1.00, seed 1: +1.50' in table and '2/2' in table
     assert 'Paired differences' in tables.render_report(runs, fmt)
   markdown = tables.paired_table(runs)
-  assert '| CIFAR-10 | OTCLR − SimCLR | Probe top-1 | +1.00, +1.50 |' in markdown
+  assert ('| CIFAR-10 | OTCLR − SimCLR | Probe top-1 | seed 0: +1.00, seed 1: '
+          '+1.50 |') in markdown
+  # A seed only one side has is named, not dropped silently.
+  runs = paired_results([46.0, 47.5, 49.0], [45.0, 46.0], [40, 41, 42])
+  assert ('seed 0: +1.00, seed 1: +1.50; without a pair: seed 2 |'
+          in tables.paired_table(runs))
   # Equal differences: no spread, so no t statistic and no p-value.
-  assert ('| CIFAR-10 | OTCLR − SimCLR | Probe top-5 | +0.00, +0.00 | '
+  assert ('| CIFAR-10 | OTCLR − SimCLR | Probe top-5 | seed 0: +0.00, seed 1: '
+          '+0.00 | '
           '0.00 ± 0.00 | – | – | 0/2 |') in markdown
   single = paired_results([46.0], [45.0], [40])
   assert tables.paired_table(single) == ''
