@@ -289,15 +289,27 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
   return stored, rundir.checkpoint_dir(workdir, step)
 
 
+def unknown_settings_error(workdir: str) -> ConfigError:
+  """Checkpoints without a config anywhere: their run's settings are unknown."""
+  return ConfigError(
+      f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
+      'checkpoint holds its config: the settings it was trained with are '
+      'unknown, so it can be neither resumed nor evaluated. Use another '
+      '--workdir.')
+
+
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
                      overridden: Iterable[str] = ()) -> None:
   """Gives `config` the result-changing settings of `workdir`'s run, if any.
 
   Raises:
-    ConfigError: an override in `overridden` (dotted names) contradicts it.
+    ConfigError: an override in `overridden` (dotted names) contradicts it,
+      or `workdir` has checkpoints whose settings are unknown.
   """
   found = run_config(workdir)
   if found is None:
+    if checkpoint.has_checkpoint(workdir):
+      raise unknown_settings_error(workdir)
     return
   stored, source = found
   try:

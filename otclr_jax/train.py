@@ -226,10 +226,7 @@ def stored_run_config(workdir: str) -> dict[str, Any] | None:
     return None
   found = experiment.run_config(workdir)
   if found is None:
-    raise experiment.ConfigError(
-        f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
-        'checkpoint holds its config: a resume could not be checked against '
-        'the settings it was trained with. Use another --workdir.')
+    raise experiment.unknown_settings_error(workdir)
   stored, source = found
   if not source.endswith(rundir.CONFIG_FILE):
     logging.warning('%s has no %s: checking this run against the config '

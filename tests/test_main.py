@@ -99,8 +99,8 @@ def test_deleted_config_json_still_guards_the_resume(moco_run, tmp_path,
   assert rundir.read_config(workdir)['seed'] == 3
 
 
-def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
-                                                        data_dir):
+def test_checkpoints_without_any_config_are_not_resumed_or_evaluated(
+    moco_run, tmp_path, data_dir, caplog):
   workdir = copy_run(moco_run, tmp_path)
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
   checkpoints = os.path.join(workdir, 'checkpoints')
@@ -110,6 +110,11 @@ def test_checkpoints_without_any_config_are_not_resumed(moco_run, tmp_path,
   with pytest.raises(experiment.ConfigError, match='no checkpoint holds its '
                      'config'):
     train.train(config, workdir)
+  # Evaluating it with this command's settings would report another run.
+  config = _config(data_dir, mode='eval', method='simclr', seed=7)
+  assert_usage_error(caplog, 'no checkpoint holds its config',
+                     lambda: main.run(config, workdir))
+  assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
 def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
