@@ -48,6 +48,18 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
     return f'trained, not evaluated (no {rundir.RESULTS_FILE})'
   if results.get('step') != total:
     return f'results are for step {results.get("step")}, not the final {total}'
+  try:
+    trained = rundir.read_config(run_dir)
+  except ValueError as e:
+    return str(e)
+  evaluated = results.get('config')
+  if isinstance(trained, dict) and isinstance(evaluated, dict):
+    names = rundir.result_changing_diff(evaluated, trained, length=True)
+    if names:
+      # E.g. the directory was trained afresh after these results were made.
+      return ('its results belong to another run than the one its '
+              f'{rundir.CONFIG_FILE} describes ('
+              f'{rundir.describe_diff(evaluated, trained, names)})')
   unconverged = aggregate.unconverged_probes(results)
   if unconverged:
     return ('its linear probe did not reach its optimum ('

@@ -142,6 +142,22 @@ def test_a_results_file_of_the_wrong_shape_is_named_and_left_out(
   assert row['linear']['digits']['top1']['mean'] == 84.7
 
 
+def test_results_of_an_earlier_run_in_the_directory_are_not_averaged(
+    tmp_path):
+  # The directory was trained afresh with seed 1; eval/ is still seed 0's.
+  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
+  _results_run(tmp_path, 's0', 84.7, finished)
+  _results_run(tmp_path, 's1', 80.0, finished)
+  (tmp_path / 's1' / 'config.json').write_text(json.dumps(
+      stored_config('otclr', 1, 16, 'digits')))
+  assert aggregate_only(tmp_path) == 0
+  summary = json.load(open(tmp_path / 'summary.json'))
+  (excluded,) = summary['not_averaged']
+  assert excluded['run'] == 's1'
+  assert 'belong to another run' in excluded['why']
+  assert 'seed: 0 -> 1' in excluded['why']
+
+
 def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   missing = str(tmp_path / 'typo')
   assert aggregate_only(missing) == 2
