@@ -414,6 +414,10 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   check_total(stored, total, spe, workdir)
   trained_on = data_identity(config, train_data)
   check_data(workdir, trained_on, resuming=stored is not None)
+  if main:
+    # Read before config.json and status.json are written: a damaged line
+    # refuses the run and leaves the directory as it was.
+    rundir.read_metrics(workdir)
 
   run, state, step_fn = step_lib.build(config, spe, mesh)
   # Jitted onto the mesh, so that every process holds the same replicated key.

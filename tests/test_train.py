@@ -447,6 +447,19 @@ def test_no_checkpoint_that_restores_ends_with_one_line(stopped_run, tmp_path,
   assert not (workdir / 'checkpoints_skipped').exists()
 
 
+def test_a_damaged_metrics_file_refuses_the_resume_before_any_write(
+    finished_run, tmp_path, data_dir):
+  _, straight_workdir, _ = finished_run
+  workdir = pathlib.Path(copy_run(straight_workdir, tmp_path))
+  lines = (workdir / 'metrics.jsonl').read_text().splitlines(keepends=True)
+  (workdir / 'metrics.jsonl').write_text('{"lo\n' + ''.join(lines[1:]))
+  before = {name: (workdir / name).read_bytes()
+            for name in ('config.json', 'status.json', 'data.json')}
+  longer = tiny_config(data_dir, total_steps=6)
+  assert main.run(longer, str(workdir)) == cli.EXIT_USAGE
+  assert {name: (workdir / name).read_bytes() for name in before} == before
+
+
 def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
                                                       monkeypatch, caplog):
   path = str(tmp_path / 'metrics.jsonl')
