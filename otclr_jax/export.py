@@ -207,23 +207,35 @@ def export_checkpoint(workdir: str, step: int | None = None,
     `encoder_path(workdir, step)`.
 
   Raises:
-    FileNotFoundError: no config.json or no checkpoint in `workdir`.
+    FileNotFoundError: no stored config or no checkpoint in `workdir`.
+    rundir.CorruptFileError: the stored config is not a run's config.
     ValueError: no checkpoint for `step`, or non-finite variables.
   """
   # Training-side imports, which `load_encoder` users do not need.
-  from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
-  from otclr_jax.evaluation import features  # pylint: disable=g-import-not-at-top
-  config_path = os.path.join(workdir, rundir.CONFIG_FILE)
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(
-        f'{config_path} does not exist: the encoder is rebuilt from the '
-        "run's stored config (written by `python -m otclr_jax.main` when a "
-        'run starts).')
+  # pylint: disable=g-import-not-at-top
+  import ml_collections
+  from otclr_jax import experiment
+  from otclr_jax.evaluation import evaluate
+  from otclr_jax.evaluation import features
+  # pylint: enable=g-import-not-at-top
   if out is not None and os.path.isdir(out):
     raise config_files.UsageError(
         f'--out {out} is a directory; give the file to write, e.g. '
         f'{os.path.join(out, rundir.ENCODER_FILE)}.')
-  config = config_files.load(config_path)
+  found = experiment.run_config(workdir)
+  if found is None:
+    raise FileNotFoundError(
+        f'{os.path.join(workdir, rundir.CONFIG_FILE)} does not exist and no '
+        "checkpoint holds the run's config: the encoder is rebuilt from it "
+        '(`python -m otclr_jax.main` writes both).')
+  stored, source = found
+  config = ml_collections.ConfigDict(config_files.tuples(stored))
+  try:
+    experiment.validate_config(config)
+  except (AttributeError, KeyError, TypeError) as e:
+    raise rundir.CorruptFileError(
+        f'{source} is not a run config (it lacks or mistypes {e}); export '
+        'rebuilds the encoder from it.') from None
   _, restored, step = evaluate.restore(config, workdir, step)
   variables = {'params': restored['params'],
                'batch_stats': restored['batch_stats']}

@@ -146,6 +146,27 @@ def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
   assert 'Traceback' not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('text, message', [
+    ('[1, 2]', 'config.json is corrupt: expected a JSON object'),
+    ('{"seed": 0}', 'is not a run config'),
+])
+def test_a_stored_config_that_is_not_a_runs_fails_in_one_line(
+    finished_run, tmp_path, capsys, text, message):
+  _, workdir, _ = finished_run
+  workdir = copy_run(workdir, tmp_path)
+  with open(os.path.join(workdir, rundir.CONFIG_FILE), 'w') as f:
+    f.write(text)
+  out = str(tmp_path / 'e.msgpack')
+  assert export.main(['export', f'--workdir={workdir}', f'--out={out}']) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count('\n') == 1, err
+  assert not os.path.exists(out)
+  # Without config.json, the config each checkpoint holds rebuilds it.
+  os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
+  assert export.main(['export', f'--workdir={workdir}', f'--out={out}']) == 0
+  assert export.load_encoder_config(out)['step'] == 4
+
+
 def test_tilde_in_paths_is_the_home_directory(finished_run, tmp_path,
                                               monkeypatch, capsys):
   _, workdir, _ = finished_run
