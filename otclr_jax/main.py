@@ -272,11 +272,12 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         try:
           evaluate_and_draw(config, workdir)
         except rundir.WorkdirLockedError as e:
-          # The running evaluation writes eval/ itself.
+          # The running evaluation started before this run's last
+          # checkpoint, so eval/ may be of an earlier step.
           logging.warning('Training finished; its evaluation is skipped: '
-                          'the evaluation lock is in use (%s). Rerun with '
-                          '--config.mode=eval once it ends if its settings '
-                          'differ.', e)
+                          'the evaluation lock is in use (%s). eval/ may '
+                          'hold an earlier step: rerun with '
+                          '--config.mode=eval once that evaluation ends.', e)
       else:
         evaluate_and_draw(config, workdir)
     return 0

@@ -255,6 +255,14 @@ def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
   assert fits == ['held-out selection'] * 5 + ['refit (all train)'], out
 
 
+def test_probe_bench_expands_tilde(evaluated_run, monkeypatch, capsys):
+  _, workdir = evaluated_run
+  monkeypatch.setenv('HOME', os.path.dirname(workdir))
+  assert _bench(['probe', f'--workdir=~/{os.path.basename(workdir)}',
+                 '--tag=step4', '--repeats=1']) == 0
+  assert 'top-1 ' in capsys.readouterr().out
+
+
 def test_probe_bench_names_a_missing_or_foreign_cache(evaluated_run,
                                                      tmp_path):
   with pytest.raises(app.UsageError, match='--workdir'):

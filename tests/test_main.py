@@ -337,4 +337,5 @@ def test_training_that_finished_is_0_while_another_evaluation_runs(
   lines = [r.getMessage() for r in caplog.records
            if 'evaluat' in r.getMessage() and 'in use' in r.getMessage()]
   assert len(lines) == 1, lines
+  assert 'may hold an earlier step' in lines[0], lines
   assert not (workdir / 'eval' / 'results.json').exists()

@@ -4,6 +4,7 @@ steps and final gradient norm."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -20,8 +21,8 @@ def run_probe(flag_values: flags.FlagValues) -> int:
     raise app.UsageError(
         'probe needs --workdir=<run> and --tag=<step<N> or init> (a '
         'directory of <run>/eval/features), and --dataset if not digits.')
-  splits = features.load_cache(flag_values.workdir, flag_values.tag,
-                               flag_values.dataset)
+  splits = features.load_cache(os.path.expanduser(flag_values.workdir),
+                               flag_values.tag, flag_values.dataset)
   (train_x, train_y, num_classes), (test_x, test_y, _) = (
       splits['train'], splits['test'])
   seconds = []
