@@ -358,6 +358,10 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
   config = eval_config(str(tmp_path / 'data'))
   before = features._cache_settings(config, 'folder:' + root)
   assert features._cache_settings(config, 'folder:' + root) == before
+  # Another extraction batch rounds the features otherwise.
+  other = eval_config(str(tmp_path / 'data'), **{
+      'eval.batch_size': config.eval.batch_size + 1})
+  assert features._cache_settings(other, 'folder:' + root) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
   save_image(root, 'test', 'ant', '0.png', pixels)

@@ -169,11 +169,16 @@ def variables_fingerprint(variables: Any) -> str:
 
 
 def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
-  """JSON of a cache's inputs besides the weights (sources, not data_dir)."""
+  """JSON of a cache's inputs besides the weights (sources, not data_dir).
+
+  The batch and the devices too: they change the features by rounding, and
+  one command gives the same numbers to the bit with or without a cache.
+  """
   sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
-                     'model': config.model.to_dict(), 'sources': sources},
-                    sort_keys=True)
+                     'model': config.model.to_dict(), 'sources': sources,
+                     'batch_size': int(config.eval.batch_size),
+                     'devices': jax.device_count()}, sort_keys=True)
 
 
 def _load_cached(path: str, name: str, image_size: int | None,
