@@ -356,6 +356,24 @@ def test_run_config_from_file_and_overrides(tmp_path, monkeypatch, capsys):
   assert 'config.ot.grid_size' in capsys.readouterr().err
 
 
+def test_a_config_file_takes_the_runs_own_settings(tmp_path, monkeypatch,
+                                                   capsys):
+  seen = []
+  monkeypatch.setattr(tsne, 'tsne_for_run',
+                      lambda workdir, config, out, **_: seen.append(config))
+  trained = config_files.load('configs/digits.py')
+  trained.ot.grid_size, trained.seed = 4, 3
+  (tmp_path / 'config.json').write_text(trained.to_json())
+  tsne_cli = ['figures', 'tsne', f'--workdir={tmp_path}',
+              '--config=configs/digits.py']
+  assert figures_cli.main(tsne_cli) == 0
+  assert (seen[0].ot.grid_size, seen[0].seed) == (4, 3)
+  capsys.readouterr()
+  # A flag that contradicts the run would draw another run's views.
+  assert figures_cli.main(tsne_cli + ['--config.ot.grid_size=8']) == 2
+  assert 'ot.grid_size' in capsys.readouterr().err
+
+
 def test_cli_overrides_refuse_typos(tmp_path, capsys):
   (tmp_path / 'eval').mkdir()
   (tmp_path / 'eval' / 'config.json').write_text(

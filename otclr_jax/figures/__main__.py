@@ -7,7 +7,8 @@ r"""Draws one figure: `python -m otclr_jax.figures FIGURE [flags]`.
     python -m otclr_jax.figures curves --workdir=DIR [--workdir=DIR2]
     python -m otclr_jax.figures report --workdir=DIR [--compare=DIR2]
 
-tsne and report read DIR/eval/config.json, or --config=FILE [--config.a.b=v].
+tsne and report read DIR/eval/config.json, or --config=FILE [--config.a.b=v]
+given the run's own result-changing settings (a flag contradicting them: 2).
 Default --out: <first workdir>/eval/figures/<figure>.png, with a PDF beside.
 """
 
@@ -70,6 +71,16 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
                     flag_values=fv)
 
 
+def _adopted_config(fv: flags.FlagValues, workdir: str):
+  """--config with the run's own result-changing settings, as evaluation
+  takes them: a figure is of the run that was trained."""
+  from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
+  config = fv.config
+  experiment.adopt_run_config(
+      config, workdir, config_flags.get_override_values(fv['config']))
+  return config
+
+
 def _draw(figure: str, fv: flags.FlagValues) -> None:
   """Draws `figure` with the parsed flags; raises on missing inputs."""
   # Imported here: the figures load JAX and the models, --help needs neither.
@@ -92,7 +103,7 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
         seed=1 if fv.seed is None else fv.seed)
   elif figure == 'tsne':
     from otclr_jax.figures import tsne  # pylint: disable=g-import-not-at-top
-    config = (fv.config if fv.config is not None
+    config = (_adopted_config(fv, workdirs[0]) if fv.config is not None
               else common.load_run_config(workdirs[0]))
     tsne.tsne_for_run(workdirs[0], config, common.png_path(out),
                       step=fv.step, dataset=fv.dataset, num_images=fv.n,
@@ -108,7 +119,8 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
   else:
     from otclr_jax.figures import report  # pylint: disable=g-import-not-at-top
     written, skipped = report.report(
-        workdirs[0], fv.config,
+        workdirs[0],
+        _adopted_config(fv, workdirs[0]) if fv.config is not None else None,
         compare=fv.compare and os.path.expanduser(fv.compare),
         num_images=fv.n, perplexity=fv.perplexity,
         max_classes=fv.max_classes, index=fv.index)
