@@ -346,20 +346,23 @@ def _digest(path: str) -> str | None:
 
 
 def write_evaluation(workdir: str, results: dict[str, Any],
-                     files: dict[str, str]) -> dict[str, Any]:
+                     files: dict[str, str],
+                     written: Sequence[str] = ()) -> dict[str, Any]:
   """Writes `files` under eval/, then results.json binding their sha256.
 
   Args:
     workdir: the run directory.
     results: the results dict (JSON-safe).
     files: {name relative to eval/: text}, e.g. tables.md, config.json.
+    written: names relative to eval/ of files this evaluation wrote before
+      (the fitted probes), bound too.
 
   Returns:
     `results` as written, with `files`.
   """
   out_dir = os.path.join(workdir, EVAL_DIR)
   os.makedirs(out_dir, exist_ok=True)
-  digests = {}
+  digests = {name: _digest(os.path.join(out_dir, name)) for name in written}
   for name, text in files.items():
     fileio.write_text(os.path.join(out_dir, name), text)
     digests[name] = hashlib.sha256(text.encode('utf-8')).hexdigest()

@@ -269,6 +269,30 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
   assert '--index' in capsys.readouterr().err
 
 
+def test_top5_draws_only_the_probe_its_results_were_made_with(
+    runs, tmp_path, monkeypatch, capsys):
+  small_digits(monkeypatch)
+  workdir = pathlib.Path(copy_run(runs['otclr'], tmp_path))
+  (probe_file,) = (workdir / 'eval').glob('probe_step*_digits*.npz')
+  results_file = workdir / 'eval' / 'results.json'
+  results = json.loads(results_file.read_text())
+  assert probe_file.name in results['files']
+  top5_cli = ['figures', 'top5', '--workdir', str(workdir),
+              '--out', str(tmp_path / 't.png')]
+  # A later evaluation, stopped after fitting its probe, rewrote it.
+  original = probe_file.read_bytes()
+  with open(probe_file, 'ab') as f:
+    f.write(b'\0')
+  assert figures_cli.main(top5_cli) == 2
+  assert 'does not belong to' in capsys.readouterr().err
+  probe_file.write_bytes(original)
+  # An evaluation without the probe evaluator binds none.
+  del results['files'][probe_file.name]
+  results_file.write_text(json.dumps(results))
+  assert figures_cli.main(top5_cli) == 2
+  assert 'is not the probe of' in capsys.readouterr().err
+
+
 def test_pick_index_finds_first_disagreement():
   def preds(top):
     probs = np.full((len(top), 4), 0.1)

@@ -353,4 +353,9 @@ def write_results(results: dict[str, Any], workdir: str,
                config.to_json(indent=2) + '\n'}
   for fmt, ext in (('markdown', 'md'), ('latex', 'tex')):
     files[f'tables.{ext}'] = tables.render_report([results], fmt=fmt)
-  return rundir.write_evaluation(workdir, results, files)
+  probes = []
+  if 'probe' in config.eval.evaluators:
+    probes = [os.path.relpath(rundir.probe_file(
+        results['step'], features.dataset_key(name)), rundir.EVAL_DIR)
+              for name in config.eval.datasets]
+  return rundir.write_evaluation(workdir, results, files, probes)

@@ -9,6 +9,7 @@ from matplotlib import figure as mpl_figure
 import numpy as np
 
 from otclr_jax import data
+from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
@@ -43,7 +44,15 @@ def probe_predictions(workdir: str, dataset: str,
                       image_size: int) -> Predictions:
   """Softmax of the saved probe on the cached test features of a run."""
   step = int(results['step'])
-  fitted = probe.load_probe(probe.probe_path(workdir, step, dataset))
+  path = probe.probe_path(workdir, step, dataset)
+  if os.path.relpath(path, os.path.join(workdir, rundir.EVAL_DIR)) not in (
+      results.get('files') or {}):
+    results_file = os.path.join(workdir, rundir.RESULTS_FILE)
+    raise FileNotFoundError(
+        f'{path} is not the probe of {results_file} (that evaluation fitted '
+        'none on this dataset, or a stopped one wrote it); '
+        + common.EVALUATE_FIRST.format(workdir=workdir) + '.')
+  fitted = probe.load_probe(path)
   feats, labels = features.load_features(workdir, step, dataset, 'test',
                                          image_size)
   logits = fitted.logits(feats).astype(np.float64)
