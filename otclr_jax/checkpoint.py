@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any, Callable
 
 from absl import logging as absl_logging
@@ -23,10 +24,21 @@ class _DropOrbaxInfo(logging.Filter):
             or f'{os.sep}orbax{os.sep}' not in record.pathname)
 
 
+def _orbax_read_leftover(unraisable) -> bool:
+  """A coroutine of an Orbax read that failed, raising as it is collected:
+  the failure itself was already reported (a skipped checkpoint)."""
+  code = getattr(unraisable.object, 'cr_code', None)
+  return (code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+          and isinstance(unraisable.exc_value, Exception))
+
+
 def quiet_logs() -> None:
-  """Silences Orbax below WARNING on absl's handler (call from entry points)."""
+  """Silences Orbax below WARNING on absl's handler, and the leftovers of
+  its failed reads (call from entry points: it sets sys.unraisablehook)."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+  default = sys.unraisablehook
+  sys.unraisablehook = lambda u: None if _orbax_read_leftover(u) else default(u)
 
 
 # A checkpoint's items; `restore_part` reads `<step>/default` directly.
