@@ -43,8 +43,9 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
          'the SimCLR baseline): curves of both and the top-5 figure.')
   define(flags.DEFINE_integer, 'step', None, 'tsne: checkpoint step; '
          'default the latest.')
-  define(flags.DEFINE_string, 'dataset', None, 'tsne, top5: test split; '
-         "default the run's views dataset / the first one the runs share.")
+  define(flags.DEFINE_string, 'dataset', None, 'tsne, top5, report: test '
+         "split; default the run's views dataset / the first one the runs "
+         'share.')
   define(flags.DEFINE_integer, 'n', None, 'tsne, report: test images; '
          'default config.eval.num_view_images (the evaluation\'s views).')
   define(flags.DEFINE_float, 'perplexity', 30.0, 'tsne, report: perplexity.')
@@ -123,7 +124,7 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
         _adopted_config(fv, workdirs[0]) if fv.config is not None else None,
         compare=fv.compare and os.path.expanduser(fv.compare),
         num_images=fv.n, perplexity=fv.perplexity,
-        max_classes=fv.max_classes, index=fv.index)
+        max_classes=fv.max_classes, index=fv.index, dataset=fv.dataset)
     for line in skipped:
       print(f'skipped {line}')
     print(f'{len(written) // 2} figure(s) in '

@@ -40,7 +40,8 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
            compare: str | None = None, num_images: int | None = None,
            perplexity: float = tsne.DEFAULT_PERPLEXITY,
            max_classes: int = tsne.DEFAULT_MAX_CLASSES,
-           index: int | None = None) -> tuple[list[str], list[str]]:
+           index: int | None = None,
+           dataset: str | None = None) -> tuple[list[str], list[str]]:
   """Draws tsne, curves and, with `compare`, top5; skips those lacking inputs.
 
   Args:
@@ -48,6 +49,7 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
     compare: a second run (e.g. the SimCLR baseline) for curves and top5.
     num_images: t-SNE images; default `config.eval.num_view_images`.
     index: top-5 test image; default the first the runs disagree on.
+    dataset: top-5's dataset; default the first both runs evaluated.
 
   Returns:
     `(paths written, 'figure: why' of each figure skipped)`.
@@ -58,7 +60,9 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
   def attempt(name, draw):
     try:
       written.extend(draw())
-    except FileNotFoundError as e:  # Missing inputs: say which, go on.
+    except (FileNotFoundError, ValueError) as e:
+      # Missing or unmatched inputs (runs with no dataset in common): say
+      # which, go on.
       skipped.append(f'{name}: {e}')
 
   if config is None:
@@ -77,5 +81,5 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
     order = sorted(runs, key=lambda w: (common.load_results(w) or {}).get(
         'method') != 'simclr')
     attempt('top5', lambda: top5.top5_for_runs(order, out / 'top5.png',
-                                               index=index))
+                                               dataset=dataset, index=index))
   return written, skipped
