@@ -68,15 +68,22 @@ def _eval_config_conflict(config, workdir: str,
 
 
 def _probe_protocol_conflict(results: dict) -> str | None:
-  """Why a results file's linear probe was fitted another way, or None."""
+  """Why a results file's probe or kNN was computed another way, or None."""
   protocol = results.get('protocol') or {}
-  if 'probe' not in protocol:
-    return None
+  rows = [row for row in (results.get('linear') or {}).values()
+          if isinstance(row, dict)]
   # Here: it loads JAX, which a sweep needs for nothing else.
-  from otclr_jax.evaluation import probe  # pylint: disable=g-import-not-at-top
-  current = {'l2_grid': list(probe.L2_GRID),
-             'probe_tolerance': probe.GRAD_TOL,
-             'probe': probe.SOLVER}
+  # pylint: disable=g-import-not-at-top
+  from otclr_jax.evaluation import knn
+  from otclr_jax.evaluation import probe
+  # pylint: enable=g-import-not-at-top
+  current = {}
+  if 'probe' in protocol or any('top1' in row for row in rows):
+    current.update(l2_grid=list(probe.L2_GRID), probe_tolerance=probe.GRAD_TOL,
+                   probe=probe.SOLVER, holdout_fraction=probe.HOLDOUT_FRACTION,
+                   holdout_seed=probe.HOLDOUT_SEED)
+  if 'knn_k' in protocol or any('knn_top1' in row for row in rows):
+    current.update(knn_k=knn.KNN_K, knn_temperature=knn.KNN_TEMPERATURE)
   changed = [f'{key} {protocol.get(key)} (now {value})'
              for key, value in current.items() if protocol.get(key) != value]
   return ('its linear probe was fitted with another protocol: '

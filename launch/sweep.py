@@ -484,10 +484,12 @@ def _main(argv: Sequence[str]) -> int:
   if parsed is None:
     return 0
   fv, rest = parsed
-  if rest or not fv.workdir or fv.slurm + fv.aggregate_only + fv.dry_run > 1:
-    return _fail(cli.EXIT_USAGE, 'Usage: python -m launch.sweep --config=SWEEP_FILE '
-                 '--workdir=DIR [--config.a.b=v ...] [--slurm | --dry_run] '
-                 '(or --workdir=DIR --aggregate_only); see --help.')
+  if (rest or not fv.workdir or fv.slurm + fv.aggregate_only + fv.dry_run > 1
+      or (fv.only_index is not None and (fv.slurm or fv.aggregate_only))):
+    return _fail(cli.EXIT_USAGE, 'Usage: python -m launch.sweep '
+                 '--config=SWEEP_FILE --workdir=DIR [--config.a.b=v ...] '
+                 '[--slurm | --dry_run | --only_index=I] (or --workdir=DIR '
+                 '--aggregate_only); see --help.')
   workdir = os.path.abspath(os.path.expanduser(fv.workdir))
   rundir.check_directory(workdir, '--workdir')
   if fv.aggregate_only:

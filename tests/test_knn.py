@@ -39,3 +39,11 @@ def test_knn_matches_numpy(monkeypatch, k):
                               abs=rounding_tol(3, eps=EPS64) * 100)
   # Predicting the test points' own labels from themselves: a sanity anchor.
   assert knn.knn_top1(test_x, test_y, test_x, test_y, 5, k=1) == 100.0
+
+
+def test_labels_outside_the_classes_are_refused():
+  x = np.eye(4, dtype=np.float32)
+  with pytest.raises(ValueError, match=r'train labels must lie in \[0, 2\)'):
+    knn.knn_top1(x, np.array([0, 1, 2, 1]), x, np.array([0, 1, 0, 1]), 2)
+  with pytest.raises(ValueError, match=r'test labels must lie in \[0, 2\)'):
+    knn.knn_top1(x, np.array([0, 1, 0, 1]), x, np.array([0, -1, 0, 1]), 2)

@@ -335,6 +335,9 @@ def test_probe_rejects_bad_labels_and_grids():
     probe.linear_probe(x, y, x, np.full_like(y, -1), 3)
   with pytest.raises(ValueError, match='l2_grid'):
     probe.linear_probe(x, y, x, y, 3, l2_grid=(0.0, 1e-3))
+  # No test rows: no accuracy to report (not a NaN).
+  with pytest.raises(ValueError, match='one train and one test row'):
+    probe.linear_probe(x, y, x[:0], y[:0], 3)
 
 
 def test_the_saved_probe_reproduces_the_reported_top1(tmp_path):

@@ -47,7 +47,9 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
   write_run_files(run.workdir, config)
   path = os.path.join(run.workdir, 'eval', 'results.json')
   protocol = {'probe': probe.SOLVER, 'l2_grid': list(probe.L2_GRID),
-              'probe_tolerance': probe.GRAD_TOL}
+              'probe_tolerance': probe.GRAD_TOL,
+              'holdout_fraction': probe.HOLDOUT_FRACTION,
+              'holdout_seed': probe.HOLDOUT_SEED}
 
   def write(protocol):
     with open(path, 'w') as f:
@@ -56,11 +58,16 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
   write(protocol)
   assert run_state.is_finished(config, run.workdir)
   for key, old in (('l2_grid', [0.0] + list(probe.L2_GRID)),
-                   ('probe_tolerance', 1e-6),
+                   ('probe_tolerance', 1e-6), ('holdout_seed', 1),
                    ('probe', 'full-batch L-BFGS (optax.lbfgs)')):
     write({**protocol, key: old})
     assert not run_state.is_finished(config, run.workdir)
     assert key in run_state.stale_results_reason(config, run.workdir)
+  # Probe rows that record no protocol were fitted some unknown way.
+  with open(path, 'w') as f:
+    json.dump({'step': config.total_steps,
+               'linear': {'digits': {'top1': 90.0}}}, f)
+  assert 'probe None' in run_state.stale_results_reason(config, run.workdir)
   launcher = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
@@ -82,7 +89,12 @@ def test_an_evaluation_cut_between_its_writes_is_never_finished(
   def results_of(config):
     return {'step': 2, 'method': 'otclr', 'seed': 0, 'batch_size': 16,
             'pretrain_dataset': 'digits', 'config': config.to_dict(),
-            'linear': {'digits': {'top1': 90.0, 'top5': 99.0}}}
+            'linear': {'digits': {'top1': 90.0, 'top5': 99.0}},
+            'protocol': {'probe': probe.SOLVER,
+                         'l2_grid': list(probe.L2_GRID),
+                         'probe_tolerance': probe.GRAD_TOL,
+                         'holdout_fraction': probe.HOLDOUT_FRACTION,
+                         'holdout_seed': probe.HOLDOUT_SEED}}
 
   evaluate.write_results(results_of(old), run.workdir, old)
   assert run_state.is_finished(old, run.workdir)

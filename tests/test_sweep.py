@@ -173,6 +173,11 @@ def test_override_typos_fail_with_a_suggestion_before_anything_runs(
   assert sweep_lib.main(['sweep', f'--config={good}', f'--workdir={out}',
                          '--config.seed=3']) == 2
   assert 'sweeps config.seed' in capsys.readouterr().err
+  # One array task's index means nothing to a job or a summary of them all.
+  for mode in ('--slurm', '--aggregate_only'):
+    assert sweep_lib.main(['sweep', f'--config={good}', f'--workdir={out}',
+                           '--only_index=0', mode]) == 2
+    assert 'Usage' in capsys.readouterr().err
   assert not os.path.exists(out)
   # main's spelling is accepted and reaches the command line.
   sweep = sweep_lib.load_sweep(good, ['--config.ot.epsilon=0.2'])

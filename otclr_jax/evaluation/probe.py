@@ -482,6 +482,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                      f'and {test_x.shape}.')
   if len(train_y) != len(train_x) or len(test_y) != len(test_x):
     raise ValueError('each feature row needs one label.')
+  if not len(train_x) or not len(test_x):
+    raise ValueError('the probe needs at least one train and one test row.')
   if num_classes < 2:
     raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
   for labels, split in ((train_y, 'train'), (test_y, 'test')):
