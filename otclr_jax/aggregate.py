@@ -160,19 +160,35 @@ def _sort_key(key: RunKey):
   return (key[0], -key[1], key[3], method_rank(key[2]))
 
 
+def _run_fields(keys: Sequence[RunKey]) -> dict[str, set[str]]:
+  """The setting names each run id's rows have (a method reads its block)."""
+  fields: dict[str, set[str]] = {}
+  for key in keys:
+    fields.setdefault(key[2], set()).update(name for name, _ in key[3])
+  return fields
+
+
 def _differing(keys: Sequence[RunKey]) -> list[str]:
-  """The setting names whose values differ between the given runs (a field
-  one config lacks differs too)."""
-  names = {name for key in keys for name, _ in key[3]}
-  return sorted(n for n in names
-                if len({dict(key[3]).get(n) for key in keys}) > 1)
+  """The setting names whose values differ between the given runs; a field
+  that rows of one run id lack and others have differs too."""
+  values: dict[str, set[str]] = {}
+  for key in keys:
+    for name, value in key[3]:
+      values.setdefault(name, set()).add(value)
+  names = {n for n, v in values.items() if len(v) > 1}
+  fields = _run_fields(keys)
+  for key in keys:
+    names |= fields[key[2]] - {name for name, _ in key[3]}
+  return sorted(names)
 
 
-def _label(key: RunKey, names: Sequence[str]) -> str:
+def _label(key: RunKey, names: Sequence[str],
+           keys: Sequence[RunKey]) -> str:
   """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
   own = dict(key[3])
+  fields = _run_fields(keys)[key[2]]
   return ', '.join(f'{n}={_plain(own[n]) if n in own else "(absent)"}'
-                   for n in names)
+                   for n in names if n in own or n in fields)
 
 
 def _plain(text: str) -> str:
@@ -203,7 +219,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     group = {'pretrain_dataset': key[0], 'batch_size': key[1],
              'method': key[2],
              'title': runs[0].get('title') or method_name(key[2]),
-             'label': _label(key, names),
+             'label': _label(key, names, list(groups)),
              'settings': {n: json.loads(v) for n, v in key[3]},
              'setting': _setting_of(key),
              'n': len(runs),
@@ -307,7 +323,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
               _by_seed(base_runs, base_section, dataset, metric))
           if paired:
             rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
-                         'label': _label(key, names),
+                         'label': _label(key, names, list(by_run)),
                          'method': run, 'baseline': baseline,
                          'dataset': dataset, 'metric': metric, **paired})
   metrics = [m for m, _ in PAIRED_METRICS]

@@ -122,3 +122,11 @@ def test_a_field_one_config_lacks_labels_both_rows():
   rows = aggregate.aggregate(results)
   assert sorted(r['label'] for r in rows) == ['ot.beta=(absent)',
                                               'ot.beta=0.0']
+
+
+def test_other_methods_blocks_do_not_label_a_row():
+  # A method reads its own block only: BYOL's fields are no difference of a
+  # DINO row, present or not.
+  results = [configured_results('byol', 0, 94.7, 30.0),
+             configured_results('dino', 0, 70.0, 30.0)]
+  assert [r['label'] for r in aggregate.aggregate(results)] == ['', '']
