@@ -415,10 +415,10 @@ def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
   """`--slurm --nodes=N`: DIR/run.sbatch for the sweep's one run."""
   runs = sweep.runs(workdir)
   if len(runs) != 1:
-    return _fail(cli.EXIT_USAGE, f'Sweep refused: --nodes={fv.nodes} x --gpus_per_node='
-                 f'{fv.gpus_per_node} writes one multi-node job for one run, '
-                 f'but {sweep.path} expands to {len(runs)} runs; fix its axes '
-                 'with --config.a.b=v or use a one-run sweep file.')
+    return _refuse(f'Sweep refused: --nodes={fv.nodes} x --gpus_per_node='
+                   f'{fv.gpus_per_node} writes one multi-node job for one '
+                   f'run, but {sweep.path} expands to {len(runs)} runs; fix '
+                   'its axes with --config.a.b=v or use a one-run sweep file.')
   try:
     check_identities(sweep, runs)
     path = slurm.write_multinode(
@@ -428,7 +428,7 @@ def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
         cpus_per_task=fv.cpus_per_task, mem=fv.mem,
         heartbeat_timeout=fv.heartbeat_timeout)
   except ValueError as e:
-    return _fail(cli.EXIT_USAGE, f'Sweep refused: {e}')
+    return _refuse(f'Sweep refused: {e}')
   print(f'Wrote {path}: run {runs[0].name} on {fv.nodes} node(s) x '
         f'{fv.gpus_per_node} GPU(s), one process per GPU.\nSubmit with:  '
         f'sbatch {path}')
@@ -466,6 +466,10 @@ def _fail(status: int, message: str) -> int:
   return status
 
 
+def _refuse(message: str) -> int:
+  return _fail(cli.EXIT_USAGE, message)
+
+
 def main(argv: Sequence[str]) -> int:
   """The command line (module docstring); `argv[0]` is the program name."""
   try:
@@ -480,37 +484,37 @@ def _main(argv: Sequence[str]) -> int:
   try:
     parsed = config_files.parse_flags(argv, _define_flags, __doc__)
   except config_files.UsageError as e:
-    return _fail(cli.EXIT_USAGE, f'Sweep refused: {e}')
+    return _refuse(f'Sweep refused: {e}')
   if parsed is None:
     return 0
   fv, rest = parsed
   if (rest or not fv.workdir or fv.slurm + fv.aggregate_only + fv.dry_run > 1
       or (fv.only_index is not None and (fv.slurm or fv.aggregate_only))):
-    return _fail(cli.EXIT_USAGE, 'Usage: python -m launch.sweep '
-                 '--config=SWEEP_FILE --workdir=DIR [--config.a.b=v ...] '
-                 '[--slurm | --dry_run | --only_index=I] (or --workdir=DIR '
-                 '--aggregate_only); see --help.')
+    return _refuse('Usage: python -m launch.sweep --config=SWEEP_FILE '
+                   '--workdir=DIR [--config.a.b=v ...] [--slurm | --dry_run | '
+                   '--only_index=I] (or --workdir=DIR --aggregate_only); see '
+                   '--help.')
   workdir = os.path.abspath(os.path.expanduser(fv.workdir))
   rundir.check_directory(workdir, '--workdir')
   if fv.aggregate_only:
     if not os.path.isdir(workdir):
-      return _fail(cli.EXIT_USAGE, f'--aggregate_only: sweep directory {workdir} does not '
+      return _refuse(f'--aggregate_only: sweep directory {workdir} does not '
                    'exist (a typo?); nothing was tabulated.')
     summary.aggregate_dir(workdir)
     unreadable = summary.collect_results(workdir).unreadable
     if unreadable:
-      return _fail(cli.EXIT_FAILED, f'{unreadable} results.json file(s) under {workdir} '
-                   'could not be read (named above); the summary leaves them '
-                   'out.')
+      return _fail(cli.EXIT_FAILED, f'{unreadable} results.json file(s) '
+                   f'under {workdir} could not be read (named above); the '
+                   'summary leaves them out.')
     return 0
   if fv.config is None:
-    return _fail(cli.EXIT_USAGE, 'Sweep refused: --config=SWEEP_FILE is required.')
+    return _refuse('Sweep refused: --config=SWEEP_FILE is required.')
   try:
     sweep = load_sweep(config_flags.get_config_filename(fv['config']),
                        [a for a in argv[1:] if a.startswith('--config.')],
                        fv.config)
   except (OSError, ValueError) as e:
-    return _fail(cli.EXIT_USAGE, f'Sweep refused: {e}')
+    return _refuse(f'Sweep refused: {e}')
   if fv.slurm and fv.nodes * fv.gpus_per_node > 1:
     return _write_multinode(sweep, workdir, fv)
   if fv.slurm:
@@ -521,7 +525,7 @@ def _main(argv: Sequence[str]) -> int:
           cpus_per_task=fv.cpus_per_task, mem=fv.mem,
           max_parallel=fv.max_parallel)
     except RunConflictError as e:
-      return _fail(cli.EXIT_USAGE, f'Sweep {sweep.name} refused: {e}')
+      return _refuse(f'Sweep {sweep.name} refused: {e}')
     print(f'Wrote {path} ({len(sweep.hypers)} array tasks).\nSubmit with:  '
           f'sbatch {path}\nWhen all tasks are done:  python -m launch.sweep '
           f'--workdir={workdir} --aggregate_only')
@@ -532,7 +536,7 @@ def _main(argv: Sequence[str]) -> int:
   except rundir.WorkdirLockedError as e:
     return _fail(cli.EXIT_LOCKED, f'Sweep {sweep.name} refused: {e}')
   except ValueError as e:  # a run conflict, --only_index, a changed file
-    return _fail(cli.EXIT_USAGE, f'Sweep {sweep.name} refused: {e}')
+    return _refuse(f'Sweep {sweep.name} refused: {e}')
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 
 The seeds of a run are one row: runs whose stored configs agree in every
 result-changing field but the seed, evaluation settings included
-(`rundir.evaluation_identity`), evaluated with the same probe protocol. A row's numbers are
+(`rundir.evaluation_identity`), probed the same way. A row's numbers are
 `stat`s, `46.90 ± 0.40 (n=3)` with std at ddof = 1.
 """
 
@@ -35,31 +35,25 @@ def stat(values: Iterable[float]) -> dict[str, Any]:
 
 
 def check_result(result: Any) -> None:
-  """Raises ValueError, naming the fields, unless `result` has the shape of
-  an evaluation's results.json as far as the tables read it."""
+  """Raises ValueError naming the fields unless `result` is shaped like an
+  evaluation's results.json, as far as the tables read it."""
   if not isinstance(result, dict):
     raise ValueError(f'holds {type(result).__name__}, not a results object')
-  problems = [f'{key}={result.get(key)!r}'
-              for key, kind in (('pretrain_dataset', str), ('method', str),
-                                ('batch_size', int))
-              if not isinstance(result.get(key), kind)
-              or isinstance(result.get(key), bool)]
-  seed = result.get('seed')
-  if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-    problems.append(f'seed={seed!r}')
+  kinds = {'pretrain_dataset': str, 'method': str, 'batch_size': int,
+           'seed': (int, type(None))}
+  problems = [f'{k}={result.get(k)!r}' for k, kind in kinds.items()
+              if not isinstance(result.get(k), kind)
+              or isinstance(result.get(k), bool)]
   for section in SECTIONS:
-    rows = result.get(section)
-    if rows is None:
-      continue
+    rows = result.get(section) or {}
     if not isinstance(rows, dict) or not all(
         isinstance(row, dict) for row in rows.values()):
       problems.append(f'{section} is not {{name: {{metric: value}}}}')
       continue
-    for name, row in rows.items():
-      problems += [f'{section}.{name}.{metric}={row[metric]!r}'
-                   for metric in ('top1', 'top5', 'knn_top1')
-                   if row.get(metric) is not None
-                   and not _is_number(row[metric])]
+    problems += [f'{section}.{name}.{m}={row[m]!r}'
+                 for name, row in rows.items()
+                 for m in ('top1', 'top5', 'knn_top1')
+                 if row.get(m) is not None and not _is_number(row[m])]
   if problems:
     raise ValueError('not the results of an evaluation: '
                      + ', '.join(problems))

@@ -1,7 +1,8 @@
 """SimCLR (Chen et al. 2020): NT-Xent over the 2B projections of a batch.
 
 One forward pass of both views (BatchNorm over 2B), the paper's temperature
-0.5 and 512-512-128 head (docs/method.md sections 6, 8 and 9). With OT views: OTCLR.
+0.5 and 512-512-128 head (docs/method.md sections 6, 8, 9). With OT views:
+OTCLR.
 """
 
 from __future__ import annotations
