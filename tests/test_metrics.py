@@ -15,6 +15,19 @@ RTOL = 1e-4
 ATOL = 1e-5
 
 
+def _one_score(name):
+  """`metrics.clustering_scores`' `name` alone, with its arguments."""
+  def score(z, assign, **kwargs):
+    return metrics.clustering_scores(z, assign, **kwargs)[name]
+  score.__name__ = name
+  return score
+
+
+_silhouette, _compactness, _centroid_margin, _inter_intra_ratio = (
+    _one_score(name) for name in ('silhouette', 'compactness',
+                                  'centroid_margin', 'inter_intra_ratio'))
+
+
 def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
@@ -191,29 +204,29 @@ def test_silhouette_matches_sklearn(make, singleton):
     z, assign = _with_singleton(z, assign, k)
     k += 1
   expected = sk_metrics.silhouette_score(z.astype(np.float64), assign)
-  got = metrics.silhouette(z, assign, num_clusters=k)
+  got = _silhouette(z, assign, num_clusters=k)
   np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
 
 def test_silhouette_clustered_is_high_random_is_low():
   z, assign = _clustered_data(spread=0.1)
   z_r, assign_r = _random_data()
-  assert metrics.silhouette(z, assign, num_clusters=3) > 0.5
-  assert abs(float(metrics.silhouette(z_r, assign_r, num_clusters=4))) < 0.1
+  assert _silhouette(z, assign, num_clusters=3) > 0.5
+  assert abs(float(_silhouette(z_r, assign_r, num_clusters=4))) < 0.1
 
 
 @pytest.mark.parametrize('block_size', [1, 7, 16, 59, 1024])
 def test_silhouette_chunked_equals_unchunked(block_size):
   z, assign = _clustered_data(n=60, spread=0.5)
-  full = metrics.silhouette(z, assign, num_clusters=3, block_size=None)
-  chunked = metrics.silhouette(z, assign, num_clusters=3,
+  full = _silhouette(z, assign, num_clusters=3, block_size=None)
+  chunked = _silhouette(z, assign, num_clusters=3,
                                block_size=block_size)
   # Two programs (row blocks against one block) of one float32 computation.
   np.testing.assert_allclose(chunked, full, rtol=0,
                              atol=_silhouette_atol(z, assign))
-  full_r = metrics.inter_intra_ratio(z, assign, num_clusters=3,
+  full_r = _inter_intra_ratio(z, assign, num_clusters=3,
                                      block_size=None)
-  chunked_r = metrics.inter_intra_ratio(z, assign, num_clusters=3,
+  chunked_r = _inter_intra_ratio(z, assign, num_clusters=3,
                                         block_size=block_size)
   np.testing.assert_allclose(chunked_r, full_r,
                              rtol=_inter_intra_rtol(z, assign))
@@ -226,7 +239,7 @@ def test_silhouette_identical_points_is_one():
   # division XLA may round twice (as a product with 1 / b); the mean over 5
   # (5 + 2): n = 9, on terms of 1.
   np.testing.assert_allclose(
-      metrics.silhouette(z, assign, num_clusters=2), 1.0, rtol=0,
+      _silhouette(z, assign, num_clusters=2), 1.0, rtol=0,
       atol=rounding_tol(9))
 
 
@@ -238,13 +251,13 @@ def test_cluster_metrics_match_numpy(make):
   z, assign = _with_singleton(*make(), k=5)
   k = 6
   np.testing.assert_allclose(
-      metrics.compactness(z, assign, num_clusters=k),
+      _compactness(z, assign, num_clusters=k),
       _np_compactness(z, assign), rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(
-      metrics.centroid_margin(z, assign, num_clusters=k),
+      _centroid_margin(z, assign, num_clusters=k),
       _np_centroid_margin(z, assign), rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(
-      metrics.inter_intra_ratio(z, assign, num_clusters=k),
+      _inter_intra_ratio(z, assign, num_clusters=k),
       _np_inter_intra(z, assign), rtol=RTOL)
 
 
@@ -261,7 +274,7 @@ def test_inter_intra_is_mean_of_per_cluster_means():
   # sum (1) and sqrt (1), the mean over 2 pairs (3); the cluster means (2),
   # their sum and mean (3); the ratio (2): n = 15, terms of one sign.
   np.testing.assert_allclose(
-      metrics.inter_intra_ratio(z, assign, num_clusters=2),
+      _inter_intra_ratio(z, assign, num_clusters=2),
       inter / (8.0 / 3.0), rtol=rounding_tol(15))
 
 
@@ -274,7 +287,7 @@ def test_inter_intra_unequal_clusters_match_paper_equation():
                       3.0 + 2.0 * rng.normal(size=(3, 6)),
                       [np.full(6, -5.0)]]).astype(np.float32)
   assign = np.array([0] * 40 + [1] * 3 + [2], np.int32)
-  got = metrics.inter_intra_ratio(z, assign, num_clusters=3)
+  got = _inter_intra_ratio(z, assign, num_clusters=3)
   np.testing.assert_allclose(got, _np_inter_intra(z, assign), rtol=1e-4)
   # The path `cluster_metrics` takes (one shared distance pass, chunked).
   values = metrics._all_cluster_metrics(z, assign, num_clusters=3,
@@ -292,14 +305,14 @@ def test_identical_point_clusters_closed_form():
   # rounding_tol(2) and compactness, a mean of 3 squared entries, at most 3
   # of its squares.
   np.testing.assert_allclose(
-      metrics.compactness(z, assign, num_clusters=3), 0.0, rtol=0,
+      _compactness(z, assign, num_clusters=3), 0.0, rtol=0,
       atol=3 * rounding_tol(2) ** 2)
   # Centroids (2), their difference (1), squares' sum (3) and sqrt (1), the
   # sum over 3 (3) and the division (2): n = 12.
   np.testing.assert_allclose(
-      metrics.centroid_margin(z, assign, num_clusters=3), np.sqrt(2.0),
+      _centroid_margin(z, assign, num_clusters=3), np.sqrt(2.0),
       rtol=rounding_tol(12))
-  assert np.isinf(metrics.inter_intra_ratio(z, assign, num_clusters=3))
+  assert np.isinf(_inter_intra_ratio(z, assign, num_clusters=3))
 
 
 def test_two_antipodal_pairs_closed_form():
@@ -312,25 +325,25 @@ def test_two_antipodal_pairs_closed_form():
   # |z| = 1 to |residual| = 0.71: k = 1.5 for those 4), squares' sum (1),
   # per-cluster sum (1) and division (2), the mean over 2 (1 + 2).
   np.testing.assert_allclose(
-      metrics.compactness(z, assign, num_clusters=2), 0.5,
+      _compactness(z, assign, num_clusters=2), 0.5,
       rtol=rounding_tol(4, k=1.5) + rounding_tol(7))
   # Centroids (3), difference (1), squares' sum (1), sqrt (1), the mean over
   # 2 (1 + 2): n = 9.
   np.testing.assert_allclose(
-      metrics.centroid_margin(z, assign, num_clusters=2), np.sqrt(2.0),
+      _centroid_margin(z, assign, num_clusters=2), np.sqrt(2.0),
       rtol=rounding_tol(9))
   # D_inter: as the margin, over 2 ordered pairs (9); D_intra: the Gram
   # form (3) and sqrt (1), sums over members and clusters (2), the
   # divisions (4), the mean over 2 (3); the ratio (2): n = 24.
   np.testing.assert_allclose(
-      metrics.inter_intra_ratio(z, assign, num_clusters=2), 1.0,
+      _inter_intra_ratio(z, assign, num_clusters=2), 1.0,
       rtol=rounding_tol(24))
   a, b = np.sqrt(2.0), (2.0 + np.sqrt(2.0)) / 2.0
   # The Gram form (3) and sqrt (1); b's sum (1) and division (2); a's
   # division (2); b - a (1), the division (2); the mean of four (3 + 2):
   # n = 17. b - a = 0.29 cancels terms of up to a + b = 3.1: k = 11.
   np.testing.assert_allclose(
-      metrics.silhouette(z, assign, num_clusters=2), (b - a) / b,
+      _silhouette(z, assign, num_clusters=2), (b - a) / b,
       rtol=rounding_tol(17, k=11))
 
 
@@ -340,11 +353,11 @@ def test_empty_cluster_ids_are_masked():
   sparse = np.array([0, 3, 5], np.int32)[assign]
   # Two programs (K = 7 against K = 3) of one float32 computation.
   tolerances = {
-      metrics.silhouette: dict(rtol=0, atol=_silhouette_atol(z, assign)),
-      metrics.compactness: dict(rtol=_compactness_rtol(z, assign)),
-      metrics.centroid_margin: dict(rtol=_centroid_rtol(z, assign)
+      _silhouette: dict(rtol=0, atol=_silhouette_atol(z, assign)),
+      _compactness: dict(rtol=_compactness_rtol(z, assign)),
+      _centroid_margin: dict(rtol=_centroid_rtol(z, assign)
                                     + rounding_tol(3)),
-      metrics.inter_intra_ratio: dict(rtol=_inter_intra_rtol(z, assign)),
+      _inter_intra_ratio: dict(rtol=_inter_intra_rtol(z, assign)),
   }
   for fn, tolerance in tolerances.items():
     dense = fn(z, assign, num_clusters=3)
@@ -355,8 +368,8 @@ def test_empty_cluster_ids_are_masked():
 
 def test_jit_and_traced_assign():
   z, assign = _clustered_data()
-  for fn in (metrics.silhouette, metrics.compactness,
-             metrics.centroid_margin, metrics.inter_intra_ratio):
+  for fn in (_silhouette, _compactness,
+             _centroid_margin, _inter_intra_ratio):
     eager = fn(z, assign, num_clusters=3)
     jitted = jax.jit(functools.partial(fn, num_clusters=3))(
         jnp.asarray(z), jnp.asarray(assign))
@@ -368,8 +381,8 @@ def test_jit_and_traced_assign():
 def test_traced_single_cluster_is_nan():
   z, _ = _clustered_data()
   one = jnp.zeros(z.shape[0], jnp.int32)
-  for fn in (metrics.silhouette, metrics.centroid_margin,
-             metrics.inter_intra_ratio):
+  for fn in (_silhouette, _centroid_margin,
+             _inter_intra_ratio):
     got = jax.jit(functools.partial(fn, num_clusters=3))(z, one)
     assert np.isnan(got), fn.__name__
 
@@ -380,7 +393,7 @@ def test_bfloat16_input_is_computed_in_float32():
   expected = sk_metrics.silhouette_score(
       np.asarray(z16.astype(jnp.float32), np.float64), assign)
   np.testing.assert_allclose(
-      metrics.silhouette(z16, assign, num_clusters=3), expected, rtol=RTOL)
+      _silhouette(z16, assign, num_clusters=3), expected, rtol=RTOL)
 
 
 # cluster_metrics.
@@ -546,12 +559,12 @@ def test_view_metrics_jit():
 def test_bad_arguments_raise(kwargs, match):
   z, assign = _clustered_data()
   with pytest.raises(ValueError, match=match):
-    metrics.silhouette(z, assign, **kwargs)
+    _silhouette(z, assign, **kwargs)
 
 
 @pytest.mark.parametrize('fn', [
-    metrics.silhouette, metrics.compactness, metrics.centroid_margin,
-    metrics.inter_intra_ratio])
+    _silhouette, _compactness, _centroid_margin,
+    _inter_intra_ratio])
 def test_bad_clustering_inputs_raise(fn):
   z, assign = _clustered_data()
   with pytest.raises(ValueError, match=r'\[n, d\]'):

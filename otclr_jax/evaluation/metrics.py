@@ -191,36 +191,6 @@ def _inter_intra_ratio_from(assign, counts, centroids, dist_sums):
 
 
 @functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
-def _silhouette(z, assign, *, num_clusters, block_size):
-  z = z.astype(jnp.float32)
-  onehot, counts, _ = _cluster_stats(z, assign, num_clusters)
-  dist_sums = _cluster_distance_sums(z, onehot, block_size)
-  return _silhouette_from(assign, onehot, counts, dist_sums)
-
-
-@functools.partial(jax.jit, static_argnames=('num_clusters',))
-def _compactness(z, assign, *, num_clusters):
-  z = z.astype(jnp.float32)
-  _, counts, centroids = _cluster_stats(z, assign, num_clusters)
-  return _compactness_from(z, assign, counts, centroids)
-
-
-@functools.partial(jax.jit, static_argnames=('num_clusters',))
-def _centroid_margin(z, assign, *, num_clusters):
-  z = z.astype(jnp.float32)
-  _, counts, centroids = _cluster_stats(z, assign, num_clusters)
-  return _centroid_margin_from(counts, centroids)
-
-
-@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
-def _inter_intra_ratio(z, assign, *, num_clusters, block_size):
-  z = z.astype(jnp.float32)
-  onehot, counts, centroids = _cluster_stats(z, assign, num_clusters)
-  dist_sums = _cluster_distance_sums(z, onehot, block_size)
-  return _inter_intra_ratio_from(assign, counts, centroids, dist_sums)
-
-
-@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
 def _all_cluster_metrics(z, assign, *, num_clusters, block_size):
   """All four clustering metrics sharing one pairwise-distance pass."""
   z = z.astype(jnp.float32)
@@ -268,9 +238,10 @@ def _pixel_rms(views, strong):
   return jnp.mean(jnp.sqrt(jnp.mean(diff * diff, axis=-1)))
 
 
-def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
-               block_size: int | None = DEFAULT_BLOCK_SIZE) -> jax.Array:
-  """Mean silhouette, as `sklearn.metrics.silhouette_score(z, assign)`.
+def clustering_scores(z: jax.Array, assign: jax.Array, *, num_clusters: int,
+                      block_size: int | None = DEFAULT_BLOCK_SIZE
+                      ) -> dict[str, jax.Array]:
+  """The four clustering metrics of the module doc, from one distance pass.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -279,76 +250,19 @@ def silhouette(z: jax.Array, assign: jax.Array, *, num_clusters: int,
     block_size: rows of the distance slab per step (static); None for all.
 
   Returns:
-    [] float32 in [-1, 1]; NaN if traced with < 2 non-empty clusters.
+    [] float32 each: 'silhouette' (as `sklearn.metrics.silhouette_score`,
+    in [-1, 1]), 'compactness' (mean squared distance to the centroid over
+    clusters, >= 0), 'centroid_margin' (mean distance from each centroid to
+    the nearest other one) and 'inter_intra_ratio' (inf if every
+    within-cluster distance is 0); NaN where undefined under tracing.
 
   Raises:
     ValueError: on bad shapes or dtypes, num_clusters < 2, or (for concrete
       `assign`) ids out of range or not 2 <= #non-empty clusters <= n - 1.
   """
   _check_clustering_inputs(z, assign, num_clusters, block_size)
-  return _silhouette(z, assign, num_clusters=num_clusters,
-                     block_size=block_size)
-
-
-def compactness(z: jax.Array, assign: jax.Array, *,
-                num_clusters: int) -> jax.Array:
-  """Mean squared distance to the centroid, averaged over clusters.
-
-  Args:
-    z: [n, d] l2-normalised embeddings, computed in float32.
-    assign: [n] integer cluster ids in [0, num_clusters).
-    num_clusters: number of cluster ids K >= 2 (static).
-
-  Returns:
-    [] float32 >= 0 (squared distance units; lower is tighter).
-
-  Raises:
-    ValueError: as for `silhouette`.
-  """
-  _check_clustering_inputs(z, assign, num_clusters)
-  return _compactness(z, assign, num_clusters=num_clusters)
-
-
-def centroid_margin(z: jax.Array, assign: jax.Array, *,
-                    num_clusters: int) -> jax.Array:
-  """Mean distance from each centroid to the nearest other centroid.
-
-  Args:
-    z: [n, d] l2-normalised embeddings, computed in float32.
-    assign: [n] integer cluster ids in [0, num_clusters).
-    num_clusters: number of cluster ids K >= 2 (static).
-
-  Returns:
-    [] float32 >= 0, higher is better separated; NaN as for `silhouette`.
-
-  Raises:
-    ValueError: as for `silhouette`.
-  """
-  _check_clustering_inputs(z, assign, num_clusters)
-  return _centroid_margin(z, assign, num_clusters=num_clusters)
-
-
-def inter_intra_ratio(z: jax.Array, assign: jax.Array, *, num_clusters: int,
-                      block_size: int | None = DEFAULT_BLOCK_SIZE
-                      ) -> jax.Array:
-  """Mean inter-centroid over mean within-cluster distance (module doc).
-
-  Args:
-    z: [n, d] l2-normalised embeddings, computed in float32.
-    assign: [n] integer cluster ids in [0, num_clusters).
-    num_clusters: number of cluster ids K >= 2 (static).
-    block_size: rows of the distance slab per step (static); None for all.
-
-  Returns:
-    [] float32 >= 0 (dimensionless; higher is better separated); inf if all
-    within-cluster distances are zero, NaN under tracing if it is undefined.
-
-  Raises:
-    ValueError: as for `silhouette`.
-  """
-  _check_clustering_inputs(z, assign, num_clusters, block_size)
-  return _inter_intra_ratio(z, assign, num_clusters=num_clusters,
-                            block_size=block_size)
+  return _all_cluster_metrics(z, assign, num_clusters=num_clusters,
+                              block_size=block_size)
 
 
 def view_distance(z1: jax.Array, z2: jax.Array) -> jax.Array:
@@ -456,8 +370,7 @@ def cluster_metrics(z: np.ndarray, num_clusters: int,
     raise ValueError(
         'K-means found a degenerate clustering (e.g. too few distinct '
         'points); the clustering metrics are undefined.')
-  values = _all_cluster_metrics(
-      z, assign, num_clusters=num_clusters, block_size=DEFAULT_BLOCK_SIZE)
+  values = clustering_scores(z, assign, num_clusters=num_clusters)
   result: dict[str, Any] = {k: float(v) for k, v in values.items()}
   result['assign'] = assign
   return result
