@@ -200,21 +200,6 @@ def _blend(image: Array, degenerate: Array, factor: Array) -> Array:
   return jnp.clip(factor * image + (1.0 - factor) * degenerate, 0.0, 1.0)
 
 
-def adjust_brightness(image: Array, factor: Array) -> Array:
-  """Scales [H, W, 3] by `factor` (1 = identity), clipped to [0, 1]."""
-  return _blend(image, jnp.zeros_like(image), factor)
-
-
-def adjust_contrast(image: Array, factor: Array) -> Array:
-  """Blends [H, W, 3] with its mean luma (1 = identity), clipped to [0, 1]."""
-  return _blend(image, jnp.mean(luma(image)), factor)
-
-
-def adjust_saturation(image: Array, factor: Array) -> Array:
-  """Blends [H, W, 3] with its luma image (1 = identity), clipped to [0, 1]."""
-  return _blend(image, luma(image), factor)
-
-
 def adjust_hue(image: Array, delta: Array) -> Array:
   """Rotates the HSV hue of [H, W, 3] in [0, 1] by `delta` turns.
 
@@ -333,19 +318,6 @@ def apply_jitter(image: Array, factors: Array, order: Array) -> Array:
     [H, W, 3] in [0, 1].
   """
   return _colour(image, factors, order, False)
-
-
-def color_jitter(key: PRNGKey,
-                 image: Array,
-                 brightness: float = 0.4,
-                 contrast: float = 0.4,
-                 saturation: float = 0.4,
-                 hue: float = 0.1,
-                 random_order: bool = True) -> Array:
-  """Colour jitter of one image [H, W, 3] in [0, 1] (always applied)."""
-  factors, order = sample_jitter(key, brightness, contrast, saturation, hue,
-                                 random_order)
-  return apply_jitter(image, factors, order)
 
 
 def blur_kernel_size(side: int, fraction: float = 0.1) -> int:

@@ -232,17 +232,25 @@ def test_resized_crop_full_box_is_identity_and_flip_mirrors():
 # Colour.
 
 
+def _one_op(op, image, factor):
+  """The library's jitter with `op` at `factor`, the others exact no-ops."""
+  factors = np.array(augment.IDENTITY_FACTORS, np.float32)
+  factors[op] = factor
+  return augment.apply_jitter(jnp.asarray(image), jnp.asarray(factors),
+                              jnp.arange(4, dtype=jnp.int32))
+
+
 @pytest.mark.parametrize('factor', [0.0, 0.6, 1.3, 1.4])
 def test_blend_ops_match_closed_forms(factor):
   x = _images(1, 6, 7, seed=6)[0]
   xj = jnp.asarray(x)
-  np.testing.assert_allclose(augment.adjust_brightness(xj, factor),
+  np.testing.assert_allclose(_one_op(augment.BRIGHTNESS, xj, factor),
                              _np_brightness(x, factor), rtol=0,
                              atol=_BRIGHTNESS_ATOL)
-  np.testing.assert_allclose(augment.adjust_contrast(xj, factor),
+  np.testing.assert_allclose(_one_op(augment.CONTRAST, xj, factor),
                              _np_contrast(x, factor), rtol=0,
                              atol=_CONTRAST_ATOL)
-  np.testing.assert_allclose(augment.adjust_saturation(xj, factor),
+  np.testing.assert_allclose(_one_op(augment.SATURATION, xj, factor),
                              _np_saturation(x, factor), rtol=0,
                              atol=_SATURATION_ATOL)
 
@@ -258,15 +266,15 @@ def test_hue_matches_colorsys(delta):
 
 def test_zero_strength_is_identity():
   x = jnp.asarray(_images(1, 8, 8, seed=8)[0])
-  np.testing.assert_array_equal(augment.adjust_brightness(x, 1.0), x)
-  np.testing.assert_array_equal(augment.adjust_contrast(x, 1.0), x)
-  np.testing.assert_array_equal(augment.adjust_saturation(x, 1.0), x)
+  for op in (augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION):
+    np.testing.assert_array_equal(_one_op(op, x, 1.0), x)
   np.testing.assert_array_equal(augment.adjust_hue(x, 0.0), x)
   # Strength 0 samples exactly those identity factors.
   factors, _ = augment.sample_jitter(jax.random.key(0), 0.0, 0.0, 0.0, 0.0)
   np.testing.assert_array_equal(factors, augment.IDENTITY_FACTORS)
   for seed in range(3):
-    out = augment.color_jitter(jax.random.key(seed), x, 0.0, 0.0, 0.0, 0.0)
+    out = augment.apply_jitter(x, *augment.sample_jitter(
+        jax.random.key(seed), 0.0, 0.0, 0.0, 0.0))
     np.testing.assert_array_equal(out, x)
 
 
