@@ -328,6 +328,8 @@ def blur_kernel_size(side: int, fraction: float = 0.1) -> int:
 
 def gaussian_kernel(sigma: Array, kernel_size: int) -> Array:
   """Normalised 1-D Gaussian weights [kernel_size] centred on the middle tap."""
+  if kernel_size % 2 != 1:
+    raise ValueError(f'kernel_size must be odd, got {kernel_size}.')
   radius = kernel_size // 2
   taps = jnp.arange(-radius, radius + 1, dtype=jnp.float32)
   weights = jnp.exp(-0.5 * jnp.square(taps / sigma))
@@ -335,10 +337,17 @@ def gaussian_kernel(sigma: Array, kernel_size: int) -> Array:
 
 
 def separable_filter(image: Array, weights: Array) -> Array:
-  """Filters [H, W, C] by odd `weights` [K] along H then W, reflect padding."""
+  """Filters [H, W, C] by odd `weights` [K] along H then W, reflect padding.
+
+  With `gaussian_kernel` weights: a Gaussian blur. Raises ValueError for
+  K // 2 >= min(H, W).
+  """
   kernel_size = weights.shape[0]
   radius = kernel_size // 2
   height, width = image.shape[0], image.shape[1]
+  if radius >= min(height, width):
+    raise ValueError(
+        f'kernel_size {kernel_size} too large for image {image.shape}.')
   # One pad, then static slices: a second pad would land inside the fusion.
   padded = jnp.pad(image, ((radius, radius), (radius, radius), (0, 0)),
                    mode='reflect')
@@ -349,30 +358,6 @@ def separable_filter(image: Array, weights: Array) -> Array:
   for t in range(1, kernel_size):
     out = out + weights[t] * rows[:, t:t + width]
   return out
-
-
-def gaussian_blur(image: Array, sigma: Array, kernel_size: int) -> Array:
-  """Separable Gaussian blur with reflect padding.
-
-  Args:
-    image: float [H, W, C].
-    sigma: standard deviation in pixels (scalar, may be traced).
-    kernel_size: odd static number of taps; kernel_size // 2 < min(H, W).
-
-  Returns:
-    [H, W, C]; weights are normalised, so a constant image is unchanged.
-
-  Raises:
-    ValueError: if kernel_size is even or too large for the image.
-  """
-  if kernel_size % 2 != 1:
-    raise ValueError(f'kernel_size must be odd, got {kernel_size}.')
-  if kernel_size // 2 >= min(image.shape[0], image.shape[1]):
-    raise ValueError(
-        f'kernel_size {kernel_size} too large for image {image.shape}.')
-  if kernel_size == 1:
-    return image
-  return separable_filter(image, gaussian_kernel(sigma, kernel_size))
 
 
 def augment_image(key: PRNGKey,

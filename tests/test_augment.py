@@ -341,6 +341,12 @@ def test_sample_jitter_ranges_and_uniform_order():
 # Blur.
 
 
+def _blur(image, sigma, kernel_size):
+  """The pipeline's blur: `gaussian_kernel` weights by `separable_filter`."""
+  return augment.separable_filter(image,
+                                  augment.gaussian_kernel(sigma, kernel_size))
+
+
 def test_blur_kernel_size():
   assert augment.blur_kernel_size(32) == 3
   assert augment.blur_kernel_size(224) == 23
@@ -366,7 +372,7 @@ def test_gaussian_blur_matches_scipy(sigma, size):
   want = ndimage.correlate1d(want, w, axis=1, mode='mirror')
   # Two passes, each moved by the weights' relative error on pixels <= 1,
   # and each summing `size` products (2 size).
-  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, size),
+  np.testing.assert_allclose(_blur(jnp.asarray(x), sigma, size),
                              want, rtol=0,
                              atol=2 * w_rtol + rounding_tol(2 * 2 * size))
 
@@ -376,16 +382,16 @@ def test_blur_preserves_constant_image():
   # The normalised weights sum to 1 up to their sum and division (5 + 2);
   # each pass sums 5 products (10); two passes, relative to 0.37.
   for sigma in (0.1, 1.0, 2.0):
-    np.testing.assert_allclose(augment.gaussian_blur(x, sigma, 5), x,
+    np.testing.assert_allclose(_blur(x, sigma, 5), x,
                                rtol=2 * rounding_tol(7 + 10), atol=0)
 
 
 def test_blur_rejects_bad_kernel():
   x = jnp.zeros((8, 8, 3))
   with pytest.raises(ValueError, match='odd'):
-    augment.gaussian_blur(x, 1.0, 4)
+    _blur(x, 1.0, 4)
   with pytest.raises(ValueError, match='too large'):
-    augment.gaussian_blur(x, 1.0, 17)
+    _blur(x, 1.0, 17)
 
 
 # ---------------------------------------------------------------------------
