@@ -97,13 +97,8 @@ def _with_config(run_dir: str, results: dict) -> dict:
 def collect_results(workdir: str,
                     stale: Callable[[str], str | None] | None = None
                     ) -> Collected:
-  """The results of the runs DIR/runs.json lists (or all), sorted by trust.
-
-  Args:
-    workdir: the sweep directory.
-    stale: run directory -> why its results are not the ones asked for (the
-      sweep's own settings), or None.
-  """
+  """The results of the runs DIR/runs.json lists (or all), sorted by trust;
+  `stale(run dir)` says why results are not the ones asked for, or None."""
   collected = Collected([], [])
   listed = listed_runs(workdir)
   present = sorted(
@@ -166,10 +161,7 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 def aggregate_dir(workdir: str,
                   stale: Callable[[str], str | None] | None = None
                   ) -> str | None:
-  """Writes DIR/summary.{md,tex,json} atomically; returns the Markdown.
-
-  `stale` as for `collect_results`.
-  """
+  """Writes DIR/summary.{md,tex,json} (`stale`: `collect_results`')."""
   collected = collect_results(workdir, stale)
   results, excluded = collected.results, collected.excluded
   for run_dir, why in excluded:

@@ -92,12 +92,10 @@ IGNORED_FIELDS = ('mode', 'data_dir', 'compilation_cache_dir',
                   'keep_checkpoints')
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
-# `eval.*` fields that change no result file: results made otherwise are
-# not stale.
+# `eval.*` fields that change no result file (results made otherwise hold).
 EVAL_UNUSED_FIELDS = ('eval.figures', 'eval.at_end')
-# `eval.*` fields that change what a reported number measures. The others
-# choose which numbers exist (datasets, evaluators, recompute_bn) or change
-# none (batch_size; probe_steps, as a probe it stops is flagged unconverged).
+# `eval.*` fields that change what a number measures; the others choose which
+# numbers exist or change none (a probe stopped at probe_steps is flagged).
 EVAL_RESULT_FIELDS = ('eval.num_view_images', 'eval.embedding',
                       'eval.views_dataset')
 # Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).

@@ -474,13 +474,9 @@ def embedding_label(results: Sequence[dict[str, Any]]) -> str:
 
 def _unconverged_warning(results: Sequence[dict[str, Any]]) -> str | None:
   """A line naming every run whose probe stopped before its optimum."""
-  runs = []
-  for result in results:
-    where = aggregate.unconverged_probes(result)
-    if where:
-      name = (result.get('title')
-              or aggregate.method_name(aggregate.run_id(result)))
-      runs.append(f'{name} seed {result.get("seed")} ({", ".join(where)})')
+  runs = [f'{r.get("title") or aggregate.method_name(aggregate.run_id(r))} '
+          f'seed {r.get("seed")} ({", ".join(where)})' for r in results
+          if (where := aggregate.unconverged_probes(r))]
   if not runs:
     return None
   return ('Not at their optimum: the linear probes of ' + '; '.join(runs)
