@@ -272,8 +272,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         try:
           evaluate_and_draw(config, workdir)
         except rundir.WorkdirLockedError as e:
-          # The running evaluation started before this run's last
-          # checkpoint, so eval/ may be of an earlier step.
+          # That evaluation began before this run's last checkpoint.
           logging.warning('Training finished; its evaluation is skipped: '
                           'the evaluation lock is in use (%s). eval/ may '
                           'hold an earlier step: rerun with '

@@ -360,7 +360,8 @@ def write_evaluation(workdir: str, results: dict[str, Any],
   """
   out_dir = os.path.join(workdir, EVAL_DIR)
   os.makedirs(out_dir, exist_ok=True)
-  digests = {name: _digest(os.path.join(out_dir, name)) for name in written}
+  digests = {name: digest for name in written
+             if (digest := _digest(os.path.join(out_dir, name)))}
   for name, text in files.items():
     fileio.write_text(os.path.join(out_dir, name), text)
     digests[name] = hashlib.sha256(text.encode('utf-8')).hexdigest()
