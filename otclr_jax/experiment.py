@@ -274,28 +274,27 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
 
 
 def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
-  """`(config, source)` of `workdir`'s run: config.json, else a checkpoint's.
+  """`(config, source)` of `workdir`'s run: config.json, else a checkpoint's;
+  None when it has neither a config nor a checkpoint.
 
   Raises:
     rundir.CorruptFileError: config.json is not a JSON object.
+    ConfigError: checkpoints whose config is recorded nowhere.
   """
   stored = rundir.read_config(workdir)
   if stored is not None:
     return stored, os.path.join(workdir, rundir.CONFIG_FILE)
   found = checkpoint.stored_config(workdir)
   if found is None:
+    if checkpoint.has_checkpoint(workdir):
+      raise ConfigError(
+          f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
+          'checkpoint holds its config: the settings it was trained with are '
+          'unknown, so it can be neither resumed nor evaluated. Use another '
+          '--workdir.')
     return None
   stored, step = found
   return stored, rundir.checkpoint_dir(workdir, step)
-
-
-def unknown_settings_error(workdir: str) -> ConfigError:
-  """Checkpoints without a config anywhere: their run's settings are unknown."""
-  return ConfigError(
-      f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
-      'checkpoint holds its config: the settings it was trained with are '
-      'unknown, so it can be neither resumed nor evaluated. Use another '
-      '--workdir.')
 
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
@@ -304,12 +303,10 @@ def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     ConfigError: an override in `overridden` (dotted names) contradicts it,
-      or `workdir` has checkpoints whose settings are unknown.
+      or `workdir` has checkpoints whose settings are unknown (`run_config`).
   """
   found = run_config(workdir)
   if found is None:
-    if checkpoint.has_checkpoint(workdir):
-      raise unknown_settings_error(workdir)
     return
   stored, source = found
   try:

@@ -224,10 +224,8 @@ def stored_run_config(workdir: str) -> dict[str, Any] | None:
       logging.info('%s has no checkpoint: starting afresh; this config '
                    'replaces its %s.', workdir, rundir.CONFIG_FILE)
     return None
-  found = experiment.run_config(workdir)
-  if found is None:
-    raise experiment.unknown_settings_error(workdir)
-  stored, source = found
+  # Checkpoints exist: a config is found, or run_config raises.
+  stored, source = experiment.run_config(workdir)
   if not source.endswith(rundir.CONFIG_FILE):
     logging.warning('%s has no %s: checking this run against the config '
                     'stored in %s.', workdir, rundir.CONFIG_FILE, source)
