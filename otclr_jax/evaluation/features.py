@@ -156,6 +156,15 @@ def _cache_path(workdir: str, tag: str, name: str, split: str) -> str:
                       rundir.features_file(tag, dataset_key(name), split))
 
 
+def check_labels(num_classes: int, **labels_by_split: np.ndarray) -> None:
+  """Raises ValueError unless each split's int labels lie in [0, C)."""
+  for split, labels in labels_by_split.items():
+    labels = np.asarray(labels)
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+      raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
+                       'unlabelled examples (-1) cannot be scored.')
+
+
 def variables_fingerprint(variables: Any) -> str:
   """sha256 (hex) of every leaf's path, dtype, shape and bytes."""
   digest = hashlib.sha256()

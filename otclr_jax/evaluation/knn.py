@@ -59,12 +59,8 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   num_test = len(test_z)
   if num_test == 0 or len(train_z) == 0:
     raise ValueError('kNN needs at least one train and one test row.')
-  for labels, split in ((train_y, 'train'), (test_y, 'test')):
-    labels = np.asarray(labels)
-    # Out of range, a train label's votes would be dropped silently.
-    if labels.min() < 0 or labels.max() >= num_classes:
-      raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
-                       'unlabelled examples (-1) cannot be scored.')
+  # Out of range, a train label's votes would be dropped silently.
+  features.check_labels(num_classes, train=train_y, test=test_y)
   rows = int(max(1, min(256, KNN_MAX_SLAB // len(train_z), num_test)))
   num_chunks = -(-num_test // rows)
   chunks = features.pad_rows(

@@ -486,10 +486,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     raise ValueError('the probe needs at least one train and one test row.')
   if num_classes < 2:
     raise ValueError(f'num_classes must be >= 2, got {num_classes}.')
-  for labels, split in ((train_y, 'train'), (test_y, 'test')):
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-      raise ValueError(f'{split} labels must lie in [0, {num_classes}); '
-                       'unlabelled examples (-1) cannot be probed.')
+  features.check_labels(num_classes, train=train_y, test=test_y)
   if not l2_grid or min(l2_grid) <= 0:
     raise ValueError(f'l2_grid must be non-empty and > 0, got {l2_grid}.')
 
