@@ -356,16 +356,17 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
     for cls in ('bee', 'cow'):
       save_image(root, split, cls, '0.png', pixels)
   config = eval_config(str(tmp_path / 'data'))
-  before = features._cache_settings(config, 'folder:' + root)
-  assert features._cache_settings(config, 'folder:' + root) == before
-  # Another extraction batch rounds the features otherwise.
+  before = features._cache_settings(config, 'folder:' + root, 1)
+  assert features._cache_settings(config, 'folder:' + root, 1) == before
+  # Another extraction batch or device count rounds the features otherwise.
   other = eval_config(str(tmp_path / 'data'), **{
       'eval.batch_size': config.eval.batch_size + 1})
-  assert features._cache_settings(other, 'folder:' + root) != before
+  assert features._cache_settings(other, 'folder:' + root, 1) != before
+  assert features._cache_settings(config, 'folder:' + root, 2) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
   save_image(root, 'test', 'ant', '0.png', pixels)
-  assert features._cache_settings(config, 'folder:' + root) != before
+  assert features._cache_settings(config, 'folder:' + root, 1) != before
 
 
 def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):

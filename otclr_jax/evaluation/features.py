@@ -177,17 +177,18 @@ def variables_fingerprint(variables: Any) -> str:
   return digest.hexdigest()
 
 
-def _cache_settings(config: ml_collections.ConfigDict, name: str) -> str:
+def _cache_settings(config: ml_collections.ConfigDict, name: str,
+                    devices: int) -> str:
   """JSON of a cache's inputs besides the weights (sources, not data_dir).
 
-  The batch and the devices too: they change the features by rounding, and
-  one command gives the same numbers to the bit with or without a cache.
+  The batch and the `devices` extracting it too: they change the features by
+  rounding, and one command gives the same bits with or without a cache.
   """
   sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
                      'model': config.model.to_dict(), 'sources': sources,
                      'batch_size': int(config.eval.batch_size),
-                     'devices': jax.device_count()}, sort_keys=True)
+                     'devices': devices}, sort_keys=True)
 
 
 def _load_cached(path: str, name: str, image_size: int | None,
@@ -343,7 +344,7 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
   """
   out = {tag: {} for tag in variables}
   num_classes = None
-  settings = _cache_settings(config, name)
+  settings = _cache_settings(config, name, encoder.num_devices)
   weights = {tag: variables_fingerprint(v) for tag, v in variables.items()}
   for split in _SPLITS:
     split_data = None
