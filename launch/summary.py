@@ -68,14 +68,15 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
   return None
 
 
-def listed_runs(workdir: str) -> list[str] | None:
-  """The run names DIR/runs.json lists, None without one; raises if torn."""
+def listed_runs(workdir: str) -> list[dict] | None:
+  """DIR/runs.json's run entries (each with its `name`), None without one;
+  raises if torn."""
   path = os.path.join(workdir, RUNS_FILE)
   try:
     listed = rundir.read_json_file(path)
     if listed is None:
       return None
-    return [str(e['name']) for e in listed['runs']]
+    return [{**e, 'name': str(e['name'])} for e in listed['runs']]
   except (KeyError, TypeError) as e:
     raise rundir.CorruptFileError(
         f'{path} is not a run list ({type(e).__name__}: {e}); write it again '
@@ -109,10 +110,10 @@ def collect_results(workdir: str,
         os.path.basename(os.path.dirname(p)) for p in glob.glob(
             os.path.join(workdir, '*', rundir.STATUS_FILE))})
   else:
-    names = list(dict.fromkeys(listed))
+    names = list(dict.fromkeys(e['name'] for e in listed))
     collected.excluded += [
         (os.path.join(workdir, n), 'not a run of this sweep (runs.json does '
-         'not list it)') for n in present if n not in set(listed)]
+         'not list it)') for n in present if n not in set(names)]
   for name in names:
     run_dir = os.path.join(workdir, name)
     try:

@@ -380,10 +380,10 @@ def _check_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> None:
     return
   fix = ('the sweep file changed after the job was written. Restore it or '
          'write a new job with --slurm.')
-  if listed != [r.name for r in runs]:
+  if [e['name'] for e in listed] != [r.name for r in runs]:
     raise ValueError(f'{path} lists other runs than the sweep file now '
                      f'expands to; {fix}')
-  for run, entry in zip(runs, rundir.read_json_file(path)['runs']):
+  for run, entry in zip(runs, listed):
     stored = entry.get('config')
     if not isinstance(stored, dict):
       raise ValueError(f'{path} does not record the settings of run '
