@@ -114,6 +114,35 @@ class UsageError(cli.UsageError):
   """A bad command line: an unknown flag or field, or a bad value."""
 
 
+def parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+  """`flag_values(argv)`: the arguments left, program name first.
+
+  Raises:
+    UsageError: one line naming the bad flag, field, value or config file.
+  """
+  try:
+    rest = flag_values(argv)
+    config = flag_values[FLAG].value if FLAG in flag_values else None
+    if config is not None:
+      config.keys()  # A config file that failed to load says so when read.
+  except Exception as e:  # pylint: disable=broad-except
+    detail = str(e.args[0]) if e.args else str(e)
+    if ('parsing config file' in detail or isinstance(e, OSError)
+        or not isinstance(e, (flags.Error, AttributeError, KeyError))):
+      # Raised by loading or running the config file: the user's input too.
+      if not isinstance(e, (flags.Error, OSError)):
+        detail = f'{type(e).__name__}: {e}'
+      paths = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{FLAG}=')]
+      detail = (f'cannot load --{FLAG}={paths[-1] if paths else ""} (a '
+                f'configs/<name>.py file): '
+                f'{detail.strip().splitlines()[-1].strip()}')
+    detail = detail.replace('\\n', ' ').replace("\\'", "'")
+    if len(detail) > 1 and detail[0] == detail[-1] == "'":
+      detail = f'unknown config field {detail[1:-1]}'
+    raise UsageError(' '.join(detail.split())) from None
+  return rest
+
+
 def parse_flags(
     argv: Sequence[str],
     define: Callable[[flags.FlagValues, list[str]], None],
@@ -142,20 +171,4 @@ def parse_flags(
   if any(a in ('-h', '--help', '-help') for a in argv[1:]):
     print(f'{doc.strip()}\n\nFlags:\n{flag_values.get_help()}')
     return None
-  try:
-    rest = flag_values(argv)
-    config = flag_values[FLAG].value if FLAG in flag_values else None
-    if config is not None:
-      config.keys()  # A config file that failed to load says so when read.
-  except Exception as e:  # pylint: disable=broad-except
-    # Also a config file that fails to load: the user's input, one line.
-    detail = str(e.args[0]) if e.args else str(e)
-    if not isinstance(e, (flags.Error, AttributeError, KeyError, OSError)):
-      detail = f'{type(e).__name__}: {e}'
-    detail = detail.replace('\\n', ' ').replace("\\'", "'")
-    if isinstance(e, OSError):
-      detail = detail.splitlines()[-1].strip()
-    if len(detail) > 1 and detail[0] == detail[-1] == "'":
-      detail = f'unknown config field {detail[1:-1]}'
-    raise UsageError(' '.join(detail.split())) from None
-  return flag_values, rest[1:]
+  return flag_values, parse_into(flag_values, argv)[1:]

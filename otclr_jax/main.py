@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from otclr_jax import checkpoint
 from otclr_jax import cli
+from otclr_jax import config_files
 from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import rundir
@@ -338,14 +339,11 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser; a bad flag or `--config.a.b` field exits with 2, not 1."""
+  """absl's parser; a bad flag, field or config file exits with 2, not 1."""
   try:
-    return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    while e.args and isinstance(e.args[0], BaseException):
-      e = e.args[0]
-    message = ' '.join(str(e.args[0] if e.args else e).split())
-    sys.stderr.write(f'FATAL Flags parsing error: {message}\n'
+    return config_files.parse_into(flags.FLAGS, argv)
+  except config_files.UsageError as e:
+    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
                      'Pass --helpshort or --helpfull to see help on flags.\n')
     sys.exit(cli.EXIT_USAGE)
 

@@ -110,10 +110,21 @@ def test_parse_flags_reads_config_and_overrides_like_main():
     (['--config=configs/digits.py', '--config.ot.epsilonn=0.1'],
      'Did you mean "epsilon"'),
     (['--config=configs/digits.py', '--config.batch_size=1.5'], 'batch_size'),
-    (['--config=configs/nope.py'], 'nope.py'),
+    (['--config=configs/nope.py'], 'cannot load --config=configs/nope.py'),
     (['--worktree=x'], 'worktree'),
 ])
 def test_parse_flags_fails_in_one_line(argv, match):
   with pytest.raises(config_files.UsageError, match=match) as e:
     config_files.parse_flags(['tool', *argv], _define)
+  assert '\n' not in str(e.value)
+
+
+def test_a_run_config_json_as_config_file_is_named(tmp_path):
+  # --config runs Python: a config.json fails as a NameError on `true`.
+  path = tmp_path / 'config.json'
+  path.write_text(json.dumps(config_files.load('configs/digits.py').to_dict()))
+  with pytest.raises(config_files.UsageError,
+                     match=rf'cannot load --config={path} \(a configs/'
+                     r'<name>.py file\): NameError') as e:
+    config_files.parse_flags(['tool', f'--config={path}'], _define)
   assert '\n' not in str(e.value)

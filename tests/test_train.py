@@ -549,6 +549,7 @@ def test_shipped_configs_pass_validation(name):
 @pytest.mark.parametrize('override, message', [
     ('--config.ot.epsilo=0.1', 'Did you mean "epsilon"'),
     ('--config.ot.epsilon=1e-5', 'below 0.01145'),
+    ('--config=configs/nope.py', 'cannot load --config=configs/nope.py'),
 ])
 def test_command_line_config_errors_exit_2(tmp_path, override, message):
   workdir = str(tmp_path / 'run')
