@@ -371,7 +371,9 @@ def splat_axis(grid_size: int, alpha: ArrayLike) -> jax.Array:
   """Per-axis bilinear weights `w[l, i, j]` at `(1 - alpha) i + alpha j`.
 
   The hat `max(0, 1 - |l - g|)` (grid units) equals the bilinear weights of
-  docs/method.md section 4 on `[0, m - 1]` and is differentiable in `alpha`.
+  docs/method.md section 4 on `[0, m - 1]`. Its `alpha` gradient where a
+  packet sits on a vertex (at `alpha = k / (j - i)`, e.g. 0.5) is the mean
+  of the one-sided slopes, so the weights' sum keeps a zero gradient.
 
   Args:
     grid_size: `m`.
@@ -382,7 +384,9 @@ def splat_axis(grid_size: int, alpha: ArrayLike) -> jax.Array:
   """
   idx = jnp.arange(grid_size, dtype=jnp.float32)
   g = (1.0 - alpha) * idx[:, None] + alpha * idx[None, :]
-  return jnp.maximum(0.0, 1.0 - jnp.abs(idx[:, None, None] - g[None]))
+  d = idx[:, None, None] - g[None]
+  # min(1 - d, 1 + d) is 1 - |d| whose ties split the gradient (abs: +1 at 0).
+  return jnp.maximum(0.0, jnp.minimum(1.0 - d, 1.0 + d))
 
 
 def _displace(u, v, kx, alpha):

@@ -275,6 +275,25 @@ class TestDisplace:
     fd = (fn(alpha + h) - fn(alpha - h)) / (2 * h)
     assert float(jax.grad(fn)(alpha)) == pytest.approx(float(fd), rel=1e-2)
 
+  @pytest.mark.parametrize('alpha', [0.25, 0.5])
+  def test_alpha_gradient_on_a_kink_is_the_mean_slope(self, alpha):
+    # At alpha = 0.5 (the default, and a learnt alpha's start) every packet
+    # with j - i even sits on a vertex. The splat is linear on each side
+    # within h (no other kink k / d, d < 8), so the differences are exact
+    # slopes; the gradient is their mean, and each packet's weights, which
+    # sum to 1 for every alpha, have a zero gradient.
+    m, h = 8, 1 / 64
+    weights = np.random.default_rng(0).random((m, m, m)).astype(np.float32)
+    fn = lambda alpha: jnp.sum(weights * ot.splat_axis(m, alpha))
+    idx = np.arange(m, dtype=np.float64)
+    hat = lambda a: np.sum(weights * np.maximum(0.0, 1.0 - np.abs(
+        idx[:, None, None] - ((1 - a) * idx[:, None] + a * idx[None]))))
+    slopes = (hat(alpha + h) - hat(alpha - h)) / (2 * h)
+    assert float(jax.grad(fn)(alpha)) == pytest.approx(float(slopes),
+                                                       rel=1e-5)
+    mass = jax.jacobian(lambda a: ot.splat_axis(m, a).sum(0))(alpha)
+    np.testing.assert_array_equal(mass, 0.0)
+
 
 def _images(rng, shape):
   return jnp.asarray(rng.random(shape), jnp.float32)
