@@ -20,12 +20,11 @@ from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax import optim
 from otclr_jax import ot
+from otclr_jax import ot_checks
 from otclr_jax import rundir
 from otclr_jax import views as views_lib
 from otclr_jax.methods import base
 
-# Smallest safe `ot.epsilon`: below, float32 exp(-C / eps) underflows (NaN).
-MIN_EPSILON = 1.0 / (126 * math.log(2))
 
 
 
@@ -105,12 +104,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                       f'exceed config.image_size ({c.image_size}).')
   _require(_is_number(c.ot.epsilon) and c.ot.epsilon > 0, 'ot.epsilon',
            'must be > 0', c.ot.epsilon)
-  if c.ot.epsilon < MIN_EPSILON:
+  if c.ot.epsilon < ot_checks.MIN_EPSILON:
     raise ConfigError(
-        f'config.ot.epsilon={c.ot.epsilon} is below {MIN_EPSILON:.5f}, the '
-        'smallest safe value: the Sinkhorn kernel exp(-C / epsilon) on the '
-        'max-1 cost C in [0, 1] underflows float32 (smallest normal 1.18e-38 '
-        f'= exp(-87.3)) for epsilon < 1/87.3, which gives NaN views and loss.')
+        f'config.ot.epsilon={c.ot.epsilon} is below '
+        f'{ot_checks.MIN_EPSILON:.5f}, the smallest safe value: the Sinkhorn '
+        'kernel exp(-C / epsilon) on the max-1 cost C in [0, 1] underflows '
+        'float32 below it, which gives NaN views and loss.')
   _require(_is_int(c.ot.num_iters) and c.ot.num_iters >= 1, 'ot.num_iters',
            'must be an integer >= 1', c.ot.num_iters)
   _require(_is_number(c.ot.alpha) and 0.0 <= c.ot.alpha <= 1.0, 'ot.alpha',

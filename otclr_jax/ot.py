@@ -14,7 +14,7 @@ max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
 give NaN: a non-finite pixel in its channel, an out-of-range pixel (beyond
 `IMAGE_RANGE_ATOL`) in its image, a negative mass in its result, a bad `alpha`
-or `epsilon` everywhere. `jax.experimental.checkify` locates the culprit.
+or `epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere. `jax.experimental.checkify` locates the culprit.
 """
 
 from __future__ import annotations
@@ -261,8 +261,7 @@ def _prepare(a, b, epsilon, num_iters, core):
     raise ValueError(
         f'a and b must share the grid shape, got {a.shape} and {b.shape}.')
   num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
-  epsilon = ot_checks.check_scalar_range('epsilon', epsilon, 0.0, None,
-                                         low_inclusive=False)
+  epsilon = ot_checks.check_epsilon(epsilon)
   return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
 
 
@@ -331,6 +330,7 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   """
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
+  epsilon = ot_checks.check_epsilon(epsilon)
   kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
   row = u * apply_kernel(kx, v)
   col = v * apply_kernel(kx, u)
@@ -382,6 +382,7 @@ def splat_axis(grid_size: int, alpha: ArrayLike) -> jax.Array:
   Returns:
     `[m, m, m]` weights indexed `[target vertex l, source i, destination j]`.
   """
+  alpha = ot_checks.check_alpha(alpha)
   idx = jnp.arange(grid_size, dtype=jnp.float32)
   g = (1.0 - alpha) * idx[:, None] + alpha * idx[None, :]
   d = idx[:, None, None] - g[None]
@@ -415,7 +416,7 @@ def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
   alpha = ot_checks.check_alpha(alpha)
-  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
+  kx = axis_kernel(ot_checks.check_grid('u', u), ot_checks.check_epsilon(epsilon))
   return _displace(u, v, kx, alpha)
 
 

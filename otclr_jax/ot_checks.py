@@ -6,6 +6,7 @@ raise under `jit`). Pure NumPy and JAX, so `otclr_jax.ot` needs nothing else.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -44,9 +45,9 @@ def check_scalar_range(name: str, value, low: float, high: float | None,
     if high is not None:
       ok = ok and concrete <= high
     if not ok:
-      bounds = (f"{'[' if low_inclusive else '('}{low}, "
-                f"{high if high is not None else 'inf'}]")
-      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete)}.')
+      bounds = (f"{'[' if low_inclusive else '('}{low:.5g}, "
+                f"{'inf' if high is None else format(high, '.5g')}]")
+      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete):g}.')
     return jnp.float32(concrete)
   value = jnp.asarray(value, jnp.float32)
   if value.ndim != 0:
@@ -55,6 +56,17 @@ def check_scalar_range(name: str, value, low: float, high: float | None,
   if high is not None:
     ok = jnp.logical_and(ok, value <= high)
   return jnp.where(ok, value, jnp.nan)
+
+
+# Smallest safe epsilon: below, float32 exp(-C / epsilon) on the max-1 cost
+# underflows (smallest normal 2^-126): plans lose mass, views turn NaN.
+MIN_EPSILON = 1.0 / (126 * math.log(2))
+
+
+def check_epsilon(epsilon):
+  """The entropic regularisation: a scalar >= `MIN_EPSILON` (0.01145)."""
+  return check_scalar_range('epsilon', epsilon, MIN_EPSILON, None,
+                            low_inclusive=True)
 
 
 def check_alpha(alpha):
@@ -174,8 +186,7 @@ def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   check_images(x, y, y_name)
   m = check_static_int('grid_size', grid_size, 2)
   num_iters = check_static_int('num_iters', num_iters, 1)
-  epsilon = check_scalar_range('epsilon', epsilon, 0.0, None,
-                               low_inclusive=False)
+  epsilon = check_epsilon(epsilon)
   core = check_core(core)
   check_grid_fits(m, x.shape[1], x.shape[2])
   return x, y, m, epsilon, num_iters, core

@@ -12,6 +12,7 @@ from ott.problems.linear import linear_problem
 from ott.solvers.linear import sinkhorn
 
 from otclr_jax import ot
+from otclr_jax import ot_checks
 from tests import folder_trees
 from tests.helpers import EPS64
 from tests.helpers import measure_chain
@@ -364,6 +365,7 @@ class TestErrors:
       ({'alpha': 1.5}, 'alpha'),
       ({'epsilon': 0.0}, 'epsilon'),
       ({'epsilon': -1.0}, 'epsilon'),
+      ({'epsilon': 0.011}, r'epsilon must lie in \[0.01145, inf\]'),
       ({'num_iters': 0}, 'num_iters'),
       ({'num_iters': 2.5}, 'num_iters'),
       ({'grid_size': 1}, 'grid_size'),
@@ -425,6 +427,35 @@ class TestErrors:
       ot.displace(a, a, 2.0)
     with pytest.raises(ValueError, match='NaN'):
       ot.sinkhorn_cost(a * np.nan, a)
+    with pytest.raises(ValueError, match='alpha'):
+      ot.splat_axis(4, 1.5)
+
+  def test_epsilon_below_the_safe_minimum(self):
+    # At 0.008 the plan's float32 kernel flushes entries that the scalings
+    # (fitted to unflushed separable products) count on: it lost 13% of the
+    # mass, silently; the composables took even a negative epsilon.
+    a = np.full((4, 4), 1 / 16, np.float32)
+    u, v = ot.sinkhorn_scalings(a, a)
+    for fn in (lambda e: ot.sinkhorn_plan(a, a, e),
+               lambda e: ot.sinkhorn_cost(a, a, e),
+               lambda e: ot.displace(a, a, 0.5, e),
+               lambda e: ot.cost_from_scalings(u, v, e),
+               lambda e: ot.displace_from_scalings(u, v, 0.5, e)):
+      for epsilon in (0.008, -0.05):
+        with pytest.raises(ValueError, match='epsilon must lie in'):
+          fn(epsilon)
+      assert bool(jnp.all(jnp.isnan(jax.jit(fn)(0.008))))
+
+  def test_smallest_safe_epsilon_keeps_views_finite(self):
+    # Worst case: all mass in opposite corners, so the plan needs the
+    # smallest kernel entry exp(-1 / epsilon).
+    x = np.zeros((1, 16, 16, 3), np.float32)
+    y = np.zeros((1, 16, 16, 3), np.float32)
+    x[:, :2, :2] = y[:, -2:, -2:] = 1.0
+    assert ot_checks.MIN_EPSILON == pytest.approx(1 / 87.336, rel=1e-4)
+    views = ot.ot_views(x, y, alpha=0.5, grid_size=16,
+                        epsilon=ot_checks.MIN_EPSILON, num_iters=20)
+    assert np.all(np.isfinite(views))
 
 
 class TestCores:

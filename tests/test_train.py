@@ -25,7 +25,6 @@ from otclr_jax import experiment
 from otclr_jax import optim
 from otclr_jax import losses
 from otclr_jax import main
-from otclr_jax import ot
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
@@ -511,18 +510,6 @@ def test_whole_config_is_checked_before_anything_is_created(
   assert not os.path.exists(tmp_path / 'data')
   assert_usage_error(caplog, match,
                      lambda: main.run(config, workdir))
-
-
-def test_smallest_safe_epsilon_keeps_views_finite():
-  # Worst case: all mass in opposite corners, so the plan needs the smallest
-  # kernel entry exp(-1 / epsilon).
-  x = np.zeros((1, 16, 16, 3), np.float32)
-  y = np.zeros((1, 16, 16, 3), np.float32)
-  x[:, :2, :2] = y[:, -2:, -2:] = 1.0
-  assert experiment.MIN_EPSILON == pytest.approx(1 / 87.336, rel=1e-4)
-  views = ot.ot_views(x, y, alpha=0.5, grid_size=16,
-                      epsilon=experiment.MIN_EPSILON, num_iters=20)
-  assert np.all(np.isfinite(views))
 
 
 def test_disk_full_path_from_a_tensorstore_error():
