@@ -4,7 +4,7 @@ Pure JAX, reusable alone with otclr_jax/ot_checks.py; public functions are
 jittable, vmappable and differentiable in the images and in `alpha`. Formulas:
 docs/method.md sections 2-6.
 
-Histograms are `[m, m]`, non-negative, summing to 1, on points
+Histograms are `[m, m]`, non-negative, summing to 1 (checked), on points
 `(row, col) / (m - 1)` flattened row-major; the cost `||r_i - r_j||^2 / 2` has
 max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 `v = b / K^T u` then `u = a / K v` (POT's iterates), `K = kron(Kx, Kx)`.
@@ -12,9 +12,10 @@ max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 `'separable'`, the faster default (docs/method.md section 9), a fused loop.
 
 Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
-give NaN: a non-finite pixel in its channel, an out-of-range pixel (beyond
-`IMAGE_RANGE_ATOL`) in its image, a negative mass in its result, a bad `alpha`
-or `epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere. `jax.experimental.checkify` locates the culprit.
+give NaN: a non-finite or out-of-range pixel (beyond `IMAGE_RANGE_ATOL`) in
+its image, a negative mass or a total off 1 in its result, a bad `alpha` or
+`epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere.
+`jax.experimental.checkify` locates the culprit.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
   the minimum, add `DELTA`, normalise.
 
   Args:
-    x: images `[..., H, W, C]`.
+    x: float images `[..., H, W, C]` in `[0, 1]` (checked as `ot_views`'s).
     grid_size: `m`.
 
   Returns:
@@ -161,9 +162,10 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
     resized channel is `p * mass + offset - DELTA`, `mass, offset` `[..., C]`.
   """
   m = ot_checks.check_static_int('grid_size', grid_size, 2)
-  x = jnp.asarray(x, jnp.float32)
-  if x.ndim < 3:
+  if jnp.ndim(x) < 3:
     raise ValueError(f'x must be images [..., H, W, C], got shape {x.shape}.')
+  ot_checks.check_finite('x', x)
+  x = ot_checks.check_image_values('x', x)
   ot_checks.check_grid_fits(m, x.shape[-3], x.shape[-2])
   small = jnp.einsum('rh,...hwc,sw->...crs', resize_matrix(x.shape[-3], m), x,
                      resize_matrix(x.shape[-2], m))
@@ -252,14 +254,14 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
 
 
 def _prepare(a, b, epsilon, num_iters, core):
+  m = ot_checks.check_grid('a', a)
+  if jnp.shape(b)[-2:] != jnp.shape(a)[-2:]:
+    raise ValueError(f'a and b must share the grid shape, got {jnp.shape(a)} '
+                     f'and {jnp.shape(b)}.')
   ot_checks.check_finite('a', a)
   ot_checks.check_finite('b', b)
   a = ot_checks.check_histogram('a', a)
   b = ot_checks.check_histogram('b', b)
-  m = ot_checks.check_grid('a', a)
-  if b.shape[-2:] != a.shape[-2:]:
-    raise ValueError(
-        f'a and b must share the grid shape, got {a.shape} and {b.shape}.')
   num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
   epsilon = ot_checks.check_epsilon(epsilon)
   return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
@@ -273,7 +275,7 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Iterates `v = b / K^T u`, `u = a / K v` from 1 (docs/method.md section 3).
 
   Args:
-    a: source histograms `[..., m, m]`, non-negative, positive total.
+    a: source histograms `[..., m, m]`, non-negative, summing to 1.
     b: target histograms `[..., m, m]` (broadcast against `a`).
     epsilon: entropic regularisation on the max-1 cost, > 0.
     num_iters: exact number of Sinkhorn iterations `T`, >= 1.

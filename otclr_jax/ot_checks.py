@@ -77,8 +77,9 @@ def check_alpha(alpha):
 def check_grid_fits(grid_size: int, height: int, width: int) -> None:
   if grid_size > min(height, width):
     raise ValueError(
-        f'grid_size {grid_size} is larger than the image ({height} x {width}); '
-        'OT views downsample, pick grid_size <= image side.')
+        f'grid_size {grid_size} is larger than the image ({height} x {width} '
+        'as [B, H, W, C]); OT views downsample: pick grid_size <= image side, '
+        'or transpose channels-first [B, C, H, W] images.')
 
 
 def check_finite(name: str, x) -> None:
@@ -89,23 +90,28 @@ def check_finite(name: str, x) -> None:
 
 
 def check_grid(name: str, x: jax.Array) -> int:
-  if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+  shape = jnp.shape(x)
+  if len(shape) < 2 or shape[-1] != shape[-2]:
     raise ValueError(
-        f'{name} must be a square grid [..., m, m], got shape {x.shape}.')
-  if x.shape[-1] < 2:
-    raise ValueError(f'{name} grid size must be >= 2, got {x.shape[-1]}.')
-  return x.shape[-1]
+        f'{name} must be a square grid [..., m, m], got shape {shape}.')
+  if shape[-1] < 2:
+    raise ValueError(f'{name} grid size must be >= 2, got {shape[-1]}.')
+  return shape[-1]
+
+
+# How far a histogram's total may be from 1 (float32 sums of m^2 masses).
+HISTOGRAM_SUM_ATOL = 1e-3
 
 
 def check_histogram(name: str, h) -> jax.Array:
-  """Refuses negative masses and all-zero grids; NaN-poisons traced ones.
+  """Refuses negative masses and totals off 1; NaN-poisons traced ones.
 
   Args:
     name: argument name for the message.
     h: histograms `[..., m, m]` (already checked finite).
 
   Returns:
-    `h` as float32 (a traced all-zero grid gives NaN by itself: `0 / 0`).
+    `h` as float32.
   """
   if is_concrete(h):
     concrete = np.asarray(h, np.float64)
@@ -114,13 +120,18 @@ def check_histogram(name: str, h) -> jax.Array:
           f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
           'must be non-negative (shift it by its minimum, as image_to_measure '
           'does).')
-    if concrete.ndim >= 2 and (concrete.sum(axis=(-2, -1)) <= 0).any():
-      raise ValueError(
-          f'{name} has a grid with total mass 0; a histogram needs a positive '
-          'total (normalise it to sum to 1).')
+    totals = np.ravel(concrete.sum(axis=(-2, -1)) if concrete.ndim >= 2
+                      else 1.0)
+    worst = totals[np.argmax(np.abs(totals - 1.0))]
+    if abs(worst - 1.0) > HISTOGRAM_SUM_ATOL:
+      raise ValueError(f'{name} has a grid with total mass {worst:.6g}; a '
+                       'histogram sums to 1 (divide it by its sum).')
     return jnp.asarray(h, jnp.float32)
   h = jnp.asarray(h, jnp.float32)
-  ok = jnp.all(h >= 0, axis=(-2, -1), keepdims=True)
+  ok = jnp.logical_and(
+      jnp.all(h >= 0, axis=(-2, -1), keepdims=True),
+      jnp.abs(jnp.sum(h, axis=(-2, -1), keepdims=True) - 1.0)
+      <= HISTOGRAM_SUM_ATOL)
   return jnp.where(ok, h, jnp.nan)
 
 

@@ -379,6 +379,23 @@ class TestErrors:
     with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
       ot.ot_views(self.x[0], self.x[0])
 
+  def test_image_to_measure_checks_its_images(self):
+    # A uint8 image had become an all-white reconstruction, NaN a NaN grid.
+    with pytest.raises(ValueError, match='dtype uint8'):
+      ot.image_to_measure(np.full((1, 8, 8, 3), 128, np.uint8), 4)
+    with pytest.raises(ValueError, match='NaN'):
+      ot.image_to_measure(self.x.at[0, 1, 2, 0].set(jnp.nan), 4)
+    with pytest.raises(ValueError, match=r'pixels in \[0, 127.5\]'):
+      ot.image_to_measure(255 * self.x.at[0, 0, 0, 0].set(0.0), 4)
+
+  def test_channels_first_images_are_named(self):
+    # Read as 3 x 32 images of 32 channels, [B, C, H, W] data fails on
+    # grid_size; the message must not only suggest a smaller grid_size.
+    x = jnp.transpose(self.x, (0, 3, 1, 2))
+    with pytest.raises(ValueError, match=r'\(3 x 32 as \[B, H, W, C\]\).*'
+                       r'transpose channels-first \[B, C, H, W\]'):
+      ot.ot_views(x, x)
+
   def test_mismatched_shapes(self):
     with pytest.raises(ValueError, match='shape'):
       ot.ot_views(self.x, self.x[:1])
@@ -627,12 +644,22 @@ class TestInputRanges:
     plan = jax.jit(ot.sinkhorn_plan)(bad, a)
     assert bool(jnp.all(jnp.isnan(plan)))
 
-  def test_all_zero_histogram_is_refused(self):
+  def test_histograms_must_sum_to_one(self):
+    # A plan between totals 3 and 1 had column sums 0.23 off b, displace(.., 1)
+    # mass 3; an all-zero source under jit with one iteration cost 0.
     a = np.full((4, 4), 1 / 16, np.float32)
-    with pytest.raises(ValueError, match='total mass 0'):
+    with pytest.raises(ValueError, match='total mass 0;'):
       ot.sinkhorn_plan(np.zeros_like(a), a)
-    with pytest.raises(ValueError, match='total mass 0'):
+    with pytest.raises(ValueError, match='total mass 0;'):
       ot.sinkhorn_cost(np.stack([a, 0 * a]), np.stack([a, a]))
+    for fn in (ot.sinkhorn_plan, ot.sinkhorn_cost, ot.sinkhorn_scalings,
+               lambda a, b: ot.displace(a, b, 1.0)):
+      with pytest.raises(ValueError, match='total mass 3;'):
+        fn(3 * a, a)
+    jitted = jax.jit(ot.sinkhorn_cost, static_argnames='num_iters')
+    for bad in (0 * a, 3 * a):
+      assert bool(jnp.isnan(jitted(bad, a, num_iters=1)))
+    assert bool(jnp.isfinite(jitted(a * (1 + 1e-4), a, num_iters=1)))
 
 
 class TestSeparableViewsLayout:
