@@ -238,7 +238,7 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
   """Sorted dotted names of the settings that differ and change the result.
 
   Ignores what `identity` leaves out and, unless `length`, the run length
-  (training allows a longer resume); a key in one dict only differs.
+  (training compares the resolved total); a key in one dict only differs.
 
   Args:
     stored: the stored config (`read_config`).

@@ -253,23 +253,21 @@ def check_resume(stored: dict[str, Any] | None,
 
 def check_total(stored: dict[str, Any] | None, total: int,
                 steps_per_epoch: int, workdir: str) -> None:
-  """Refuses a resume shorter than the stored run (the LR schedule spans it).
+  """Refuses a resume of another length: another length is another run.
+
+  A stretched or cut schedule would be neither run, while config.json and
+  the checkpoints would record the new length only.
 
   Raises:
-    ConfigError: the resolved total is below the stored one.
+    ConfigError: the resolved total differs from the stored one.
   """
   old = None if stored is None else _stored_total(stored, steps_per_epoch)
-  if old is None or total == old:
-    return
-  if total < old:
+  if old is not None and total != old:
     raise experiment.ConfigError(
         f'{os.path.join(workdir, rundir.CONFIG_FILE)} holds a {old}-step run '
-        f'(config.total_steps/num_epochs); this config asks for {total}. A '
-        'run may be lengthened but not shortened (the learning-rate schedule '
-        'spans the total); use another --workdir.')
-  logging.warning('Lengthening the run in %s from %d to %d steps: the '
-                  'learning-rate schedule now spans %d steps from the resumed '
-                  'step on.', workdir, old, total, total)
+        f'(config.total_steps/num_epochs); this config asks for {total}. '
+        'Another length is another run (the learning-rate schedule spans the '
+        'total); use another --workdir.')
 
 
 def data_identity(config: ml_collections.ConfigDict,
