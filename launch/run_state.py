@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from otclr_jax import optim
 from otclr_jax import rundir
 
 
@@ -18,12 +19,11 @@ def _records(workdir: str) -> list[dict]:
 
 def final_step(config, workdir: str) -> int | None:
   """Number of steps the run trains for, or None if not known yet."""
-  if config.total_steps > 0:
-    return int(config.total_steps)
-  for record in reversed(_records(workdir)):
-    if record.get('epoch'):
-      return int(config.num_epochs * round(record['step'] / record['epoch']))
-  return None
+  spe = next((round(r['step'] / r['epoch']) for r in
+              reversed(_records(workdir)) if r.get('epoch')), None)
+  if spe is None and config.total_steps <= 0:
+    return None
+  return optim.run_steps(config.total_steps, config.num_epochs, spe or 0)
 
 
 def identity_conflict(config, workdir: str) -> str | None:

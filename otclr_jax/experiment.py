@@ -193,13 +193,6 @@ def create_model(config: ml_collections.ConfigDict):
   return method_of(config).create_model(config)
 
 
-def total_steps_for(config: ml_collections.ConfigDict,
-                    steps_per_epoch: int) -> int:
-  if config.total_steps > 0:
-    return int(config.total_steps)
-  return int(config.num_epochs * steps_per_epoch)
-
-
 def count_params(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
 

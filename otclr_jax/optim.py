@@ -5,8 +5,10 @@ LARS follows solo-learn, per-parameter clipping DINO (docs/methods.md).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -27,13 +29,34 @@ def optim_settings(config: ml_collections.ConfigDict
   return config.optim
 
 
+def run_steps(total_steps: int, num_epochs: float, steps_per_epoch: int
+              ) -> int:
+  """The run length: `total_steps` if > 0, else `num_epochs` in steps."""
+  if total_steps > 0:
+    return int(total_steps)
+  return epoch_steps(num_epochs, steps_per_epoch)
+
+
+def epoch_steps(epochs: float, steps_per_epoch: int) -> int:
+  """Whole steps in `epochs` epochs (0.57 x 100 is 57, not float's 56.99...)."""
+  return math.floor(epochs * steps_per_epoch + 1e-6)
+
+
 def learning_rate_schedule(config: ml_collections.ConfigDict,
                            steps_per_epoch: int,
                            total_steps: int) -> optax.Schedule:
-  """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0."""
+  """Linear warmup to `base_lr * batch_size / 256`, then cosine decay to 0.
+
+  A run no longer than the warmup ends at the peak (a warning says so).
+  """
   peak = optim_settings(config).base_lr * config.batch_size / 256.0
-  warmup = min(int(config.optim.warmup_epochs * steps_per_epoch),
-               max(total_steps - 1, 0))
+  warmup = epoch_steps(config.optim.warmup_epochs, steps_per_epoch)
+  if warmup >= total_steps > 0:
+    logging.warning(
+        'The %d-step run is not longer than its %d-step warmup: the learning '
+        'rate rises to its peak and never decays (lower '
+        'config.optim.warmup_epochs).', total_steps, warmup)
+  warmup = min(warmup, max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1), end_value=0.0)

@@ -205,7 +205,8 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   """
   method_name, view_kind = views.resolve(config)
   method = methods.get(method_name)
-  total = experiment.total_steps_for(config, steps_per_epoch)
+  total = optim.run_steps(config.total_steps, config.num_epochs,
+                          steps_per_epoch)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
   opt = optim.optim_settings(config)
   logging.info('Optimiser: %s', ', '.join(

@@ -26,6 +26,7 @@ from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import export
 from otclr_jax import fileio
+from otclr_jax import optim
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 
@@ -53,7 +54,9 @@ class MetricLogger:
     if self.enabled:
       self._truncate_after(start_step)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR))
+      # TensorBoard drops the events past the restored step, as above.
+      self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR),
+                               purge_step=start_step + 1)
     self._t0 = time.perf_counter()
     self._last_time, self._last_step = self._t0, start_step
     self._start_step = start_step
@@ -66,7 +69,12 @@ class MetricLogger:
     fileio.write_text(self.path,
                       ''.join(json.dumps(r) + '\n' for r in kept))
 
-  def write(self, step: int, metrics: dict[str, float]) -> None:
+  def write(self, step: int, metrics: dict[str, float], steps: int) -> None:
+    """Logs the means of `metrics` over the last `steps` steps.
+
+    `steps` is recorded: after a resume or at a stop it is shorter than
+    `log_every_steps`, so such a mean is not an uninterrupted run's.
+    """
     now = time.perf_counter()
     rate = (step - self._last_step) * self.batch_size / max(
         now - self._last_time, 1e-9)
@@ -74,20 +82,20 @@ class MetricLogger:
     done = (step - self._start_step) / max(now - self._t0, 1e-9)
     eta = (self.total_steps - step) / done if done > 0 else float('nan')
     record = {'step': step, 'epoch': step / self.steps_per_epoch,
-              **metrics, 'images_per_sec': rate}
+              **metrics, 'images_per_sec': rate, 'steps_averaged': steps}
     if not self.enabled:
       return
     with open(self.path, 'a') as f:
       f.write(json.dumps(record) + '\n')
     for name, value in record.items():
-      if name != 'step':
+      if name not in ('step', 'steps_averaged'):
         self._tb.add_scalar(f'train/{name}', value, step)
     self._tb.flush()
     frac = step / self.total_steps
     bar = '#' * int(20 * frac) + '-' * (20 - int(20 * frac))
     parts = ' '.join(f'{k} {v:.4g}' for k, v in metrics.items())
-    eta_text = (time.strftime('%H:%M:%S', time.gmtime(eta))
-                if math.isfinite(eta) else '?')
+    eta_text = (f'{int(eta) // 3600}:{int(eta) // 60 % 60:02d}:'
+                f'{int(eta) % 60:02d}' if math.isfinite(eta) else '?')
     logging.info('step %d/%d [%s] %3.0f%% | %s | %.0f img/s | ETA %s', step,
                  self.total_steps, bar, 100 * frac, parts, rate, eta_text)
 
@@ -203,14 +211,6 @@ def _state_problem(state: step_lib.TrainState) -> str | None:
   return f'non-finite {", ".join(bad)}' if bad else None
 
 
-def _stored_total(stored: dict[str, Any], steps_per_epoch: int) -> int | None:
-  if 'total_steps' not in stored or 'num_epochs' not in stored:
-    return None
-  if stored['total_steps'] > 0:
-    return int(stored['total_steps'])
-  return int(stored['num_epochs'] * steps_per_epoch)
-
-
 def stored_run_config(workdir: str) -> dict[str, Any] | None:
   """The config a resume must match (config.json or a checkpoint's), or None.
 
@@ -261,8 +261,11 @@ def check_total(stored: dict[str, Any] | None, total: int,
   Raises:
     ConfigError: the resolved total differs from the stored one.
   """
-  old = None if stored is None else _stored_total(stored, steps_per_epoch)
-  if old is not None and total != old:
+  if stored is None or not {'total_steps', 'num_epochs'} <= stored.keys():
+    return
+  old = optim.run_steps(stored['total_steps'], stored['num_epochs'],
+                        steps_per_epoch)
+  if total != old:
     raise experiment.ConfigError(
         f'{os.path.join(workdir, rundir.CONFIG_FILE)} holds a {old}-step run '
         f'(config.total_steps/num_epochs); this config asks for {total}. '
@@ -406,7 +409,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
                                config.data_dir or None)
   spe = data.steps_per_epoch(len(train_data.images), config.batch_size,
                              f'{config.dataset}/train')
-  total = experiment.total_steps_for(config, spe)
+  total = optim.run_steps(config.total_steps, config.num_epochs, spe)
   check_total(stored, total, spe, workdir)
   trained_on = data_identity(config, train_data)
   check_data(workdir, trained_on, resuming=stored is not None)
@@ -468,7 +471,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
       if knn_monitor is not None and step % config.monitor.every_steps == 0:
         # After flush(): the state it reads is known to be finite.
         means[MONITOR_METRIC] = knn_monitor(state)
-      logger.write(step, means)
+      logger.write(step, means, len(window))
       window.clear()
 
   def save(step: int) -> None:

@@ -169,6 +169,31 @@ def test_each_method_trains_with_its_recipe():
       pytest.approx(0.5 * config.batch_size / 256, rel=rounding_tol(18)))
 
 
+def test_epochs_become_whole_steps_without_float_truncation():
+  # 0.57 * 100 is 56.999... in float64: int() made a 57-step warm-up 56.
+  assert optim.epoch_steps(0.57, 100) == 57
+  assert optim.epoch_steps(0.3, 195) == 58
+  assert optim.run_steps(0, 0.29, 100) == 29
+  assert optim.run_steps(7, 3, 100) == 7
+  config = default.get_config()
+  config.optim.warmup_epochs = 0.57
+  lrs = [float(optim.learning_rate_schedule(config, 100, 1000)(k))
+         for k in (56, 57)]
+  assert lrs[0] < lrs[1]  # still rising at step 56
+
+
+def test_a_run_within_its_warmup_says_it_never_decays(caplog):
+  config = default.get_config()  # warm-up 2 epochs
+  with caplog.at_level('WARNING'):
+    schedule = optim.learning_rate_schedule(config, 10, 20)
+  assert 'never decays' in caplog.text
+  assert float(schedule(19)) == pytest.approx(
+      config.optim.base_lr * config.batch_size / 256, rel=1e-6)
+  caplog.clear()
+  optim.learning_rate_schedule(config, 10, 21)
+  assert 'never decays' not in caplog.text
+
+
 @pytest.mark.parametrize('field, value', [
     ('byol.optim.name', 'adam'), ('dino.optim.eta', 0.0),
     ('dino.optim.clip_grad', -1.0), ('optim.eta', -1.0)])

@@ -54,18 +54,42 @@ def test_end_to_end_writes_logs_and_checkpoints(finished_run):
 
 
 def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
-                                          tmp_path):
+                                          tmp_path, data_dir):
   _, _, straight = finished_run
   config, stopped = stopped_run
   workdir = copy_run(stopped, tmp_path)
   assert checkpoint.Checkpointer(workdir).all_steps() == [2]
-  resumed = train.train(config, workdir).state
+  # Logging is free to change: every 3 steps, the resume logs steps 3 and 4
+  # alone, and says so (their means are not an uninterrupted run's).
+  resumed = train.train(tiny_config(data_dir, log_every_steps=3,
+                                    **{'monitor.every_steps': 0}),
+                        workdir).state
   assert int(resumed.step) == 4
   for a, b in zip(_params(straight), _params(resumed)):
     np.testing.assert_array_equal(a, b)
-  steps = [json.loads(l)['step']
-           for l in open(os.path.join(workdir, 'metrics.jsonl'))]
-  assert steps == [2, 4]
+  records = [json.loads(l)
+             for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  assert [(r['step'], r['steps_averaged']) for r in records] == [
+      (2, 2), (3, 1), (4, 1)]
+  # TensorBoard hides the abandoned run's events from step 3 on.
+  events = _tensorboard_events(os.path.join(workdir, 'tensorboard'))
+  starts = [e.step for e in events if e.session_log.status == 1]  # START
+  assert starts == [1, 3]
+
+
+def _tensorboard_events(logdir):
+  """Every event of the TFRecord files in `logdir`, oldest file first."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  events = []
+  for name in sorted(os.listdir(logdir)):
+    data = pathlib.Path(logdir, name).read_bytes()
+    start = 0
+    while start < len(data):  # length (8 bytes), its CRC, record, its CRC
+      size = int.from_bytes(data[start:start + 8], 'little')
+      events.append(
+          event_pb2.Event.FromString(data[start + 12:start + 12 + size]))
+      start += size + 16
+  return events
 
 
 @pytest.mark.slow  # ~30 s per method on 2 cores
@@ -465,7 +489,7 @@ def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
                                                       monkeypatch, caplog):
   path = str(tmp_path / 'metrics.jsonl')
 
-  def full(self, step, metrics):
+  def full(self, step, metrics, steps):
     raise OSError(errno.ENOSPC, 'No space left on device', path)
 
   monkeypatch.setattr(train.MetricLogger, 'write', full)
