@@ -28,6 +28,7 @@ from otclr_jax.figures import __main__ as figures_cli
 from otclr_jax.figures import common
 from otclr_jax.figures import curves
 from otclr_jax.figures import interpolation
+from otclr_jax.figures import report
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
 from otclr_jax import train
@@ -480,3 +481,26 @@ def test_plot_tsne_panels(num_classes):
   assert any('P = OTCLR' in t for t in titles)
   with pytest.raises(ValueError, match='labels'):
     tsne.plot_tsne(points, labels[:-1], names)
+
+
+def test_labels_and_panel_order_follow_the_runs_title(tmp_path, monkeypatch):
+  # SimCLR with OT views is OTCLR, as the published sweeps spell it: the
+  # figures had taken `method` alone and called it SimCLR, and put its top-5
+  # panel first, where the SimCLR baseline's belongs.
+  config = config_files.load('configs/default.py')
+  config.method, config.views = 'simclr', 'ot'
+  assert 'embedded by the OTCLR network' in tsne.figure_title(config, 4,
+                                                              'digits', 8)
+  runs = {}
+  for views, title in (('ot', 'OTCLR'), ('augment', 'SimCLR')):
+    runs[views] = str(tmp_path / views)
+    rundir.write_json(os.path.join(runs[views], 'eval', 'results.json'), {
+        'method': 'simclr', 'view_generator': views, 'title': title})
+  assert common.run_label(runs['ot'], common.load_results(runs['ot'])) == (
+      'OTCLR (ot)')
+  order = []
+  monkeypatch.setattr(top5, 'top5_for_runs',
+                      lambda runs, *_, **__: order.extend(runs) or [])
+  monkeypatch.setattr(curves, 'curves_for_runs', lambda *_: [])
+  report.report(runs['ot'], config, compare=runs['augment'])
+  assert order == [runs['augment'], runs['ot']]

@@ -10,7 +10,6 @@ from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 import ml_collections
 
-from otclr_jax import aggregate
 from otclr_jax import config_files
 from otclr_jax import rundir
 
@@ -76,8 +75,6 @@ def load_results(workdir: str) -> dict[str, Any] | None:
 
 
 def run_label(workdir: str, results: dict[str, Any] | None = None) -> str:
-  """'SimCLR (dir name)' when the method is known, else the dir name."""
+  """'OTCLR (dir name)': the run's title from its results, else the dir name."""
   name = pathlib.Path(workdir).resolve().name
-  if results and results.get('method'):
-    return f'{aggregate.method_name(results["method"])} ({name})'
-  return name
+  return f'{results["title"]} ({name})' if results else name

@@ -7,6 +7,7 @@ from typing import Any
 
 import ml_collections
 
+from otclr_jax import aggregate
 from otclr_jax import data
 from otclr_jax import rundir
 from otclr_jax.evaluation import view_quality
@@ -78,8 +79,8 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
   attempt('curves', lambda: curves.curves_for_runs(runs, out / 'curves.png'))
   if compare:
     # The paper's order: the SimCLR baseline's panel first.
-    order = sorted(runs, key=lambda w: (common.load_results(w) or {}).get(
-        'method') != 'simclr')
+    order = sorted(runs, key=lambda w: aggregate.run_id(
+        common.load_results(w) or {'method': ''}) != 'simclr')
     attempt('top5', lambda: top5.top5_for_runs(order, out / 'top5.png',
                                                dataset=dataset, index=index))
   return written, skipped

@@ -15,8 +15,8 @@ from sklearn import manifold
 from sklearn import metrics as sk_metrics
 import threadpoolctl
 
-from otclr_jax import aggregate
 from otclr_jax import data
+from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import tables
 from otclr_jax.evaluation import clusters
@@ -276,7 +276,7 @@ def figure_title(config, step: int, dataset: str, n: int) -> str:
   """What the figure shows: n images of `dataset`, the network and its step."""
   embedding = clusters.embedding_of(config)
   return (f'Views of {n} {tables.dataset_name(dataset)} test images, '
-          f'embedded by the {aggregate.method_name(config.method)} network '
+          f'embedded by the {experiment.title_of(config)} network '
           f'(step {step}; {clusters.EMBEDDINGS[embedding]}); joint t-SNE of '
           f'anchors and both view pairs')
 
