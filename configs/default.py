@@ -119,4 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Each method's own settings block (config.moco, config.byol, config.dino;
   # defaults and their sources in otclr_jax/methods/<name>.py).
   methods.add_defaults(config)
+  # A config file builds on these fields: a misspelt one fails with "Did you
+  # mean", as on the command line, instead of being added and ignored.
+  config.lock()
   return config

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import traceback
 from typing import Any, Callable, Sequence
 
 from absl import flags
@@ -127,14 +129,18 @@ def parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
       config.keys()  # A config file that failed to load says so when read.
   except Exception as e:  # pylint: disable=broad-except
     detail = str(e.args[0]) if e.args else str(e)
-    if ('parsing config file' in detail or isinstance(e, OSError)
+    path = ([a.split('=', 1)[1] for a in argv if a.startswith(f'--{FLAG}=')]
+            or [''])[-1]
+    in_file = os.path.isfile(path) and any(
+        os.path.exists(f.filename) and os.path.samefile(f.filename, path)
+        for f in traceback.extract_tb(e.__traceback__))
+    if (in_file or 'parsing config file' in detail or isinstance(e, OSError)
         or not isinstance(e, (flags.Error, AttributeError, KeyError))):
       # Raised by loading or running the config file: the user's input too.
       if not isinstance(e, (flags.Error, OSError)):
-        detail = f'{type(e).__name__}: {e}'
-      paths = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{FLAG}=')]
-      detail = (f'cannot load --{FLAG}={paths[-1] if paths else ""} (a '
-                f'configs/<name>.py file): '
+        detail = re.sub(r' Other fields present: .*}"', '',
+                        f'{type(e).__name__}: {e}')
+      detail = (f'cannot load --{FLAG}={path} (a Python config file): '
                 f'{detail.strip().splitlines()[-1].strip()}')
     detail = detail.replace('\\n', ' ').replace("\\'", "'")
     if len(detail) > 1 and detail[0] == detail[-1] == "'":

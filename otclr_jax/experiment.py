@@ -15,6 +15,7 @@ import numpy as np
 
 from otclr_jax import checkpoint
 from otclr_jax import cli
+from otclr_jax import conv
 from otclr_jax import data
 from otclr_jax import methods
 from otclr_jax import models
@@ -86,6 +87,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('Set config.num_epochs > 0 or config.total_steps > 0.')
   _require(c.model.stem in models.STEMS, 'model.stem',
            f'must be one of {models.STEMS}', c.model.stem)
+  _require(c.model.conv_impl in conv.CONV_IMPLS, 'model.conv_impl',
+           f'must be one of {conv.CONV_IMPLS}', c.model.conv_impl)
   for field in ('proj_hidden_dim', 'proj_dim'):
     _require(_is_int(c.model[field]) and c.model[field] >= 1,
              f'model.{field}', 'must be an integer >= 1', c.model[field])
@@ -95,6 +98,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   method = views_lib.resolve(c)[0]
   if 'optim' in c.get(method, {}):
     _validate_optim(c[method].optim, f'{method}.optim')
+  for fields, rule, ok in base.BLOCK_RULES:
+    for field in (f for f in fields if f in c.get(method, {})):
+      value = c[method][field]
+      _require(_is_number(value) and ok(value), f'{method}.{field}', rule,
+               value)
   _require(_is_number(c.optim.warmup_epochs) and c.optim.warmup_epochs >= 0,
            'optim.warmup_epochs', 'must be >= 0', c.optim.warmup_epochs)
   _require(_is_int(c.ot.grid_size) and c.ot.grid_size >= 2, 'ot.grid_size',

@@ -119,12 +119,23 @@ def test_parse_flags_fails_in_one_line(argv, match):
   assert '\n' not in str(e.value)
 
 
+def test_a_misspelt_field_in_a_config_file_is_refused(tmp_path):
+  # It had been added beside the real one, stored, and ignored.
+  path = tmp_path / 'typo.py'
+  path.write_text('from configs import digits\n\n\ndef get_config():\n'
+                  '  config = digits.get_config()\n'
+                  '  config.optim.baselr = 5.0\n  return config\n')
+  with pytest.raises(config_files.UsageError,
+                     match=r'cannot load --config=.*baselr.*Did you mean "base_lr"'):
+    config_files.parse_flags(['tool', f'--config={path}'], _define)
+
+
 def test_a_run_config_json_as_config_file_is_named(tmp_path):
   # --config runs Python: a config.json fails as a NameError on `true`.
   path = tmp_path / 'config.json'
   path.write_text(json.dumps(config_files.load('configs/digits.py').to_dict()))
   with pytest.raises(config_files.UsageError,
-                     match=rf'cannot load --config={path} \(a configs/'
-                     r'<name>.py file\): NameError') as e:
+                     match=rf'cannot load --config={path} \(a Python '
+                     r'config file\): NameError') as e:
     config_files.parse_flags(['tool', f'--config={path}'], _define)
   assert '\n' not in str(e.value)

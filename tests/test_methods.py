@@ -11,6 +11,7 @@ import pytest
 
 from configs import default
 from configs import digits
+from otclr_jax import experiment
 from otclr_jax import optim
 from otclr_jax import methods
 from otclr_jax import models
@@ -266,14 +267,13 @@ def test_dino_head_normalises_prototypes():
     ('dino.max_init_share', 0.0, 'max_init_share'),
 ])
 def test_bad_method_settings_are_rejected(field, value, match):
-  config = methods.add_defaults(default.get_config())
+  # Checked with the config, before anything is created (not at init).
+  config = default.get_config()
   block, name = field.split('.')
+  config.method = block
   config[block][name] = value
-  method = methods.get(block)
-  variables = {'params': {'encoder': {}, 'head': {}, 'predictor': {}},
-               'batch_stats': {'encoder': {}, 'head': {}, 'predictor': {}}}
-  with pytest.raises(ValueError, match=match):
-    method.init_extra(config, variables, jax.random.key(0))
+  with pytest.raises(experiment.ConfigError, match=match):
+    experiment.validate_config(config)
 
 
 def test_titles_name_rows_like_the_paper():

@@ -244,6 +244,14 @@ def test_learned_alpha_moves(tmp_path, data_dir):
     ({'monitor.every_steps': 3}, 'multiple of config.log_every_steps'),
     ({'monitor.num_train': 0}, 'monitor.num_train'),
     ({'monitor.num_test': 0}, 'monitor.num_test'),
+    # The run's method block and the convolution: negative temperatures had
+    # trained to exit 0, the rest failed as tracebacks after the lock.
+    ({'method': 'moco', 'moco.temperature': -0.2}, 'moco.temperature'),
+    ({'method': 'dino', 'dino.student_temp': -0.1}, 'dino.student_temp'),
+    ({'method': 'dino', 'dino.num_prototypes': 0}, 'dino.num_prototypes'),
+    ({'method': 'byol', 'byol.base_tau': 1.5}, r'byol.base_tau must lie in'),
+    ({'method': 'byol', 'byol.max_init_share': 0.0}, 'byol.max_init_share'),
+    ({'model.conv_impl': 'bogus'}, 'model.conv_impl'),
 ])
 def test_bad_config_is_rejected(data_dir, bad, match):
   with pytest.raises(ValueError, match=match):

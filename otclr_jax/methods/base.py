@@ -247,16 +247,20 @@ def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
   return post_update
 
 
-def check_momentum(config_field: str,
-                   settings: ml_collections.ConfigDict) -> None:
-  """Checks a block's ``base_tau``, ``final_tau`` and ``max_init_share``."""
-  for name in ('base_tau', 'final_tau'):
-    if not 0.0 <= settings[name] <= 1.0:
-      raise ValueError(f'config.{config_field}.{name} must lie in [0, 1], got '
-                       f'{settings[name]}.')
-  if not 0.0 < settings.max_init_share <= 1.0:
-    raise ValueError(f'config.{config_field}.max_init_share must lie in '
-                     f'(0, 1], got {settings.max_init_share}.')
+# The rules of the method blocks' fields (config.<method>.<name>), by name;
+# `experiment.validate_config` applies them to the run's block.
+BLOCK_RULES = (
+    (('temperature', 'student_temp', 'teacher_temp', 'warmup_teacher_temp'),
+     'must be > 0', lambda v: v > 0),
+    (('proj_hidden_dim', 'proj_dim', 'pred_hidden_dim', 'hidden_dim',
+      'bottleneck_dim', 'num_prototypes'),
+     'must be an integer >= 1', lambda v: isinstance(v, int) and v >= 1),
+    (('base_tau', 'final_tau', 'centre_momentum'), 'must lie in [0, 1]',
+     lambda v: 0 <= v <= 1),
+    (('max_init_share',), 'must lie in (0, 1]', lambda v: 0 < v <= 1),
+    (('warmup_teacher_temp_epochs', 'freeze_last_layer'), 'must be >= 0',
+     lambda v: v >= 0),
+)
 
 
 def dtype_of(config: ml_collections.ConfigDict):

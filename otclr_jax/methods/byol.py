@@ -132,7 +132,6 @@ def regression_loss(p: jax.Array, z: jax.Array) -> jax.Array:
 def init_extra(config, variables, key):
   """Target = copy of the online encoder and projector."""
   del key
-  base.check_momentum('byol', config.byol)
   return {'target_params': base.copy_tree(
               _without_predictor(variables['params'])),
           'target_batch_stats': base.copy_tree(

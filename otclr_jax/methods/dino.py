@@ -244,7 +244,6 @@ def update_centre(centre: jax.Array, teacher: jax.Array,
 def init_extra(config, variables, key):
   """Teacher = copy of the student; centre 0 (as DINO)."""
   del key
-  base.check_momentum('dino', config.dino)
   return {'target_params': base.copy_tree(variables['params']),
           'target_batch_stats': base.copy_tree(variables['batch_stats']),
           'centre': jnp.zeros((config.dino.num_prototypes,), jnp.float32)}

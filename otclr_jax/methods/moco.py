@@ -88,11 +88,6 @@ def enqueue(queue: jax.Array, ptr: jax.Array,
 def init_extra(config, variables, key):
   """Key encoder = copy of the query encoder; two random unit-vector queues."""
   settings = config.moco
-  base.check_momentum('moco', settings)
-  if settings.queue_size < config.batch_size:
-    raise ValueError(
-        f'config.moco.queue_size ({settings.queue_size}) must be at least '
-        f'config.batch_size ({config.batch_size}).')
   queue = losses.l2_normalise(jax.random.normal(
       key, (2, settings.queue_size, config.model.proj_dim), jnp.float32))
   return {'target_params': base.copy_tree(variables['params']),
