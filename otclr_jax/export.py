@@ -76,6 +76,8 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
       'image_size': int(get(config, 'image_size')),
       'feature_dim': FEATURE_DIM,
       'method': get(config, 'method'),
+      # SimCLR with OT views (OTCLR) differs from SimCLR only here.
+      'views': config.get('views', ''),
       'dataset': get(config, 'dataset'),
       'seed': int(get(config, 'seed')),
   }

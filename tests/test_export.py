@@ -113,6 +113,10 @@ def test_finished_run_exports_its_encoder(finished_run):
                                                      images), rtol=0, atol=0)
   meta = export.load_encoder_config(path)
   assert (meta['step'], meta['method'], meta['image_size']) == (4, 'otclr', 8)
+  # SimCLR with OT views (OTCLR) had been recorded as plain SimCLR.
+  spelled = dict(config.to_dict(), method='simclr', views='ot')
+  export.export_encoder(path + '.ot', variables, spelled)
+  assert export.load_encoder_config(path + '.ot')['views'] == 'ot'
 
 
 def test_stopped_run_exports_nothing(stopped_run):
