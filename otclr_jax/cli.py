@@ -108,7 +108,8 @@ def report(error: BaseException,
   return status
 
 
-def guarded(main: Callable[[Sequence[str]], Any]
+def guarded(main: Callable[[Sequence[str]], Any],
+            usage_errors: tuple[type[BaseException], ...] = ()
             ) -> Callable[[Sequence[str]], Any]:
   """`main` for absl's `app.run`: expected failures end in one line."""
 
@@ -118,7 +119,7 @@ def guarded(main: Callable[[Sequence[str]], Any]
     except SystemExit:
       raise
     except BaseException as e:  # pylint: disable=broad-except
-      _exit(report(e))
+      _exit(report(e, usage_errors))
     if status:
       _exit(int(status))
     return status

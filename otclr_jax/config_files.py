@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -147,6 +148,16 @@ def parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
       detail = f'unknown config field {detail[1:-1]}'
     raise UsageError(' '.join(detail.split())) from None
   return rest
+
+
+def parse_absl_flags(argv: Sequence[str]) -> list[str]:
+  """`app.run`'s flags parser: a bad flag, field or config file exits 2."""
+  try:
+    return parse_into(flags.FLAGS, argv)
+  except UsageError as e:
+    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
+                     'Pass --helpshort or --helpfull to see help on flags.\n')
+    sys.exit(cli.EXIT_USAGE)
 
 
 def parse_flags(

@@ -338,16 +338,6 @@ def main(argv):
   return status
 
 
-def _parse_flags(argv):
-  """absl's parser; a bad flag, field or config file exits with 2, not 1."""
-  try:
-    return config_files.parse_into(flags.FLAGS, argv)
-  except config_files.UsageError as e:
-    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
-                     'Pass --helpshort or --helpfull to see help on flags.\n')
-    sys.exit(cli.EXIT_USAGE)
-
-
 if __name__ == '__main__':
   cli.run(lambda argv: app.run(cli.guarded(main), argv=argv,
-                               flags_parser=_parse_flags))
+                               flags_parser=config_files.parse_absl_flags))

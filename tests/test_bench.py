@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 
 from absl import app
 from absl import flags
@@ -16,6 +18,7 @@ from otclr_jax import ot
 from otclr_jax.evaluation.probe import linear_probe
 from tests.helpers import copy_run
 from tests.helpers import EPS64
+from tests.helpers import REPO
 from tests.helpers import rounding_tol
 
 TINY = ['ot', '--batch_sizes=2,3', '--repeats=1', '--image_size=8',
@@ -118,6 +121,20 @@ def test_numpy_splat_tables_match_dense_displace():
 def test_ot_bench_rejects_bad_flags(flag, value):
   with pytest.raises(ValueError, match=flag.lstrip('-')):
     _bench(TINY + [f'{flag}={value}'])
+
+
+@pytest.mark.parametrize('argv, line', [
+    (['ot', '--repeats=0'], 'error: --repeats must be >= 1, got 0.'),
+    (['train', '--config=configs/digits.py', '--config.optim.baselr=1'],
+     'FATAL Flags parsing error: unknown config field \'baselr\''),
+])
+def test_the_command_refuses_bad_flags_in_one_line_with_2(argv, line):
+  # They had ended as tracebacks with status 1.
+  result = subprocess.run([sys.executable, '-m', 'otclr_jax.bench', *argv],
+                          cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.splitlines()[0].startswith(line), result.stderr
 
 
 @pytest.mark.parametrize('argv', [[], ['trian'], ['train'],

@@ -22,6 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from otclr_jax import cli
+from otclr_jax import config_files
 
 COMMANDS = ('ot', 'train', 'resnet', 'probe')
 
@@ -88,7 +89,9 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 def run() -> None:
   """`python -m otclr_jax.bench <ot|train|resnet|probe> [flags]`."""
   define_flags()
-  cli.run(lambda argv: app.run(cli.guarded(main), argv=argv))
+  # Its ValueErrors all describe its flags.
+  cli.run(lambda argv: app.run(cli.guarded(main, (ValueError,)), argv=argv,
+                               flags_parser=config_files.parse_absl_flags))
 
 
 if __name__ == '__main__':
