@@ -494,11 +494,15 @@ def render_report(results: Sequence[dict[str, Any]],
        linear_table(results, fmt, metrics=('top1', 'top5', 'knn_top1'))),
       ('Linear probe by pretraining dataset and batch size',
        ablation_table(results, fmt)),
-      (f'View quality (same encoder, two view generators; embedding '
-       f'{embedding})', augmentation_table(results, fmt)),
-      (f'Cluster metrics of the test embeddings (K-means, K = classes; '
-       f'embedding {embedding})', cluster_table(results, fmt)),
   ]
+  # The sections of evaluators that ran (eval.evaluators).
+  if any('views' in r for r in results):
+    parts.append((f'View quality (same encoder, two view generators; '
+                  f'embedding {embedding})', augmentation_table(results, fmt)))
+  if any('clusters' in r for r in results):
+    parts.append((f'Cluster metrics of the test embeddings (K-means, K = '
+                  f'classes; embedding {embedding})',
+                  cluster_table(results, fmt)))
   warning = _unconverged_warning(results)
   if warning:
     parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '') + warning

@@ -504,3 +504,16 @@ def test_labels_and_panel_order_follow_the_runs_title(tmp_path, monkeypatch):
   monkeypatch.setattr(curves, 'curves_for_runs', lambda *_: [])
   report.report(runs['ot'], config, compare=runs['augment'])
   assert order == [runs['augment'], runs['ot']]
+
+
+def test_an_evaluation_without_views_still_draws_the_curves(tmp_path):
+  # The t-SNE needs the views evaluator; the curves do not (a KeyError had
+  # ended the figures).
+  run = tmp_path / 'run'
+  _write_metrics(run, [dict(epoch=0.0, grad_norm=1.0, images_per_sec=1.0,
+                            step=s, loss=5.0, nce=5.0, top1=0.1, lr=0.1)
+                       for s in (5, 10)])
+  config = config_files.load('configs/digits.py')
+  paths = report.report_single(config, str(run), views=None, test=None,
+                               results={'step': 10, 'title': 'OTCLR'})
+  assert [os.path.basename(p) for p in paths] == ['curves.png', 'curves.pdf']

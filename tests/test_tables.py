@@ -105,6 +105,10 @@ def test_cluster_table_and_report():
   assert tables.render_report(with_z).count(
       'embedding z, l2-normalised projection output') == 2
   assert tables.render_report(RESULTS, 'latex').count(r'\begin{tabular}') == 5
+  # Only the sections of the evaluators that ran: no empty tables.
+  probe_only = [{k: v for k, v in r.items() if k not in ('views', 'clusters')}
+                for r in RESULTS]
+  assert tables.render_report(probe_only).count('### ') == 3
 
 
 def test_complexity_table():

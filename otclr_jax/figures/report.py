@@ -18,20 +18,24 @@ from otclr_jax.figures import tsne
 
 
 def report_single(config: ml_collections.ConfigDict, workdir: str, *,
-                  results: dict[str, Any], views: view_quality.ViewEmbeddings,
-                  test: data.Split) -> list[str]:
+                  results: dict[str, Any],
+                  views: view_quality.ViewEmbeddings | None,
+                  test: data.Split | None) -> list[str]:
   """Draws t-SNE and curves into `<workdir>/eval/figures/` during evaluation.
 
-  `views` (of `test`) are those behind `results['views']`; returns the paths.
+  `views` (of `test`) are those behind `results['views']`, None when the
+  views evaluator did not run (then no t-SNE); returns the paths.
   """
   out = common.figures_dir(workdir)
   dataset = (results.get('protocol', {}).get('views_dataset')
              or tsne.views_dataset(config))
-  paths = tsne.draw_tsne(
-      views, test, out / 'tsne.png', view_rows=results['views'],
-      table_note=f'metrics: {rundir.RESULTS_FILE}',
-      title=tsne.figure_title(config, results['step'], dataset,
-                              len(views.indices)))
+  paths = []
+  if views is not None and 'views' in results:
+    paths = tsne.draw_tsne(
+        views, test, out / 'tsne.png', view_rows=results['views'],
+        table_note=f'metrics: {rundir.RESULTS_FILE}',
+        title=tsne.figure_title(config, results['step'], dataset,
+                                len(views.indices)))
   if os.path.exists(os.path.join(workdir, rundir.METRICS_FILE)):
     paths += curves.curves_for_runs([workdir], out / 'curves.png')
   return paths
