@@ -517,3 +517,17 @@ def test_an_evaluation_without_views_still_draws_the_curves(tmp_path):
   paths = report.report_single(config, str(run), views=None, test=None,
                                results={'step': 10, 'title': 'OTCLR'})
   assert [os.path.basename(p) for p in paths] == ['curves.png', 'curves.pdf']
+
+
+def test_report_without_inputs_is_a_usage_error(tmp_path, capsys):
+  # It had printed "0 figure(s)" with status 0.
+  cli_report = ['figures', 'report']
+  assert figures_cli.main(cli_report + [f'--workdir={tmp_path}']
+                          ) == cli.EXIT_USAGE
+  assert 'no figure drawn' in capsys.readouterr().err
+  for flag, path in (('--workdir', tmp_path / 'nope'),
+                     ('--compare', tmp_path / 'nope')):
+    workdir = [] if flag == '--workdir' else [f'--workdir={tmp_path}']
+    argv = cli_report + workdir + [f'{flag}={path}']
+    assert figures_cli.main(argv) == cli.EXIT_USAGE
+    assert f'{flag}={path} is not a run directory' in capsys.readouterr().err

@@ -119,6 +119,9 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
     curves.curves_for_runs(workdirs, common.png_path(out))
   else:
     from otclr_jax.figures import report  # pylint: disable=g-import-not-at-top
+    for flag, path in (('--workdir', workdirs[0]), ('--compare', fv.compare)):
+      if path and not os.path.isdir(os.path.expanduser(path)):
+        raise config_files.UsageError(f'{flag}={path} is not a run directory.')
     written, skipped = report.report(
         workdirs[0],
         _adopted_config(fv, workdirs[0]) if fv.config is not None else None,
@@ -127,6 +130,9 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
         max_classes=fv.max_classes, index=fv.index, dataset=fv.dataset)
     for line in skipped:
       print(f'skipped {line}')
+    if not written:
+      raise config_files.UsageError('no figure drawn (every input is missing, '
+                                    'above).')
     print(f'{len(written) // 2} figure(s) in '
           f'{common.figures_dir(workdirs[0])}')
 
