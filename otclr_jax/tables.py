@@ -30,6 +30,9 @@ VIEW_METRICS = (('view_distance', 'View Dist.', -1),
                 ('anchor_distance', 'Anchor Dist.', -1),
                 ('pixel_l2', 'Pixel L2', -1),
                 ('pixel_rms', 'Pixel RMS', -1))
+# SimCLR's views are their strong endpoints: its pixel distances are 0 by
+# construction, not better, so no value of these is marked best.
+NOT_RANKED = ('pixel_l2', 'pixel_rms')
 LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
 FORMATS = ('markdown', 'latex')
 FLOOR_LABEL = 'Random init'
@@ -115,7 +118,7 @@ def _best_flags(rows: Sequence[_Row], spec: _Spec) -> list[list[list[bool]]]:
         # Compare as displayed, so equal printed values are both bold.
         shown = {i: round(rows[i].cells[col][pos]['mean'], max(digits, 0))
                  for i in members if rows[i].cells[col][pos] is not None}
-        if not shown:
+        if not shown or not direction:
           continue
         best = (max if direction > 0 else min)(shown.values())
         for i, value in shown.items():
@@ -341,7 +344,8 @@ def augmentation_table(results: Sequence[dict[str, Any]],
       1: r' $\uparrow$', -1: r' $\downarrow$'}
   spec = _Spec(label_headers=('Encoder', 'Views'),
                columns=tuple((h + arrows[d], '') for _, h, d in keys),
-               directions=tuple(d for _, _, d in keys),
+               directions=tuple(0 if k in NOT_RANKED else d
+                                for k, _, d in keys),
                digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
   rows = []
   for g in groups:

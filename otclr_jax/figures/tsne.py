@@ -113,8 +113,7 @@ def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
     p, q = rows['otclr'].get(key), rows['simclr'].get(key)
     arrow = '↑' if direction > 0 else '↓'
     cells.append([f'{header} {arrow}', _fmt(p), _fmt(q)])
-    # SimCLR's pixel L2 is 0 by construction, not better.
-    if p is None or q is None or p == q or key == 'pixel_l2':
+    if p is None or q is None or p == q or key in tables.NOT_RANKED:
       bold.append(None)
     else:
       bold.append(1 if (p - q) * direction > 0 else 2)
