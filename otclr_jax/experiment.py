@@ -47,6 +47,23 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Integer fields and their smallest value (batch_size: contrastive losses
+# need negatives; total_steps 0: use num_epochs).
+_INT_MINIMA = (
+    ('batch_size', 2), ('log_every_steps', 1), ('checkpoint_every_steps', 1),
+    ('keep_checkpoints', 1), ('total_steps', 0), ('model.proj_hidden_dim', 1),
+    ('model.proj_dim', 1), ('ot.grid_size', 2), ('ot.num_iters', 1),
+    ('eval.batch_size', 1), ('eval.probe_steps', 1),
+    ('eval.num_view_images', 1), ('monitor.num_train', 1),
+    ('monitor.num_test', 1))
+
+
+def _field(config: ml_collections.ConfigDict, name: str) -> Any:
+  for part in name.split('.'):
+    config = config[part]
+  return config
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks every field before anything is created (workdir, data caches).
 
@@ -68,30 +85,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            'must be an integer in [0, 2**32)', c.seed)
   _require(isinstance(c.dataset, str) and c.dataset, 'dataset',
            'must name a dataset', c.dataset)
-  _require(_is_int(c.image_size)
-           and c.image_size >= data.MIN_IMAGE_SIZE, 'image_size',
-           f'must be an integer >= {data.MIN_IMAGE_SIZE}',
-           c.image_size)
-  _require(_is_int(c.batch_size) and c.batch_size >= 2, 'batch_size',
-           'must be an integer >= 2 (contrastive losses need negatives)',
-           c.batch_size)
-  for field in ('log_every_steps', 'checkpoint_every_steps',
-                'keep_checkpoints'):
-    _require(_is_int(c[field]) and c[field] >= 1, field,
-             'must be an integer >= 1', c[field])
-  _require(_is_int(c.total_steps) and c.total_steps >= 0, 'total_steps',
-           'must be an integer >= 0 (0: use num_epochs)', c.total_steps)
-  _require(_is_number(c.num_epochs) and c.num_epochs >= 0, 'num_epochs',
-           'must be >= 0', c.num_epochs)
+  for name, low in _INT_MINIMA + ((
+      'image_size', data.MIN_IMAGE_SIZE),):
+    value = _field(c, name)
+    _require(_is_int(value) and value >= low, name,
+             f'must be an integer >= {low}', value)
+  for name in ('num_epochs', 'optim.warmup_epochs', 'ot.beta'):
+    value = _field(c, name)
+    _require(_is_number(value) and value >= 0, name, 'must be >= 0', value)
+  for name in ('ot.learn_alpha', 'eval.at_end', 'eval.figures'):
+    _require(isinstance(_field(c, name), bool), name, 'must be True or False',
+             _field(c, name))
   if c.total_steps <= 0 and c.num_epochs <= 0:
     raise ConfigError('Set config.num_epochs > 0 or config.total_steps > 0.')
   _require(c.model.stem in models.STEMS, 'model.stem',
            f'must be one of {models.STEMS}', c.model.stem)
   _require(c.model.conv_impl in conv.CONV_IMPLS, 'model.conv_impl',
            f'must be one of {conv.CONV_IMPLS}', c.model.conv_impl)
-  for field in ('proj_hidden_dim', 'proj_dim'):
-    _require(_is_int(c.model[field]) and c.model[field] >= 1,
-             f'model.{field}', 'must be an integer >= 1', c.model[field])
   _require(_is_number(c.loss.temperature) and c.loss.temperature > 0,
            'loss.temperature', 'must be > 0', c.loss.temperature)
   _validate_optim(c.optim, 'optim')
@@ -103,10 +113,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       value = c[method][field]
       _require(_is_number(value) and ok(value), f'{method}.{field}', rule,
                value)
-  _require(_is_number(c.optim.warmup_epochs) and c.optim.warmup_epochs >= 0,
-           'optim.warmup_epochs', 'must be >= 0', c.optim.warmup_epochs)
-  _require(_is_int(c.ot.grid_size) and c.ot.grid_size >= 2, 'ot.grid_size',
-           'must be an integer >= 2', c.ot.grid_size)
   if c.ot.grid_size > c.image_size:
     raise ConfigError(f'config.ot.grid_size ({c.ot.grid_size}) must not '
                       f'exceed config.image_size ({c.image_size}).')
@@ -118,18 +124,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f'{ot_checks.MIN_EPSILON:.5f}, the smallest safe value: the Sinkhorn '
         'kernel exp(-C / epsilon) on the max-1 cost C in [0, 1] underflows '
         'float32 below it, which gives NaN views and loss.')
-  _require(_is_int(c.ot.num_iters) and c.ot.num_iters >= 1, 'ot.num_iters',
-           'must be an integer >= 1', c.ot.num_iters)
   _require(_is_number(c.ot.alpha) and 0.0 <= c.ot.alpha <= 1.0, 'ot.alpha',
            'must lie in [0, 1]', c.ot.alpha)
   if c.ot.learn_alpha and not 0.0 < c.ot.alpha < 1.0:
     raise ConfigError('config.ot.learn_alpha starts from sigmoid(logit) = '
                       f'config.ot.alpha, which must lie in (0, 1); got '
                       f'{c.ot.alpha}.')
-  _require(_is_number(c.ot.beta) and c.ot.beta >= 0, 'ot.beta', 'must be >= 0',
-           c.ot.beta)
-  _require(isinstance(c.ot.learn_alpha, bool), 'ot.learn_alpha',
-           'must be True or False', c.ot.learn_alpha)
   datasets = c.eval.datasets
   _require(isinstance(datasets, (tuple, list)) and len(datasets) >= 1
            and all(isinstance(d, str) and d for d in datasets),
@@ -137,21 +137,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            datasets)
   _require(isinstance(c.eval.views_dataset, str), 'eval.views_dataset',
            "must be a dataset name or ''", c.eval.views_dataset)
-  for field in ('batch_size', 'probe_steps', 'num_view_images'):
-    _require(_is_int(c.eval[field]) and c.eval[field] >= 1, f'eval.{field}',
-             'must be an integer >= 1', c.eval[field])
-  for field in ('at_end', 'figures'):
-    _require(isinstance(c.eval[field], bool), f'eval.{field}',
-             'must be True or False', c.eval[field])
   _require(_is_int(c.monitor.every_steps) and c.monitor.every_steps >= 0
            and c.monitor.every_steps % c.log_every_steps == 0,
            'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
            'multiple of config.log_every_steps (it is logged with that '
            "step's line)", c.monitor.every_steps)
-  for field in ('num_train', 'num_test'):
-    _require(_is_int(c.monitor[field]) and c.monitor[field] >= 1,
-             f'monitor.{field}', 'must be an integer >= 1',
-             c.monitor[field])
   try:
     views_lib.augment_params(c)
   except ValueError as e:
