@@ -418,7 +418,8 @@ def displace_from_scalings(u: ArrayLike, v: ArrayLike, alpha: ArrayLike,
   u = jnp.asarray(u, jnp.float32)
   v = jnp.asarray(v, jnp.float32)
   alpha = ot_checks.check_alpha(alpha)
-  kx = axis_kernel(ot_checks.check_grid('u', u), ot_checks.check_epsilon(epsilon))
+  epsilon = ot_checks.check_epsilon(epsilon)
+  kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
   return _displace(u, v, kx, alpha)
 
 

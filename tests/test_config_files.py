@@ -126,7 +126,8 @@ def test_a_misspelt_field_in_a_config_file_is_refused(tmp_path):
                   '  config = digits.get_config()\n'
                   '  config.optim.baselr = 5.0\n  return config\n')
   with pytest.raises(config_files.UsageError,
-                     match=r'cannot load --config=.*baselr.*Did you mean "base_lr"'):
+                     match=r'cannot load --config=.*baselr.*'
+                     r'Did you mean "base_lr"'):
     config_files.parse_flags(['tool', f'--config={path}'], _define)
 
 

@@ -77,4 +77,5 @@ def load_results(workdir: str) -> dict[str, Any] | None:
 def run_label(workdir: str, results: dict[str, Any] | None = None) -> str:
   """'OTCLR (dir name)': the run's title from its results, else the dir name."""
   name = pathlib.Path(workdir).resolve().name
-  return f'{results["title"]} ({name})' if results else name
+  title = (results or {}).get('title')
+  return f'{title} ({name})' if title else name
