@@ -54,6 +54,8 @@ def knn_top1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   if k < 1 or temperature <= 0:
     raise ValueError(f'need k >= 1 and temperature > 0, got {k}, '
                      f'{temperature}.')
+  if not (np.isfinite(train_x).all() and np.isfinite(test_x).all()):
+    raise ValueError('kNN features must be finite (NaN or inf would vote).')
   train_z = features.l2_normalise(train_x)
   test_z = features.l2_normalise(test_x)
   num_test = len(test_z)
