@@ -210,7 +210,7 @@ def main(argv: Sequence[str]) -> int:
     run_argv = [sys.executable, '-m', 'otclr_jax.main',
                 f'--config={os.path.abspath(config_path)}',
                 f'--workdir={workdir}',
-                *(a for a in argv[1:] if a.startswith('--config.'))]
+                *config_files.overrides_of(argv)]
     path = write_multinode(
         run_argv, workdir,
         nodes=fv.nodes, gpus_per_node=fv.gpus_per_node,

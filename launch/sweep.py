@@ -251,6 +251,9 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   code = launcher(command(sweep, run, 'eval'), eval_log)
   if stop() is not None:
     return report('interrupted', 'during evaluation')
+  if code == cli.EXIT_STOPPED:
+    return report('stopped', f'evaluation stopped (exit {code}); rerun to '
+                  'resume')
   if code != 0:
     return report('failed', f'evaluation exited {code}, see {eval_log}')
   if not run_state.is_finished(config, wd):
@@ -511,7 +514,7 @@ def _main(argv: Sequence[str]) -> int:
     return _refuse('Sweep refused: --config=SWEEP_FILE is required.')
   try:
     sweep = load_sweep(config_flags.get_config_filename(fv['config']),
-                       [a for a in argv[1:] if a.startswith('--config.')],
+                       config_files.overrides_of(argv),
                        fv.config)
   except (OSError, ValueError) as e:
     return _refuse(f'Sweep refused: {e}')

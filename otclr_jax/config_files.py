@@ -150,6 +150,23 @@ def parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   return rest
 
 
+def overrides_of(argv: Sequence[str]) -> list[str]:
+  """The `--config.a.b=v` overrides of a command line, to pass on to a job.
+
+  Raises:
+    UsageError: an override in another absl spelling (`--noconfig.a.b`,
+      `--config.a.b v`), which a job's command line would drop or misread.
+  """
+  out = []
+  for arg in argv[1:]:
+    if arg.lstrip('-').startswith((f'{FLAG}.', f'no{FLAG}.')):
+      if not arg.startswith(f'--{FLAG}.') or '=' not in arg:
+        raise UsageError(f'{arg}: give config overrides as --{FLAG}.a.b=v '
+                         '(jobs run them as written).')
+      out.append(arg)
+  return out
+
+
 def parse_absl_flags(argv: Sequence[str]) -> list[str]:
   """`app.run`'s flags parser: a bad flag, field or config file exits 2."""
   try:

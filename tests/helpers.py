@@ -467,7 +467,8 @@ class FakeLauncher:
   def __init__(self, fail=(), stop_during=None, stop_at_step=None,
                exit_stopped=()):
     self.calls = []
-    self.fail = set(fail)
+    # (run, mode) pairs that exit 1, or a dict of their exit statuses.
+    self.fail = fail if isinstance(fail, dict) else dict.fromkeys(fail, 1)
     self.stop_during = stop_during
     self.stop_at_step = stop_at_step
     self.exit_stopped = set(exit_stopped)  # runs whose training exits 75
@@ -481,7 +482,7 @@ class FakeLauncher:
     self.calls.append((name, mode))
     assert os.path.dirname(log_path) == workdir
     if (name, mode) in self.fail:
-      return 1
+      return self.fail[(name, mode)]
     config = resolved_config(argv)
     if mode == 'train':
       if self.stop_during == name or name in self.exit_stopped:

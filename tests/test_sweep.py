@@ -431,6 +431,15 @@ def test_results_a_failed_evaluation_left_are_not_the_sweeps(tmp_path):
   assert "eval.embedding: 'z' -> 'h'" in excluded['why']
 
 
+def test_a_stopped_evaluation_stops_the_sweep_with_75(four_runs):
+  # It had counted as a failure: the sweep went on, then exited 1.
+  sweep, workdir, names = four_runs
+  launcher = FakeLauncher(fail={(names[0], 'eval'): 75})
+  assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
+                             aggregate=False) == 75
+  assert launcher.calls == [(names[0], 'train'), (names[0], 'eval')]
+
+
 def test_a_preempted_child_leaves_its_run_unfinished(four_runs, capsys):
   sweep, workdir, names = four_runs
   launcher = FakeLauncher(exit_stopped={names[1]})
