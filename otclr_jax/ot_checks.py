@@ -99,8 +99,9 @@ def check_grid(name: str, x: jax.Array) -> int:
   return shape[-1]
 
 
-# How far a histogram's total may be from 1 (float32 sums of m^2 masses).
-HISTOGRAM_SUM_ATOL = 1e-3
+# How far a histogram's total may be from 1: above any rounding (grids
+# normalised in bfloat16 included), below any unnormalised input.
+HISTOGRAM_SUM_ATOL = 1e-2
 
 
 def check_histogram(name: str, h) -> jax.Array:
