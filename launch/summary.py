@@ -168,8 +168,11 @@ def aggregate_dir(workdir: str,
   for run_dir, why in excluded:
     print(f'Not averaged: {run_dir}: {why}', file=sys.stderr)
   if not results and not excluded:
+    itself = os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
     print(f'No {rundir.RESULTS_FILE} under {workdir}/*/ yet; nothing to '
-          'tabulate.')
+          'tabulate.' + (f' {workdir} is itself a run (its tables are in its '
+                         f'{rundir.EVAL_DIR}/); give the directory of runs.'
+                         if itself else ''))
     return None
   markdown = (tables.render_report(results, 'markdown') if results else
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')

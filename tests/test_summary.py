@@ -9,6 +9,7 @@ import pytest
 
 from launch import sweep as sweep_lib
 from tests.helpers import aggregate_only
+from tests.helpers import fake_results
 from tests.helpers import mean_std_rtol
 from tests.helpers import stored_config
 from tests.helpers import write_sweep
@@ -225,3 +226,10 @@ def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
   for ext in ('md', 'tex'):
     text = open(tmp_path / f'summary.{ext}').read()
     assert all(n in text for n in names[1:]), ext
+
+
+def test_aggregate_only_on_one_run_says_it_is_one(tmp_path, capsys):
+  # It had said only "nothing to tabulate", as for an empty directory.
+  fake_results(str(tmp_path), 4)
+  assert aggregate_only(tmp_path) == 0
+  assert f'{tmp_path} is itself a run' in capsys.readouterr().out
