@@ -196,10 +196,6 @@ def grayscale(image: Array) -> Array:
   return jnp.broadcast_to(luma(image), image.shape)
 
 
-def _blend(image: Array, degenerate: Array, factor: Array) -> Array:
-  return jnp.clip(factor * image + (1.0 - factor) * degenerate, 0.0, 1.0)
-
-
 def adjust_hue(image: Array, delta: Array) -> Array:
   """Rotates the HSV hue of [H, W, 3] in [0, 1] by `delta` turns.
 
@@ -296,7 +292,7 @@ def _colour(image: Array, factors: Array, order: Array,
     y = luma(x)
     degenerate = jnp.where(op == BRIGHTNESS, 0.0,
                            jnp.where(op == CONTRAST, jnp.mean(y), y))
-    return _blend(x, degenerate, factor)
+    return jnp.clip(factor * x + (1.0 - factor) * degenerate, 0.0, 1.0)
 
   # Loops: carries are materialised; unrolled, XLA:CPU recomputes the chain.
   image = jax.lax.fori_loop(

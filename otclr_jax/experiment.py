@@ -176,11 +176,6 @@ def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
   return config.monitor.every_steps > 0
 
 
-def method_of(config: ml_collections.ConfigDict) -> base.Method:
-  """The objective `config.method` names (the alias 'otclr' is SimCLR)."""
-  return methods.get(views_lib.resolve(config)[0])
-
-
 def title_of(config: ml_collections.ConfigDict) -> str:
   """The run's row name as the paper writes it ('MoCo + OT views', 'OTCLR')."""
   return methods.title(*views_lib.resolve(config))
@@ -188,7 +183,7 @@ def title_of(config: ml_collections.ConfigDict) -> str:
 
 def create_model(config: ml_collections.ConfigDict):
   """The trained (online) network of the run's method."""
-  return method_of(config).create_model(config)
+  return methods.get(views_lib.resolve(config)[0]).create_model(config)
 
 
 def count_params(tree) -> int:

@@ -62,11 +62,6 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
       decay_steps=max(total_steps, warmup + 1), end_value=0.0)
 
 
-def _decay_mask(params):
-  # Kernels only: not BatchNorm scales, biases or the interpolation logit.
-  return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
-
-
 class LarsState(NamedTuple):
   count: jax.Array
   momentum: Any
@@ -141,7 +136,9 @@ def create_optimizer(config: ml_collections.ConfigDict,
               eta=opt.eta, clip_lr=opt.clip_lr)
   else:
     tx = optax.chain(
-        optax.add_decayed_weights(opt.weight_decay, mask=_decay_mask),
+        # Kernels only: not BatchNorm scales, biases or the interpolation logit.
+        optax.add_decayed_weights(opt.weight_decay, mask=lambda params: (
+            jax.tree_util.tree_map(lambda p: p.ndim > 1, params))),
         optax.sgd(schedule, momentum=opt.momentum))
   if opt.clip_grad > 0:
     tx = optax.chain(clip_per_parameter(opt.clip_grad), tx)

@@ -143,7 +143,8 @@ class IncompleteEvaluationError(ValueError):
   """eval/ holds files of more than one evaluation (one was interrupted)."""
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def read_json_file(path: str) -> dict[str, Any] | None:
+  """A JSON object the project wrote, or None; CorruptFileError if torn."""
   try:
     with open(path) as f:
       value = json.load(f)
@@ -163,14 +164,9 @@ def _read_json(path: str) -> dict[str, Any] | None:
   return value
 
 
-def read_json_file(path: str) -> dict[str, Any] | None:
-  """A JSON object the project wrote, or None; CorruptFileError if torn."""
-  return _read_json(path)
-
-
 def read_status(workdir: str) -> dict[str, Any] | None:
   """`workdir/status.json`, or None; CorruptFileError if not a JSON object."""
-  return _read_json(os.path.join(workdir, STATUS_FILE))
+  return read_json_file(os.path.join(workdir, STATUS_FILE))
 
 
 def write_status(workdir: str, state: str, step: int,
@@ -187,7 +183,7 @@ def write_status(workdir: str, state: str, step: int,
 
 def read_config(workdir: str) -> dict[str, Any] | None:
   """`workdir/config.json` as a dict, or None; CorruptFileError if corrupt."""
-  return _read_json(os.path.join(workdir, CONFIG_FILE))
+  return read_json_file(os.path.join(workdir, CONFIG_FILE))
 
 
 def write_config(workdir: str, config: dict[str, Any]) -> None:
@@ -377,7 +373,7 @@ def read_results(workdir: str) -> dict[str, Any] | None:
     CorruptFileError: results.json is not a JSON object.
     IncompleteEvaluationError: a file it binds is missing or was rewritten.
   """
-  results = _read_json(os.path.join(workdir, RESULTS_FILE))
+  results = read_json_file(os.path.join(workdir, RESULTS_FILE))
   if results is None:
     return None
   for name, digest in (results.get('files') or {}).items():

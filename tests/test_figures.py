@@ -496,7 +496,7 @@ def test_labels_and_panel_order_follow_the_runs_title(tmp_path, monkeypatch):
     runs[views] = str(tmp_path / views)
     rundir.write_json(os.path.join(runs[views], 'eval', 'results.json'), {
         'method': 'simclr', 'view_generator': views, 'title': title})
-  assert common.run_label(runs['ot'], common.load_results(runs['ot'])) == (
+  assert common.run_label(runs['ot'], rundir.read_results(runs['ot'])) == (
       'OTCLR (ot)')
   order = []
   monkeypatch.setattr(top5, 'top5_for_runs',

@@ -58,17 +58,13 @@ def _views_with(per_problem: Callable, x, x_strong, s: OTSettings):
   return _reconstruct(p_bar, mass, offset, x.shape[1], x.shape[2])
 
 
-def _exact_iterations(num_iters: int, **kwargs) -> sinkhorn.Sinkhorn:
-  # inner = T: exactly T iterations (docs/method.md section 3).
-  return sinkhorn.Sinkhorn(
-      min_iterations=num_iters, max_iterations=num_iters,
-      inner_iterations=num_iters, implicit_diff=None, **kwargs)
-
-
 def make_ott_dense(s: OTSettings) -> Callable:
   """(a) ott-jax dense `Geometry` in lse mode, materialised plan, scatter."""
   cost = jnp.asarray(ot.grid_cost(s.grid_size), jnp.float32)
-  solver = _exact_iterations(s.num_iters)
+  # inner = T: exactly T iterations (docs/method.md section 3).
+  solver = sinkhorn.Sinkhorn(
+      min_iterations=s.num_iters, max_iterations=s.num_iters,
+      inner_iterations=s.num_iters, implicit_diff=None)
 
   def per_problem(a, b):
     geom = geometry.Geometry(cost_matrix=cost, epsilon=s.epsilon)

@@ -65,15 +65,6 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   return config_files.load(path)
 
 
-def load_results(workdir: str) -> dict[str, Any] | None:
-  """`<workdir>/eval/results.json`, or None when the run is not evaluated.
-
-  Raises:
-    ValueError: corrupt, or an evaluation interrupted between its writes.
-  """
-  return rundir.read_results(workdir)
-
-
 def run_label(workdir: str, results: dict[str, Any] | None = None) -> str:
   """'OTCLR (dir name)': the run's title from its results, else the dir name."""
   name = pathlib.Path(workdir).resolve().name

@@ -84,7 +84,7 @@ def report(workdir: str, config: ml_collections.ConfigDict | None = None, *,
   if compare:
     # The paper's order: the SimCLR baseline's panel first.
     order = sorted(runs, key=lambda w: aggregate.run_id(
-        common.load_results(w) or {'method': ''}) != 'simclr')
+        rundir.read_results(w) or {'method': ''}) != 'simclr')
     attempt('top5', lambda: top5.top5_for_runs(order, out / 'top5.png',
                                                dataset=dataset, index=index))
   return written, skipped

@@ -131,7 +131,7 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
     raise ValueError('top5 needs at least one --workdir run.')
   runs = []
   for workdir in workdirs:
-    results = common.load_results(workdir)
+    results = rundir.read_results(workdir)
     if results is None:
       raise FileNotFoundError(f'{workdir} has no eval/results.json; '
                               + common.EVALUATE_FIRST.format(workdir=workdir)

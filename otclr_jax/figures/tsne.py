@@ -305,7 +305,7 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
   views = view_quality.view_embeddings(config, model, variables, test.images,
                                        num_images=n,
                                        batch_size=int(config.eval.batch_size))
-  results = common.load_results(workdir)
+  results = rundir.read_results(workdir)
   protocol = (results or {}).get('protocol', {})
   if (results and results.get('views') and results.get('step') == step
       and protocol.get('views_dataset') == dataset
