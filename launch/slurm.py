@@ -160,7 +160,15 @@ def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
 
 
 def define_job_flags(fv: flags.FlagValues) -> None:
-  """The `#SBATCH` flags of a multi-node run (also `launch.sweep`'s)."""
+  """The `#SBATCH` flags of a job (also `launch.sweep`'s)."""
+  for name, default, text in (
+      ('partition', '', 'SLURM partition.'),
+      ('time', '24:00:00', 'Time limit; a longer run requeues and resumes.'),
+      ('mem', '64G', 'SLURM memory per node (per array task in a sweep).'),
+      ('job_name', '', 'SLURM job name (default: the config or sweep file).')):
+    flags.DEFINE_string(name, default, text, flag_values=fv)
+  flags.DEFINE_integer('cpus_per_task', 8, 'SLURM CPUs per task (per GPU).',
+                       flag_values=fv)
   flags.DEFINE_integer('nodes', 1, 'SLURM nodes of one multi-node run.',
                        flag_values=fv)
   flags.DEFINE_integer('gpus_per_node', 1, 'GPUs per node; one process '
@@ -175,14 +183,6 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
                                   sys_argv=argv)
   flags.DEFINE_string('workdir', None, 'The run\'s directory; the job file '
                       'is WORKDIR/run.sbatch.', flag_values=fv)
-  for name, default, text in (
-      ('partition', '', 'SLURM partition.'),
-      ('time', '24:00:00', 'Time limit; a longer run requeues and resumes.'),
-      ('mem', '64G', 'SLURM memory per node.'),
-      ('job_name', '', 'SLURM job name (default: the config file).')):
-    flags.DEFINE_string(name, default, text, flag_values=fv)
-  flags.DEFINE_integer('cpus_per_task', 8, 'CPUs per task (per GPU).',
-                       flag_values=fv)
   define_job_flags(fv)
 
 

@@ -450,14 +450,10 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
     flags.DEFINE_bool(name, False, text, flag_values=fv)
   for name, default, text in (
       ('workdir', None, 'Sweep directory; a run goes to WORKDIR/<name>.'),
-      ('partition', '', 'SLURM partition.'), ('gres', 'gpu:1', 'SLURM gres.'),
-      ('time', '24:00:00', 'Per-task limit; longer runs requeue and resume.'),
-      ('mem', '64G', 'SLURM memory per task.'),
-      ('job_name', '', 'SLURM job name (default: the sweep file).')):
+      ('gres', 'gpu:1', 'SLURM gres.')):
     flags.DEFINE_string(name, default, text, flag_values=fv)
   for name, default, text in (
       ('only_index', None, 'Run only this run (0-based; a SLURM array task).'),
-      ('cpus_per_task', 8, 'SLURM CPUs per task.'),
       ('max_parallel', 0, 'At most this many SLURM tasks at once (0: no '
        'limit).')):
     flags.DEFINE_integer(name, default, text, flag_values=fv)
