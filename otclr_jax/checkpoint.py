@@ -35,7 +35,6 @@ def _orbax_read_leftover(unraisable) -> bool:
 def quiet_logs() -> None:
   """Silences Orbax below WARNING on absl's handler, and the leftovers of
   its failed reads (call from entry points: it sets sys.unraisablehook)."""
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
   default = sys.unraisablehook
   sys.unraisablehook = lambda u: None if _orbax_read_leftover(u) else default(u)
