@@ -79,11 +79,9 @@ def _probe_protocol_conflict(results: dict) -> str | None:
   # pylint: enable=g-import-not-at-top
   current = {}
   if 'probe' in protocol or any('top1' in row for row in rows):
-    current.update(l2_grid=list(probe.L2_GRID), probe_tolerance=probe.GRAD_TOL,
-                   probe=probe.SOLVER, holdout_fraction=probe.HOLDOUT_FRACTION,
-                   holdout_seed=probe.HOLDOUT_SEED)
+    current.update(probe.PROTOCOL)
   if 'knn_k' in protocol or any('knn_top1' in row for row in rows):
-    current.update(knn_k=knn.KNN_K, knn_temperature=knn.KNN_TEMPERATURE)
+    current.update(knn.PROTOCOL)
   changed = [f'{key} {protocol.get(key)} (now {value})'
              for key, value in current.items() if protocol.get(key) != value]
   return ('its linear probe was fitted with another protocol: '

@@ -105,9 +105,6 @@ def run_id(result: dict[str, Any]) -> str:
   return f'{method}+ot' if views == 'ot' else method
 
 
-# What results.json's protocol says of the probe; another value is another
-# instrument, so another row.
-_PROTOCOL_FIELDS = ('probe', 'l2_grid', 'probe_tolerance')
 # Identity fields shown elsewhere in a row (title, setting), and the seed.
 _SHOWN_FIELDS = ('seed', 'dataset', 'batch_size', 'method', 'views')
 _METHOD_PREFIXES = tuple(f'{b}.' for b in rundir.METHOD_BLOCKS)
@@ -123,8 +120,8 @@ def _settings(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
               if n not in _SHOWN_FIELDS}
   protocol = result.get('protocol')
   if isinstance(protocol, dict):
-    settings.update({f'protocol.{n}': protocol[n] for n in _PROTOCOL_FIELDS
-                     if n in protocol})
+    settings.update({f'protocol.{n}': protocol[n]
+                     for n in rundir.PROTOCOL_FIELDS if n in protocol})
   return tuple(sorted((name, json.dumps(value, sort_keys=True))
                       for name, value in settings.items()))
 

@@ -98,6 +98,11 @@ EVAL_UNUSED_FIELDS = ('eval.figures', 'eval.at_end')
 # numbers exist or change none (a probe stopped at probe_steps is flagged).
 EVAL_RESULT_FIELDS = ('eval.num_view_images', 'eval.embedding',
                       'eval.views_dataset')
+# results.json protocol fields that identify the probe and kNN instruments
+# (`probe.PROTOCOL`, `knn.PROTOCOL`): another value is another table row and
+# stale results for a sweep.
+PROTOCOL_FIELDS = ('probe', 'l2_grid', 'probe_tolerance', 'holdout_fraction',
+                   'holdout_seed', 'knn_k', 'knn_temperature')
 # Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).
 METHOD_BLOCKS = ('moco', 'byol', 'dino')
 

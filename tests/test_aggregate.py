@@ -113,6 +113,11 @@ def test_other_evaluation_settings_or_probe_protocols_are_other_rows():
   rows = aggregate.aggregate(results)
   assert sorted(r['label'] for r in rows) == ['protocol.probe=L-BFGS',
                                               'protocol.probe=Newton']
+  # kNN with another k is another instrument too (its rows had been mixed).
+  for result, k in zip(results, (200, 20)):
+    result['protocol'] = {'knn_k': k}
+  assert sorted(r['label'] for r in aggregate.aggregate(results)) == [
+      'protocol.knn_k=20', 'protocol.knn_k=200']
 
 
 def test_a_field_one_config_lacks_labels_both_rows():

@@ -9,6 +9,8 @@ import pytest
 from launch import run_state
 from launch import sweep as sweep_lib
 from otclr_jax import config_files
+from otclr_jax import rundir
+from otclr_jax.evaluation import knn
 from otclr_jax.evaluation import probe
 from tests.helpers import FakeLauncher
 from tests.helpers import fake_results
@@ -36,6 +38,12 @@ def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
   assert not run_state.is_finished(config, str(tmp_path))
   fake_results(str(tmp_path), 585)
   assert run_state.is_finished(config, str(tmp_path))
+
+
+def test_the_identifying_protocol_is_what_the_evaluators_record():
+  # Rows (aggregate) and staleness (run_state) read the same fields.
+  assert sorted({**probe.PROTOCOL, **knn.PROTOCOL}) == sorted(
+      rundir.PROTOCOL_FIELDS)
 
 
 def test_results_of_another_probe_protocol_are_not_finished(four_runs):

@@ -16,6 +16,8 @@ from otclr_jax.evaluation import features
 
 KNN_K = 200
 KNN_TEMPERATURE = 0.07
+# kNN's part of `rundir.PROTOCOL_FIELDS`, as results.json records it.
+PROTOCOL = {'knn_k': KNN_K, 'knn_temperature': KNN_TEMPERATURE}
 # Bound on the [rows, N_train] similarity slab of one kNN chunk.
 KNN_MAX_SLAB = 2**26
 
@@ -92,5 +94,5 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
       logging.info('%s %s: kNN top-1 %.2f%% [%.1f s]', row_name, name, top1,
                    time.perf_counter() - start)
       yield (row_name, name, 'knn_top1'), top1
-  yield ('protocol', 'knn_k'), KNN_K
-  yield ('protocol', 'knn_temperature'), KNN_TEMPERATURE
+  for field, value in PROTOCOL.items():
+    yield ('protocol', field), value

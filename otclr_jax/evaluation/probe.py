@@ -43,6 +43,12 @@ SOLVER = ('softmax regression on standardised features, float64 Newton with '
           f'gradient norm <= {GRAD_TOL:g}')
 
 
+# The probe's part of `rundir.PROTOCOL_FIELDS`, as results.json records it.
+PROTOCOL = {'probe': SOLVER, 'probe_tolerance': GRAD_TOL,
+            'l2_grid': list(L2_GRID), 'holdout_fraction': HOLDOUT_FRACTION,
+            'holdout_seed': HOLDOUT_SEED}
+
+
 def stratified_holdout(labels: np.ndarray, fraction: float = HOLDOUT_FRACTION,
                        seed: int = HOLDOUT_SEED) -> np.ndarray:
   """Marks a stratified random `fraction` of the examples as held out.
@@ -554,9 +560,6 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
       yield ('probe_fits', row_name, name), row.pop('fits')
       for metric, value in row.items():
         yield (row_name, name, metric), value
-  yield ('protocol', 'probe'), SOLVER
   yield ('protocol', 'probe_max_steps'), max_steps
-  yield ('protocol', 'probe_tolerance'), GRAD_TOL
-  yield ('protocol', 'l2_grid'), list(L2_GRID)
-  yield ('protocol', 'holdout_fraction'), HOLDOUT_FRACTION
-  yield ('protocol', 'holdout_seed'), HOLDOUT_SEED
+  for field, value in PROTOCOL.items():
+    yield ('protocol', field), value
