@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from otclr_jax import optim
@@ -53,15 +52,12 @@ def _eval_config_conflict(config, workdir: str,
   if not isinstance(stored, dict):
     path = os.path.join(workdir, rundir.EVAL_CONFIG_FILE)
     try:
-      with open(path) as f:
-        stored = json.load(f)
-    except FileNotFoundError:
+      stored = rundir.read_json_file(path)
+    except rundir.CorruptFileError as e:
+      return str(e)
+    if stored is None:
       return f'no {path} records how it was evaluated'
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return f'{path} is not valid JSON ({e})'
-    if not isinstance(stored, dict):
-      return f'{path} is not a JSON object'
-  new = json.loads(json.dumps(config.to_dict()))
+  new = config.to_dict()
   names = rundir.evaluation_diff(stored, new)
   return (f'it was evaluated with other settings: '
           f'{rundir.describe_diff(stored, new, names)}' if names else None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import re
 import shlex
@@ -391,7 +390,7 @@ def _check_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> None:
     if not isinstance(stored, dict):
       raise ValueError(f'{path} does not record the settings of run '
                        f'{run.name}; write a new job with --slurm.')
-    new = json.loads(json.dumps(sweep.run_config(run).to_dict()))
+    new = sweep.run_config(run).to_dict()
     names = rundir.evaluation_diff(stored, new)
     if names:
       raise ValueError(f'{path} lists run {run.name} with other settings '

@@ -197,15 +197,19 @@ def write_config(workdir: str, config: dict[str, Any]) -> None:
                     json.dumps(config, indent=1, sort_keys=True) + '\n')
 
 
-def flatten(tree: dict[str, Any], prefix: str = '') -> dict[str, Any]:
-  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`."""
+def flatten(tree: dict[str, Any]) -> dict[str, Any]:
+  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`;
+  JSON round-tripped, so a tuple equals the list it was stored as."""
   flat = {}
-  for key, value in tree.items():
-    name = f'{prefix}{key}'
-    if isinstance(value, dict):
-      flat.update(flatten(value, name + '.'))
-    else:
-      flat[name] = value
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        visit(value, f'{prefix}{key}.')
+      else:
+        flat[f'{prefix}{key}'] = value
+
+  visit(json.loads(json.dumps(tree)), '')
   return flat
 
 
@@ -229,7 +233,7 @@ def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
       so a tuple equals the list it was stored as.
     length: whether `total_steps` and `num_epochs` count.
   """
-  flat = flatten(json.loads(json.dumps(config)))
+  flat = flatten(config)
   unread = _unread_blocks(config.get('method'))
   return {n: v for n, v in flat.items() if not _ignored(n, unread, length)}
 
@@ -247,8 +251,8 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
     length: whether the run length counts.
   """
   unread = _unread_blocks(stored.get('method'), new.get('method'))
-  stored = flatten(json.loads(json.dumps(stored)))
-  new = flatten(json.loads(json.dumps(new)))
+  stored = flatten(stored)
+  new = flatten(new)
   missing = object()
   return sorted(
       name for name in set(stored) | set(new)
@@ -257,7 +261,7 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
 
 
 def _eval_fields(config: dict[str, Any], keep) -> dict[str, Any]:
-  flat = flatten(json.loads(json.dumps(config)))
+  flat = flatten(config)
   return {n: v for n, v in flat.items() if n.startswith('eval.') and keep(n)}
 
 
@@ -281,8 +285,8 @@ def evaluation_diff(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def describe_diff(stored: dict[str, Any], new: dict[str, Any],
                   names: list[str]) -> str:
   """`'method: 'otclr' -> 'simclr'; seed: 0 -> 1'` for the names given."""
-  stored = flatten(json.loads(json.dumps(stored)))
-  new = flatten(json.loads(json.dumps(new)))
+  stored = flatten(stored)
+  new = flatten(new)
   show = lambda d, n: repr(d[n]) if n in d else '(absent)'
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
 
@@ -312,8 +316,8 @@ def adopt_stored(config: Any, stored: dict[str, Any],
     ValueError: a command-line override contradicts the stored run.
   """
   new = config.to_dict()
-  flat_stored = flatten(json.loads(json.dumps(stored)))
-  flat_new = flatten(json.loads(json.dumps(new)))
+  flat_stored = flatten(stored)
+  flat_new = flatten(new)
   # A field missing on either side keeps this invocation's value.
   names = sorted(
       n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
