@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import sys
 from typing import Any, Callable, Sequence
@@ -49,6 +50,29 @@ def one_line(error: BaseException) -> str:
   return text or type(error).__name__
 
 
+# Orbax's TensorStore reports a full disk as a ValueError naming the file.
+_NO_SPACE = re.compile(r"No space left on device|os_error_code='28'")
+_FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')
+
+
+def disk_full_path(error: BaseException,
+                   default: str = 'a file') -> str | None:
+  """Where a full disk failed if `error` or what caused it is one, else None.
+
+  `default` is named when the error names no path.
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+      return error.filename or default
+    if _NO_SPACE.search(str(error)):
+      paths = _FAILED_PATH.findall(str(error))
+      return paths[-1] if paths else default
+    error = error.__cause__ or error.__context__
+  return None
+
+
 def status_of(error: BaseException) -> tuple[int, str] | None:
   """(exit status, one line) for an expected failure; None for a bug."""
   # Late: rundir imports absl, not needed before the early stop handler.
@@ -71,13 +95,14 @@ def status_of(error: BaseException) -> tuple[int, str] | None:
     return EXIT_USAGE, one_line(error)
   if isinstance(error, FileNotFoundError) and error.errno is None:
     return EXIT_USAGE, one_line(error)  # a file or run the user named
+  where = disk_full_path(error)
+  if where is not None:
+    return EXIT_FAILED, (f'Disk full: could not write {where} (No space left '
+                         'on device). Free space and rerun the same command '
+                         '(a run resumes from its newest complete '
+                         'checkpoint).')
   if isinstance(error, OSError):
-    where = error.filename or ''
-    what = f'{where}: ' if where else ''
-    if error.errno == errno.ENOSPC:
-      return EXIT_FAILED, (f'Disk full: could not write {where or "a file"} '
-                           '(No space left on device). Free space and rerun '
-                           'the same command.')
+    what = f'{error.filename}: ' if error.filename else ''
     if error.errno in _CANT_WRITE_ERRNOS:
       return EXIT_CANT_CREATE, (f'Cannot write {what}{error.strerror}; give a '
                                 'path this user can write.')

@@ -7,18 +7,13 @@ checkpoint and draws the figures. Any config field can be overridden, e.g.
 `--config.ot.epsilon=0.1`; `--config.method=moco --config.views=ot` picks the
 objective and the view generator.
 
-Exit statuses (docs/operations.md): 0 finished; 2 a bad flag or config
-field, or one contradicting the run in DIR; 65 diverged (the newest
-checkpoint is finite); 73 DIR locked or unwritable; 75 stopped by
-SIGTERM/SIGINT (rerun to resume); 1 anything else, e.g. a full disk.
+Exit statuses are `cli`'s table (docs/operations.md).
 """
 
 import contextlib
-import errno
 import hashlib
 import os
 import platform
-import re
 import sys
 from typing import Any, Iterable
 
@@ -151,30 +146,6 @@ def distributed_settings(distributed: bool, coordinator_address: str | None,
           'process_id': index, **timeouts}
 
 
-# Orbax's TensorStore reports a full disk as a ValueError naming the file.
-_NO_SPACE = re.compile(r"No space left on device|os_error_code='28'")
-_FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')
-
-
-def disk_full_path(error: BaseException, default: str) -> str | None:
-  """Where a full disk failed, if `error` (or what caused it) is one; else None.
-
-  Args:
-    error: the exception that ended the run.
-    default: the path to name when the error names none (the workdir).
-  """
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-      return error.filename or default
-    if _NO_SPACE.search(str(error)):
-      paths = _FAILED_PATH.findall(str(error))
-      return paths[-1] if paths else default
-    error = error.__cause__ or error.__context__
-  return None
-
-
 def draw_figures(config, workdir: str, evaluation: evaluate.Evaluation) -> None:
   """t-SNE and training curves into `workdir/eval/figures/`; failures logged."""
   try:
@@ -221,14 +192,6 @@ def check_evaluation_data(config) -> None:
                  found.num_classes)
 
 
-def _unwritable_path(error: BaseException) -> str | None:
-  """The path a permission or read-only-filesystem error names, else None."""
-  if isinstance(error, OSError) and error.errno in (
-      errno.EACCES, errno.EPERM, errno.EROFS):
-    return error.filename or '(unnamed path)'
-  return None
-
-
 def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
@@ -245,13 +208,9 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     rundir.check_directory(workdir, '--workdir')
     if config.data_dir:
       rundir.check_directory(config.data_dir, '--config.data_dir')
-  except rundir.PathError as e:
-    logging.error('%s', e)
-    return cli.EXIT_USAGE
-  cache = use_compilation_cache(config)
-  if cache:
-    logging.info('XLA compilation cache: %s', cache)
-  try:
+    cache = use_compilation_cache(config)
+    if cache:
+      logging.info('XLA compilation cache: %s', cache)
     if config.mode == 'eval':
       experiment.adopt_run_config(config, workdir, overridden)
     evaluate.validate(config)
@@ -294,24 +253,12 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
                     '%s.', jax.process_index(), jax.process_count(),
                     ' '.join(str(e).split())[:300], workdir)
       return cli.EXIT_FAILED
-    path = _unwritable_path(e)
-    if path is not None:
-      logging.error('Cannot write %s (%s): --workdir %s must be a directory '
-                    'this user can write.', path, os.strerror(e.errno),
-                    workdir)
-      return cli.EXIT_CANT_CREATE
-    where = disk_full_path(e, workdir)
-    if where is None:
-      # cli's table; an exception it does not know is a bug: traceback.
-      mapped = cli.status_of(e)
-      if mapped is None:
-        raise
-      logging.error('%s', mapped[1])
-      return mapped[0]
-    logging.error('Disk full: could not write %s (No space left on device). '
-                  'Free space there and rerun the same command to resume from '
-                  'the newest complete checkpoint in %s.', where, workdir)
-    return cli.EXIT_FAILED
+    # cli's table; an exception it does not know is a bug: traceback.
+    mapped = cli.status_of(e)
+    if mapped is None:
+      raise
+    logging.error('%s', mapped[1])
+    return mapped[0]
 
 
 def main(argv):

@@ -246,3 +246,17 @@ def test_a_bug_keeps_its_traceback(capsys):
   except KeyError as e:
     assert cli.report(e) == 1
   assert 'Traceback' in capsys.readouterr().err
+
+
+def test_disk_full_path_from_a_tensorstore_error():
+  # The text Orbax raised on a 20 MB tmpfs (abridged).
+  error = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing "params.net.head.out.kernel/0.0" in '
+      'OCDBT database at local file "/w/checkpoints/2.tmp/": Failed writing: '
+      '"/w/checkpoints/2.tmp/d/4457ef": Failed to write 14004224 bytes to '
+      "file 18: No space left on device [os_error_code='28']")
+  try:
+    raise RuntimeError('save failed') from error
+  except RuntimeError as e:
+    assert cli.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
+  assert cli.disk_full_path(ValueError('other'), '/w') is None

@@ -546,20 +546,6 @@ def test_whole_config_is_checked_before_anything_is_created(
                      lambda: main.run(config, workdir))
 
 
-def test_disk_full_path_from_a_tensorstore_error():
-  # The text Orbax raised on a 20 MB tmpfs (abridged).
-  error = ValueError(
-      'RESOURCE_EXHAUSTED: Error writing "params.net.head.out.kernel/0.0" in '
-      'OCDBT database at local file "/w/checkpoints/2.tmp/": Failed writing: '
-      '"/w/checkpoints/2.tmp/d/4457ef": Failed to write 14004224 bytes to '
-      "file 18: No space left on device [os_error_code='28']")
-  try:
-    raise RuntimeError('save failed') from error
-  except RuntimeError as e:
-    assert main.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
-  assert main.disk_full_path(ValueError('other'), '/w') is None
-
-
 @pytest.mark.parametrize('name', ['default', 'digits', 'cifar10',
                                   'imagenet300'])
 def test_shipped_configs_pass_validation(name):
