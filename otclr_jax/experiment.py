@@ -27,8 +27,6 @@ from otclr_jax import views as views_lib
 from otclr_jax.methods import base
 
 
-
-
 class ConfigError(cli.UsageError):
   """A config field is invalid, or conflicts with the run stored in the workdir."""
 
@@ -55,13 +53,35 @@ _INT_MINIMA = (
     ('model.proj_dim', 1), ('ot.grid_size', 2), ('ot.num_iters', 1),
     ('eval.batch_size', 1), ('eval.probe_steps', 1),
     ('eval.num_view_images', 1), ('monitor.num_train', 1),
-    ('monitor.num_test', 1))
+    ('monitor.num_test', 1), ('image_size', data.MIN_IMAGE_SIZE))
+# (fields, rule, test) of finite-number fields, as in `base.BLOCK_RULES`.
+_NUMBER_RULES = (
+    (('num_epochs', 'optim.warmup_epochs', 'ot.beta'), 'must be >= 0',
+     lambda v: v >= 0),
+    (('loss.temperature', 'ot.epsilon'), 'must be > 0', lambda v: v > 0),
+    (('ot.alpha',), 'must lie in [0, 1]', lambda v: 0 <= v <= 1))
+_OPTIM_RULES = (
+    (('base_lr', 'weight_decay'), 'must be >= 0', lambda v: v >= 0),
+    (('momentum',), 'must lie in [0, 1)', lambda v: 0 <= v < 1),
+    (('eta',), 'must be > 0', lambda v: v > 0),
+    (('clip_grad',), 'must be >= 0 (0: off)', lambda v: v >= 0))
+_CHOICES = (('mode', ('train', 'eval')), ('dtype', tuple(base.DTYPES)),
+            ('model.stem', models.STEMS), ('model.conv_impl', conv.CONV_IMPLS),
+            ('ot.core', ot.CORES))
 
 
 def _field(config: ml_collections.ConfigDict, name: str) -> Any:
   for part in name.split('.'):
     config = config[part]
   return config
+
+
+def _check_numbers(block: Any, prefix: str, rules) -> None:
+  """Checks the fields named in `rules` that `block` holds."""
+  for fields, rule, ok in rules:
+    for name in (f for f in fields if f.split('.')[0] in block):
+      value = _field(block, name)
+      _require(_is_number(value) and ok(value), prefix + name, rule, value)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -71,61 +91,48 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     ConfigError: naming the field, its value and the rule.
   """
   c = config
-  _require(c.mode in ('train', 'eval'), 'mode', "must be 'train' or 'eval'",
-           c.mode)
+  for name, choices in _CHOICES:
+    _require(_field(c, name) in choices, name, f'must be one of {choices}',
+             _field(c, name))
   try:
-    method_name, _ = views_lib.resolve(c)
-    methods.get(method_name)
+    method, _ = views_lib.resolve(c)
+    methods.get(method)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  _require(c.dtype in base.DTYPES, 'dtype',
-           f'must be one of {tuple(base.DTYPES)}', c.dtype)
   # Seeds become uint32 PRNG key data (jax.random.key) and NumPy seeds.
   _require(_is_int(c.seed) and 0 <= c.seed < 2**32, 'seed',
            'must be an integer in [0, 2**32)', c.seed)
   _require(isinstance(c.dataset, str) and c.dataset, 'dataset',
            'must name a dataset', c.dataset)
-  for name, low in _INT_MINIMA + ((
-      'image_size', data.MIN_IMAGE_SIZE),):
+  for name, low in _INT_MINIMA:
     value = _field(c, name)
     _require(_is_int(value) and value >= low, name,
              f'must be an integer >= {low}', value)
-  for name in ('num_epochs', 'optim.warmup_epochs', 'ot.beta'):
-    value = _field(c, name)
-    _require(_is_number(value) and value >= 0, name, 'must be >= 0', value)
   for name in ('ot.learn_alpha', 'eval.at_end', 'eval.figures'):
     _require(isinstance(_field(c, name), bool), name, 'must be True or False',
              _field(c, name))
+  _check_numbers(c, '', _NUMBER_RULES)
   if c.total_steps <= 0 and c.num_epochs <= 0:
     raise ConfigError('Set config.num_epochs > 0 or config.total_steps > 0.')
-  _require(c.model.stem in models.STEMS, 'model.stem',
-           f'must be one of {models.STEMS}', c.model.stem)
-  _require(c.model.conv_impl in conv.CONV_IMPLS, 'model.conv_impl',
-           f'must be one of {conv.CONV_IMPLS}', c.model.conv_impl)
-  _require(_is_number(c.loss.temperature) and c.loss.temperature > 0,
-           'loss.temperature', 'must be > 0', c.loss.temperature)
-  _validate_optim(c.optim, 'optim')
-  method = views_lib.resolve(c)[0]
-  if 'optim' in c.get(method, {}):
-    _validate_optim(c[method].optim, f'{method}.optim')
-  for fields, rule, ok in base.BLOCK_RULES:
-    for field in (f for f in fields if f in c.get(method, {})):
-      value = c[method][field]
-      _require(_is_number(value) and ok(value), f'{method}.{field}', rule,
-               value)
+  block = c.get(method, {})
+  for path, opt in (('optim', c.optim), (f'{method}.optim',
+                                         block.get('optim'))):
+    if opt is not None:
+      _require(opt.name in optim.OPTIMIZERS, f'{path}.name',
+               f'must be one of {optim.OPTIMIZERS}', opt.name)
+      _check_numbers(opt, f'{path}.', _OPTIM_RULES)
+      _require(isinstance(opt.clip_lr, bool), f'{path}.clip_lr',
+               'must be True or False', opt.clip_lr)
+  _check_numbers(block, f'{method}.', base.BLOCK_RULES)
   if c.ot.grid_size > c.image_size:
     raise ConfigError(f'config.ot.grid_size ({c.ot.grid_size}) must not '
                       f'exceed config.image_size ({c.image_size}).')
-  _require(_is_number(c.ot.epsilon) and c.ot.epsilon > 0, 'ot.epsilon',
-           'must be > 0', c.ot.epsilon)
   if c.ot.epsilon < ot_checks.MIN_EPSILON:
     raise ConfigError(
         f'config.ot.epsilon={c.ot.epsilon} is below '
         f'{ot_checks.MIN_EPSILON:.5f}, the smallest safe value: the Sinkhorn '
         'kernel exp(-C / epsilon) on the max-1 cost C in [0, 1] underflows '
         'float32 below it, which gives NaN views and loss.')
-  _require(_is_number(c.ot.alpha) and 0.0 <= c.ot.alpha <= 1.0, 'ot.alpha',
-           'must lie in [0, 1]', c.ot.alpha)
   if c.ot.learn_alpha and not 0.0 < c.ot.alpha < 1.0:
     raise ConfigError('config.ot.learn_alpha starts from sigmoid(logit) = '
                       f'config.ot.alpha, which must lie in (0, 1); got '
@@ -146,29 +153,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     views_lib.augment_params(c)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  _require(c.ot.core in ot.CORES, 'ot.core', f'must be one of {ot.CORES}',
-           c.ot.core)
   if method == 'moco':
     # The queue takes a whole batch of keys per step (methods/moco.py).
     _require(_is_int(c.moco.queue_size)
              and c.moco.queue_size >= c.batch_size, 'moco.queue_size',
              f'must be an integer >= config.batch_size ({c.batch_size})',
              c.moco.queue_size)
-
-
-def _validate_optim(opt: ml_collections.ConfigDict, path: str) -> None:
-  _require(opt.name in optim.OPTIMIZERS, f'{path}.name',
-           f'must be one of {optim.OPTIMIZERS}', opt.name)
-  for field, rule, ok in (
-      ('base_lr', 'must be >= 0', lambda v: v >= 0),
-      ('momentum', 'must lie in [0, 1)', lambda v: 0 <= v < 1),
-      ('weight_decay', 'must be >= 0', lambda v: v >= 0),
-      ('eta', 'must be > 0', lambda v: v > 0),
-      ('clip_grad', 'must be >= 0 (0: off)', lambda v: v >= 0)):
-    _require(_is_number(opt[field]) and ok(opt[field]), f'{path}.{field}',
-             rule, opt[field])
-  _require(isinstance(opt.clip_lr, bool), f'{path}.clip_lr',
-           'must be True or False', opt.clip_lr)
 
 
 def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
