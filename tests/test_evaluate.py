@@ -278,6 +278,20 @@ def test_embedding_config_is_checked():
     clusters.embedding_of(config)
 
 
+@pytest.mark.parametrize('field, value, match', [
+    ('datasets', ('digits', 'digits'), 'config.eval.datasets repeats a name'),
+    ('evaluators', ('probe', 'x'), 'config.eval.evaluators must name'),
+    ('evaluators', (), 'config.eval.evaluators must name'),
+    ('embedding', 'x', 'config.eval.embedding must be one of'),
+    ('views_dataset', 'mnist', "unknown evaluation dataset 'mnist'"),
+])
+def test_evaluation_fields_are_checked_as_config_errors(field, value, match):
+  config = tiny_config('/nonexistent')
+  config.eval[field] = value
+  with pytest.raises(experiment.ConfigError, match=match):
+    evaluate.validate(config)
+
+
 # ----------------------------------------------------------------------------
 # Results that cannot be silently wrong.
 

@@ -170,13 +170,9 @@ def recompute_batch_stats(model, variables: dict[str, Any],
         moments(variables, jnp.asarray(batch))).items():
       # Host float64: var = E[x^2] - mean^2 cancels badly in float32.
       mean = np.asarray(mean, np.float64)
-      first = n * mean
-      second = n * (np.asarray(var, np.float64) + mean**2)
-      if path in sums:
-        sums[path][0] += first
-        sums[path][1] += second
-      else:
-        sums[path] = [first, second]
+      pooled = sums.setdefault(path, [0.0, 0.0])
+      pooled[0] = pooled[0] + n * mean
+      pooled[1] = pooled[1] + n * (np.asarray(var, np.float64) + mean**2)
 
   total = float(len(images))
 

@@ -118,41 +118,27 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks a config's training and evaluation constraints.
+  """Checks a config's training and evaluation fields.
 
   Raises:
     experiment.ConfigError: naming the field.
   """
   experiment.validate_config(config)
+  datasets = tuple(config.eval.datasets)
+  if len(set(datasets)) != len(datasets):
+    raise experiment.ConfigError(
+        f'config.eval.datasets repeats a name: {datasets}.')
+  unknown = [n for n in config.eval.evaluators if n not in EVALUATORS]
   try:
-    check_config(config)
-  except experiment.ConfigError:
-    raise
+    for name in datasets + (config.eval.views_dataset or datasets[0],):
+      features.check_dataset_name(name)
+    if unknown or not config.eval.evaluators:
+      raise ValueError(f'config.eval.evaluators must name some of '
+                       f'{tuple(EVALUATORS)}, got '
+                       f'{tuple(config.eval.evaluators)}.')
+    clusters.embedding_of(config)
   except ValueError as e:
     raise experiment.ConfigError(str(e)) from e
-
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError on an evaluation setting that cannot work."""
-  datasets = tuple(config.eval.datasets)
-  if not datasets:
-    raise ValueError('config.eval.datasets is empty; name at least one '
-                     'dataset, e.g. --config.eval.datasets=cifar10,')
-  if len(set(datasets)) != len(datasets):
-    raise ValueError(f'config.eval.datasets repeats a name: {datasets}.')
-  for name in datasets:
-    features.check_dataset_name(name)
-  features.check_dataset_name(config.eval.views_dataset or datasets[0])
-  if min(int(config.eval.batch_size), int(config.eval.probe_steps),
-         int(config.eval.num_view_images)) < 1:
-    raise ValueError('config.eval.batch_size, probe_steps and num_view_images '
-                     'must be >= 1.')
-  unknown = [n for n in config.eval.evaluators if n not in EVALUATORS]
-  if unknown or not config.eval.evaluators:
-    raise ValueError(f'config.eval.evaluators must name some of '
-                     f'{tuple(EVALUATORS)}, got '
-                     f'{tuple(config.eval.evaluators)}.')
-  clusters.embedding_of(config)
 
 
 class Context:
