@@ -318,15 +318,6 @@ def load_cache(workdir: str, tag: str, name: str
           for split in _SPLITS}
 
 
-def _save_cached(path: str, name: str, image_size: int, features: np.ndarray,
-                 labels: np.ndarray, num_classes: int, *, weights: str,
-                 settings: str) -> None:
-  fileio.atomic_write(path, lambda f: np.savez(
-      f, features=features, labels=labels, num_classes=num_classes,
-      image_size=image_size, dataset=name, weights=weights,
-      settings=settings))
-
-
 def dataset_features(config: ml_collections.ConfigDict, workdir: str,
                      name: str, encoder: Encoder, variables: dict[str, Any]):
   """Features of the train and test splits of one dataset for each encoder.
@@ -362,8 +353,10 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
         check_finite_features(feats, workdir, tag, name, split)
         cached = (feats, split_data.labels.astype(np.int32),
                   split_data.num_classes)
-        _save_cached(path, name, config.image_size, *cached,
-                     weights=weights[tag], settings=settings)
+        fileio.atomic_write(path, lambda f: np.savez(
+            f, features=feats, labels=cached[1], num_classes=cached[2],
+            image_size=config.image_size, dataset=name, weights=weights[tag],
+            settings=settings))
       else:
         check_finite_features(cached[0], workdir, tag, name, split)
         logging.info('Using cached features %s', path)
