@@ -147,13 +147,26 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
   return '\n'.join(lines)
 
 
-def write_multinode(run_argv: Sequence[str], workdir: str, **kwargs) -> str:
-  """Writes `workdir/run.sbatch` and `slurm/` (`multinode_script`); its path."""
+def write_multinode(run_argv: Sequence[str], workdir: str,
+                    fv: flags.FlagValues, job_name: str) -> str:
+  """Writes `workdir/run.sbatch` and `slurm/` (`multinode_script`); its path.
+
+  `fv` holds the `define_job_flags` flags; `job_name` is --job_name's default.
+  """
   workdir = os.path.abspath(os.path.expanduser(workdir))
   rundir.check_directory(workdir, '--workdir')
-  text = multinode_script(run_argv, REPO, workdir, **kwargs)
+  text = multinode_script(
+      run_argv, REPO, workdir, nodes=fv.nodes, gpus_per_node=fv.gpus_per_node,
+      job_name=fv.job_name or job_name, partition=fv.partition,
+      time_limit=fv.time, cpus_per_task=fv.cpus_per_task, mem=fv.mem,
+      heartbeat_timeout=fv.heartbeat_timeout)
+  return write_script(workdir, rundir.RUN_SCRIPT, text)
+
+
+def write_script(workdir: str, name: str, text: str) -> str:
+  """Writes the executable job file `workdir/name` and `slurm/`; its path."""
   os.makedirs(os.path.join(workdir, rundir.SLURM_DIR), exist_ok=True)
-  path = os.path.join(workdir, rundir.RUN_SCRIPT)
+  path = os.path.join(workdir, name)
   fileio.write_text(path, text)
   os.chmod(path, 0o755)
   return path
@@ -212,13 +225,8 @@ def main(argv: Sequence[str]) -> int:
                 f'--workdir={workdir}',
                 *config_files.overrides_of(argv)]
     path = write_multinode(
-        run_argv, workdir,
-        nodes=fv.nodes, gpus_per_node=fv.gpus_per_node,
-        job_name=fv.job_name or os.path.splitext(
-            os.path.basename(config_path))[0],
-        partition=fv.partition, time_limit=fv.time,
-        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
-        heartbeat_timeout=fv.heartbeat_timeout)
+        run_argv, workdir, fv,
+        os.path.splitext(os.path.basename(config_path))[0])
   except ValueError as e:
     print(f'launch.slurm refused: {e}', file=sys.stderr)
     return cli.EXIT_USAGE

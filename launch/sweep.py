@@ -33,7 +33,6 @@ from launch import slurm
 from launch import summary
 from otclr_jax import cli
 from otclr_jax import config_files
-from otclr_jax import fileio
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -403,14 +402,11 @@ def write_slurm(sweep: Sweep, workdir: str, **kwargs) -> str:
   runs = sweep.runs(workdir)
   check_identities(sweep, runs)
   write_run_list(sweep, runs, workdir)
-  os.makedirs(os.path.join(workdir, rundir.SLURM_DIR), exist_ok=True)
   task = [sys.executable, '-m', 'launch.sweep', f'--config={sweep.path}',
           f'--workdir={workdir}', *sweep.flags]
-  path = os.path.join(workdir, rundir.SWEEP_SCRIPT)
-  fileio.write_text(path, slurm.slurm_script(
-      task, REPO, workdir, [r.name for r in runs], **kwargs))
-  os.chmod(path, 0o755)
-  return path
+  text = slurm.slurm_script(task, REPO, workdir, [r.name for r in runs],
+                            **kwargs)
+  return slurm.write_script(workdir, rundir.SWEEP_SCRIPT, text)
 
 
 def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
@@ -423,12 +419,8 @@ def _write_multinode(sweep: Sweep, workdir: str, fv: flags.FlagValues) -> int:
                    'its axes with --config.a.b=v or use a one-run sweep file.')
   try:
     check_identities(sweep, runs)
-    path = slurm.write_multinode(
-        command(sweep, runs[0], 'train'), workdir, nodes=fv.nodes,
-        gpus_per_node=fv.gpus_per_node, job_name=fv.job_name or sweep.name,
-        partition=fv.partition, time_limit=fv.time,
-        cpus_per_task=fv.cpus_per_task, mem=fv.mem,
-        heartbeat_timeout=fv.heartbeat_timeout)
+    path = slurm.write_multinode(command(sweep, runs[0], 'train'), workdir,
+                                 fv, sweep.name)
   except ValueError as e:
     return _refuse(f'Sweep refused: {e}')
   print(f'Wrote {path}: run {runs[0].name} on {fv.nodes} node(s) x '
