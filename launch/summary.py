@@ -13,8 +13,6 @@ from otclr_jax import fileio
 from otclr_jax import rundir
 from otclr_jax import tables
 
-RUNS_FILE = rundir.RUNS_FILE
-
 
 @dataclasses.dataclass
 class Collected:
@@ -71,7 +69,7 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
 def listed_runs(workdir: str) -> list[dict] | None:
   """DIR/runs.json's run entries (each with its `name`), None without one;
   raises if torn."""
-  path = os.path.join(workdir, RUNS_FILE)
+  path = os.path.join(workdir, rundir.RUNS_FILE)
   try:
     listed = rundir.read_json_file(path)
     if listed is None:
@@ -161,8 +159,8 @@ def _excluded_text(excluded: Sequence[tuple[str, str]], fmt: str) -> str:
 
 def aggregate_dir(workdir: str,
                   stale: Callable[[str], str | None] | None = None
-                  ) -> str | None:
-  """Writes DIR/summary.{md,tex,json} (`stale`: `collect_results`')."""
+                  ) -> Collected:
+  """Writes DIR/summary.{md,tex,json} of `collect_results(workdir, stale)`."""
   collected = collect_results(workdir, stale)
   results, excluded = collected.results, collected.excluded
   for run_dir, why in excluded:
@@ -173,7 +171,7 @@ def aggregate_dir(workdir: str,
           'tabulate.' + (f' {workdir} is itself a run (its tables are in its '
                          f'{rundir.EVAL_DIR}/); give the directory of runs.'
                          if itself else ''))
-    return None
+    return collected
   markdown = (tables.render_report(results, 'markdown') if results else
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
@@ -191,4 +189,4 @@ def aggregate_dir(workdir: str,
                        for d, why in excluded]})
   print(f'{len(results)} finished runs tabulated ({len(excluded)} not '
         f'averaged) in {workdir}/summary.{{md,tex,json}}:\n\n{markdown}')
-  return markdown
+  return collected

@@ -360,22 +360,21 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
           else cli.EXIT_OK)
 
 
-def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> str:
+def write_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> None:
   """Writes DIR/runs.json: the sweep's runs, their settings and commands."""
-  path = os.path.join(workdir, summary.RUNS_FILE)
   entries = [{'index': r.index, 'name': r.name, 'workdir': r.workdir,
               'overrides': dict(r.overrides),
               'config': sweep.run_config(r).to_dict(),
               'train': shlex.join(command(sweep, r, 'train')),
               'eval': shlex.join(command(sweep, r, 'eval'))} for r in runs]
-  rundir.write_json(path, {'sweep': sweep.path, 'runs': entries})
-  return path
+  rundir.write_json(os.path.join(workdir, rundir.RUNS_FILE),
+                    {'sweep': sweep.path, 'runs': entries})
 
 
 def _check_run_list(sweep: Sweep, runs: Sequence[Run], workdir: str) -> None:
   # An edited sweep file would map an array index to another run, or give a
   # run other settings than the tasks that already ran it.
-  path = os.path.join(workdir, summary.RUNS_FILE)
+  path = os.path.join(workdir, rundir.RUNS_FILE)
   listed = summary.listed_runs(workdir)
   if listed is None:
     return
@@ -490,8 +489,7 @@ def _main(argv: Sequence[str]) -> int:
     if not os.path.isdir(workdir):
       return _refuse(f'--aggregate_only: sweep directory {workdir} does not '
                    'exist (a typo?); nothing was tabulated.')
-    summary.aggregate_dir(workdir)
-    unreadable = summary.collect_results(workdir).unreadable
+    unreadable = summary.aggregate_dir(workdir).unreadable
     if unreadable:
       return _fail(cli.EXIT_FAILED, f'{unreadable} results.json file(s) '
                    f'under {workdir} could not be read (named above); the '
