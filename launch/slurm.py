@@ -23,6 +23,7 @@ from otclr_jax import fileio
 from otclr_jax import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GRACE_SECONDS = 180  # how long before the time limit the SIGTERM comes
 
 
 def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
@@ -30,7 +31,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
                  partition: str = '', gres: str = 'gpu:1',
                  time_limit: str = '24:00:00', cpus_per_task: int = 8,
                  mem: str = '64G', max_parallel: int = 0,
-                 grace_seconds: int = 180) -> str:
+                 grace_seconds: int = _GRACE_SECONDS) -> str:
   """The text of a SLURM job array of one task per run, requeued on SIGTERM.
 
   Args:
@@ -88,42 +89,40 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
   return '\n'.join(lines)
 
 
-def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
-                     nodes: int, gpus_per_node: int, job_name: str,
-                     partition: str = '', time_limit: str = '24:00:00',
-                     cpus_per_task: int = 8, mem: str = '64G',
-                     grace_seconds: int = 180,
-                     heartbeat_timeout: int = 100) -> str:
-  """The text of a SLURM job of one process per GPU, requeued on exit 75.
+def write_multinode(run_argv: Sequence[str], workdir: str,
+                    fv: flags.FlagValues, job_name: str) -> str:
+  """Writes `workdir/run.sbatch` and `slurm/`; returns the script's path.
+
+  The script is a SLURM job of one process per GPU, requeued on exit 75.
 
   Args:
     run_argv: the run's `python -m otclr_jax.main ...`, without --distributed.
-    repo, workdir: the repository root (cwd); the log goes to workdir/slurm/.
-    nodes, gpus_per_node: the job's shape.
-    job_name, partition, time_limit, cpus_per_task, mem: `#SBATCH` settings;
-      an empty partition is left out; CPUs are per task, memory per node.
-    grace_seconds: how long before the time limit the SIGTERM comes.
-    heartbeat_timeout: `main --heartbeat_timeout`.
+    workdir: the run's directory; the job's log goes to workdir/slurm/.
+    fv: the flags of `define_job_flags`; an empty --partition is left out.
+    job_name: the job's name unless --job_name gives one.
   """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  rundir.check_directory(workdir, '--workdir')
+  nodes, gpus_per_node = fv.nodes, fv.gpus_per_node
   if nodes < 1 or gpus_per_node < 1:
     raise ValueError(f'A job needs >= 1 node and >= 1 GPU per node, got '
                      f'{nodes} x {gpus_per_node}.')
   argv = [*run_argv, '--distributed',
-          f'--heartbeat_timeout={heartbeat_timeout}']
+          f'--heartbeat_timeout={fv.heartbeat_timeout}']
   lines = ['#!/bin/bash',
-           f'#SBATCH --job-name={job_name}',
+           f'#SBATCH --job-name={fv.job_name or job_name}',
            f'#SBATCH --nodes={nodes}',
            f'#SBATCH --ntasks-per-node={gpus_per_node}',
            f'#SBATCH --gres=gpu:{gpus_per_node}',
-           f'#SBATCH --cpus-per-task={cpus_per_task}',
-           f'#SBATCH --mem={mem}',
-           f'#SBATCH --time={time_limit}',
+           f'#SBATCH --cpus-per-task={fv.cpus_per_task}',
+           f'#SBATCH --mem={fv.mem}',
+           f'#SBATCH --time={fv.time}',
            f'#SBATCH --output={workdir}/{rundir.SLURM_DIR}/%j.out',
            '#SBATCH --open-mode=append',
            '#SBATCH --requeue',
            # Without B: the signal goes to every task of the job's steps.
-           f'#SBATCH --signal=TERM@{grace_seconds}']
-  lines += [f'#SBATCH --partition={partition}'] if partition else []
+           f'#SBATCH --signal=TERM@{_GRACE_SECONDS}']
+  lines += [f'#SBATCH --partition={fv.partition}'] if fv.partition else []
   lines += [
       '',
       f'# One run on {nodes} node(s) x {gpus_per_node} GPU(s): one process '
@@ -132,7 +131,7 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
       '(stopped by SIGTERM,',
       '# checkpointed) requeues the job, which resumes.',
       'set -u',
-      f'cd {shlex.quote(repo)}',
+      f'cd {shlex.quote(REPO)}',
       '',
       f'srun {shlex.join(argv)}',
       'status=$?',
@@ -144,23 +143,7 @@ def multinode_script(run_argv: Sequence[str], repo: str, workdir: str, *,
       'fi',
       'exit $status',
       '']
-  return '\n'.join(lines)
-
-
-def write_multinode(run_argv: Sequence[str], workdir: str,
-                    fv: flags.FlagValues, job_name: str) -> str:
-  """Writes `workdir/run.sbatch` and `slurm/` (`multinode_script`); its path.
-
-  `fv` holds the `define_job_flags` flags; `job_name` is --job_name's default.
-  """
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  rundir.check_directory(workdir, '--workdir')
-  text = multinode_script(
-      run_argv, REPO, workdir, nodes=fv.nodes, gpus_per_node=fv.gpus_per_node,
-      job_name=fv.job_name or job_name, partition=fv.partition,
-      time_limit=fv.time, cpus_per_task=fv.cpus_per_task, mem=fv.mem,
-      heartbeat_timeout=fv.heartbeat_timeout)
-  return write_script(workdir, rundir.RUN_SCRIPT, text)
+  return write_script(workdir, rundir.RUN_SCRIPT, '\n'.join(lines))
 
 
 def write_script(workdir: str, name: str, text: str) -> str:
