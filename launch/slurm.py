@@ -163,14 +163,13 @@ def define_job_flags(fv: flags.FlagValues) -> None:
       ('mem', '64G', 'SLURM memory per node (per array task in a sweep).'),
       ('job_name', '', 'SLURM job name (default: the config or sweep file).')):
     flags.DEFINE_string(name, default, text, flag_values=fv)
-  flags.DEFINE_integer('cpus_per_task', 8, 'SLURM CPUs per task (per GPU).',
-                       flag_values=fv)
-  flags.DEFINE_integer('nodes', 1, 'SLURM nodes of one multi-node run.',
-                       flag_values=fv)
-  flags.DEFINE_integer('gpus_per_node', 1, 'GPUs per node; one process '
-                       'each.', flag_values=fv)
-  flags.DEFINE_integer('heartbeat_timeout', 100, 'Seconds after which the '
-                       'processes give up on a dead one.', flag_values=fv)
+  for name, default, text in (
+      ('cpus_per_task', 8, 'SLURM CPUs per task (per GPU).'),
+      ('nodes', 1, 'SLURM nodes of one multi-node run.'),
+      ('gpus_per_node', 1, 'GPUs per node; one process each.'),
+      ('heartbeat_timeout', 100, 'Seconds after which the processes give up '
+       'on a dead one.')):
+    flags.DEFINE_integer(name, default, text, flag_values=fv)
 
 
 def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:

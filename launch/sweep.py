@@ -201,7 +201,12 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
   """Trains and evaluates one unfinished run; `stop()` is a signal or None."""
   config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
-  report = lambda status, detail='': _report(head, Outcome(run, status, detail))
+
+  def report(status: str, detail: str = '') -> Outcome:
+    shown = 'FAILED' if status == 'failed' else status
+    print(f'{head}: {shown} {detail}'.rstrip(), flush=True)
+    return Outcome(run, status, detail)
+
   if run_state.is_finished(config, wd):
     print(f'{head}: finished, skipped', flush=True)
     return Outcome(run, 'finished')
@@ -259,12 +264,6 @@ def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
     return report('failed', f'evaluation wrote no usable {rundir.RESULTS_FILE} '
                   f'for step {run_state.final_step(config, wd)} ({why})')
   return report('done', elapsed())
-
-
-def _report(head: str, outcome: Outcome) -> Outcome:
-  status = 'FAILED' if outcome.status == 'failed' else outcome.status
-  print(f'{head}: {status} {outcome.detail}'.rstrip(), flush=True)
-  return outcome
 
 
 class RunConflictError(cli.UsageError):
