@@ -94,11 +94,10 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
 
 
 def _read(path: str) -> dict[str, Any]:
+  with open(path, 'rb') as f:
+    raw = f.read()
   try:
-    with open(path, 'rb') as f:
-      payload = serialization.msgpack_restore(f.read())
-  except OSError:
-    raise
+    payload = serialization.msgpack_restore(raw)
   except Exception as e:  # msgpack raises several unrelated types.
     raise ValueError(f'{path} is not a readable encoder file: {e}') from e
   if not isinstance(payload, dict) or payload.get('format') != FORMAT:
@@ -117,8 +116,8 @@ def load_encoder_config(path: str) -> dict[str, Any]:
 
 def _check_images(images, image_size: int) -> jax.Array:
   """The OT functions' input contract (`ot_checks`), plus the stored size."""
-  images = images if isinstance(images, jax.core.Tracer) else np.asarray(
-      images)
+  if not isinstance(images, jax.core.Tracer):
+    images = np.asarray(images)
   if images.ndim != 4 or images.shape[-1] != 3:
     raise ValueError(f'images must be [B, H, W, 3], got shape {images.shape}.')
   if images.shape[1:3] != (image_size, image_size):
@@ -260,7 +259,6 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 
 def main(argv: Sequence[str]) -> int:
   """`python -m otclr_jax.export`; docs/operations.md "Exit statuses"."""
-  out = None
   try:
     with rundir.stop_on_signals():
       parsed = config_files.parse_flags(argv, _define_flags, __doc__)
@@ -271,10 +269,10 @@ def main(argv: Sequence[str]) -> int:
         raise config_files.UsageError(
             'usage: python -m otclr_jax.export --workdir=DIR [--step=S] '
             '[--out=PATH]')
+      workdir = os.path.expanduser(fv.workdir)
+      rundir.check_directory(workdir, '--workdir')
       out = os.path.expanduser(fv.out) if fv.out else None
-      rundir.check_directory(os.path.expanduser(fv.workdir), '--workdir')
-      path, step = export_checkpoint(os.path.expanduser(fv.workdir), fv.step,
-                                     out)
+      path, step = export_checkpoint(workdir, fv.step, out)
   except rundir.StopRequested as e:
     print(f'Export stopped by {e.name}; nothing was written.',
           file=sys.stderr)
