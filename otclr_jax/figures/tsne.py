@@ -64,13 +64,12 @@ def classwise_silhouette(views: view_quality.ViewEmbeddings, labels: np.ndarray,
     {'simclr': [num_classes], 'otclr': [num_classes]}; NaN for no views.
   """
   labels = np.asarray(labels)
+  if len(np.unique(labels)) < 2:
+    return {g: np.full(num_classes, np.nan) for g in ('simclr', 'otclr')}
   both = np.concatenate([labels, labels])
   out = {}
   for generator in ('simclr', 'otclr'):
     z = np.concatenate(getattr(views, generator))
-    if len(np.unique(both)) < 2:
-      out[generator] = np.full(num_classes, np.nan)
-      continue
     values = sk_metrics.silhouette_samples(z, both)
     out[generator] = np.array([values[both == c].mean() if np.any(both == c)
                                else np.nan for c in range(num_classes)])
@@ -101,8 +100,7 @@ def _shade_coverage(ax, xy: np.ndarray, colour: str, lo: np.ndarray,
     return
   ax.contourf(gx, gy, density, levels=[level, density.max()], colors=[colour],
               alpha=0.18)
-  ax.contour(gx, gy, density, levels=[level], colors=[colour],
-             linewidths=0.9)
+  ax.contour(gx, gy, density, levels=[level], colors=[colour], linewidths=0.9)
 
 
 def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
@@ -129,10 +127,6 @@ def _view_table(ax, rows: dict[str, dict[str, Any]], note: str) -> None:
   ax.set_title('P = OTCLR views, S = SimCLR views', fontsize=8)
   ax.text(0.5, -0.02, note, transform=ax.transAxes, ha='center', va='top',
           fontsize=6, wrap=True)
-
-
-def _count(name: str, count: int) -> str:
-  return f'{name} ({count} image{"" if count == 1 else "s"})'
 
 
 def _fmt(value: Any) -> str:
@@ -180,11 +174,10 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   both = np.concatenate([labels, labels])
 
   extra_cells = dict(zip(extra, cells))
-  cell = iter(cells[len(extra):])
   if 'table' in extra:
     _view_table(fig.add_subplot(extra_cells['table']), view_rows, table_note)
-  for c in classes:
-    ax = fig.add_subplot(next(cell))
+  for c, cell in zip(classes, cells[len(extra):]):
+    ax = fig.add_subplot(cell)
     ax.scatter(every[:, 0], every[:, 1], s=1.5, color='0.85', lw=0,
                rasterized=True)
     for kind, xy in (('simclr', points['simclr'][both == c]),
@@ -197,23 +190,20 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
                  marker=style['marker'], color=style['color'],
                  alpha=1.0 if big else 0.6, lw=0.3 if big else 0,
                  ec='black' if big else None, zorder=3 if big else 2)
-    ax.set_xlim(lo[0], hi[0])
-    ax.set_ylim(lo[1], hi[1])
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set_title(_count(class_names[c], int(np.sum(labels == c))),
+    ax.set(xlim=(lo[0], hi[0]), ylim=(lo[1], hi[1]), xticks=[], yticks=[])
+    count = int(np.sum(labels == c))
+    ax.set_title(f'{class_names[c]} ({count} image{"" if count == 1 else "s"})',
                  fontsize=9)
     if thumbnails and c in thumbnails:
       inset = ax.inset_axes([0.76, 0.76, 0.22, 0.22])
       inset.imshow(thumbnails[c], interpolation='nearest')
-      inset.set_xticks([])
-      inset.set_yticks([])
+      inset.set(xticks=[], yticks=[])
   if 'silhouette' in extra:
     ax = fig.add_subplot(extra_cells['silhouette'])
     delta = silhouettes['otclr'] - silhouettes['simclr']
     shown = [c for c in range(len(class_names)) if np.isfinite(delta[c])]
     shown = shown[:max(max_classes, 1)]
-    values = np.array([delta[c] for c in shown])
+    values = delta[shown]
     ax.barh(np.arange(len(shown)), values,
             color=[common.VIEW_STYLES['otclr' if v > 0 else 'simclr']['color']
                    for v in values])
