@@ -20,6 +20,8 @@ from otclr_jax.figures import common
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Bundled with scikit-learn, so the figure needs no download.
 DEFAULT_SAMPLE_IMAGE = 'flower.jpg'
+
+
 def load_image(path: str | None, size: int) -> np.ndarray:
   """Centre-crops and resizes an image (None: scikit-learn's flower.jpg).
 
@@ -115,8 +117,7 @@ def plot_interpolation(linear: np.ndarray, displaced: np.ndarray,
     for col, alpha in enumerate(alphas):
       ax = axes[row, col]
       ax.imshow(np.clip(images[col], 0.0, 1.0), interpolation='nearest')
-      ax.set_xticks([])
-      ax.set_yticks([])
+      ax.set(xticks=[], yticks=[])
       if row == 0:
         ax.set_title(f'$\\alpha = {alpha:g}$')
       if col == 0:
@@ -124,6 +125,7 @@ def plot_interpolation(linear: np.ndarray, displaced: np.ndarray,
   if title:
     fig.suptitle(title)
   return fig
+
 
 def draw(out: str | os.PathLike[str], *, image: str | None = None,
          size: int = 128, grid_size: int = 16, epsilon: float = 0.05,

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple, Sequence
 
 from matplotlib import figure as mpl_figure
 import numpy as np
+from scipy import special
 
 from otclr_jax import data
 from otclr_jax import rundir
@@ -55,10 +56,7 @@ def probe_predictions(workdir: str, dataset: str,
   fitted = probe.load_probe(path)
   feats, labels = features.load_features(workdir, step, dataset, 'test',
                                          image_size)
-  logits = fitted.logits(feats).astype(np.float64)
-  logits -= logits.max(axis=1, keepdims=True)
-  probs = np.exp(logits)
-  probs /= probs.sum(axis=1, keepdims=True)
+  probs = special.softmax(fitted.logits(feats).astype(np.float64), axis=1)
   return Predictions(common.run_label(workdir, results), probs, labels,
                      image_size)
 
@@ -80,8 +78,7 @@ def plot_top5(image: np.ndarray, true_label: int, class_names: Sequence[str],
   axes = fig.subplots(1, 1 + len(preds), squeeze=False,
                       width_ratios=[0.8] + [1.0] * len(preds))[0]
   axes[0].imshow(image, interpolation='nearest')
-  axes[0].set_xticks([])
-  axes[0].set_yticks([])
+  axes[0].set(xticks=[], yticks=[])
   axes[0].set_title(f'test image #{index}\ntrue: {class_names[true_label]}',
                     fontsize=9)
   for ax, pred in zip(axes[1:], preds):
