@@ -274,8 +274,7 @@ def main(argv: Sequence[str]) -> int:
       out = os.path.expanduser(fv.out) if fv.out else None
       path, step = export_checkpoint(workdir, fv.step, out)
   except rundir.StopRequested as e:
-    print(f'Export stopped by {e.name}; nothing was written.',
-          file=sys.stderr)
+    print(f'Export stopped by {e.name}; nothing was written.', file=sys.stderr)
     return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     # This command's ValueErrors all describe its inputs.

@@ -76,10 +76,9 @@ def _adopted_config(fv: flags.FlagValues, workdir: str):
   """--config with the run's own result-changing settings, as evaluation
   takes them: a figure is of the run that was trained."""
   from otclr_jax import experiment  # pylint: disable=g-import-not-at-top
-  config = fv.config
   experiment.adopt_run_config(
-      config, workdir, config_flags.get_override_values(fv['config']))
-  return config
+      fv.config, workdir, config_flags.get_override_values(fv['config']))
+  return fv.config
 
 
 def _draw(figure: str, fv: flags.FlagValues) -> None:
@@ -151,8 +150,7 @@ def main(argv: Sequence[str]) -> int:
             '--help.')
       _draw(rest[0], fv)
   except rundir.StopRequested as e:
-    print(f'Figures stopped by {e.name}; rerun to draw them.',
-          file=sys.stderr)
+    print(f'Figures stopped by {e.name}; rerun to draw them.', file=sys.stderr)
     return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     # The figures' ValueErrors all describe their inputs.
