@@ -81,9 +81,7 @@ def plot_curves(runs: dict[str, dict[str, np.ndarray]],
       if (key == 'loss' and 'nce' in m
           and not np.allclose(m['nce'], m['loss'], equal_nan=True)):
         ax.plot(m['step'], m['nce'], color=colours[label], lw=1.0, ls='--')
-    if key == 'loss' and len(ax.get_lines()) > len(
-        [m for m in runs.values() if key in m]):
-      name = 'loss (solid), InfoNCE part (dashed)'
+        name = 'loss (solid), InfoNCE part (dashed)'
     ax.set_title(name, fontsize=9)
     ax.set_xlabel('step', fontsize=8)
     ax.tick_params(labelsize=7)
@@ -106,9 +104,9 @@ def curves_for_runs(workdirs: Sequence[str],
     raise ValueError('curves needs at least one --workdir run.')
   runs = {}
   for workdir in workdirs:
-    label = pathlib.Path(workdir).resolve().name
-    if label in runs:  # Two runs of the same name in different places.
-      label = str(pathlib.Path(workdir).resolve())
+    path = pathlib.Path(workdir).resolve()
+    # Two runs of the same name in different places: the full path.
+    label = str(path) if path.name in runs else path.name
     runs[label] = read_metrics(workdir)
   return common.save_figure(plot_curves(runs, 'Pretraining (metrics.jsonl)'),
                             out)

@@ -149,7 +149,7 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
                      f'{index}.')
   config = runs[0][1]
   test = data.load_split(dataset, 'test', preds[0].image_size,
-                                   config.data_dir or None)
+                         config.data_dir or None)
   true_label = int(preds[0].labels[index])
   if int(test.labels[index]) != true_label:
     raise ValueError(f'the cached features of {dataset} do not match its test '

@@ -156,16 +156,15 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
                      f'{ {k: v.shape for k, v in points.items()} }.')
   classes = [c for c in range(len(class_names)) if np.any(labels == c)]
   classes = classes[:max_classes]
-  extra = [p for p in ('table', 'silhouette')
-           if (view_rows if p == 'table' else silhouettes) is not None]
-  total = len(classes) + len(extra)
+  num_extra = sum(x is not None for x in (view_rows, silhouettes))
+  total = len(classes) + num_extra
   ncols = 4 if total <= 16 else int(np.ceil(np.sqrt(total)))
   nrows = -(-total // ncols)
   fig = mpl_figure.Figure(figsize=(3.0 * ncols, 3.0 * nrows + 0.6),
                           layout='constrained')
   grid = fig.add_gridspec(nrows, ncols)
   # Extras in column 0: silhouette labels widen the margin, not a gap.
-  first = [0, ncols][:len(extra)] if nrows > 1 else list(range(len(extra)))
+  first = [0, ncols][:num_extra] if nrows > 1 else list(range(num_extra))
   order = first + [i for i in range(total) if i not in first]
   cells = [grid[i // ncols, i % ncols] for i in order]
   every = np.concatenate([points['anchor'], points['simclr'], points['otclr']])
@@ -173,10 +172,10 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   lo, hi = every.min(axis=0) - pad, every.max(axis=0) + pad
   both = np.concatenate([labels, labels])
 
-  extra_cells = dict(zip(extra, cells))
-  if 'table' in extra:
-    _view_table(fig.add_subplot(extra_cells['table']), view_rows, table_note)
-  for c, cell in zip(classes, cells[len(extra):]):
+  extra_cells = iter(cells[:num_extra])
+  if view_rows is not None:
+    _view_table(fig.add_subplot(next(extra_cells)), view_rows, table_note)
+  for c, cell in zip(classes, cells[num_extra:]):
     ax = fig.add_subplot(cell)
     ax.scatter(every[:, 0], every[:, 1], s=1.5, color='0.85', lw=0,
                rasterized=True)
@@ -198,8 +197,8 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
       inset = ax.inset_axes([0.76, 0.76, 0.22, 0.22])
       inset.imshow(thumbnails[c], interpolation='nearest')
       inset.set(xticks=[], yticks=[])
-  if 'silhouette' in extra:
-    ax = fig.add_subplot(extra_cells['silhouette'])
+  if silhouettes is not None:
+    ax = fig.add_subplot(next(extra_cells))
     delta = silhouettes['otclr'] - silhouettes['simclr']
     shown = [c for c in range(len(class_names)) if np.isfinite(delta[c])]
     shown = shown[:max(max_classes, 1)]
@@ -291,13 +290,13 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
     raise ValueError(f'need at least 2 images, got n = {n}.')
   model, variables, step = evaluate.restore(config, workdir, step)
   test = data.load_split(dataset, 'test', config.image_size,
-                                   config.data_dir or None)
+                         config.data_dir or None)
   views = view_quality.view_embeddings(config, model, variables, test.images,
                                        num_images=n,
                                        batch_size=int(config.eval.batch_size))
-  results = rundir.read_results(workdir)
-  protocol = (results or {}).get('protocol', {})
-  if (results and results.get('views') and results.get('step') == step
+  results = rundir.read_results(workdir) or {}
+  protocol = results.get('protocol', {})
+  if (results.get('views') and results.get('step') == step
       and protocol.get('views_dataset') == dataset
       and protocol.get('views_num_images') == len(views.indices)
       and protocol.get('embedding', 'h') == views.embedding
