@@ -247,10 +247,9 @@ def draw_tsne(views: view_quality.ViewEmbeddings, test: data.Split,
   thumbnails = {}
   for row, label in zip(views.indices, labels):
     thumbnails.setdefault(int(label), test.images[row])
+  silhouettes = classwise_silhouette(views, labels, test.num_classes)
   fig = plot_tsne(points, labels, test.class_names, thumbnails=thumbnails,
-                  view_rows=view_rows,
-                  silhouettes=classwise_silhouette(views, labels,
-                                                   test.num_classes),
+                  view_rows=view_rows, silhouettes=silhouettes,
                   table_note=table_note, title=title, max_classes=max_classes)
   return common.save_figure(fig, out)
 
