@@ -8,6 +8,7 @@ std with ddof = 1. Bold marks each column's best within a block of comparable ro
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any, NamedTuple, Sequence
@@ -144,7 +145,6 @@ def _cell_text(cell, bold, digits, fmt) -> str:
 
 
 def _render(spec: _Spec, rows: Sequence[_Row], fmt: str) -> str:
-  _check_fmt(fmt)
   flags = _best_flags(rows, spec)
   body = [[_cell_text(cell, flag, digits, fmt)
            for cell, flag, digits in zip(row.cells, row_flags, spec.digits)]
@@ -169,12 +169,8 @@ def _latex_header(spec: _Spec) -> list[str]:
   def bold(text: str, raw: bool = False) -> str:
     return _bold(text if raw else _escape(text, 'latex'), 'latex')
 
-  groups: list[tuple[str, int]] = []
-  for group, _ in spec.columns:
-    if groups and groups[-1][0] == group:
-      groups[-1] = (group, groups[-1][1] + 1)
-    else:
-      groups.append((group, 1))
+  groups = [(group, len(list(members))) for group, members
+            in itertools.groupby(g for g, _ in spec.columns)]
   if not any(sub for _, sub in spec.columns):
     return [' & '.join([bold(h) for h in spec.label_headers] +
                        [bold(g, spec.raw_headers) for g, _ in groups])
@@ -197,17 +193,15 @@ def _render_latex(spec, rows, body) -> str:
            *_latex_header(spec), r'\midrule']
   labels = [[_escape(l, 'latex') for l in row.labels] for row in rows]
   for col in range(spec.merge_labels):
-    i = 0
-    while i < len(rows):
-      j = i + 1
-      prefix = rows[i].labels[:col + 1]
-      while j < len(rows) and rows[j].labels[:col + 1] == prefix:
-        j += 1
-      if j - i > 1:
-        labels[i][col] = rf'\multirow{{{j - i}}}{{*}}{{{labels[i][col]}}}'
-      for k in range(i + 1, j):
+    start = 0
+    for _, same in itertools.groupby(row.labels[:col + 1] for row in rows):
+      span = len(list(same))
+      if span > 1:
+        labels[start][col] = (
+            rf'\multirow{{{span}}}{{*}}{{{labels[start][col]}}}')
+      for k in range(start + 1, start + span):
         labels[k][col] = ''
-      i = j
+      start += span
   for i, (row, cells) in enumerate(zip(rows, body)):
     if i and row.section != rows[i - 1].section:
       lines.append(r'\midrule')
@@ -229,8 +223,11 @@ def _datasets(groups, section: str) -> list[str]:
           + [d for d in seen if d not in aggregate.DATASET_ORDER])
 
 
-def _several_settings(groups) -> bool:
-  return len({g['setting'] for g in groups}) > 1
+def _groups(results, fmt: str) -> tuple[list[dict[str, Any]], bool]:
+  """The runs' rows (`aggregate.aggregate`) and whether settings differ."""
+  _check_fmt(fmt)
+  groups = aggregate.aggregate(results)
+  return groups, len({g['setting'] for g in groups}) > 1
 
 
 def _last_of_setting(groups, i: int) -> bool:
@@ -268,9 +265,8 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   if unknown or not metrics:
     raise ValueError(f'metrics must be a non-empty subset of '
                      f'{tuple(LINEAR_METRICS)}, got {tuple(metrics)}.')
-  groups = aggregate.aggregate(results)
+  groups, several = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
-  several = _several_settings(groups)
   spec = _Spec(label_headers=('Method',),
                columns=tuple((dataset_name(d), LINEAR_METRICS[m])
                              for d in datasets for m in metrics),
@@ -284,15 +280,13 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   floors = aggregate.floors(results) if include_random_init else {}
   rows = []
   for i, g in enumerate(groups):
-    setting = g['setting']
-    suffix = _suffix(g, several)
-    clean = g.get('linear_clean_bn')
-    name = g['title']
-    rows.append(_Row((name + (BN_STORED_LABEL if clean else '') + suffix,),
-                     cells(g['linear']), block=setting,
-                     highlight=g['method'] == 'otclr', section=setting))
-    if clean:
-      rows.append(_Row((name + BN_CLEAN_LABEL + suffix,), cells(clean),
+    setting, suffix = g['setting'], _suffix(g, several)
+    probes = [('', g['linear'])]
+    if g['linear_clean_bn']:
+      probes = [(BN_STORED_LABEL, g['linear']),
+                (BN_CLEAN_LABEL, g['linear_clean_bn'])]
+    for bn_label, probe in probes:
+      rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
                        block=setting, highlight=g['method'] == 'otclr',
                        section=setting))
     if _last_of_setting(groups, i) and floors.get(setting):
@@ -305,8 +299,7 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
                    *, datasets: Sequence[str] | None = None,
                    include_random_init: bool = True) -> str:
   """Pretraining dataset x batch size x method, 'Top-1 / Top-5' cells."""
-  _check_fmt(fmt)
-  groups = aggregate.aggregate(results)
+  groups, _ = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Pretraining Dataset', 'Batch Size', 'Method'),
                columns=tuple((dataset_name(d), 'Top-1 / Top-5')
@@ -336,9 +329,7 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
 def augmentation_table(results: Sequence[dict[str, Any]],
                        fmt: str = 'markdown') -> str:
   """Cluster and view metrics of the two view generators per encoder."""
-  _check_fmt(fmt)
-  groups = aggregate.aggregate(results)
-  several = _several_settings(groups)
+  groups, several = _groups(results, fmt)
   keys = CLUSTER_METRICS + VIEW_METRICS
   arrows = {1: ' ↑', -1: ' ↓'} if fmt == 'markdown' else {
       1: r' $\uparrow$', -1: r' $\downarrow$'}
@@ -349,8 +340,7 @@ def augmentation_table(results: Sequence[dict[str, Any]],
                digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
   rows = []
   for g in groups:
-    encoder = g['title']
-    encoder += _suffix(g, several)
+    encoder = g['title'] + _suffix(g, several)
     for generator in sorted(g['views'], key=aggregate.method_rank):
       values = g['views'][generator]
       rows.append(_Row((encoder, aggregate.method_name(generator)),
@@ -363,9 +353,7 @@ def augmentation_table(results: Sequence[dict[str, Any]],
 def cluster_table(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
   """K-means cluster metrics of the test features, rows dataset x method."""
-  _check_fmt(fmt)
-  groups = aggregate.aggregate(results)
-  several = _several_settings(groups)
+  groups, several = _groups(results, fmt)
   spec = _Spec(label_headers=('Dataset', 'Method'),
                columns=tuple((h, '') for _, h, _ in CLUSTER_METRICS),
                directions=tuple(d for _, _, d in CLUSTER_METRICS),
@@ -438,8 +426,7 @@ def paired_table(results: Sequence[dict[str, Any]],
             else titles.get(r['baseline'],
                             aggregate.method_name(r['baseline'])))
     title = titles.get(r['method'], aggregate.method_name(r['method']))
-    comparison = f'{title} − {base}'
-    comparison += _suffix(r, several)
+    comparison = f'{title} − {base}' + _suffix(r, several)
     per_seed = ', '.join(f'seed {s}: {d:+.2f}'
                          for s, d in zip(r['seeds'], r['differences']))
     if r.get('unpaired'):
