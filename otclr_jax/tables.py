@@ -432,26 +432,25 @@ def paired_table(results: Sequence[dict[str, Any]],
     if r.get('unpaired'):
       per_seed += ('; without a pair: seed '
                    + ', '.join(str(s) for s in r['unpaired']))
-    mean = _value_text(r, 2, fmt)
-    body.append([dataset_name(r['dataset']), comparison, names[r['metric']],
-                 per_seed, mean,
-                 _EMPTY[fmt] if math.isnan(r['t']) else f'{r["t"]:.2f}',
-                 _EMPTY[fmt] if math.isnan(r['p']) else f'{r["p"]:.3f}',
-                 f'{r["wins"]}/{r["n"]}'])
+    labels = (dataset_name(r['dataset']), comparison, names[r['metric']],
+              per_seed)
+    # Only the labels are text to escape: the rest are numbers or, in LaTeX,
+    # already markup (the mean's $\pm$).
+    body.append([_escape(c, fmt) for c in labels] + [
+        _value_text(r, 2, fmt),
+        _EMPTY[fmt] if math.isnan(r['t']) else f'{r["t"]:.2f}',
+        _EMPTY[fmt] if math.isnan(r['p']) else f'{r["p"]:.3f}',
+        f'{r["wins"]}/{r["n"]}'])
   if fmt == 'markdown':
-    lines = ['| ' + ' | '.join(headers) + ' |',
-             '| ' + ' | '.join([':--'] * 3 + ['--:'] * 5) + ' |']
-    lines += ['| ' + ' | '.join(_escape(c, fmt) for c in row) + ' |'
-              for row in body]
+    align = [':--'] * 3 + ['--:'] * 5
+    lines = ['| ' + ' | '.join(row) + ' |' for row in [headers, align, *body]]
     return '\n'.join(lines) + '\n'
-  lines = [r'\begin{tabular}{lllccccc}', r'\toprule',
-           ' & '.join(_bold(_escape(h, fmt).replace('±', _PM[fmt].strip()),
-                            fmt) for h in headers) + r' \\',
+  header = ' & '.join(
+      _bold(_escape(h, fmt).replace('±', _PM[fmt].strip()), fmt)
+      for h in headers)
+  lines = [r'\begin{tabular}{lllccccc}', r'\toprule', header + r' \\',
            r'\midrule']
-  for row in body:
-    cells = [_escape(c, fmt) for c in row[:4]] + [row[4]] + [
-        _escape(c, fmt) for c in row[5:]]
-    lines.append(' & '.join(c.replace('−', '$-$') for c in cells) + r' \\')
+  lines += [' & '.join(row).replace('−', '$-$') + r' \\' for row in body]
   lines += [r'\bottomrule', r'\end{tabular}']
   return '\n'.join(lines) + '\n'
 
