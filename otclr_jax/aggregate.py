@@ -151,35 +151,26 @@ def _sort_key(key: RunKey):
   return (key[0], -key[1], key[3], method_rank(key[2]))
 
 
-def _run_fields(keys: Sequence[RunKey]) -> dict[str, set[str]]:
-  """The setting names each run id's rows have (a method reads its block)."""
-  fields: dict[str, set[str]] = {}
-  for key in keys:
-    fields.setdefault(key[2], set()).update(name for name, _ in key[3])
-  return fields
-
-
-def _differing(keys: Sequence[RunKey]) -> list[str]:
-  """The setting names whose values differ between the given runs; a field
-  that rows of one run id lack and others have differs too."""
+def _labels(keys: Sequence[RunKey]) -> dict[RunKey, str]:
+  """'ot.epsilon=0.05, optim.base_lr=0.3' per run: its values of the settings
+  that differ between the runs; a field that rows of one run id lack and
+  others have differs too (a method reads its block)."""
+  fields: dict[str, set[str]] = {}  # the setting names of each run id's rows
   values: dict[str, set[str]] = {}
   for key in keys:
+    fields.setdefault(key[2], set()).update(name for name, _ in key[3])
     for name, value in key[3]:
       values.setdefault(name, set()).add(value)
   names = {n for n, v in values.items() if len(v) > 1}
-  fields = _run_fields(keys)
   for key in keys:
     names |= fields[key[2]] - {name for name, _ in key[3]}
-  return sorted(names)
-
-
-def _label(key: RunKey, names: Sequence[str],
-           keys: Sequence[RunKey]) -> str:
-  """'ot.epsilon=0.05, optim.base_lr=0.3': the run's values of `names`."""
-  own = dict(key[3])
-  fields = _run_fields(keys)[key[2]]
-  return ', '.join(f'{n}={_plain(own[n]) if n in own else "(absent)"}'
-                   for n in names if n in own or n in fields)
+  labels = {}
+  for key in keys:
+    own = dict(key[3])
+    labels[key] = ', '.join(
+        f'{n}={_plain(own[n]) if n in own else "(absent)"}'
+        for n in sorted(names) if n in own or n in fields[key[2]])
+  return labels
 
 
 def _plain(text: str) -> str:
@@ -203,14 +194,14 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   groups: dict[RunKey, list[dict[str, Any]]] = {}
   for result in results:
     groups.setdefault(_run_key(result), []).append(result)
-  names = _differing(list(groups))
+  labels = _labels(list(groups))
   out = []
   for key in sorted(groups, key=_sort_key):
     runs = groups[key]
     group = {'pretrain_dataset': key[0], 'batch_size': key[1],
              'method': key[2],
              'title': runs[0].get('title') or method_name(key[2]),
-             'label': _label(key, names, list(groups)),
+             'label': labels[key],
              'settings': {n: json.loads(v) for n, v in key[3]},
              'setting': _setting_of(key),
              'n': len(runs),
@@ -295,7 +286,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
   for result in results:
     by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
                                                        result)
-  names = _differing(list(by_run))
+  labels = _labels(list(by_run))
   rows = []
   for key in sorted(by_run, key=_sort_key):
     pretrain, batch, run, settings = key
@@ -314,7 +305,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
               _by_seed(base_runs, base_section, dataset, metric))
           if paired:
             rows.append({'pretrain_dataset': pretrain, 'batch_size': batch,
-                         'label': _label(key, names, list(by_run)),
+                         'label': labels[key],
                          'method': run, 'baseline': baseline,
                          'dataset': dataset, 'metric': metric, **paired})
   metrics = [m for m, _ in PAIRED_METRICS]
