@@ -14,7 +14,6 @@ Override config fields as `--config.a.b=v`.
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 from absl import app

@@ -112,14 +112,10 @@ def make_pot(s: OTSettings, pot) -> Callable:
   cost = ot.grid_cost(m)
   index, weight = numpy_splat_tables(m, s.alpha)
   flat_index = index.ravel()
-  measures = jax.jit(functools.partial(_measures, s=s))
-
-  @functools.partial(jax.jit, static_argnums=(3, 4))
-  def reconstruct(p_bar, mass, offset, height, width):
-    return _reconstruct(p_bar, mass, offset, height, width)
+  measure, _, _, reconstruct = make_stages(s)
 
   def views(x, x_strong):
-    a, b, mass, offset = measures(x, x_strong)
+    a, b, mass, offset = measure(x, x_strong)
     a = np.asarray(a, np.float64).reshape(a.shape[0], -1)
     b = np.asarray(b, np.float64).reshape(b.shape[0], -1)
     p_bar = np.empty_like(a)
