@@ -230,12 +230,6 @@ def _groups(results, fmt: str) -> tuple[list[dict[str, Any]], bool]:
   return groups, len({g['setting'] for g in groups}) > 1
 
 
-def _last_of_setting(groups, i: int) -> bool:
-  """Whether group i is the last of its setting (the groups' 'setting')."""
-  return (i + 1 == len(groups)
-          or groups[i + 1]['setting'] != groups[i]['setting'])
-
-
 def _suffix(g: dict[str, Any], several: bool) -> str:
   """' (Digits, b=64, ot.epsilon=0.05)': the setting if `several`, the label."""
   parts = ([dataset_name(g['pretrain_dataset']), f'b={g["batch_size"]}']
@@ -279,17 +273,18 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
 
   floors = aggregate.floors(results) if include_random_init else {}
   rows = []
-  for i, g in enumerate(groups):
-    setting, suffix = g['setting'], _suffix(g, several)
-    probes = [('', g['linear'])]
-    if g['linear_clean_bn']:
-      probes = [(BN_STORED_LABEL, g['linear']),
-                (BN_CLEAN_LABEL, g['linear_clean_bn'])]
-    for bn_label, probe in probes:
-      rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
-                       block=setting, highlight=g['method'] == 'otclr',
-                       section=setting))
-    if _last_of_setting(groups, i) and floors.get(setting):
+  for setting, members in itertools.groupby(groups, lambda g: g['setting']):
+    for g in members:
+      suffix = _suffix(g, several)
+      probes = [('', g['linear'])]
+      if g['linear_clean_bn']:
+        probes = [(BN_STORED_LABEL, g['linear']),
+                  (BN_CLEAN_LABEL, g['linear_clean_bn'])]
+      for bn_label, probe in probes:
+        rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
+                         block=setting, highlight=g['method'] == 'otclr',
+                         section=setting))
+    if floors.get(setting):  # labelled as the setting's last row
       rows.append(_Row((FLOOR_LABEL + suffix,), cells(floors[setting]),
                        section=(setting, 'floor')))
   return _render(spec, rows, fmt)
@@ -313,14 +308,13 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
                   section.get(d, {}).get('top5')) for d in datasets)
 
   rows = []
-  for i, g in enumerate(groups):
-    setting = g['setting']
+  for setting, members in itertools.groupby(groups, lambda g: g['setting']):
     labels = (dataset_name(setting[0]), str(setting[1]))
-    rows.append(_Row(labels + (g['title'] + _suffix(g, False),),
-                     cells(g['linear']),
-                     block=setting, highlight=g['method'] == 'otclr',
-                     section=setting[0]))
-    if _last_of_setting(groups, i) and floors.get(setting):
+    rows += [_Row(labels + (g['title'] + _suffix(g, False),),
+                  cells(g['linear']), block=setting,
+                  highlight=g['method'] == 'otclr', section=setting[0])
+             for g in members]
+    if floors.get(setting):
       rows.append(_Row(labels + (FLOOR_LABEL,), cells(floors[setting]),
                        section=setting[0]))
   return _render(spec, rows, fmt)
