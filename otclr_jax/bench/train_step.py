@@ -38,6 +38,7 @@ def _splits(config, num_train: int, seed: int):
 class Variant:
   """One compiled training step of the `train` table."""
   title: str  # the run's, e.g. 'OTCLR'
+  model: Any
   step: Any
   state: Any
   step_flops: float
@@ -62,7 +63,7 @@ def _compile_variant(config, batch, key, mesh) -> Variant:
   variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
   fwd = jax.jit(lambda v, x: run.model.apply(v, x, train=False))
   return Variant(
-      run.title, compiled, state, common.flops(compiled),
+      run.title, run.model, compiled, state, common.flops(compiled),
       common.flops(fwd.lower(variables, views_in).compile()),
       step_lib.pretraining_params(state) / 1e6,
       experiment.count_params(state.params['net']['encoder']) / 1e6)
@@ -73,27 +74,25 @@ def _time_views(base, clean, repeats: int) -> dict[str, float]:
   otc = base.ot
   views_ms = {}
   for core in ot.CORES:
-    views_fn = jax.jit(functools.partial(
-        lambda x, s1, s2, core: (
-            ot.ot_views(x, s1, otc.alpha, otc.grid_size, otc.epsilon,
-                        otc.num_iters, core),
-            ot.ot_views(x, s2, otc.alpha, otc.grid_size, otc.epsilon,
-                        otc.num_iters, core)), core=core))
-    views_ms[core], _ = common.time_ms(views_fn, clean, clean[::-1], clean,
-                                repeats=2 * repeats, min_time_s=1.0)
+    views = functools.partial(
+        ot.ot_views, alpha=otc.alpha, grid_size=otc.grid_size,
+        epsilon=otc.epsilon, num_iters=otc.num_iters, core=core)
+    both = jax.jit(
+        lambda x, s1, s2, views=views: (views(x, s1), views(x, s2)))
+    views_ms[core], _ = common.time_ms(both, clean, clean[::-1], clean,
+                                       repeats=2 * repeats, min_time_s=1.0)
   return views_ms
 
 
 def _time_stages(base, views: str, variant: Variant, clean, key,
                  repeats: int) -> tuple[float, float]:
   """Median ms of the SimCLR step's views and network fwd+bwd, jitted apart."""
-  from otclr_jax import experiment, views as views_lib  # pylint: disable=g-import-not-at-top
+  from otclr_jax import views as views_lib  # pylint: disable=g-import-not-at-top
   config = base.copy_and_resolve_references()
   config.method, config.views = 'simclr', views
   make = jax.jit(lambda x, k: views_lib.make_views(config, x, k)[:2])
   views_ms, _ = common.time_ms(make, clean, key, repeats=2 * repeats)
-  model = experiment.create_model(config)
-  batch_stats = variant.state.batch_stats
+  model, batch_stats = variant.model, variant.state.batch_stats
 
   def outputs(params, x):
     out, _ = model.apply({'params': params, 'batch_stats': batch_stats}, x,
@@ -165,10 +164,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
       jax.block_until_ready(metrics)
       v.times.append(time.perf_counter() - start)
   peak = common.matmul_peak_gflops()
-  config = base.copy_and_resolve_references()
-  config.method, config.views = 'simclr', 'ot'
-  model = experiment.create_model(config)
-  state = variants[otclr].state
+  model, state = variants[otclr].model, variants[otclr].state
   encoder_vars = {'params': state.params['net'],
                   'batch_stats': state.batch_stats}
   encode = jax.jit(lambda v, x: model.apply(v, x, train=False)[0])
@@ -176,7 +172,7 @@ def run_train(base, fv: flags.FlagValues) -> int:
   eval_compiled = encode.lower(encoder_vars, clean).compile()
   eval_flops = common.flops(eval_compiled)
   eval_ms, _ = common.time_ms(eval_compiled, encoder_vars, clean,
-                       repeats=2 * fv.repeats)
+                              repeats=2 * fv.repeats)
   monitor_ms, monitor_images = _time_monitor(base, model, state, splits,
                                              fv.repeats)
   views_ms = _time_views(base, clean, fv.repeats)
@@ -188,15 +184,16 @@ def run_train(base, fv: flags.FlagValues) -> int:
         f'{base.model.conv_impl}, {len(jax.devices())} x '
         f'{device.device_kind} ({device.platform}); median of {fv.repeats} '
         f'alternated steps; GFLOPs per image pair, forward')
-  rows = [dict(stage='Pretraining', method=v.label, params_m=v.params_m,
-               gflops=v.fwd_flops / batch_size / 1e9, step_ms=v.ms,
-               throughput=1e3 * batch_size / v.ms)
+
+  def row(stage, method, params_m, flops, ms):
+    return dict(stage=stage, method=method, params_m=params_m,
+                gflops=flops / batch_size / 1e9, step_ms=ms,
+                throughput=1e3 * batch_size / ms)
+
+  rows = [row('Pretraining', v.label, v.params_m, v.fwd_flops, v.ms)
           for v in variants.values()]
-  rows += [dict(stage='Linear eval.', method=variants[f'{m}/augment'].title,
-                params_m=variants[f'{m}/augment'].eval_params_m,
-                gflops=eval_flops / batch_size / 1e9, step_ms=eval_ms,
-                throughput=1e3 * batch_size / eval_ms)
-           for m in names]
+  rows += [row('Linear eval.', v.title, v.eval_params_m, eval_flops, eval_ms)
+           for v in (variants[f'{m}/augment'] for m in names)]
   print(tables.complexity_table(rows))
   print(f'\nfloat32 matmul peak ({common.PEAK_MATMUL_SIZE}^2, same run): '
         f'{peak:.1f} GFLOP/s. Achieved (XLA cost analysis of the step / '
