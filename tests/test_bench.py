@@ -167,9 +167,10 @@ def test_train_bench_prints_complexity_table(tmp_path, capsys):
   assert re.search(r'float32 matmul peak \(2048\^2, same run\): [\d.]+ '
                    r'GFLOP/s', out)
   # Every method with both view generators; MoCo and BYOL count their
-  # targets (two encoders): MoCo 23.01M, BYOL 30.77M with its 4096-wide
-  # projector and predictor; DINO its teacher (and its larger head).
-  for title, params in (('MoCo', '23'), ('BYOL', '30'), ('DINO', '\\d+')):
+  # targets (two encoders): MoCo 22.39M, twice SimCLR's network with this
+  # 32-16 head; BYOL 30.77M with its 4096-wide projector and predictor;
+  # DINO its teacher (and its larger head).
+  for title, params in (('MoCo', '22'), ('BYOL', '30'), ('DINO', '\\d+')):
     for label in (title, f'{title} \\+ OT views'):
       assert re.search(rf'\| Pretraining \| {label} \| {params}\.\d\d \|',
                        out), label
