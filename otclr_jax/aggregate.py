@@ -2,8 +2,9 @@
 
 The seeds of a run are one row: runs whose stored configs agree in every
 result-changing field but the seed, evaluation settings included
-(`rundir.evaluation_identity`), probed the same way. A row's numbers are
-`stat`s, `46.90 ± 0.40 (n=3)` with std at ddof = 1.
+(`rundir.evaluation_identity`), probed the same way. A seed counts once
+(its first result), in rows, floors and paired differences alike. A row's
+numbers are `stat`s, `46.90 ± 0.40 (n=3)` with std at ddof = 1.
 """
 
 from __future__ import annotations
@@ -148,13 +149,16 @@ def _setting_of(key: RunKey) -> tuple:
 
 def _sort_key(key: RunKey):
   # Batch sizes descending, as in the paper (512 before 256).
-  return (key[0], -key[1], key[3], method_rank(key[2]))
+  # A setting's rows stay together, whatever their methods' own blocks.
+  return (key[0], -key[1], _setting_of(key)[2], method_rank(key[2]), key[3])
 
 
-def _labels(keys: Sequence[RunKey]) -> dict[RunKey, str]:
+def _labels(keys: Sequence[RunKey], shared: bool = False
+            ) -> dict[RunKey, str]:
   """'ot.epsilon=0.05, optim.base_lr=0.3' per run: its values of the settings
   that differ between the runs; a field that rows of one run id lack and
-  others have differs too (a method reads its block)."""
+  others have differs too (a method reads its block). `shared`: of the
+  settings but the methods' blocks (those of its floor)."""
   fields: dict[str, set[str]] = {}  # the setting names of each run id's rows
   values: dict[str, set[str]] = {}
   for key in keys:
@@ -164,6 +168,8 @@ def _labels(keys: Sequence[RunKey]) -> dict[RunKey, str]:
   names = {n for n, v in values.items() if len(v) > 1}
   for key in keys:
     names |= fields[key[2]] - {name for name, _ in key[3]}
+  if shared:
+    names = {n for n in names if not n.startswith(_METHOD_PREFIXES)}
   labels = {}
   for key in keys:
     own = dict(key[3])
@@ -188,20 +194,22 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   Returns:
     One dict per group, in table order: 'pretrain_dataset', 'batch_size',
     'method' (`run_id`), 'title', 'label' (how it differs from other groups),
-    'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
+    'floor_label' (the same without the methods' blocks), 'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
     results with each finite number replaced by its `stat` over the runs.
   """
-  groups: dict[RunKey, list[dict[str, Any]]] = {}
+  groups: dict[RunKey, dict[Any, dict[str, Any]]] = {}
   for result in results:
-    groups.setdefault(_run_key(result), []).append(result)
+    groups.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
+                                                       result)
   labels = _labels(list(groups))
+  floor_labels = _labels(list(groups), shared=True)
   out = []
   for key in sorted(groups, key=_sort_key):
-    runs = groups[key]
+    runs = list(groups[key].values())
     group = {'pretrain_dataset': key[0], 'batch_size': key[1],
              'method': key[2],
              'title': runs[0].get('title') or method_name(key[2]),
-             'label': labels[key],
+             'label': labels[key], 'floor_label': floor_labels[key],
              'settings': {n: json.loads(v) for n, v in key[3]},
              'setting': _setting_of(key),
              'n': len(runs),
@@ -217,8 +225,12 @@ def floors(results: Sequence[dict[str, Any]]) -> dict[tuple, Any]:
   """random_init stats per setting (`_setting_of`), one run per seed."""
   by_setting: dict[tuple, dict[Any, dict[str, Any]]] = {}
   for result in results:
-    by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
-        result.get('seed'), result.get('random_init') or {})
+    seed = by_setting.setdefault(_setting_of(_run_key(result)), {}).setdefault(
+        result.get('seed'), {})
+    # Per value: runs of one seed may have evaluated other datasets.
+    for dataset, values in (result.get('random_init') or {}).items():
+      for metric, value in values.items():
+        seed.setdefault(dataset, {}).setdefault(metric, value)
   return {k: aggregate_tree(list(v.values())) for k, v in by_setting.items()}
 
 
@@ -238,6 +250,9 @@ def _baseline(run: str) -> str | None:
   return run[:-len('+ot')] if run.endswith('+ot') else None
 
 
+_NO_SPREAD = 1e-9
+
+
 def _paired(values: dict[Any, float], base: dict[Any, float]
             ) -> dict[str, Any] | None:
   """The paired comparison of `values` with `base` over their common seeds."""
@@ -247,7 +262,9 @@ def _paired(values: dict[Any, float], base: dict[Any, float]
   diffs = [values[s] - base[s] for s in seeds]
   summary = stat(diffs)
   t, p = math.nan, math.nan
-  if summary['std'] > 0:
+  # Accuracies are multiples of 100 / N: equal gains can differ in their last
+  # bits, which is no spread (t would be ~1e13).
+  if summary['std'] > _NO_SPREAD * max(1.0, *(abs(d) for d in diffs)):
     # Student's paired t-test, two-sided, n - 1 degrees of freedom.
     from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
     t = summary['mean'] / (summary['std'] / math.sqrt(len(diffs)))

@@ -284,8 +284,9 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
         rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
                          block=setting, highlight=g['method'] == 'otclr',
                          section=setting))
-    if floors.get(setting):  # labelled as the setting's last row
-      rows.append(_Row((FLOOR_LABEL + suffix,), cells(floors[setting]),
+    if floors.get(setting):
+      floor_suffix = _suffix({**g, 'label': g['floor_label']}, several)
+      rows.append(_Row((FLOOR_LABEL + floor_suffix,), cells(floors[setting]),
                        section=(setting, 'floor')))
   return _render(spec, rows, fmt)
 

@@ -135,3 +135,59 @@ def test_other_methods_blocks_do_not_label_a_row():
   results = [configured_results('byol', 0, 94.7, 30.0),
              configured_results('dino', 0, 70.0, 30.0)]
   assert [r['label'] for r in aggregate.aggregate(results)] == ['', '']
+
+
+def test_equal_gains_in_test_images_have_no_t_statistic():
+  # +1 of 360 test images on every seed: the differences are equal in exact
+  # arithmetic (5/18) but not in float64, where scipy's ttest_rel gives t ~ 6e13.
+  acc = lambda count: 100.0 * float(np.mean(np.arange(360) < count))
+  results = []
+  for seed, count in enumerate((344, 339, 349)):
+    results += [run_results('otclr', seed, acc(count + 1), 10.0),
+                run_results('simclr', seed, acc(count), 10.0)]
+  row, = [r for r in aggregate.paired_differences(results)
+          if (r['baseline'], r['metric'], r['dataset'])
+          == ('simclr', 'top1', 'cifar10')]
+  assert np.isnan(row['t']) and np.isnan(row['p'])
+  assert row['mean'] == pytest.approx(100 / 360)
+
+
+def test_a_seed_evaluated_twice_counts_once():
+  results = [configured_results('otclr', seed, top1, 10.0,
+                                **{'eval.probe_steps': steps})
+             for seed, top1 in ((0, 46.0), (1, 48.0)) for steps in (500, 1000)]
+  group, = aggregate.aggregate(results)
+  assert (group['n'], group['seeds']) == (2, [0, 1])
+  top1 = group['linear']['cifar10']['top1']
+  assert top1['n'] == 2
+  np.testing.assert_allclose([top1['mean'], top1['std']],
+                             [47.0, np.std([46.0, 48.0], ddof=1)], rtol=1e-12)
+
+
+def test_the_floor_takes_each_seeds_datasets_from_all_its_runs():
+  cifar_only = run_results('simclr', 0, 40.0, 10.0)
+  with_svhn = [run_results('otclr', seed, 46.0, 10.0) for seed in (0, 1)]
+  for result, value in zip(with_svhn, (20.0, 22.0)):
+    result['random_init']['svhn_cropped'] = {'top1': value, 'top5': 60.0}
+  for order in ([cifar_only, *with_svhn], [*with_svhn, cifar_only]):
+    floor, = aggregate.floors(order).values()
+    svhn = floor['svhn_cropped']['top1']
+    assert svhn['n'] == 2
+    np.testing.assert_allclose([svhn['mean'], svhn['std']],
+                               [21.0, np.std([20.0, 22.0], ddof=1)])
+
+
+def test_rows_keep_their_setting_together_in_method_order():
+  # MoCo's own block must not split the rows of one setting.
+  results = [configured_results(method, 0, 40.0, floor,
+                                **{'ot.epsilon': epsilon})
+             for method in ('moco', 'simclr')
+             for epsilon, floor in ((0.05, 10.0), (0.5, 20.0))]
+  order = [(g['settings']['ot.epsilon'], g['method'])
+           for g in aggregate.aggregate(results)]
+  assert order == [(0.05, 'simclr'), (0.05, 'moco'), (0.5, 'simclr'),
+                   (0.5, 'moco')]
+  single = aggregate.aggregate([configured_results(m, 0, 40.0, 10.0) for m in
+                                ('dino', 'byol', 'moco', 'otclr', 'simclr')])
+  assert [g['method'] for g in single] == ['simclr', 'otclr', 'moco', 'byol',
+                                           'dino']

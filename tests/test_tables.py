@@ -212,3 +212,15 @@ def test_a_probe_that_stopped_short_is_called_out_above_the_tables():
             < report.index('Linear probe and kNN')), fmt
     assert 'SimCLR seed 0' not in report
   assert 'Not at their optimum' not in tables.render_report([done])
+
+
+def test_the_floor_row_is_labelled_by_its_setting_not_a_methods_block():
+  results = [configured_results('byol', 0, 40.0, 10.0),
+             configured_results('moco', 0, 44.0, 10.0,
+                                **{'moco.queue_size': 1024}),
+             configured_results('moco', 0, 45.0, 10.0,
+                                **{'moco.queue_size': 4096})]
+  table = tables.linear_table(results, metrics=('top1',),
+                              datasets=['cifar10'])
+  assert '| Random init | 10.00 |' in table
+  assert '| moco (moco.queue_size=4096) | **45.00** |' in table
