@@ -377,6 +377,9 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
       'eval.batch_size': config.eval.batch_size + 1})
   assert features._cache_settings(other, 'folder:' + root, 1) != before
   assert features._cache_settings(config, 'folder:' + root, 2) != before
+  # bfloat16 activations give other features from the same weights.
+  bf16 = eval_config(str(tmp_path / 'data'), dtype='bfloat16')
+  assert features._cache_settings(bf16, 'folder:' + root, 1) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
   save_image(root, 'test', 'ant', '0.png', pixels)

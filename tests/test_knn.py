@@ -58,3 +58,14 @@ def test_non_finite_features_are_refused():
       knn.knn_top1(x.copy() * bad, y, x, y, 2)
     with pytest.raises(ValueError, match='finite'):
       knn.knn_top1(x, y, np.full_like(x, bad), y, 2)
+
+
+def test_a_small_temperature_does_not_overflow_the_votes():
+  # exp(cos / T) overflows float32 at T = 0.01; the nearer (class 1)
+  # neighbour must still outvote the farther one.
+  test_x = np.array([[1.0, 0.0]], np.float32)
+  train_x = np.array([[0.90, np.sqrt(1 - 0.90**2)],
+                      [0.99, np.sqrt(1 - 0.99**2)]], np.float32)
+  for temperature in (0.07, 0.01, 0.002):
+    assert knn.knn_top1(train_x, np.array([0, 1]), test_x, np.array([1]), 2,
+                        k=2, temperature=temperature) == 100.0

@@ -348,3 +348,40 @@ def test_the_saved_probe_reproduces_the_reported_top1(tmp_path):
   probe.save_probe(path, fitted, dataset='digits', step=3, top1=row['top1'])
   logits = probe.load_probe(path).logits(test_x)
   assert 100.0 * np.mean(logits.argmax(1) == test_y) == row['top1']
+
+
+def test_a_collapsed_encoders_tied_logits_score_chance_top5():
+  # Constant features: every logit is tied. Top-5 returns five classes, as
+  # torch's topk(5) and sklearn's top_k_accuracy_score do (50% of 10).
+  from sklearn import metrics
+  classes = 10
+  train_y, test_y = np.repeat(np.arange(classes), 50), np.repeat(
+      np.arange(classes), 20)
+  row, fitted = probe.linear_probe(
+      np.zeros((len(train_y), 8), np.float32), train_y,
+      np.zeros((len(test_y), 8), np.float32), test_y, classes,
+      return_probe=True)
+  logits = fitted.logits(np.zeros((len(test_y), 8), np.float32))
+  assert np.all(logits == logits[:, :1])
+  reference = 100 * metrics.top_k_accuracy_score(test_y, logits, k=5,
+                                                 labels=np.arange(classes))
+  assert (row['top1'], row['top5']) == (10.0, reference) == (10.0, 50.0)
+
+
+def test_no_held_out_rows_is_an_error():
+  x = np.random.default_rng(0).normal(size=(10, 5)).astype(np.float32)
+  with pytest.raises(ValueError, match='held-out rows'):
+    probe.linear_probe(x, np.arange(10), x, np.arange(10), 10)
+
+
+def test_float64_features_keep_their_precision():
+  # A class signal below float32's resolution at the features' offset: the
+  # probe is affine-invariant, so the shifted features score as the centred.
+  rng = np.random.default_rng(0)
+  y, test_y = np.repeat(np.arange(2), 100), np.repeat(np.arange(2), 50)
+  x = 1e5 + 1e-3 * (y[:, None] + 0.3 * rng.normal(size=(200, 4)))
+  test_x = 1e5 + 1e-3 * (test_y[:, None] + 0.3 * rng.normal(size=(100, 4)))
+  shifted = probe.linear_probe(x, y, test_x, test_y, 2)
+  centred = probe.linear_probe((x - 1e5) * 1e3, y, (test_x - 1e5) * 1e3,
+                               test_y, 2)
+  assert shifted['top1'] == centred['top1'] == 100.0

@@ -181,12 +181,14 @@ def _cache_settings(config: ml_collections.ConfigDict, name: str,
                     devices: int) -> str:
   """JSON of a cache's inputs besides the weights (sources, not data_dir).
 
-  The batch and the `devices` extracting it too: they change the features by
-  rounding, and one command gives the same bits with or without a cache.
+  The batch, the `devices` extracting it and the compute dtype too: they
+  change the features, and one command gives the same bits with or without
+  a cache.
   """
   sources = {split: data.describe_source(name, split) for split in _SPLITS}
   return json.dumps({'dataset': name, 'image_size': int(config.image_size),
                      'model': config.model.to_dict(), 'sources': sources,
+                     'dtype': config.dtype,
                      'batch_size': int(config.eval.batch_size),
                      'devices': devices}, sort_keys=True)
 

@@ -342,10 +342,14 @@ def _scores(w, b, x, y):
   """Top-1 hits, top-5 hits and cross-entropy [N] of float64 logits."""
   logits = x @ w + b
   label_logit = np.take_along_axis(logits, y[:, None], axis=1)
-  # With fewer than 5 classes top-5 is 100%.
-  rank = np.sum(logits > label_logit, axis=1)
+  # Ties go to the lower class, as argmax's: equal logits (a collapsed
+  # encoder) are not all in the top 5. With fewer than 5 classes top-5 is 100%.
+  lower = np.arange(logits.shape[1]) < y[:, None]
+  rank = np.sum((logits > label_logit) | ((logits == label_logit) & lower),
+                axis=1)
+  rank = np.where(np.isfinite(logits).all(axis=1), rank, logits.shape[1])
   ce = special.logsumexp(logits, axis=1) - label_logit[:, 0]
-  return np.argmax(logits, axis=1) == y, rank < 5, ce
+  return rank == 0, rank < 5, ce
 
 
 def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
@@ -390,6 +394,12 @@ def select(records: list[dict[str, Any]]) -> int:
       records[i]['val_ce'], i))
 
 
+def _as_features(x) -> np.ndarray:
+  """Features as float32, or float64 if given so (rounding would lose it)."""
+  x = np.asarray(x)
+  return x if x.dtype == np.float64 else np.asarray(x, np.float32)
+
+
 class Probe(NamedTuple):
   """A fitted linear probe: `logits = ((h - mean) / std) @ w + b`.
 
@@ -408,7 +418,7 @@ class Probe(NamedTuple):
 
   def logits(self, features: np.ndarray) -> np.ndarray:
     """Class scores float64 [N, C] of features [N, D], as evaluated."""
-    features = np.asarray(features, np.float32)
+    features = _as_features(features)
     if features.ndim != 2 or features.shape[1] != len(self.mean):
       raise ValueError(f'features must be [N, {len(self.mean)}], got '
                        f'{features.shape}.')
@@ -478,8 +488,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     'fits' (per lambda, then the refit: `Fit.record`, plus held-out scores)};
     with `return_probe`, the pair (that dict, `Probe`).
   """
-  train_x = np.asarray(train_x, np.float32)
-  test_x = np.asarray(test_x, np.float32)
+  train_x, test_x = _as_features(train_x), _as_features(test_x)
   train_y = np.asarray(train_y, np.int64)
   test_y = np.asarray(test_y, np.int64)
   if (train_x.ndim != 2 or test_x.ndim != 2
@@ -497,6 +506,9 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     raise ValueError(f'l2_grid must be non-empty and > 0, got {l2_grid}.')
 
   held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
+  if not held.any():
+    raise ValueError('the probe needs held-out rows to choose lambda: every '
+                     'class has a single train example.')
   fit_mean, fit_std = _standardiser(train_x[~held])
   chosen, val_top1, records = _l2_path(
       (train_x - fit_mean) / fit_std, train_y, held, num_classes, l2_grid,
