@@ -129,9 +129,10 @@ def collect_results(workdir: str,
       collected.excluded.append((run_dir, f'unreadable: {e}'))
       collected.unreadable += 1
       continue
+    if results is not None:
+      results = _with_config(run_dir, results)
     why = _why_not_averaged(run_dir, results)
     if why is None:
-      results = _with_config(run_dir, results)
       if not isinstance(results.get('config'), dict):
         why = (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
                'records the config that made these results, so their row '

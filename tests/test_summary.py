@@ -143,12 +143,16 @@ def test_a_results_file_of_the_wrong_shape_is_named_and_left_out(
   assert row['linear']['digits']['top1']['mean'] == 84.7
 
 
+@pytest.mark.parametrize('in_results', [True, False])
 def test_results_of_an_earlier_run_in_the_directory_are_not_averaged(
-    tmp_path):
-  # The directory was trained afresh with seed 1; eval/ is still seed 0's.
+    tmp_path, in_results):
+  # The directory was trained afresh with seed 1; eval/ is still seed 0's,
+  # whose config is in results.json or only in eval/config.json.
   finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
   _results_run(tmp_path, 's0', 84.7, finished)
-  _results_run(tmp_path, 's1', 80.0, finished)
+  _results_run(tmp_path, 's1', 80.0, finished, config=in_results)
+  (tmp_path / 's1' / 'eval' / 'config.json').write_text(json.dumps(
+      stored_config('otclr', 0, 16, 'digits')))
   (tmp_path / 's1' / 'config.json').write_text(json.dumps(
       stored_config('otclr', 1, 16, 'digits')))
   assert aggregate_only(tmp_path) == 0
