@@ -100,7 +100,9 @@ def method_rank(method: str) -> tuple[int, str]:
 def run_id(result: dict[str, Any]) -> str:
   """The run's objective and views: 'simclr', 'otclr', 'moco+ot', ..."""
   method = str(result['method'])
-  views = result.get('view_generator', '')
+  # Results written before they recorded `view_generator` have it in config.
+  views = (result.get('view_generator')
+           or (result.get('config') or {}).get('views', ''))
   if method == 'otclr' or (method == 'simclr' and views == 'ot'):
     return 'otclr'
   return f'{method}+ot' if views == 'ot' else method

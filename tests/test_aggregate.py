@@ -191,3 +191,12 @@ def test_rows_keep_their_setting_together_in_method_order():
                                 ('dino', 'byol', 'moco', 'otclr', 'simclr')])
   assert [g['method'] for g in single] == ['simclr', 'otclr', 'moco', 'byol',
                                            'dino']
+
+
+def test_results_without_view_generator_take_the_views_of_their_config():
+  augment = configured_results('moco', 0, 40.0, 10.0)
+  ot_views = configured_results('moco', 1, 50.0, 10.0, views='ot')
+  assert 'view_generator' not in ot_views
+  rows = [(g['method'], g['n']) for g in aggregate.aggregate([augment,
+                                                              ot_views])]
+  assert rows == [('moco', 1), ('moco+ot', 1)]
