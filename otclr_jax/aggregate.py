@@ -196,8 +196,9 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   Returns:
     One dict per group, in table order: 'pretrain_dataset', 'batch_size',
     'method' (`run_id`), 'title', 'label' (how it differs from other groups),
-    'floor_label' (the same without the methods' blocks), 'settings', 'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the
-    results with each finite number replaced by its `stat` over the runs.
+    'floor_label' (the same without the methods' blocks), 'settings',
+    'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the results with
+    each finite number replaced by its `stat` over the runs.
   """
   groups: dict[RunKey, dict[Any, dict[str, Any]]] = {}
   for result in results:
