@@ -163,7 +163,8 @@ def image_to_measure(x: ArrayLike, grid_size: int = 16
   """
   m = ot_checks.check_static_int('grid_size', grid_size, 2)
   if jnp.ndim(x) < 3:
-    raise ValueError(f'x must be images [..., H, W, C], got shape {x.shape}.')
+    raise ValueError('x must be images [..., H, W, C], got shape '
+                     f'{jnp.shape(x)}.')
   ot_checks.check_finite('x', x)
   x = ot_checks.check_image_values('x', x)
   ot_checks.check_grid_fits(m, x.shape[-3], x.shape[-2])

@@ -387,6 +387,8 @@ class TestErrors:
       ot.image_to_measure(self.x.at[0, 1, 2, 0].set(jnp.nan), 4)
     with pytest.raises(ValueError, match=r'pixels in \[0, 127.5\]'):
       ot.image_to_measure(255 * self.x.at[0, 0, 0, 0].set(0.0), 4)
+    with pytest.raises(ValueError, match=r'got shape \(1, 2\)'):
+      ot.image_to_measure([[0.5, 0.5]], 4)  # a list: no .shape to name
 
   def test_channels_first_images_are_named(self):
     # Read as 3 x 32 images of 32 channels, [B, C, H, W] data fails on
