@@ -186,6 +186,16 @@ def _plain(text: str) -> str:
   return value if isinstance(value, str) else text
 
 
+def _runs_by_seed(results: Sequence[dict[str, Any]]
+                  ) -> dict[RunKey, dict[Any, dict[str, Any]]]:
+  """{run key: {seed: its first result}}: a seed counts once."""
+  by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
+  for result in results:
+    by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
+                                                       result)
+  return by_run
+
+
 def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Groups the seeds of each run: equal result-changing settings but the seed.
 
@@ -200,10 +210,7 @@ def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     'setting', 'n', 'seeds', 'steps', and per `SECTIONS` the results with
     each finite number replaced by its `stat` over the runs.
   """
-  groups: dict[RunKey, dict[Any, dict[str, Any]]] = {}
-  for result in results:
-    groups.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
-                                                       result)
+  groups = _runs_by_seed(results)
   labels = _labels(list(groups))
   floor_labels = _labels(list(groups), shared=True)
   out = []
@@ -302,10 +309,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
     'std', 'n', 't', 'p' (two-sided paired t-test; NaN when the differences
     do not vary), 'wins' (seeds with a positive difference).
   """
-  by_run: dict[RunKey, dict[Any, dict[str, Any]]] = {}
-  for result in results:
-    by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
-                                                       result)
+  by_run = _runs_by_seed(results)
   labels = _labels(list(by_run))
   rows = []
   for key in sorted(by_run, key=_sort_key):
