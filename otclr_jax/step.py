@@ -233,15 +233,35 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
       experiment.init_key(config), variables)
 
 
+# Jitted steps by config: tracing and lowering one costs seconds even when
+# the persistent cache holds its executable, so runs of one config in one
+# process (a resume, a notebook, the tests) trace it once. Oldest out first.
+_STEPS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_MAX_STEPS = 8
+
+
+def clear_compiled_steps() -> None:
+  """Drops the process's jitted steps: call it after patching a function
+  the step traces (as `jax.clear_caches` for a jitted function's callees)."""
+  _STEPS.clear()
+
+
 def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
           mesh: Mesh) -> tuple[Setup, TrainState, Callable[..., Any]]:
   """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
   run = setup(config, steps_per_epoch)
   state = initial_state(config, run, mesh)
-  step_fn = jit_train_step(
-      run.method, config, run.model, run.tx, run.schedule, mesh,
-      total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
-  return run, state, step_fn
+  # Everything the step closes over follows from these. Frozen: a caller
+  # changing its config later must not change a kept step's next trace.
+  frozen = ml_collections.FrozenConfigDict(config)
+  key = (frozen, run.steps_per_epoch, run.total_steps, mesh)
+  if key not in _STEPS:
+    if len(_STEPS) == _MAX_STEPS:
+      del _STEPS[next(iter(_STEPS))]
+    _STEPS[key] = jit_train_step(
+        run.method, frozen, run.model, run.tx, run.schedule, mesh,
+        total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch)
+  return run, state, _STEPS[key]
 
 
 def pretraining_params(state: TrainState) -> int:

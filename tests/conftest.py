@@ -60,6 +60,17 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture
+def fresh_steps():
+  """For a test that patches a function the train step traces: the process's
+  jitted steps (`step.build` shares them by config) are dropped before the
+  test and after it, so neither it nor a later test runs a stale step."""
+  from otclr_jax import step  # pylint: disable=g-import-not-at-top
+  step.clear_compiled_steps()
+  yield
+  step.clear_compiled_steps()
+
+
+@pytest.fixture
 def four_runs(tmp_path):
   """(sweep, workdir, run names) of a 2 methods x 2 seeds tiny sweep."""
   from launch import sweep as sweep_lib  # pylint: disable=g-import-not-at-top

@@ -135,6 +135,7 @@ def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
+@pytest.mark.usefixtures('fresh_steps')
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     stopped_run, tmp_path, monkeypatch):
   config, stopped = stopped_run
@@ -149,6 +150,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
   assert checkpoint.Checkpointer(workdir).latest_step() == 2
 
 
+@pytest.mark.usefixtures('fresh_steps')
 def test_train_step_compiles_once(data_dir):
   config = tiny_config(data_dir, method='simclr')
   mesh = experiment.make_mesh()
@@ -160,6 +162,20 @@ def test_train_step_compiles_once(data_dir):
       state, _ = step(state, experiment.global_batch(batch, mesh),
                       jax.random.key(1))
   assert traced.count('step') == 1, traced
+
+
+@pytest.mark.usefixtures('fresh_steps')
+def test_builds_of_one_config_share_one_traced_step(data_dir):
+  mesh = experiment.make_mesh()
+  batch = experiment.global_batch(np.zeros((16, 8, 8, 3), np.uint8), mesh)
+  configs = (tiny_config(data_dir), tiny_config(data_dir),
+             # Read inside the step (the logged steps' Sinkhorn cost).
+             tiny_config(data_dir, log_every_steps=1))
+  with traces() as traced:
+    for config in configs:
+      _, state, step = step_lib.build(config, 10, mesh)
+      step(state, batch, jax.random.key(1))
+  assert traced.count('step') == 2, traced
 
 
 def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
@@ -319,6 +335,7 @@ def _poison_batch_stats_at(monkeypatch, bad_step):
   monkeypatch.setattr(step_lib, 'train_step', poisoned)
 
 
+@pytest.mark.usefixtures('fresh_steps')
 def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
                                                 monkeypatch):
   _poison_batch_stats_at(monkeypatch, 4)
@@ -330,6 +347,7 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
   assert rundir.read_status(str(tmp_path))['state'] == 'diverged'
 
 
+@pytest.mark.usefixtures('fresh_steps')
 def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
                                                   monkeypatch):
   _poison_batch_stats_at(monkeypatch, 1)
