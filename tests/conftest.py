@@ -2,7 +2,9 @@
 
 Helpers that tests import live in tests/helpers.py."""
 
+import fcntl
 import os
+import shutil
 
 import pytest
 import threadpoolctl
@@ -82,22 +84,56 @@ def four_runs(tmp_path):
 
 
 @pytest.fixture(scope='session')
-def finished_run(tmp_path_factory, data_dir):
-  """(config, workdir, final state) of `tiny_config` trained to its end.
+def shared_dir(tmp_path_factory):
+  """A folder every xdist worker of this test session sees."""
+  base = tmp_path_factory.getbasetemp()  # .../pytest-N/popen-gw0 in a worker
+  return base.parent if 'PYTEST_XDIST_WORKER' in os.environ else base
 
-  One run in one go (4 steps, checkpoints 2 and 4, the encoder exported)
-  for every test module that reads a finished run; a test that changes the
-  run works on a copy.
+
+def _build_once(shared_dir, name, build):
+  """(`shared_dir / name`, `build(that folder)` or None).
+
+  The first worker that needs `name` builds it under a file lock; the others
+  wait, then use its folder and get None. Each tiny run is trained once per
+  session, not once per worker.
   """
-  from otclr_jax import train  # pylint: disable=g-import-not-at-top
-  from tests.helpers import tiny_config  # pylint: disable=g-import-not-at-top
-  config = tiny_config(data_dir)
-  workdir = str(tmp_path_factory.mktemp('finished') / 'run')
-  return config, workdir, train.train(config, workdir).state
+  folder = shared_dir / name
+  with open(shared_dir / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if (folder / 'built').exists():
+      return folder, None
+    shutil.rmtree(folder, ignore_errors=True)  # a worker failed building it
+    folder.mkdir()
+    value = build(folder)
+    (folder / 'built').touch()
+  return folder, value
 
 
 @pytest.fixture(scope='session')
-def stopped_run(tmp_path_factory, data_dir):
+def finished_run(shared_dir, data_dir):
+  """(config, workdir, final state) of `tiny_config` trained to its end.
+
+  One run in one go (4 steps, checkpoints 2 and 4, the encoder exported)
+  for every test that reads a finished run; a test that changes the run
+  works on a copy. A worker that did not train it restores the state.
+  """
+  from otclr_jax import checkpoint, experiment, step, train  # pylint: disable=g-import-not-at-top
+  from tests.helpers import tiny_config  # pylint: disable=g-import-not-at-top
+  config = tiny_config(data_dir)
+  folder, state = _build_once(
+      shared_dir, 'finished',
+      lambda folder: train.train(config, str(folder / 'run')).state)
+  workdir = str(folder / 'run')
+  if state is None:
+    _, template, _ = step.build(config, 1, experiment.make_mesh())
+    ckpt = checkpoint.Checkpointer(workdir)
+    state = ckpt.restore(template, config.total_steps)
+    ckpt.close()
+  return config, workdir, state
+
+
+@pytest.fixture(scope='session')
+def stopped_run(shared_dir, data_dir):
   """(config, workdir) of `tiny_config` stopped after its step 2.
 
   Checkpoint 2, status 'stopped', no encoder exported: the run a preemption
@@ -106,13 +142,15 @@ def stopped_run(tmp_path_factory, data_dir):
   from otclr_jax import train  # pylint: disable=g-import-not-at-top
   from tests.helpers import tiny_config  # pylint: disable=g-import-not-at-top
   config = tiny_config(data_dir)
-  workdir = str(tmp_path_factory.mktemp('stopped') / 'run')
-  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
-  return config, workdir
+
+  def build(folder):
+    result = train.train(config, str(folder / 'run'), stop_after_steps=2)
+    assert result.status == 'stopped'
+  return config, str(_build_once(shared_dir, 'stopped', build)[0] / 'run')
 
 
 @pytest.fixture(scope='session')
-def evaluated_run(finished_run, tmp_path_factory):
+def evaluated_run(finished_run, shared_dir):
   """(config, workdir) of a copy of `finished_run` evaluated at its step 4.
 
   `eval_config` on `small_digits`, figures drawn (`main.evaluate_and_draw`),
@@ -120,10 +158,12 @@ def evaluated_run(finished_run, tmp_path_factory):
   """
   from otclr_jax import main  # pylint: disable=g-import-not-at-top
   from tests import helpers  # pylint: disable=g-import-not-at-top
-  config, workdir, _ = finished_run
-  workdir = helpers.copy_run(workdir, tmp_path_factory.mktemp('evaluated'))
+  config, finished, _ = finished_run
   config = helpers.eval_config(config.data_dir)
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    helpers.small_digits(monkeypatch)
-    main.evaluate_and_draw(config, workdir)
-  return config, workdir
+
+  def build(folder):
+    workdir = helpers.copy_run(finished, folder)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+      helpers.small_digits(monkeypatch)
+      main.evaluate_and_draw(config, workdir)
+  return config, str(_build_once(shared_dir, 'evaluated', build)[0] / 'run')
