@@ -368,6 +368,19 @@ def test_a_collapsed_encoders_tied_logits_score_chance_top5():
   assert (row['top1'], row['top5']) == (10.0, reference) == (10.0, 50.0)
 
 
+def test_classes_without_train_rows_are_fitted_not_crashed_on():
+  # Classes 5-9 have no train rows: their bias has no finite optimum, and
+  # the preconditioner becomes singular on the way (it divided by zero).
+  (train_x, train_y), (test_x, test_y) = (
+      _blobs(5, 40, 8, seed=0, spread=3.0),
+      _blobs(5, 10, 8, seed=0, spread=3.0, noise_seed=1))
+  row, fitted = probe.linear_probe(train_x, train_y, test_x, test_y, 10,
+                                   max_steps=30, return_probe=True)
+  assert fitted.logits(test_x).argmax(1).max() < 5
+  for fit in row['fits']:
+    assert fit['converged'] == (fit['grad_norm'] <= probe.GRAD_TOL)
+
+
 def test_no_held_out_rows_is_an_error():
   x = np.random.default_rng(0).normal(size=(10, 5)).astype(np.float32)
   with pytest.raises(ValueError, match='held-out rows'):

@@ -295,6 +295,8 @@ def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
         continue
       zw, zb = precondition(rw, rb)
       rz, rz_old = dot((rw, rb), (zw, zb)), rz
+      if rz_old == 0:
+        break  # a singular preconditioner (a class without train rows)
       dw, db = zw + (rz / rz_old) * dw, zb + (rz / rz_old) * db
     # Backtracking (Armijo): the full Newton step near the optimum.
     slope, t = dot((gw, gb), (sw, sb)), 1.0
