@@ -241,8 +241,7 @@ _MAX_STEPS = 8
 
 
 def clear_compiled_steps() -> None:
-  """Drops the process's jitted steps: call it after patching a function
-  the step traces (as `jax.clear_caches` for a jitted function's callees)."""
+  """Drops the kept jitted steps; for after patching a function they trace."""
   _STEPS.clear()
 
 
@@ -251,8 +250,7 @@ def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
   """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
   run = setup(config, steps_per_epoch)
   state = initial_state(config, run, mesh)
-  # Everything the step closes over follows from these. Frozen: a caller
-  # changing its config later must not change a kept step's next trace.
+  # All the step closes over; frozen, so a caller's later edit cannot reach it.
   frozen = ml_collections.FrozenConfigDict(config)
   key = (frozen, run.steps_per_epoch, run.total_steps, mesh)
   if key not in _STEPS:
