@@ -125,7 +125,8 @@ def finished_run(shared_dir, data_dir):
       lambda folder: train.train(config, str(folder / 'run')).state)
   workdir = str(folder / 'run')
   if state is None:
-    _, template, _ = step.build(config, 1, experiment.make_mesh())
+    template = step.initial_state(config, step.setup(config, 1),
+                                  experiment.make_mesh())
     ckpt = checkpoint.Checkpointer(workdir)
     state = ckpt.restore(template, config.total_steps)
     ckpt.close()
