@@ -58,16 +58,6 @@ def import_tensorflow(what: str):
   return tf, tfds
 
 
-def tensorflow_available() -> bool:
-  try:
-    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    # pylint: disable=g-import-not-at-top,unused-import
-    import tensorflow_datasets
-  except ImportError:
-    return False
-  return True
-
-
 def _how_to_provide(name: str, data_dir: str) -> str:
   manual_dir = os.path.join(data_dir, 'downloads', 'manual')
   command = (f'import tensorflow_datasets as tfds; tfds.builder({name!r}, '
