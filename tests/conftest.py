@@ -63,13 +63,17 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def fresh_steps():
-  """For a test that patches a function the train step traces: the process's
-  jitted steps (`step.build` shares them by config) are dropped before the
-  test and after it, so neither it nor a later test runs a stale step."""
+  """For a test that patches a function the train step traces: it starts
+  without the process's jitted steps (`step.build` shares them by config),
+  and the steps it built are dropped after it, so neither it nor a later
+  test runs a stale step. The steps built before it, traced unpatched, are
+  put back: later tests of their configs need not trace them again."""
   from otclr_jax import step  # pylint: disable=g-import-not-at-top
+  kept = dict(step._STEPS)  # pylint: disable=protected-access
   step.clear_compiled_steps()
   yield
   step.clear_compiled_steps()
+  step._STEPS.update(kept)  # pylint: disable=protected-access
 
 
 @pytest.fixture
