@@ -88,8 +88,8 @@ def prepare(root: str,
   Args:
     root, split: the tree's absolute root and a subdirectory of it.
     image_size: S.
-    backend: 'pillow', or 'tfds' (the same arrays, tested, but it imports
-      TensorFlow: ~6 s more on CIFAR-10's 10,000 test images).
+    backend: 'pillow', or 'tfds' (ImageFolder: the same arrays, tested,
+      but only after importing TensorFlow).
     tree: `scan(root, split)` when the caller already has it.
 
   Returns:

@@ -179,7 +179,7 @@ def _class_preconditioner(objective, p, coupled=False):
                       for a, b in pairs], axis=1).astype(np.float32)
   blocks = np.zeros((len(pairs), d1, d1))
   # All rows: from every 4th, CG needs so many more iterations that the
-  # random-init CIFAR-10 probe takes 168 s, not 88 (AVX2).
+  # random-init CIFAR-10 probe takes about twice as long.
   # All pairs in one GEMM per chunk of rows: z^T [w_1 z, ..., w_P z].
   rows = max(1, _CHUNK // (len(pairs) * d1))
   for start in range(0, n, rows):
