@@ -2,9 +2,11 @@
 
 Helpers that tests import live in tests/helpers.py."""
 
+import atexit
 import fcntl
 import os
 import shutil
+import sys
 
 import pytest
 import threadpoolctl
@@ -53,6 +55,17 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if 'slow' in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+  if hasattr(config, 'workerinput'):
+    # An xdist worker has sent all its reports by now, and the whole run
+    # waits for it to exit. A normal exit first runs JAX's atexit clean-up,
+    # which frees the hundreds of executables the worker built one by one,
+    # then tears every module down: seconds for nothing. atexit handlers run
+    # last-registered first, so this one ends the process before those.
+    atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(),
+                             os._exit(0)))
 
 
 @pytest.fixture(scope='session')
