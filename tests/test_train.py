@@ -170,6 +170,10 @@ def test_builds_of_one_config_share_one_jitted_step(data_dir):
   config = tiny_config(data_dir)
   step = step_lib.build(config, 10, mesh)[2]
   assert step_lib.build(tiny_config(data_dir), 10, mesh)[2] is step
+  # Settings of the other stages of a run are not the step's.
+  assert step_lib.build(tiny_config(data_dir, seed=5, **{
+      'eval.batch_size': 7, 'checkpoint_every_steps': 1,
+      'monitor.every_steps': 1}), 10, mesh)[2] is step
   # Read inside the step (the logged steps' Sinkhorn cost).
   assert step_lib.build(tiny_config(data_dir, log_every_steps=1), 10,
                         mesh)[2] is not step
@@ -354,9 +358,10 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
                      match='step 1: .*No checkpoint was saved yet'):
     train.train(config, str(tmp_path))
   assert main.run(config, str(tmp_path)) == cli.EXIT_DIVERGED
-  # Nothing to resume: a retry with other settings starts afresh. (Another
-  # seed: the step `finished_run` compiled, so a cold cache compiles less.)
+  # Nothing to resume: a retry with other settings starts afresh, with the
+  # real step again.
   monkeypatch.undo()
+  step_lib.clear_compiled_steps()
   retry = tiny_config(data_dir, seed=1)
   assert train.train(retry, str(tmp_path), stop_after_steps=1).status == (
       'stopped')
