@@ -245,13 +245,11 @@ def clear_compiled_steps() -> None:
   _STEPS.clear()
 
 
-# The fields of a run's other stages (data, seeding, checkpoints, monitor,
-# evaluation). The step is traced without them, so runs that differ only
-# there share one jitted step, and a step that read one would fail when
-# traced instead of keeping a stale value.
-_OTHER_STAGES = ('mode', 'seed', 'dataset', 'data_dir',
-                 'compilation_cache_dir', 'checkpoint_every_steps',
-                 'keep_checkpoints', 'monitor', 'eval')
+# Fields of a run's other stages. The step is traced without them: runs that
+# differ only there share one jitted step, and a step reading one would fail.
+_OTHER_STAGES = ('mode', 'seed', 'dataset', 'data_dir', 'monitor', 'eval',
+                 'checkpoint_every_steps', 'keep_checkpoints',
+                 'compilation_cache_dir')
 
 
 def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -262,9 +260,8 @@ def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
   # All the step closes over; frozen, so a caller's later edit cannot reach it.
   step_config = config.copy_and_resolve_references()
   with step_config.unlocked():
-    for field in _OTHER_STAGES:
-      if field in step_config:
-        del step_config[field]
+    for field in set(_OTHER_STAGES) & set(step_config):
+      del step_config[field]
   frozen = ml_collections.FrozenConfigDict(step_config)
   key = (frozen, run.steps_per_epoch, run.total_steps, mesh)
   if key not in _STEPS:
