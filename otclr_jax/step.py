@@ -247,6 +247,7 @@ def clear_compiled_steps() -> None:
 
 # Fields of a run's other stages. The step is traced without them: runs that
 # differ only there share one jitted step, and a step reading one would fail.
+# Not `rundir.IGNORED_FIELDS`: seed changes results, log_every_steps the step.
 _OTHER_STAGES = ('mode', 'seed', 'dataset', 'data_dir', 'monitor', 'eval',
                  'checkpoint_every_steps', 'keep_checkpoints',
                  'compilation_cache_dir')
@@ -258,11 +259,8 @@ def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
   run = setup(config, steps_per_epoch)
   state = initial_state(config, run, mesh)
   # All the step closes over; frozen, so a caller's later edit cannot reach it.
-  step_config = config.copy_and_resolve_references()
-  with step_config.unlocked():
-    for field in set(_OTHER_STAGES) & set(step_config):
-      del step_config[field]
-  frozen = ml_collections.FrozenConfigDict(step_config)
+  frozen = ml_collections.FrozenConfigDict(
+      {k: v for k, v in config.items() if k not in _OTHER_STAGES})
   key = (frozen, run.steps_per_epoch, run.total_steps, mesh)
   if key not in _STEPS:
     if len(_STEPS) == _MAX_STEPS:
