@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.stem = 'imagenet'  # 7x7/2 conv + max-pool, as in the paper.
+  config.model.stage_sizes = (2, 2, 2, 2)  # BasicBlocks per stage: ResNet-18.
   # Convolutions: 'xla' (lax.conv), 'matmul' (shifts + one GEMM, fast on
   # small maps on CPU) or 'auto' (per layer on CPU, XLA's on GPU/TPU); the
   # parameters are the same, so checkpoints load under any (models.py).

@@ -137,6 +137,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('config.ot.learn_alpha starts from sigmoid(logit) = '
                       f'config.ot.alpha, which must lie in (0, 1); got '
                       f'{c.ot.alpha}.')
+  sizes = c.model.stage_sizes
+  _require(isinstance(sizes, tuple) and len(sizes) == 4
+           and all(_is_int(n) and n >= 1 for n in sizes), 'model.stage_sizes',
+           'must be 4 integers >= 1 (blocks per stage)', sizes)
   datasets = c.eval.datasets
   _require(isinstance(datasets, (tuple, list)) and len(datasets) >= 1
            and all(isinstance(d, str) and d for d in datasets),

@@ -72,6 +72,8 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
   model = get(config, 'model')
   meta = {
       'stem': get(model, 'stem'),
+      # Runs stored before model.stage_sizes existed trained ResNet-18.
+      'stage_sizes': list(model.get('stage_sizes', models.RESNET18)),
       'dtype': get(config, 'dtype'),
       'image_size': int(get(config, 'image_size')),
       'feature_dim': FEATURE_DIM,
@@ -150,7 +152,8 @@ def _check_architecture(path: str, encoder, meta: dict[str, Any],
         k for k in want if want[k] != got[k])
     raise ValueError(
         f'{path}: its weights do not fit the architecture it names (stem '
-        f'{meta["stem"]!r}, image_size {size}); first mismatch at '
+        f'{meta["stem"]!r}, stage_sizes {meta.get("stage_sizes")}, image_size '
+        f'{size}); first mismatch at '
         f'{wrong[0]} ({got.get(wrong[0], "absent")} stored, '
         f'{want.get(wrong[0], "absent")} expected). The file was edited or '
         'written by other code: export it again.')
@@ -175,7 +178,9 @@ def load_encoder(path: str) -> tuple[Callable[..., jax.Array], dict[str, Any]]:
     raise ValueError(f'{path}: dtype {meta.get("dtype")!r} is not one of '
                      f'{tuple(_DTYPES)}.')
   try:
-    encoder = models.ResNet18(stem=meta['stem'], dtype=_DTYPES[meta['dtype']])
+    encoder = models.ResNet(
+        stage_sizes=tuple(meta.get('stage_sizes', models.RESNET18)),
+        stem=meta['stem'], dtype=_DTYPES[meta['dtype']])
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'{path}: cannot build its encoder ({e}).') from e
   variables = jax.tree_util.tree_map(jnp.asarray, payload['variables'])

@@ -1,4 +1,4 @@
-"""ResNet-18 encoder and projection head (Flax linen) for contrastive learning.
+"""ResNet encoder and projection head (Flax linen) for contrastive learning.
 
 torchvision's layout, symmetric padding and BatchNorm settings; computations
 run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from otclr_jax import conv as conv_lib
 
 STEMS = ('imagenet', 'cifar')
+# BasicBlocks per stage: ResNet-18's; (3, 4, 6, 3) is ResNet-34's.
+RESNET18 = (2, 2, 2, 2)
 
 # He-normal with fan-out, as torchvision initialises ResNet convolutions.
 _conv_init = nn.initializers.variance_scaling(2.0, 'fan_out', 'normal')
@@ -73,16 +75,18 @@ class BasicBlock(nn.Module):
     return nn.relu(y + residual)
 
 
-class ResNet18(nn.Module):
-  """ResNet-18 feature extractor (no classifier).
+class ResNet(nn.Module):
+  """ResNet feature extractor of BasicBlocks (no classifier).
 
   Attributes:
+    stage_sizes: blocks in each of the 4 stages (widths 64 to 512).
     stem: ``'imagenet'`` (7x7/2 conv + max-pool, the paper's, even at 32 x 32)
       or ``'cifar'`` (3x3/1 conv, no pool).
     dtype: computation dtype; parameters stay float32.
     zero_init_residual: zero each block's last BatchNorm scale (default off).
     conv_impl: ``'auto'``, ``'xla'`` or ``'matmul'`` (``conv.conv_function``).
   """
+  stage_sizes: tuple[int, ...] = RESNET18
   stem: str = 'imagenet'
   dtype: Any = jnp.float32
   zero_init_residual: bool = False
@@ -91,6 +95,9 @@ class ResNet18(nn.Module):
   def __post_init__(self):
     if self.stem not in STEMS:
       raise ValueError(f'Unknown stem {self.stem!r}; expected one of {STEMS}.')
+    if len(self.stage_sizes) != 4 or min(self.stage_sizes) < 1:
+      raise ValueError(f'stage_sizes must be 4 block counts >= 1, got '
+                       f'{self.stage_sizes!r}.')
     conv_lib.conv_function(self.conv_impl)  # raises on an unknown name
     super().__post_init__()
 
@@ -126,7 +133,7 @@ class ResNet18(nn.Module):
                                             ((1, 1), (1, 1)))
 
     for stage, features in enumerate((64, 128, 256, 512)):
-      for block in range(2):
+      for block in range(self.stage_sizes[stage]):
         strides = 2 if stage > 0 and block == 0 else 1
         x = BasicBlock(features, strides=strides,
                        zero_init_residual=self.zero_init_residual,
@@ -173,16 +180,18 @@ class ProjectionHead(nn.Module):
 
 
 class SimCLRNet(nn.Module):
-  """Encoder f (ResNet-18) followed by projection head g.
+  """Encoder f (``ResNet``) followed by projection head g.
 
   Attributes:
+    stage_sizes: see ``ResNet``.
     stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
     proj_hidden_dim: hidden width of the projection head.
     proj_dim: output dimension of the projection head.
     dtype: computation dtype; parameters stay float32.
-    zero_init_residual: see ``ResNet18``.
-    conv_impl: see ``ResNet18``.
+    zero_init_residual: see ``ResNet``.
+    conv_impl: see ``ResNet``.
   """
+  stage_sizes: tuple[int, ...] = RESNET18
   stem: str = 'imagenet'
   proj_hidden_dim: int = 512
   proj_dim: int = 128
@@ -208,9 +217,9 @@ class SimCLRNet(nn.Module):
       h: encoder features [B, 512], float32.
       z: projections [B, proj_dim], float32, not normalised.
     """
-    h = ResNet18(stem=self.stem, dtype=self.dtype,
-                 zero_init_residual=self.zero_init_residual,
-                 conv_impl=self.conv_impl, name='encoder')(x, train)
+    h = ResNet(stage_sizes=self.stage_sizes, stem=self.stem, dtype=self.dtype,
+               zero_init_residual=self.zero_init_residual,
+               conv_impl=self.conv_impl, name='encoder')(x, train)
     z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,
                        dtype=self.dtype, name='head')(h, train)
     return h, z

@@ -73,7 +73,9 @@ def is_locked(workdir: str, name: str = rundir.LOCK_FILE) -> bool:
 
 
 def tiny_config(data_dir, **overrides):
-  """8 px digits, batch 16, 4 steps, small heads and a 4 x 4 OT grid.
+  """8 px digits, batch 16, 4 steps, a ResNet of one block per stage (as
+  flax's examples/imagenet tests use `_ResNet1`), small heads and a 4 x 4 OT
+  grid.
 
   Every method's block is small too (MoCo queue 64, BYOL predictor 32, DINO
   32-16-64 with a one-epoch teacher warm-up), so any `method=` trains fast.
@@ -95,6 +97,7 @@ def tiny_config(data_dir, **overrides):
   config.total_steps = 4
   config.log_every_steps = 2
   config.checkpoint_every_steps = 2
+  config.model.stage_sizes = (1, 1, 1, 1)
   config.model.proj_hidden_dim = 32
   config.model.proj_dim = 16
   config.ot.grid_size = 4
@@ -216,7 +219,7 @@ def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
   rounded (NumPy's AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and
   log to 1 ulp, its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained
   stages add: a network's layers count their reductions one after another
-  (`resnet18_chain`).
+  (`resnet_chain`).
 
   k is the growth factor, stated at each call: how much the formula amplifies
   a relative error of its terms, i.e. its condition number (1 for a sum of
@@ -244,8 +247,9 @@ def _batchnorm_chain(batch: int, size: int) -> int:
   return 2 * batch * size * size + 7
 
 
-def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
-  """`rounding_tol`'s n for the pooled features of `models.ResNet18`.
+def resnet_chain(stem: str, image_size: int, batch: int,
+                 stage_sizes=(2, 2, 2, 2)) -> int:
+  """`rounding_tol`'s n for the pooled features of `models.ResNet`.
 
   The longest chain runs through the stem and every block's two 3 x 3
   convolutions (fan-in 9 x input channels each; the 1 x 1 shortcut is
@@ -258,6 +262,7 @@ def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
       (3 x 3 / 1 convolution).
     image_size: side of the square input images.
     batch: images in the batch BatchNorm normalises over.
+    stage_sizes: blocks per stage (ResNet-18's by default).
   """
   halve = lambda s: -(-s // 2)  # stride 2 with 'same'-style padding
   size = image_size
@@ -269,7 +274,7 @@ def resnet18_chain(stem: str, image_size: int, batch: int) -> int:
     n = 3 * 3 * 3 + _batchnorm_chain(batch, size)
   channels = 64
   for stage, features in enumerate((64, 128, 256, 512)):
-    for block in range(2):
+    for block in range(stage_sizes[stage]):
       if stage > 0 and block == 0:
         size = halve(size)
       n += 9 * channels + 9 * features + 2 * _batchnorm_chain(batch, size)

@@ -29,7 +29,7 @@ from otclr_jax import train
 from tests.folder_trees import save_image
 from tests.helpers import copy_run
 from tests.helpers import eval_config
-from tests.helpers import resnet18_chain
+from tests.helpers import resnet_chain
 from tests.helpers import rounding_tol
 from tests.helpers import SMALL_DIGITS
 from tests.helpers import small_digits
@@ -147,13 +147,18 @@ def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
 # Embeddings and BatchNorm statistics.
 
 
+_TINY_STAGES = (1, 1, 1, 1)
+
+
 def _tiny_net(seed=0, num_images=50):
-  """A cifar-stem SimCLRNet with a small head, its variables and 8 px images.
+  """A cifar-stem SimCLRNet of `_TINY_STAGES` with a small head, its
+  variables and 8 px images.
 
   The BatchNorm statistics are perturbed away from (0, 1) so that a result
   that ignored the recomputation (or kept the stored values) would show.
   """
-  model = models.SimCLRNet(stem='cifar', proj_hidden_dim=8, proj_dim=4)
+  model = models.SimCLRNet(stage_sizes=_TINY_STAGES, stem='cifar',
+                           proj_hidden_dim=8, proj_dim=4)
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
   variables = jax.jit(functools.partial(model.init, train=False))(
@@ -223,8 +228,8 @@ def _stats_at(tree, path):
 def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
   model, variables, images = _tiny_net()
   inputs = _bn_inputs(model, variables, images)
-  # ResNet-18: stem 1 + 8 blocks x 2 + 3 shortcuts = 20; the head 1.
-  assert len(inputs) == 21
+  # Stem 1 + 4 blocks x 2 + 3 shortcuts = 12; the head 1.
+  assert len(inputs) == 13
   # One batch holding every image: every layer's statistics are exact.
   stats = clusters.recompute_batch_stats(model, variables, images,
                                          batch_size=len(images))
@@ -551,9 +556,9 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
   # is [8, ...] (the smaller splits padded), the features those of the
   # unpadded network. Two programs (jitted and padded against eager) of the
-  # encoder, whose chain resnet18_chain counts, on features of the scale of
+  # encoder, whose chain resnet_chain counts, on features of the scale of
   # the largest.
-  rtol = rounding_tol(resnet18_chain('cifar', 8, 8))
+  rtol = rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES))
   atol = rtol * float(np.max(np.abs(h)))
   with traces() as traced:
     for split in (images, images[:5], images[7:10]):
@@ -596,7 +601,7 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
   # one of the unit rows at most twice as large relative to |z|.
   z_norm = np.linalg.norm(z, axis=1, keepdims=True)
-  err = (rounding_tol(resnet18_chain('cifar', 8, 8)) * np.abs(z)
+  err = (rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES)) * np.abs(z)
          + _head_atol(variables, h))
   np.testing.assert_allclose(
       views.anchors, z / z_norm, rtol=0,

@@ -21,7 +21,7 @@ from otclr_jax.methods import byol
 from otclr_jax.methods import dino
 from otclr_jax.methods import moco
 from tests.helpers import EPS64
-from tests.helpers import resnet18_chain
+from tests.helpers import resnet_chain
 from tests.helpers import rounding_tol
 
 
@@ -456,7 +456,7 @@ def test_byol_normalises_each_view_on_its_own():
   # their sum (8), the batch mean (5) and the two views' sum (1). Growth:
   # squaring doubles a relative error, and the difference of two unit
   # vectors amplifies their errors by 2 / |p - z|.
-  n = (resnet18_chain('cifar', 8, 4) + 512 + 16 + 8 + 16
+  n = (resnet_chain('cifar', 8, 4) + 512 + 16 + 8 + 16
        + 2 * (2 * 4 + 7) + 11 + 2 + 8 + 5 + 1)
   k = 2 * 2 / min(np.min(np.linalg.norm(a - b, axis=-1)) for a, b in pairs)
   rtol = rounding_tol(n, k)
@@ -581,7 +581,7 @@ def test_for_model_names_the_method_of_a_network():
   assert methods.for_model(byol.BYOLNet()).name == 'byol'
   assert methods.for_model(dino.DINONet()).name == 'dino'
   with pytest.raises(ValueError, match='No method'):
-    methods.for_model(models.ResNet18())
+    methods.for_model(models.ResNet())
 
 
 def test_setup_logs_the_horizon_of_ema_methods(monkeypatch):

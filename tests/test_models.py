@@ -42,11 +42,12 @@ def _numpy_variables(module, shape, seed=0):
   return flax.traverse_util.unflatten_dict(filled)
 
 
-def _resnet18_param_count(stem_kernel):
-  """Closed-form parameter count of a ResNet-18 without fc (convs have no bias).
+def _resnet_param_count(stem_kernel, stage_sizes=(2, 2, 2, 2)):
+  """Closed-form parameter count of a ResNet without fc (convs have no bias).
 
   Args:
     stem_kernel: side of the first convolution (7 for imagenet, 3 for cifar).
+    stage_sizes: blocks per stage, ResNet-18's by default.
 
   Returns:
     Number of trainable parameters (conv kernels + BatchNorm scale and bias).
@@ -55,8 +56,8 @@ def _resnet18_param_count(stem_kernel):
   bn = lambda c: 2 * c
   total = conv(stem_kernel, 3, 64) + bn(64)
   cin = 64
-  for cout in (64, 128, 256, 512):
-    for block in range(2):
+  for cout, blocks in zip((64, 128, 256, 512), stage_sizes):
+    for block in range(blocks):
       total += conv(3, cin, cout) + bn(cout) + conv(3, cout, cout) + bn(cout)
       if block == 0 and cin != cout:
         total += conv(1, cin, cout) + bn(cout)
@@ -65,22 +66,37 @@ def _resnet18_param_count(stem_kernel):
 
 
 def test_imagenet_stem_parameter_count():
-  variables = _abstract_variables(models.ResNet18(stem='imagenet'),
+  variables = _abstract_variables(models.ResNet(stem='imagenet'),
                                   (2, 32, 32, 3))
   # torchvision resnet18 has 11,689,512 parameters, its fc 512 * 1000 + 1000.
-  assert _resnet18_param_count(7) == 11_689_512 - 513_000
+  assert _resnet_param_count(7) == 11_689_512 - 513_000
   assert _count(variables['params']) == 11_176_512
   # The paper's "11.18M".
   assert round(_count(variables['params']) / 1e6, 2) == 11.18
 
 
+def test_stage_sizes_set_the_depth():
+  resnet34 = _abstract_variables(models.ResNet(stage_sizes=(3, 4, 6, 3)),
+                                 (2, 32, 32, 3))
+  # torchvision resnet34 has 21,797,672 parameters, its fc 512 * 1000 + 1000.
+  assert _count(resnet34['params']) == 21_797_672 - 513_000
+  one = models.ResNet(stage_sizes=(1, 1, 1, 1), stem='cifar')
+  variables = _abstract_variables(one, (2, 32, 32, 3))
+  assert _count(variables['params']) == _resnet_param_count(3, (1, 1, 1, 1))
+  assert sorted(k for k in variables['params'] if 'block' in k) == [
+      f'stage{s}_block1' for s in range(1, 5)]
+  for bad in ((2, 2, 2), (2, 0, 2, 2)):
+    with pytest.raises(ValueError, match='stage_sizes'):
+      models.ResNet(stage_sizes=bad)
+
+
 def test_cifar_stem_parameter_count():
-  variables = _abstract_variables(models.ResNet18(stem='cifar'), (2, 32, 32, 3))
-  assert _count(variables['params']) == _resnet18_param_count(3) == 11_168_832
+  variables = _abstract_variables(models.ResNet(stem='cifar'), (2, 32, 32, 3))
+  assert _count(variables['params']) == _resnet_param_count(3) == 11_168_832
 
 
 def test_batch_stats_count():
-  variables = _abstract_variables(models.ResNet18(), (2, 32, 32, 3))
+  variables = _abstract_variables(models.ResNet(), (2, 32, 32, 3))
   # One running mean and one running variance per BatchNorm channel.
   assert _count(variables['batch_stats']) == (
       _count(variables['params']) - _count(
@@ -224,13 +240,13 @@ def test_downsampling_block_has_projection_shortcut():
 
 def test_bad_stem_raises():
   with pytest.raises(ValueError, match='stem'):
-    models.ResNet18(stem='resnet')
+    models.ResNet(stem='resnet')
   with pytest.raises(ValueError, match='stem'):
     models.SimCLRNet(stem='')
 
 
 def test_bad_input_rank_raises():
-  model = models.ResNet18()
+  model = models.ResNet()
   with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
     model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
 
@@ -404,7 +420,7 @@ def test_unknown_conv_impl_raises():
   with pytest.raises(ValueError, match='conv_impl'):
     conv.max_pool_function('cudnn')
   with pytest.raises(ValueError, match='conv_impl'):
-    models.ResNet18(conv_impl='im2col')
+    models.ResNet(conv_impl='im2col')
 
 
 @pytest.mark.parametrize('stem', models.STEMS)

@@ -17,11 +17,12 @@ from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import optim
 from otclr_jax import methods
+from otclr_jax import models
 from otclr_jax import ot
 from otclr_jax import step as step_lib
 from tests.helpers import measure_chain
 from tests.helpers import ot_views_chain
-from tests.helpers import resnet18_chain
+from tests.helpers import resnet_chain
 from tests.helpers import rounding_tol
 from tests.helpers import sinkhorn_cost_chain
 from tests.helpers import tiny_config
@@ -60,13 +61,14 @@ def leaves(tree):
 
 
 # Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
-# step (train.train_step at commit 656364d, `tiny_config` digits, batch
-# images[:16], init key 0, train key 1, 4 total steps, 2 per epoch, lax.conv
+# step (train.train_step at commit 656364d, `tiny_config` digits with
+# ResNet-18's stages (`_PINNED_MODEL`), batch images[:16], init key 0, train key 1, 4 total steps, 2 per epoch, lax.conv
 # convolutions), computed by XLA:CPU on an AVX-512 machine; the 'ot' and
 # 'ot_learn' rows by the matmul-form OT views (ot.resize_matrix, [m, N, m]
 # Sinkhorn) on an AVX2 machine. Other instruction sets and other programs of
 # the same step (conv_impl) round differently: each metric is compared with
 # the rounding_tol of its chain of float32 roundings (`pinned_rtol`).
+_PINNED_MODEL = {'model.stage_sizes': models.RESNET18}
 PINNED = {
     'augment': [
         {'grad_norm': '0x1.f63ffe0000000p+6', 'loss': '0x1.be3e680000000p+1'},
@@ -96,7 +98,7 @@ _AUGMENT = 2 * (390 + 1250 + 60)
 _OT_VIEWS = 2 * ot_views_chain(_SIDE, _SIDE, _GRID, 20)
 # The network up to the projections: the encoder, the head's 512-term Dense,
 # its BatchNorm over 32 and its 32-term Dense with the bias.
-_NETWORK = (resnet18_chain('imagenet', _SIDE, 2 * _BATCH) + 512
+_NETWORK = (resnet_chain('imagenet', _SIDE, 2 * _BATCH) + 512
             + 2 * 2 * _BATCH + 7 + 32 + 1)
 # NT-Xent on 16-dim projections, batch 16 (tests/test_losses.py).
 _NT_XENT = (16 + 2) + 16 + 1 + 2 + 12 + (2 * _BATCH - 1) + 12 + 1 + (
@@ -162,7 +164,7 @@ def pinned_rtol(name, index, pinned):
 def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
                                                       views, overrides):
   config = tiny_config(data_dir, method='simclr', views=views, **overrides,
-                       **{'model.conv_impl': 'xla'})
+                       **{'model.conv_impl': 'xla', **_PINNED_MODEL})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
   for index, pinned in enumerate(PINNED[name]):
@@ -180,7 +182,7 @@ def test_simclr_reproduces_the_old_train_step(data_dir, images, name,
 def test_every_conv_impl_reproduces_the_pinned_step(data_dir, images,
                                                     conv_impl):
   config = tiny_config(data_dir, method='simclr', views='ot',
-                       **{'model.conv_impl': conv_impl})
+                       **{'model.conv_impl': conv_impl, **_PINNED_MODEL})
   _, state, step, mesh = build(config)
   batch = experiment.global_batch(images[:16], mesh)
   for index, pinned in enumerate(PINNED['ot']):

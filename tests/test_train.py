@@ -554,6 +554,8 @@ def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
     ({'eval.datasets': ()}, 'eval.datasets'),
     ({'batch_size': 1}, 'batch_size'),
     ({'mode': 'evaluate'}, 'mode'),
+    ({'model.stage_sizes': (2, 2, 2)}, 'model.stage_sizes must be 4'),
+    ({'model.stage_sizes': (1, 0, 1, 1)}, 'model.stage_sizes must be 4'),
 ])
 def test_whole_config_is_checked_before_anything_is_created(
     tmp_path, data_dir, bad, match, caplog):

@@ -18,9 +18,10 @@ from otclr_jax.bench import common
 
 
 def _encoder_step(config, impl: str, x: jax.Array):
-  """Compiled ResNet-18 forward + backward at `x`, its variables, its FLOPs."""
-  model = models.ResNet18(stem=config.model.stem, conv_impl=impl,
-                          dtype=jnp.dtype(config.dtype))
+  """Compiled encoder forward + backward at `x`, its variables, its FLOPs."""
+  model = models.ResNet(stage_sizes=config.model.stage_sizes,
+                        stem=config.model.stem, conv_impl=impl,
+                        dtype=jnp.dtype(config.dtype))
 
   def loss(params, batch_stats, x):
     h, updates = model.apply({'params': params, 'batch_stats': batch_stats},
@@ -37,7 +38,8 @@ def _encoder_step(config, impl: str, x: jax.Array):
 
 def _conv_layers(config) -> dict[tuple[Any, ...], int]:
   """Count of each (input shape, kernel shape, strides, padding) convolution."""
-  model = models.ResNet18(stem=config.model.stem, conv_impl='xla')
+  model = models.ResNet(stage_sizes=config.model.stage_sizes,
+                        stem=config.model.stem, conv_impl='xla')
   x = jax.ShapeDtypeStruct(
       (config.batch_size, config.image_size, config.image_size, 3),
       jnp.float32)
@@ -113,7 +115,7 @@ def run_resnet(config, fv: flags.FlagValues) -> int:
       times[impl].append(time.perf_counter() - start)
   peak = common.matmul_peak_gflops()
   device = jax.devices()[0]
-  print(f'ResNet-18 ({config.model.stem} stem) forward + backward, batch {b}, '
+  print(f'ResNet {config.model.stage_sizes} ({config.model.stem} stem) forward + backward, batch {b}, '
         f'{size}x{size}, {config.dtype}, {device.device_kind} '
         f'({device.platform}); median (min) of {fv.repeats} alternated steps; '
         f'{flops / 1e9:.1f} GFLOP per step (XLA cost analysis, lax.conv); '

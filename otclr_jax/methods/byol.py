@@ -33,13 +33,15 @@ class BYOLNet(nn.Module):
   'head'}`` params form the target's ``SimCLRNet`` tree.
 
   Attributes:
+    stage_sizes: blocks per ResNet stage (``models.ResNet``).
     stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
     proj_hidden_dim: hidden width of the projector.
     proj_dim: output dimension of the projector (and of the predictor).
     pred_hidden_dim: hidden width of the predictor.
     dtype: computation dtype; parameters stay float32.
-    conv_impl: how convolutions run (``models.ResNet18``).
+    conv_impl: how convolutions run (``models.ResNet``).
   """
+  stage_sizes: tuple[int, ...] = models.RESNET18
   stem: str = 'imagenet'
   proj_hidden_dim: int = 4096
   proj_dim: int = 256
@@ -61,8 +63,9 @@ class BYOLNet(nn.Module):
       z: projections [B, proj_dim], float32, not normalised.
       p: predictions [B, proj_dim], float32, not normalised.
     """
-    h = models.ResNet18(stem=self.stem, dtype=self.dtype,
-                        conv_impl=self.conv_impl, name='encoder')(x, train)
+    h = models.ResNet(stage_sizes=self.stage_sizes, stem=self.stem,
+                      dtype=self.dtype, conv_impl=self.conv_impl,
+                      name='encoder')(x, train)
     z = models.ProjectionHead(hidden_dim=self.proj_hidden_dim,
                               out_dim=self.proj_dim, dtype=self.dtype,
                               name='head')(h, train)
@@ -96,14 +99,15 @@ def default_config() -> ml_collections.ConfigDict:
 def target_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
   """The target network: encoder and projector of the online network."""
   return models.SimCLRNet(
-      stem=config.model.stem, proj_hidden_dim=config.byol.proj_hidden_dim,
+      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
+      proj_hidden_dim=config.byol.proj_hidden_dim,
       proj_dim=config.byol.proj_dim, dtype=base.dtype_of(config),
       conv_impl=config.model.conv_impl)
 
 
 def create_model(config: ml_collections.ConfigDict) -> BYOLNet:
   return BYOLNet(
-      stem=config.model.stem,
+      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
       proj_hidden_dim=config.byol.proj_hidden_dim,
       proj_dim=config.byol.proj_dim,
       pred_hidden_dim=config.byol.pred_hidden_dim,

@@ -83,17 +83,19 @@ class DINOHead(nn.Module):
 
 
 class DINONet(nn.Module):
-  """DINO's student (and teacher) network: ResNet-18 encoder and DINO head.
+  """DINO's student (and teacher) network: ResNet encoder and DINO head.
 
   Attributes:
+    stage_sizes: blocks per ResNet stage (``models.ResNet``).
     stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
     hidden_dim: DINOHead hidden width.
     bottleneck_dim: DINOHead bottleneck dimension.
     num_prototypes: DINOHead output dimension.
     use_bn_in_head: DINOHead's ``use_bn``.
     dtype: computation dtype; parameters stay float32.
-    conv_impl: how convolutions run (``models.ResNet18``).
+    conv_impl: how convolutions run (``models.ResNet``).
   """
+  stage_sizes: tuple[int, ...] = models.RESNET18
   stem: str = 'imagenet'
   hidden_dim: int = 2048
   bottleneck_dim: int = 256
@@ -116,8 +118,9 @@ class DINONet(nn.Module):
       z: head bottleneck [B, bottleneck_dim], float32, not normalised.
       logits: prototype scores [B, num_prototypes], float32.
     """
-    h = models.ResNet18(stem=self.stem, dtype=self.dtype,
-                        conv_impl=self.conv_impl, name='encoder')(x, train)
+    h = models.ResNet(stage_sizes=self.stage_sizes, stem=self.stem,
+                      dtype=self.dtype, conv_impl=self.conv_impl,
+                      name='encoder')(x, train)
     z, logits = DINOHead(hidden_dim=self.hidden_dim,
                          bottleneck_dim=self.bottleneck_dim,
                          num_prototypes=self.num_prototypes,
@@ -158,7 +161,8 @@ def default_config() -> ml_collections.ConfigDict:
 
 def create_model(config: ml_collections.ConfigDict) -> DINONet:
   return DINONet(
-      stem=config.model.stem, hidden_dim=config.dino.hidden_dim,
+      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
+      hidden_dim=config.dino.hidden_dim,
       bottleneck_dim=config.dino.bottleneck_dim,
       num_prototypes=config.dino.num_prototypes,
       use_bn_in_head=config.dino.use_bn_in_head,

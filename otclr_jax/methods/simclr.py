@@ -18,7 +18,7 @@ from otclr_jax.methods import base
 
 def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
   return models.SimCLRNet(
-      stem=config.model.stem,
+      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
       proj_hidden_dim=config.model.proj_hidden_dim,
       proj_dim=config.model.proj_dim,
       dtype=base.dtype_of(config),
