@@ -180,29 +180,16 @@ class ProjectionHead(nn.Module):
 
 
 class SimCLRNet(nn.Module):
-  """Encoder f (``ResNet``) followed by projection head g.
+  """Encoder f followed by projection head g.
 
   Attributes:
-    stage_sizes: see ``ResNet``.
-    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    encoder: the ``ResNet`` f; the head computes in its ``dtype`` too.
     proj_hidden_dim: hidden width of the projection head.
     proj_dim: output dimension of the projection head.
-    dtype: computation dtype; parameters stay float32.
-    zero_init_residual: see ``ResNet``.
-    conv_impl: see ``ResNet``.
   """
-  stage_sizes: tuple[int, ...] = RESNET18
-  stem: str = 'imagenet'
+  encoder: ResNet = ResNet()
   proj_hidden_dim: int = 512
   proj_dim: int = 128
-  dtype: Any = jnp.float32
-  zero_init_residual: bool = False
-  conv_impl: str = 'auto'
-
-  def __post_init__(self):
-    if self.stem not in STEMS:
-      raise ValueError(f'Unknown stem {self.stem!r}; expected one of {STEMS}.')
-    super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray,
@@ -217,9 +204,7 @@ class SimCLRNet(nn.Module):
       h: encoder features [B, 512], float32.
       z: projections [B, proj_dim], float32, not normalised.
     """
-    h = ResNet(stage_sizes=self.stage_sizes, stem=self.stem, dtype=self.dtype,
-               zero_init_residual=self.zero_init_residual,
-               conv_impl=self.conv_impl, name='encoder')(x, train)
+    h = self.encoder(x, train)
     z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,
-                       dtype=self.dtype, name='head')(h, train)
+                       dtype=self.encoder.dtype, name='head')(h, train)
     return h, z

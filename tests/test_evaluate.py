@@ -157,7 +157,7 @@ def _tiny_net(seed=0, num_images=50):
   The BatchNorm statistics are perturbed away from (0, 1) so that a result
   that ignored the recomputation (or kept the stored values) would show.
   """
-  model = models.SimCLRNet(stage_sizes=_TINY_STAGES, stem='cifar',
+  model = models.SimCLRNet(models.ResNet(_TINY_STAGES, stem='cifar'),
                            proj_hidden_dim=8, proj_dim=4)
   rng = np.random.default_rng(seed)
   images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)

@@ -17,6 +17,7 @@ from otclr_jax import data
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import features
 from otclr_jax import export
+from otclr_jax.methods import base
 from otclr_jax import models
 from otclr_jax import rundir
 from tests.helpers import copy_run
@@ -26,12 +27,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope='module')
 def trained():
-  """A tiny SimCLRNet whose BatchNorm statistics moved off their init."""
+  """A tiny SimCLRNet (one block per stage) whose BatchNorm statistics moved
+  off their init."""
   config = default.get_config()
   config.model.stem = 'cifar'
+  config.model.stage_sizes = (1, 1, 1, 1)
   config.image_size = 8
   config.dataset = 'digits'
-  model = models.SimCLRNet(stem='cifar', proj_hidden_dim=32, proj_dim=16)
+  model = models.SimCLRNet(base.encoder(config), proj_hidden_dim=32,
+                           proj_dim=16)
   x = jax.random.uniform(jax.random.key(0), (4, 8, 8, 3))
   variables = model.init(jax.random.key(1), x, train=False)
   _, updates = model.apply(variables, x * 0.5 + 0.2, train=True,
@@ -55,8 +59,9 @@ def test_round_trip_equals_full_model_features(tmp_path, trained):
   assert 'head' not in loaded['params'] and 'encoder' not in loaded['params']
   assert set(loaded['params']) == set(variables['params']['encoder'])
   meta = export.load_encoder_config(path)
-  assert (meta['stem'], meta['image_size'], meta['dtype'],
-          meta['feature_dim']) == ('cifar', 8, 'float32', 512)
+  assert (meta['stem'], meta['stage_sizes'], meta['image_size'],
+          meta['dtype'], meta['feature_dim']) == ('cifar', [1, 1, 1, 1], 8,
+                                                  'float32', 512)
 
 
 def test_bad_inputs(tmp_path, trained):
@@ -263,4 +268,9 @@ def test_an_architecture_that_does_not_match_the_weights_fails_at_load(
   wrong.model.stem = 'imagenet'  # the weights are the cifar stem's
   export.export_encoder(path, variables, wrong)
   with pytest.raises(ValueError, match='encoder.msgpack.*stem'):
+    export.load_encoder(path)
+  wrong = config.copy_and_resolve_references()
+  wrong.model.stage_sizes = (2, 2, 2, 2)  # the weights have 1 block each
+  export.export_encoder(path, variables, wrong)
+  with pytest.raises(ValueError, match=r'stage_sizes \[2, 2, 2, 2\]'):
     export.load_encoder(path)

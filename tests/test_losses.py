@@ -266,7 +266,8 @@ def _numpy_variables(module, shape, seed=0):
 
 def test_fixed_alpha_regulariser_does_not_change_parameter_gradients():
   """docs/method.md section 6 note: with a fixed alpha, beta has no effect."""
-  model = models.SimCLRNet(stem='cifar', proj_hidden_dim=16, proj_dim=8)
+  model = models.SimCLRNet(models.ResNet(stem='cifar'), proj_hidden_dim=16,
+                           proj_dim=8)
   x, xs1, xs2 = _images(1, batch=4)
   # The views are data: generated outside the differentiated function.
   xh1 = _ot_views(x, xs1, alpha=0.5, **OT_KW)

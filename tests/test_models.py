@@ -123,8 +123,8 @@ def test_default_head_reproduces_the_papers_parameter_counts():
 
 
 def test_params_are_float32_even_for_bfloat16():
-  variables = _abstract_variables(models.SimCLRNet(dtype=jnp.bfloat16),
-                                  (2, 32, 32, 3))
+  variables = _abstract_variables(
+      models.SimCLRNet(models.ResNet(dtype=jnp.bfloat16)), (2, 32, 32, 3))
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(variables)}
   assert dtypes == {jnp.dtype(jnp.float32)}
 
@@ -136,7 +136,8 @@ def test_params_are_float32_even_for_bfloat16():
     ('cifar', 96, 12),
 ])
 def test_output_and_last_stage_shapes(stem, size, last_spatial):
-  model = models.SimCLRNet(stem=stem, proj_hidden_dim=64, proj_dim=16)
+  model = models.SimCLRNet(models.ResNet(stem=stem), proj_hidden_dim=64,
+                           proj_dim=16)
   x = jnp.zeros((3, size, size, 3))
   variables = _abstract_variables(model, x.shape)
   (h, z), state = jax.eval_shape(
@@ -157,7 +158,8 @@ def _jit_apply(model, train):
 
 
 def test_train_mode_updates_batch_stats_and_eval_mode_does_not():
-  model = models.SimCLRNet(stem='imagenet', proj_hidden_dim=32, proj_dim=8)
+  model = models.SimCLRNet(models.ResNet(stem='imagenet'), proj_hidden_dim=32,
+                           proj_dim=8)
   x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
   # Same first example, different rest of the batch.
   x_alt = x.at[1:].set(jax.random.uniform(jax.random.key(2), (3, 32, 32, 3)))
@@ -195,8 +197,8 @@ def test_train_mode_updates_batch_stats_and_eval_mode_does_not():
 def test_bfloat16_runs_and_returns_float32():
   x = jax.random.uniform(jax.random.key(1), (2, 32, 32, 3))
   model32 = models.SimCLRNet(proj_hidden_dim=32, proj_dim=8)
-  model16 = models.SimCLRNet(proj_hidden_dim=32, proj_dim=8,
-                             dtype=jnp.bfloat16)
+  model16 = models.SimCLRNet(models.ResNet(dtype=jnp.bfloat16),
+                             proj_hidden_dim=32, proj_dim=8)
   variables = _numpy_variables(model32, x.shape)
   h32, z32 = _jit_apply(model32, False)(variables, x)
   (h16, z16), updates = _jit_apply(model16, True)(variables, x)
@@ -242,7 +244,7 @@ def test_bad_stem_raises():
   with pytest.raises(ValueError, match='stem'):
     models.ResNet(stem='resnet')
   with pytest.raises(ValueError, match='stem'):
-    models.SimCLRNet(stem='')
+    models.SimCLRNet(models.ResNet(stem=''))
 
 
 def test_bad_input_rank_raises():
@@ -426,8 +428,8 @@ def test_unknown_conv_impl_raises():
 @pytest.mark.parametrize('stem', models.STEMS)
 def test_conv_impls_share_parameters_and_outputs(stem):
   x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
-  nets = {impl: models.SimCLRNet(stem=stem, proj_hidden_dim=32, proj_dim=8,
-                                 conv_impl=impl)
+  nets = {impl: models.SimCLRNet(models.ResNet(stem=stem, conv_impl=impl),
+                                 proj_hidden_dim=32, proj_dim=8)
           for impl in ('xla', 'matmul')}
   trees = {impl: _abstract_variables(net, x.shape)
            for impl, net in nets.items()}

@@ -1,4 +1,4 @@
-"""`python -m otclr_jax.bench resnet`: ResNet-18 fwd+bwd per `conv_impl`."""
+"""`python -m otclr_jax.bench resnet`: the encoder fwd+bwd per `conv_impl`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from otclr_jax import conv
-from otclr_jax import models
 from otclr_jax.bench import common
+from otclr_jax.methods import base
 
 
 def _encoder_step(config, impl: str, x: jax.Array):
   """Compiled encoder forward + backward at `x`, its variables, its FLOPs."""
-  model = models.ResNet(stage_sizes=config.model.stage_sizes,
-                        stem=config.model.stem, conv_impl=impl,
-                        dtype=jnp.dtype(config.dtype))
+  model = base.encoder(config).clone(conv_impl=impl)
 
   def loss(params, batch_stats, x):
     h, updates = model.apply({'params': params, 'batch_stats': batch_stats},
@@ -38,8 +36,7 @@ def _encoder_step(config, impl: str, x: jax.Array):
 
 def _conv_layers(config) -> dict[tuple[Any, ...], int]:
   """Count of each (input shape, kernel shape, strides, padding) convolution."""
-  model = models.ResNet(stage_sizes=config.model.stage_sizes,
-                        stem=config.model.stem, conv_impl='xla')
+  model = base.encoder(config).clone(conv_impl='xla')
   x = jax.ShapeDtypeStruct(
       (config.batch_size, config.image_size, config.image_size, 3),
       jnp.float32)
@@ -94,7 +91,7 @@ def _print_layers(config, repeats: int) -> None:
 
 
 def run_resnet(config, fv: flags.FlagValues) -> int:
-  """The `resnet` subcommand: ResNet-18 fwd+bwd per `model.conv_impl`."""
+  """The `resnet` subcommand: the encoder fwd+bwd per `model.conv_impl`."""
   impls = list(fv.conv_impls)
   for impl in impls:
     conv.conv_function(impl)

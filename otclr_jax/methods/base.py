@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from otclr_jax import models
+
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
@@ -268,3 +270,10 @@ def dtype_of(config: ml_collections.ConfigDict):
     raise ValueError(f'config.dtype must be one of {tuple(DTYPES)}, got '
                      f'{config.dtype!r}.')
   return DTYPES[config.dtype]
+
+
+def encoder(config: ml_collections.ConfigDict) -> models.ResNet:
+  """The run's ResNet (`config.model`), computing in `config.dtype`."""
+  return models.ResNet(
+      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
+      dtype=dtype_of(config), conv_impl=config.model.conv_impl)

@@ -13,8 +13,6 @@ Recipe (docs/methods.md has the sources with file and line):
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -33,21 +31,15 @@ class BYOLNet(nn.Module):
   'head'}`` params form the target's ``SimCLRNet`` tree.
 
   Attributes:
-    stage_sizes: blocks per ResNet stage (``models.ResNet``).
-    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    encoder: the ``models.ResNet`` f; g and q compute in its ``dtype`` too.
     proj_hidden_dim: hidden width of the projector.
     proj_dim: output dimension of the projector (and of the predictor).
     pred_hidden_dim: hidden width of the predictor.
-    dtype: computation dtype; parameters stay float32.
-    conv_impl: how convolutions run (``models.ResNet``).
   """
-  stage_sizes: tuple[int, ...] = models.RESNET18
-  stem: str = 'imagenet'
+  encoder: models.ResNet = models.ResNet()
   proj_hidden_dim: int = 4096
   proj_dim: int = 256
   pred_hidden_dim: int = 4096
-  dtype: Any = jnp.float32
-  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
@@ -63,14 +55,12 @@ class BYOLNet(nn.Module):
       z: projections [B, proj_dim], float32, not normalised.
       p: predictions [B, proj_dim], float32, not normalised.
     """
-    h = models.ResNet(stage_sizes=self.stage_sizes, stem=self.stem,
-                      dtype=self.dtype, conv_impl=self.conv_impl,
-                      name='encoder')(x, train)
+    h = self.encoder(x, train)
     z = models.ProjectionHead(hidden_dim=self.proj_hidden_dim,
-                              out_dim=self.proj_dim, dtype=self.dtype,
+                              out_dim=self.proj_dim, dtype=self.encoder.dtype,
                               name='head')(h, train)
     p = models.ProjectionHead(hidden_dim=self.pred_hidden_dim,
-                              out_dim=self.proj_dim, dtype=self.dtype,
+                              out_dim=self.proj_dim, dtype=self.encoder.dtype,
                               name='predictor')(z, train)
     return h, z, p
 
@@ -98,20 +88,16 @@ def default_config() -> ml_collections.ConfigDict:
 
 def target_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
   """The target network: encoder and projector of the online network."""
-  return models.SimCLRNet(
-      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
-      proj_hidden_dim=config.byol.proj_hidden_dim,
-      proj_dim=config.byol.proj_dim, dtype=base.dtype_of(config),
-      conv_impl=config.model.conv_impl)
+  return models.SimCLRNet(encoder=base.encoder(config),
+                          proj_hidden_dim=config.byol.proj_hidden_dim,
+                          proj_dim=config.byol.proj_dim)
 
 
 def create_model(config: ml_collections.ConfigDict) -> BYOLNet:
-  return BYOLNet(
-      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
-      proj_hidden_dim=config.byol.proj_hidden_dim,
-      proj_dim=config.byol.proj_dim,
-      pred_hidden_dim=config.byol.pred_hidden_dim,
-      dtype=base.dtype_of(config), conv_impl=config.model.conv_impl)
+  return BYOLNet(encoder=base.encoder(config),
+                 proj_hidden_dim=config.byol.proj_hidden_dim,
+                 proj_dim=config.byol.proj_dim,
+                 pred_hidden_dim=config.byol.pred_hidden_dim)
 
 
 def _without_predictor(tree):

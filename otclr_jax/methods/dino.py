@@ -86,23 +86,17 @@ class DINONet(nn.Module):
   """DINO's student (and teacher) network: ResNet encoder and DINO head.
 
   Attributes:
-    stage_sizes: blocks per ResNet stage (``models.ResNet``).
-    stem: ResNet stem, ``'imagenet'`` or ``'cifar'``.
+    encoder: the ``models.ResNet``; the head computes in its ``dtype`` too.
     hidden_dim: DINOHead hidden width.
     bottleneck_dim: DINOHead bottleneck dimension.
     num_prototypes: DINOHead output dimension.
     use_bn_in_head: DINOHead's ``use_bn``.
-    dtype: computation dtype; parameters stay float32.
-    conv_impl: how convolutions run (``models.ResNet``).
   """
-  stage_sizes: tuple[int, ...] = models.RESNET18
-  stem: str = 'imagenet'
+  encoder: models.ResNet = models.ResNet()
   hidden_dim: int = 2048
   bottleneck_dim: int = 256
   num_prototypes: int = 4096
   use_bn_in_head: bool = False
-  dtype: Any = jnp.float32
-  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
@@ -118,14 +112,12 @@ class DINONet(nn.Module):
       z: head bottleneck [B, bottleneck_dim], float32, not normalised.
       logits: prototype scores [B, num_prototypes], float32.
     """
-    h = models.ResNet(stage_sizes=self.stage_sizes, stem=self.stem,
-                      dtype=self.dtype, conv_impl=self.conv_impl,
-                      name='encoder')(x, train)
+    h = self.encoder(x, train)
     z, logits = DINOHead(hidden_dim=self.hidden_dim,
                          bottleneck_dim=self.bottleneck_dim,
                          num_prototypes=self.num_prototypes,
-                         use_bn=self.use_bn_in_head, dtype=self.dtype,
-                         name='head')(h, train)
+                         use_bn=self.use_bn_in_head,
+                         dtype=self.encoder.dtype, name='head')(h, train)
     return h, z, logits
 
 
@@ -161,12 +153,10 @@ def default_config() -> ml_collections.ConfigDict:
 
 def create_model(config: ml_collections.ConfigDict) -> DINONet:
   return DINONet(
-      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
-      hidden_dim=config.dino.hidden_dim,
+      encoder=base.encoder(config), hidden_dim=config.dino.hidden_dim,
       bottleneck_dim=config.dino.bottleneck_dim,
       num_prototypes=config.dino.num_prototypes,
-      use_bn_in_head=config.dino.use_bn_in_head,
-      dtype=base.dtype_of(config), conv_impl=config.model.conv_impl)
+      use_bn_in_head=config.dino.use_bn_in_head)
 
 
 def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
@@ -174,7 +164,7 @@ def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
   head = DINOHead(hidden_dim=model.hidden_dim,
                   bottleneck_dim=model.bottleneck_dim,
                   num_prototypes=model.num_prototypes,
-                  use_bn=model.use_bn_in_head, dtype=model.dtype)
+                  use_bn=model.use_bn_in_head, dtype=model.encoder.dtype)
   head_variables = {'params': variables['params']['head']}
   if model.use_bn_in_head:
     head_variables['batch_stats'] = variables['batch_stats']['head']

@@ -18,17 +18,16 @@ from otclr_jax.methods import base
 
 def create_model(config: ml_collections.ConfigDict) -> models.SimCLRNet:
   return models.SimCLRNet(
-      stage_sizes=config.model.stage_sizes, stem=config.model.stem,
+      encoder=base.encoder(config),
       proj_hidden_dim=config.model.proj_hidden_dim,
-      proj_dim=config.model.proj_dim,
-      dtype=base.dtype_of(config),
-      conv_impl=config.model.conv_impl)
+      proj_dim=config.model.proj_dim)
 
 
 def embed(model, variables, h: jax.Array) -> jax.Array:
   """The projection z = g(h) [N, proj_dim] of features h [N, 512]."""
   head = models.ProjectionHead(hidden_dim=model.proj_hidden_dim,
-                               out_dim=model.proj_dim, dtype=model.dtype)
+                               out_dim=model.proj_dim,
+                               dtype=model.encoder.dtype)
   return head.apply({'params': variables['params']['head'],
                      'batch_stats': variables['batch_stats']['head']}, h,
                     train=False)
