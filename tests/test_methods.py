@@ -399,6 +399,7 @@ def _small_config(method):
   config.image_size = 8
   config.batch_size = 4
   config.model.stem = 'cifar'
+  config.model.stage_sizes = (1, 1, 1, 1)
   config.model.proj_hidden_dim, config.model.proj_dim = 16, 8
   config.byol.proj_hidden_dim, config.byol.proj_dim = 16, 8
   config.byol.pred_hidden_dim = 16
@@ -456,8 +457,8 @@ def test_byol_normalises_each_view_on_its_own():
   # their sum (8), the batch mean (5) and the two views' sum (1). Growth:
   # squaring doubles a relative error, and the difference of two unit
   # vectors amplifies their errors by 2 / |p - z|.
-  n = (resnet_chain('cifar', 8, 4) + 512 + 16 + 8 + 16
-       + 2 * (2 * 4 + 7) + 11 + 2 + 8 + 5 + 1)
+  n = (resnet_chain('cifar', 8, 4, config.model.stage_sizes)
+       + 512 + 16 + 8 + 16 + 2 * (2 * 4 + 7) + 11 + 2 + 8 + 5 + 1)
   k = 2 * 2 / min(np.min(np.linalg.norm(a - b, axis=-1)) for a, b in pairs)
   rtol = rounding_tol(n, k)
   np.testing.assert_allclose(float(value), expected, rtol=rtol)
