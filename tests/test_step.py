@@ -62,12 +62,13 @@ def leaves(tree):
 
 # Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
 # step (train.train_step at commit 656364d, `tiny_config` digits with
-# ResNet-18's stages (`_PINNED_MODEL`), batch images[:16], init key 0, train key 1, 4 total steps, 2 per epoch, lax.conv
-# convolutions), computed by XLA:CPU on an AVX-512 machine; the 'ot' and
-# 'ot_learn' rows by the matmul-form OT views (ot.resize_matrix, [m, N, m]
-# Sinkhorn) on an AVX2 machine. Other instruction sets and other programs of
-# the same step (conv_impl) round differently: each metric is compared with
-# the rounding_tol of its chain of float32 roundings (`pinned_rtol`).
+# ResNet-18's stages (`_PINNED_MODEL`), batch images[:16], init key 0, train
+# key 1, 4 total steps, 2 per epoch, lax.conv convolutions), computed by
+# XLA:CPU on an AVX-512 machine; the 'ot' and 'ot_learn' rows by the
+# matmul-form OT views (ot.resize_matrix, [m, N, m] Sinkhorn) on an AVX2
+# machine. Other instruction sets and other programs of the same step
+# (conv_impl) round differently: each metric is compared with the
+# rounding_tol of its chain of float32 roundings (`pinned_rtol`).
 _PINNED_MODEL = {'model.stage_sizes': models.RESNET18}
 PINNED = {
     'augment': [

@@ -112,11 +112,12 @@ def run_resnet(config, fv: flags.FlagValues) -> int:
       times[impl].append(time.perf_counter() - start)
   peak = common.matmul_peak_gflops()
   device = jax.devices()[0]
-  print(f'ResNet {config.model.stage_sizes} ({config.model.stem} stem) forward + backward, batch {b}, '
-        f'{size}x{size}, {config.dtype}, {device.device_kind} '
-        f'({device.platform}); median (min) of {fv.repeats} alternated steps; '
-        f'{flops / 1e9:.1f} GFLOP per step (XLA cost analysis, lax.conv); '
-        f'float32 matmul peak {peak:.1f} GFLOP/s')
+  print(f'ResNet {config.model.stage_sizes} ({config.model.stem} stem) '
+        f'forward + backward, batch {b}, {size}x{size}, {config.dtype}, '
+        f'{device.device_kind} ({device.platform}); median (min) of '
+        f'{fv.repeats} alternated steps; {flops / 1e9:.1f} GFLOP per step '
+        f'(XLA cost analysis, lax.conv); float32 matmul peak {peak:.1f} '
+        'GFLOP/s')
   ref = statistics.median(times[impls[0]])
   for impl in impls:
     med = statistics.median(times[impl])
