@@ -152,8 +152,8 @@ def _check_architecture(path: str, encoder, meta: dict[str, Any],
         k for k in want if want[k] != got[k])
     raise ValueError(
         f'{path}: its weights do not fit the architecture it names (stem '
-        f'{meta["stem"]!r}, stage_sizes {meta.get("stage_sizes")}, image_size '
-        f'{size}); first mismatch at '
+        f'{meta["stem"]!r}, stage_sizes {list(encoder.stage_sizes)}, '
+        f'image_size {size}); first mismatch at '
         f'{wrong[0]} ({got.get(wrong[0], "absent")} stored, '
         f'{want.get(wrong[0], "absent")} expected). The file was edited or '
         'written by other code: export it again.')
