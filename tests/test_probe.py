@@ -74,7 +74,8 @@ def test_objective_value_and_gradient_equal_their_definition():
   objective, x, y = _objective()
   rng = np.random.default_rng(1)
   w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
-  value, grad_w, grad_b, p = objective.value_and_grad(w, b)
+  value, p = objective.value(w, b)
+  grad_w, grad_b = objective.gradient(w, p)
   logits = x @ w + b
   log_p = logits - np.log(np.exp(logits).sum(1, keepdims=True))
   expected = -np.mean(log_p[np.arange(50), y]) + 0.5e-3 * np.sum(w * w)
@@ -85,7 +86,7 @@ def test_objective_value_and_gradient_equal_their_definition():
   # error h^2 f''' / 6 ~ 1e-11 and rounding eps f / h ~ 1e-10 at h = 1e-5.
   h = 1e-5
   theta = np.concatenate([w.ravel(), b])
-  loss = lambda t: objective.value_and_grad(t[:24].reshape(6, 4), t[24:])[0]
+  loss = lambda t: objective.value(t[:24].reshape(6, 4), t[24:])[0]
   numeric = np.array([(loss(theta + h * e) - loss(theta - h * e)) / (2 * h)
                       for e in np.eye(len(theta))])
   np.testing.assert_allclose(np.concatenate([grad_w.ravel(), grad_b]),
@@ -99,7 +100,7 @@ def test_objective_hessian_product_equals_the_explicit_hessian():
   dw, db = rng.normal(size=(6, 4)), rng.normal(size=4)
   # The Hessian in (W, b) written out: sum_i (diag(p_i) - p_i p_i^T) (x)
   # [x_i, 1] [x_i, 1]^T / n, plus l2 on the W block.
-  p = objective.value_and_grad(w, b)[3]
+  p = objective.value(w, b)[1]
   xb = np.concatenate([x, np.ones((len(x), 1))], axis=1)  # [N, D + 1]
   hessian = sum(np.kron(np.outer(xi, xi), np.diag(pi) - np.outer(pi, pi))
                 for xi, pi in zip(xb, p)) / len(x)
@@ -121,7 +122,8 @@ def _preconditioned_newton_error(num_classes, coupled=False):
   rng = np.random.default_rng(3)
   w, b = rng.normal(size=(6, num_classes)), rng.normal(size=num_classes)
   w, b = w - w.mean(1, keepdims=True), b - b.mean()
-  _, gw, gb, p = objective.value_and_grad(w, b)
+  _, p = objective.value(w, b)
+  gw, gb = objective.gradient(w, p)
   sw, sb = probe._class_preconditioner(objective, p, coupled)(gw, gb)
   hw, hb = objective.hessp(probe._transposed(p), sw, sb)
   error = np.abs(np.concatenate([hw.ravel() - gw.ravel(), hb - gb])).max()
@@ -231,14 +233,15 @@ def test_a_fit_from_a_far_start_reaches_the_optimum_from_zero(monkeypatch):
   x, y = _blobs(5, 80, 32, seed=3, spread=6.0)
   x = (x - x.mean(0)) / x.std(0)
   evaluations = []
-  value_and_grad = probe._Objective.value_and_grad
-  monkeypatch.setattr(probe._Objective, 'value_and_grad',
+  value = probe._Objective.value
+  monkeypatch.setattr(probe._Objective, 'value',
                       lambda self, w, b: evaluations.append(1)
-                      or value_and_grad(self, w, b))
+                      or value(self, w, b))
   start = np.random.default_rng(0).normal(size=(32, 5))
-  near = probe._solve(x, y, 1e-3, 5, np.zeros((32, 5)), np.zeros(5), 500)
+  objective = probe._Objective(x, y, 1e-3, 5)
+  near = probe._solve(objective, np.zeros((32, 5)), np.zeros(5), 500)
   del evaluations[:]
-  far = probe._solve(x, y, 1e-3, 5, 30.0 * start, np.zeros(5), 500)
+  far = probe._solve(objective, 30.0 * start, np.zeros(5), 500)
   assert near.converged and far.converged
   assert len(evaluations) > far.steps + 1  # some step backtracked
   np.testing.assert_allclose(far.w, near.w, rtol=0, atol=2e-5)

@@ -8,6 +8,7 @@ refitted on all of it (docs/method.md section 7).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -94,36 +95,49 @@ class _Objective:
   """mean CE(z W + b, y) + l2 / 2 ||W||^2 and its derivatives.
 
   z [N, D]: standardised features in their eigenbasis (orthogonal, so ||W||
-  and the gradient norm are basis-independent).
+  and the gradient norm are basis-independent). Stored transposed: numpy's
+  GEMMs stream [D, N] faster.
   """
 
   def __init__(self, z, y, l2, num_classes):
-    self.z, self.y, self.l2 = z, y, l2
-    self.onehot = np.eye(num_classes)[y]
-    # float32 only steers CG; the value and gradient stay float64.
-    self.z1 = np.concatenate([z, np.ones((len(z), 1))], axis=1,
-                             dtype=np.float32)  # [N, D + 1]
-    # [D, N]: numpy's float32 GEMMs stream it faster than [N, D] or XLA.
-    self.zt = np.ascontiguousarray(self.z1[:, :-1].T)
+    self.y, self.l2 = y, l2
+    self.onehot_t = np.eye(num_classes)[:, y]  # [C, N]
+    self.zt = np.ascontiguousarray(np.asarray(z, np.float64).T)
+    # float32 only steers CG; the value and gradient stay float64. The ones
+    # row is the bias's feature.
+    self.zt1 = np.concatenate([self.zt, np.ones((1, len(z)))],
+                              dtype=np.float32)  # [D + 1, N]
 
-  def value_and_grad(self, w, b):
-    """(value, dW [D, C], db [C], softmax probabilities [N, C]) at (w, b)."""
-    logits = self.z @ w + b
-    log_z = special.logsumexp(logits, axis=1)
-    p = np.exp(logits - log_z[:, None])
-    value = (np.mean(log_z - logits[np.arange(len(logits)), self.y])
+  def at(self, l2: float) -> '_Objective':
+    """The same features' objective at another lambda (arrays shared)."""
+    other = copy.copy(self)
+    other.l2 = l2
+    return other
+
+  def value(self, w, b):
+    """(value, softmax probabilities [N, C]) at (w [D, C], b [C])."""
+    logits = w.T @ self.zt + b[:, None]  # [C, N]
+    shift = logits.max(axis=0)
+    exp = np.exp(logits - shift)
+    total = exp.sum(axis=0)
+    log_z = shift + np.log(total)
+    value = (np.mean(log_z - logits[self.y, np.arange(len(self.y))])
              + 0.5 * self.l2 * np.sum(w * w))
-    residual = (p - self.onehot) / len(p)
-    return (value, self.z.T @ residual + self.l2 * w, residual.sum(axis=0),
-            p)
+    return value, (exp / total).T
+
+  def gradient(self, w, p):
+    """(dW [D, C], db [C]) at the point of weights w and probabilities p."""
+    residual = (p.T - self.onehot_t) / len(p)  # [C, N]
+    return self.zt @ residual.T + self.l2 * w, residual.sum(axis=1)
 
   def hessp(self, pt, dw, db):
     """The Hessian at softmax p times (dW, db); pt = p^T as float32 [C, N]."""
-    dz = dw.T.astype(np.float32) @ self.zt
+    zt = self.zt1[:-1]
+    dz = dw.T.astype(np.float32) @ zt
     dz += db.astype(np.float32)[:, None]
     dp = pt * (dz - np.sum(pt * dz, axis=0, keepdims=True))  # [C, N]
-    n = len(self.z)
-    return ((self.zt @ dp.T).astype(np.float64) / n + self.l2 * dw,
+    n = zt.shape[1]
+    return ((zt @ dp.T).astype(np.float64) / n + self.l2 * dw,
             dp.sum(axis=1, dtype=np.float64) / n)
 
 
@@ -144,30 +158,30 @@ def _class_rotation(p: np.ndarray) -> np.ndarray:
       ones_complement.T @ mean_curvature @ ones_complement)[1]
 
 
-# Rows per float32 block sum; the chunks add up in float64, so rounding
+# Examples per float32 block sum; the chunks add up in float64, so rounding
 # stays far below the smallest lambda's share of the curvature.
 _ROWS = 8192
 
 
-def _curvature_blocks(z1: np.ndarray, p: np.ndarray,
+def _curvature_blocks(zt1: np.ndarray, p: np.ndarray,
                       directions: np.ndarray) -> np.ndarray:
   """mean_i u^T S_i u [z_i, 1] [z_i, 1]^T [P, D + 1, D + 1] per class
-  direction u of directions [C, P], with z1 = [z, 1] float32 [N, D + 1] and
-  S_i = diag(p_i) - p_i p_i^T at p [N, C].
+  direction u of directions [C, P], with zt1 = [z, 1]^T float32 [D + 1, N]
+  and S_i = diag(p_i) - p_i p_i^T at p [N, C].
 
-  u^T S_i u = p_i . u^2 - (p_i . u)^2 >= 0, so each block is a^T a with a
-  the rows scaled by its square root: numpy computes that by SYRK, twice as
-  fast as a general weighted product.
+  u^T S_i u = p_i . u^2 - (p_i . u)^2 >= 0, so each block is a a^T with a
+  the columns scaled by its square root: numpy computes that by SYRK, twice
+  as fast as a general weighted product.
   """
-  n, d1 = z1.shape
+  d1, n = zt1.shape
   scale = np.sqrt(np.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
-                  ).astype(np.float32)
-  blocks = np.zeros((directions.shape[1], d1, d1))
+                  ).astype(np.float32).T  # [P, N]
+  blocks = np.zeros((len(scale), d1, d1))
   for start in range(0, n, _ROWS):
-    rows = z1[start:start + _ROWS]
-    for block, s in zip(blocks, scale[start:start + _ROWS].T):
-      a = rows * s[:, None]
-      block += a.T @ a
+    columns = zt1[:, start:start + _ROWS]
+    for block, s in zip(blocks, scale[:, start:start + _ROWS]):
+      a = columns * s
+      block += a @ a.T
   return blocks / n
 
 
@@ -181,14 +195,14 @@ def _class_preconditioner(objective, p, coupled=False):
   where the coupling between classes dominates (small lambda).
   """
   num_classes = p.shape[1]
-  z1, l2 = objective.z1, objective.l2
+  zt1, l2 = objective.zt1, objective.l2
   q = _class_rotation(p)
-  k, d1 = num_classes - 1, z1.shape[1]
+  k, d1 = num_classes - 1, zt1.shape[0]
   pairs = [(a, b) for a in range(k) for b in range(a + 1, k)] if coupled else []
   # Off the diagonal by polarisation: block (a, b) is half of (q_a + q_b)'s
   # block less those of q_a and q_b, all three with weights >= 0.
   blocks = _curvature_blocks(
-      z1, p, np.concatenate([q] + [q[:, [a]] + q[:, [b]] for a, b in pairs],
+      zt1, p, np.concatenate([q] + [q[:, [a]] + q[:, [b]] for a, b in pairs],
                             axis=1))
   own = blocks[:k]
   crosses = [0.5 * (block - own[a] - own[b])
@@ -256,18 +270,18 @@ COUPLE_AFTER = 120
 DAMPING = 0.1
 
 
-def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
-  """Minimises the probe's loss at `l2` from (w [D, C], b [C]), in float64.
+def _solve(objective, w, b, max_steps) -> Fit:
+  """Minimises `objective` from (w [D, C], b [C]), in float64.
 
   Damped Newton with backtracking; directions by preconditioned CG to a
   relative residual of min(0.5, sqrt(|g|)), no tighter than `GRAD_TOL`
   needs.
   """
-  objective = _Objective(z, y, l2, num_classes)
   # The steps stay in the complement of the class-shift direction, where the
   # optimum lies: shifting W's classes together only changes the penalty.
   w, b = w - w.mean(axis=1, keepdims=True), b - b.mean()
-  value, gw, gb, p = objective.value_and_grad(w, b)
+  value, p = objective.value(w, b)
+  gw, gb = objective.gradient(w, p)
   precondition = _class_preconditioner(objective, p)
   dot = lambda a, b_: float(np.sum(a[0] * b_[0]) + np.sum(a[1] * b_[1]))
   steps = 0
@@ -308,15 +322,16 @@ def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
     # Backtracking (Armijo): the full Newton step near the optimum.
     slope, t = dot((gw, gb), (sw, sb)), 1.0
     for _ in range(40):
-      trial = objective.value_and_grad(w + t * sw, b + t * sb)
+      trial = objective.value(w + t * sw, b + t * sb)
       if trial[0] <= value + 1e-4 * t * slope:
         break
       t *= 0.5
     else:
       break  # No decrease left at float64's resolution.
     w, b = w + t * sw, b + t * sb
-    value, gw, gb, p = trial
-  return Fit(w, b, l2, steps, grad_norm, grad_norm <= GRAD_TOL)
+    value, p = trial
+    gw, gb = objective.gradient(w, p)
+  return Fit(w, b, objective.l2, steps, grad_norm, grad_norm <= GRAD_TOL)
 
 
 # Relative column size below which a direction is empty: float64 leaves
@@ -324,27 +339,31 @@ def _solve(z, y, l2, num_classes, w, b, max_steps) -> Fit:
 EMPTY_DIRECTION = 1e-12
 
 
-def _solve_in_span(z, y, l2, num_classes, w, b, max_steps) -> Fit:
-  """`_solve` restricted to the directions in which the features vary.
+def _span_solver(z, y, num_classes):
+  """`_solve` for z [N, D], restricted to the directions in which it varies.
 
   Where every rotated feature is zero the loss is l2 / 2 ||W||^2 alone, so
-  W = 0 there. The gradient norm reported covers all directions.
+  W = 0 there. Returns solve(l2, w [D, C], b [C], max_steps) -> Fit, whose
+  gradient norm covers all directions.
   """
-  size = np.abs(z).max(axis=0)
+  size = np.maximum(z.max(axis=0), -z.min(axis=0))
   live = size > EMPTY_DIRECTION * size.max(initial=0.0)
-  if live.all():
-    return _solve(z, y, l2, num_classes, w, b, max_steps)
-  z_live = np.ascontiguousarray(z[:, live])
-  fit = _solve(z_live, y, l2, num_classes, w[live], b, max_steps)
-  logits = z_live @ fit.w + fit.b
-  p = special.softmax(logits, axis=1)
-  p[np.arange(len(y)), y] -= 1.0
-  empty = z[:, ~live].T @ p / len(y)  # the gradient there, at W = 0
-  grad_norm = math.hypot(fit.grad_norm, float(np.linalg.norm(empty)))
-  w = np.zeros_like(w)
-  w[live] = fit.w
-  return fit._replace(w=w, grad_norm=grad_norm,
-                      converged=grad_norm <= GRAD_TOL)
+  z_live = z if live.all() else np.ascontiguousarray(z[:, live])
+  objective = _Objective(z_live, y, 0.0, num_classes)
+
+  def solve(l2, w, b, max_steps):
+    fit = _solve(objective.at(l2), w[live], b, max_steps)
+    if live.all():
+      return fit
+    p = special.softmax(z_live @ fit.w + fit.b, axis=1)
+    p[np.arange(len(y)), y] -= 1.0
+    empty = z[:, ~live].T @ p / len(y)  # the gradient there, at W = 0
+    grad_norm = math.hypot(fit.grad_norm, float(np.linalg.norm(empty)))
+    w = np.zeros_like(w)
+    w[live] = fit.w
+    return fit._replace(w=w, grad_norm=grad_norm,
+                        converged=grad_norm <= GRAD_TOL)
+  return solve
 
 
 def _scores(w, b, x, y):
@@ -370,11 +389,11 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
   """
   basis = _eigenbasis(x[~held])
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
+  solve = _span_solver(fit_x, y[~held], num_classes)
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
   fits, records = {}, {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
-    fit = _solve_in_span(fit_x, y[~held], float(l2_grid[index]), num_classes,
-                         w, b, max_steps)
+    fit = solve(float(l2_grid[index]), w, b, max_steps)
     if np.isfinite(fit.grad_norm):
       top1, _, ce = _scores(fit.w, fit.b, held_x, y[held])
       val_top1, val_ce = float(np.mean(top1)), float(np.mean(ce))
@@ -529,8 +548,8 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   # Warm start: the selected probe, same logits in the new standardisation.
   w = (std / fit_std)[:, None] * chosen.w
   b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
-  refit = _solve_in_span(x @ basis, train_y, chosen.l2, num_classes,
-                         basis.T @ w, b, max_steps)
+  refit = _span_solver(x @ basis, train_y, num_classes)(
+      chosen.l2, basis.T @ w, b, max_steps)
   if not refit.converged:
     logging.warning('probe refit at lambda=%g did not converge (gradient '
                     'norm %.1e after %d Newton steps).', chosen.l2,
