@@ -111,7 +111,7 @@ def test_objective_hessian_product_equals_the_explicit_hessian():
   # times the same products of absolute values.
   bound = (50 + 6 + 1) * np.finfo(np.float32).eps * (np.abs(hessian)
                                                      @ np.abs(v))
-  hw, hb = objective.hessp(probe._transposed(p), dw, db)
+  hw, hb = objective.hessp(np.float32(p.T), dw, db)
   error = np.abs(np.concatenate([hw.ravel(), hb]) - hessian @ v)
   assert np.all(error <= bound), np.max(error / bound)
 
@@ -125,7 +125,7 @@ def _preconditioned_newton_error(num_classes, coupled=False):
   _, p = objective.value(w, b)
   gw, gb = objective.gradient(w, p)
   sw, sb = probe._class_preconditioner(objective, p, coupled)(gw, gb)
-  hw, hb = objective.hessp(probe._transposed(p), sw, sb)
+  hw, hb = objective.hessp(np.float32(p.T), sw, sb)
   error = np.abs(np.concatenate([hw.ravel() - gw.ravel(), hb - gb])).max()
   return error, np.abs(gw).max()
 

@@ -120,8 +120,8 @@ class _Objective:
     shift = logits.max(axis=0)
     exp = np.exp(logits - shift)
     total = exp.sum(axis=0)
-    log_z = shift + np.log(total)
-    value = (np.mean(log_z - logits[self.y, np.arange(len(self.y))])
+    value = (np.mean(shift + np.log(total)
+                     - logits[self.y, np.arange(len(self.y))])
              + 0.5 * self.l2 * np.sum(w * w))
     return value, (exp / total).T
 
@@ -132,18 +132,11 @@ class _Objective:
 
   def hessp(self, pt, dw, db):
     """The Hessian at softmax p times (dW, db); pt = p^T as float32 [C, N]."""
-    zt = self.zt1[:-1]
-    dz = dw.T.astype(np.float32) @ zt
-    dz += db.astype(np.float32)[:, None]
+    zt, n = self.zt1[:-1], self.zt1.shape[1]
+    dz = dw.T.astype(np.float32) @ zt + db.astype(np.float32)[:, None]
     dp = pt * (dz - np.sum(pt * dz, axis=0, keepdims=True))  # [C, N]
-    n = zt.shape[1]
     return ((zt @ dp.T).astype(np.float64) / n + self.l2 * dw,
             dp.sum(axis=1, dtype=np.float64) / n)
-
-
-def _transposed(p: np.ndarray) -> np.ndarray:
-  """Softmax probabilities [N, C] as `hessp`'s float32 [C, N]."""
-  return np.ascontiguousarray(p.T, np.float32)
 
 
 def _class_rotation(p: np.ndarray) -> np.ndarray:
@@ -165,13 +158,10 @@ _ROWS = 8192
 
 def _curvature_blocks(zt1: np.ndarray, p: np.ndarray,
                       directions: np.ndarray) -> np.ndarray:
-  """mean_i u^T S_i u [z_i, 1] [z_i, 1]^T [P, D + 1, D + 1] per class
-  direction u of directions [C, P], with zt1 = [z, 1]^T float32 [D + 1, N]
-  and S_i = diag(p_i) - p_i p_i^T at p [N, C].
-
-  u^T S_i u = p_i . u^2 - (p_i . u)^2 >= 0, so each block is a a^T with a
-  the columns scaled by its square root: numpy computes that by SYRK, twice
-  as fast as a general weighted product.
+  """mean_i u^T S_i u [z_i, 1] [z_i, 1]^T [P, D + 1, D + 1] for the columns
+  u of directions [C, P]; zt1 = [z, 1]^T float32 [D + 1, N], S_i = diag(p_i)
+  - p_i p_i^T at p [N, C]. As u^T S_i u >= 0, each block is a a^T with a the
+  columns scaled by its root: numpy runs that as a SYRK, twice as fast.
   """
   d1, n = zt1.shape
   scale = np.sqrt(np.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
@@ -196,10 +186,8 @@ def _class_preconditioner(objective, p, coupled=False):
   kept; with it, the whole (C - 1)(D + 1) square: 5x the SYRKs, for fits
   where the coupling between classes dominates (small lambda).
   """
-  num_classes = p.shape[1]
-  zt1, l2 = objective.zt1, objective.l2
-  q = _class_rotation(p)
-  k, d1 = num_classes - 1, zt1.shape[0]
+  zt1, l2, q = objective.zt1, objective.l2, _class_rotation(p)
+  k, d1 = p.shape[1] - 1, zt1.shape[0]
   pairs = [(a, b) for a in range(k) for b in range(a + 1, k)] if coupled else []
   # Off the diagonal by polarisation: block (a, b) is half of (q_a + q_b)'s
   # block less those of q_a and q_b, all three with weights >= 0.
@@ -217,10 +205,9 @@ def _class_preconditioner(objective, p, coupled=False):
   if coupled:
     # LAPACK reads and writes only the lower triangle (C order's upper).
     hessian = np.zeros((k, d1, k, d1))
-    for a in range(k):
-      hessian[a, :, a] = own[a]
-    for cross, (a, b) in zip(crosses, pairs):
-      hessian[a, :, b] = cross
+    for block, (a, b) in zip([*own, *crosses], [(a, a) for a in range(k)]
+                             + pairs):
+      hessian[a, :, b] = block
     factor, info = linalg.lapack.dpotrf(hessian.reshape(k * d1, k * d1).T,
                                         lower=True, overwrite_a=True)
     if info == 0:
@@ -261,7 +248,7 @@ class Fit(NamedTuple):
 MAX_CG_STEPS = 250
 # At this many CG iterations in one Newton step, the preconditioner is
 # rebuilt at the current point with the class coupling and CG restarts from
-# its iterate. A coupled build costs ~350 Hessian products at N = 45,000;
+# its iterate. A coupled build costs ~400 Hessian products at N = 45,000;
 # with it the next Newton steps take a few CG iterations, where the class
 # blocks alone take 250 (lambda = 1e-5, random-init CIFAR-10 features).
 COUPLE_AFTER = 120
@@ -276,26 +263,23 @@ def _solve(objective, w, b, max_steps) -> Fit:
   """Minimises `objective` from (w [D, C], b [C]), in float64.
 
   Damped Newton with backtracking; directions by preconditioned CG to a
-  relative residual of min(0.5, sqrt(|g|)), no tighter than `GRAD_TOL`
-  needs.
+  relative residual of min(0.5, sqrt(|g|)), no tighter than `GRAD_TOL` needs.
   """
   # The steps stay in the complement of the class-shift direction, where the
   # optimum lies: shifting W's classes together only changes the penalty.
   w, b = w - w.mean(axis=1, keepdims=True), b - b.mean()
   value, p = objective.value(w, b)
-  gw, gb = objective.gradient(w, p)
   precondition = _class_preconditioner(objective, p)
   dot = lambda a, b_: float(np.sum(a[0] * b_[0]) + np.sum(a[1] * b_[1]))
-  steps = 0
-  t = 1.0
+  steps, t = 0, 1.0
   while True:
+    gw, gb = objective.gradient(w, p)
     grad_norm = math.sqrt(dot((gw, gb), (gw, gb)))
-    if not math.isfinite(grad_norm) or grad_norm <= GRAD_TOL:
-      break
-    if steps == max_steps:
+    if (not math.isfinite(grad_norm) or grad_norm <= GRAD_TOL
+        or steps == max_steps):
       break
     steps += 1
-    pt = _transposed(p)
+    pt = np.ascontiguousarray(p.T, np.float32)  # for `hessp`
     damping = DAMPING * grad_norm if t < 1.0 else 0.0
     tolerance = max(min(0.5, math.sqrt(grad_norm)),
                     0.5 * GRAD_TOL / grad_norm) * grad_norm
@@ -332,7 +316,6 @@ def _solve(objective, w, b, max_steps) -> Fit:
       break  # No decrease left at float64's resolution.
     w, b = w + t * sw, b + t * sb
     value, p = trial
-    gw, gb = objective.gradient(w, p)
   return Fit(w, b, objective.l2, steps, grad_norm, grad_norm <= GRAD_TOL)
 
 
@@ -342,11 +325,9 @@ EMPTY_DIRECTION = 1e-12
 
 
 def _span_solver(z, y, num_classes):
-  """`_solve` for z [N, D], restricted to the directions in which it varies.
-
-  Where every rotated feature is zero the loss is l2 / 2 ||W||^2 alone, so
-  W = 0 there. Returns solve(l2, w [D, C], b [C], max_steps) -> Fit, whose
-  gradient norm covers all directions.
+  """solve(l2, w [D, C], b [C], max_steps) -> Fit: `_solve` for z [N, D] in
+  the directions in which z varies. Elsewhere the loss is l2 / 2 ||W||^2
+  alone, so W = 0 there; the gradient norm covers all directions.
   """
   size = np.maximum(z.max(axis=0), -z.min(axis=0))
   live = size > EMPTY_DIRECTION * size.max(initial=0.0)
