@@ -117,7 +117,7 @@ class _Objective:
   def value(self, w, b):
     """(value, softmax probabilities [N, C]) at (w [D, C], b [C])."""
     logits = w.T @ self.zt + b[:, None]  # [C, N]
-    shift = logits.max(axis=0)
+    shift = logits.max(axis=0)  # log-sum-exp by hand: p reuses its exp
     exp = np.exp(logits - shift)
     total = exp.sum(axis=0)
     value = (np.mean(shift + np.log(total)
