@@ -117,6 +117,9 @@ def get_config() -> ml_collections.ConfigDict:
   # What evaluation measures, in this order (otclr_jax/evaluation/evaluate.py).
   config.eval.evaluators = ('probe', 'knn', 'clusters', 'views')
   config.eval.figures = True  # t-SNE and training curves after evaluating.
+  # Where runs share their random-init floor (otclr_jax/evaluation/floor.py):
+  # '' fits it in every evaluation; launch.sweep sets <sweep dir>/floors.
+  config.eval.floor_dir = ''
   # Each method's own settings block (config.moco, config.byol, config.dino;
   # defaults and their sources in otclr_jax/methods/<name>.py).
   methods.add_defaults(config)

@@ -102,11 +102,15 @@ class Sweep:
     workdir = os.path.abspath(os.path.expanduser(workdir))
     named = [k for k in dict.fromkeys(k for h in self.hypers for k in h)
              if not isinstance(k, _FixedKey)]
+    # The runs of one seed and network share one random-init floor.
+    shared = (() if self.config.eval.floor_dir else
+              (('eval.floor_dir', os.path.join(workdir, rundir.FLOORS_DIR)),))
     runs = []
     for index, hyper in enumerate(self.hypers):
       name = ','.join(f'{k[len("config."):]}={_safe(hyper.get(k))}'
                       for k in named) or 'base'
-      overrides = tuple((k[len('config.'):], v) for k, v in hyper.items())
+      overrides = tuple((k[len('config.'):], v)
+                        for k, v in hyper.items()) + shared
       runs.append(Run(index, name, os.path.join(workdir, name), overrides))
     return runs
 

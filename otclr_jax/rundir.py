@@ -55,6 +55,8 @@ RUNS_FILE = 'runs.json'
 TRAIN_LOG = 'train.log'
 EVAL_LOG = 'eval.log'
 SUMMARY_FILES = ('summary.md', 'summary.tex', 'summary.json')
+# A sweep directory's random-init floors, shared by its runs (`eval.floor_dir`).
+FLOORS_DIR = 'floors'
 
 
 def checkpoint_dir(workdir: str, step: int) -> str:
@@ -93,7 +95,7 @@ IGNORED_FIELDS = ('mode', 'data_dir', 'compilation_cache_dir',
 IGNORED_PREFIXES = ('eval.', 'monitor.')
 LENGTH_FIELDS = ('total_steps', 'num_epochs')
 # `eval.*` fields that change no result file (results made otherwise hold).
-EVAL_UNUSED_FIELDS = ('eval.figures', 'eval.at_end')
+EVAL_UNUSED_FIELDS = ('eval.figures', 'eval.at_end', 'eval.floor_dir')
 # `eval.*` fields that change what a number measures; the others choose which
 # numbers exist or change none (a probe stopped at probe_steps is flagged).
 EVAL_RESULT_FIELDS = ('eval.num_view_images', 'eval.embedding',

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -60,7 +61,9 @@ def test_paper_sweep_expands_to_named_runs_and_commands(tmp_path, capsys):
         'workdir': os.path.join(str(tmp_path), run.name),
         'config.method': values['method'],
         'config.batch_size': str(values['batch_size']),
-        'config.seed': str(values['seed'])}
+        'config.seed': str(values['seed']),
+        # The sweep's runs share their random-init floors.
+        'config.eval.floor_dir': os.path.join(str(tmp_path), 'floors')}
     assert flags_of(evaluate) == {**flags, 'config.mode': 'eval'}
     # The command's config is the run's: what training will store.
     config = sweep.run_config(run)
@@ -191,7 +194,8 @@ def test_folder_datasets_get_a_single_path_component():
       sweep_lib.HYPER.sweep('config.dataset', ['folder:/data/my pets']),
       sweep_lib.HYPER.sweep('config.seed', [1]),
       sweep_lib.HYPER.fixed('config.batch_size', 64)])
-  (run,) = sweep_lib.Sweep('/s.py', None, (), tuple(hypers)).runs('/w')
+  config = ml_collections.ConfigDict({'eval': {'floor_dir': ''}})
+  (run,) = sweep_lib.Sweep('/s.py', config, (), tuple(hypers)).runs('/w')
   assert run.name == 'dataset=folder-data-my-pets,seed=1'
   assert run.workdir == '/w/dataset=folder-data-my-pets,seed=1'
 

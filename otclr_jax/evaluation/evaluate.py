@@ -10,6 +10,7 @@ section 11) is written last and binds the rest by digest.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from otclr_jax import tables
 from otclr_jax import views as views_lib
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import features
+from otclr_jax.evaluation import floor
 from otclr_jax.evaluation import knn
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
@@ -41,6 +43,9 @@ EVALUATORS: dict[str, Evaluator] = {
     'clusters': clusters.evaluate,
     'views': view_quality.evaluate,
 }
+# The evaluators that score every encoder, the random-init floor included.
+FLOOR_EVALUATORS = ('probe', 'knn')
+FLOOR_ROW = 'random_init'
 # Re-listings allowed when a checkpoint is rotated away while being read.
 MAX_LISTINGS = 10
 
@@ -137,6 +142,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                        f'{tuple(EVALUATORS)}, got '
                        f'{tuple(config.eval.evaluators)}.')
     clusters.embedding_of(config)
+    if not isinstance(config.eval.floor_dir, str):
+      raise ValueError('config.eval.floor_dir must be a directory path or '
+                       f"'', got {config.eval.floor_dir!r}.")
   except ValueError as e:
     raise experiment.ConfigError(str(e)) from e
 
@@ -152,7 +160,8 @@ class Context:
     variables: {'params', 'batch_stats'} (+ 'alpha_logit' if learnt).
     datasets: `config.eval.datasets`.
     weights: the checkpoint's `features.variables_fingerprint`.
-    encoders: {results row: (feature cache tag, network variables)}.
+    encoders: {results row: (feature cache tag, network variables)}; the
+      floor's row only where it is not shared (`config.eval.floor_dir`).
     bn_images: clean images behind 'linear_clean_bn' (0 without it).
   """
 
@@ -170,9 +179,9 @@ class Context:
     # Non-finite weights give chance-level numbers that look like results.
     features.check_finite_variables(trained, workdir, self.step)
     self.weights = features.variables_fingerprint(trained)
-    self.encoders = {
-        'linear': (f'step{self.step}', trained),
-        'random_init': ('init', experiment.initial_variables(config))}
+    self.encoders = {'linear': (f'step{self.step}', trained)}
+    if not config.eval.floor_dir:
+      self.encoders[FLOOR_ROW] = ('init', experiment.initial_variables(config))
     self.bn_images = 0
     if config.eval.recompute_bn:
       self.encoders['linear_clean_bn'] = (f'step{self.step}_cleanbn',
@@ -180,6 +189,34 @@ class Context:
     self._encoder = features.Encoder(self.model)
     self._features = {}
     self._views = None
+
+  def floor_rows(self) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """The shared floor's rows (`floor.load_or_fit`): read, or fitted here."""
+    names = [n for n in self.config.eval.evaluators if n in FLOOR_EVALUATORS]
+    if not self.config.eval.floor_dir or not names:
+      return
+    initial = experiment.initial_variables(self.config)
+    identity = {
+        'weights': features.variables_fingerprint(initial),
+        'datasets': {name: json.loads(features.cache_settings(
+            self.config, name, self._encoder.num_devices))
+                     for name in self.datasets},
+        'evaluators': names,
+        'probe': {**probe.PROTOCOL,
+                  'probe_max_steps': int(self.config.eval.probe_steps)},
+        'knn': knn.PROTOCOL}
+
+    def fit():
+      alone = copy.copy(self)
+      alone.encoders, alone._features = {FLOOR_ROW: ('init', initial)}, {}
+      return [(path, _json_safe(value)) for name in names
+              for path, value in EVALUATORS[name](alone)
+              if FLOOR_ROW in path[:2]]
+
+    rows, path, fitted = floor.load_or_fit(self.config.eval.floor_dir,
+                                           identity, fit, self.workdir)
+    yield from rows
+    yield ('protocol', 'floor'), {'file': path, 'fitted_here': fitted}
 
   def _clean_bn(self, trained: dict[str, Any]) -> dict[str, Any]:
     """`trained` with BatchNorm statistics of clean pretraining images."""
@@ -312,6 +349,9 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
       rundir.check_stop()
     logging.info('Evaluator %s done in %.1f s.', name,
                  time.perf_counter() - t0)
+  # Last: a run sharing the floor waits for it while another fits it.
+  for path, value in ctx.floor_rows():
+    _put(results, path, value)
   results['protocol']['seconds'] = time.perf_counter() - start
   # Inside the results, so the run's identity cannot come from another file.
   results['config'] = config.to_dict()

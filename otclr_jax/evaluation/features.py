@@ -177,7 +177,7 @@ def variables_fingerprint(variables: Any) -> str:
   return digest.hexdigest()
 
 
-def _cache_settings(config: ml_collections.ConfigDict, name: str,
+def cache_settings(config: ml_collections.ConfigDict, name: str,
                     devices: int) -> str:
   """JSON of a cache's inputs besides the weights (sources, not data_dir).
 
@@ -337,7 +337,7 @@ def dataset_features(config: ml_collections.ConfigDict, workdir: str,
   """
   out = {tag: {} for tag in variables}
   num_classes = None
-  settings = _cache_settings(config, name, encoder.num_devices)
+  settings = cache_settings(config, name, encoder.num_devices)
   weights = {tag: variables_fingerprint(v) for tag, v in variables.items()}
   for split in _SPLITS:
     split_data = None

@@ -1,0 +1,99 @@
+"""The random-init floor, fitted once for the runs that share it.
+
+The untrained encoder depends only on the seed, the network and how its
+features are extracted, so SimCLR and OTCLR runs of one seed have the same
+floor. With `config.eval.floor_dir` set, the floor's rows (probe, kNN) are
+stored there under a digest of that identity, fitted by the first run that
+needs them while the others wait, and read back, never refitted, by every
+later run of the same identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable, Iterator
+
+from absl import logging
+
+from otclr_jax import rundir
+
+# A row of results.json: (key path, value), e.g. (('random_init', 'digits',
+# 'top1'), 95.6).
+Row = tuple[tuple[str, ...], Any]
+
+
+def digest(identity: dict[str, Any]) -> str:
+  """The first 16 hex digits of sha256 of `identity` as sorted JSON."""
+  text = json.dumps(identity, sort_keys=True, allow_nan=False)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def floor_file(floor_dir: str, identity: dict[str, Any]) -> str:
+  """`<floor_dir>/floor_<digest>.json`, absolute."""
+  return os.path.join(os.path.abspath(os.path.expanduser(floor_dir)),
+                      f'floor_{digest(identity)}.json')
+
+
+@contextlib.contextmanager
+def _waiting_lock(path: str) -> Iterator[None]:
+  """A blocking exclusive flock on `path`; the OS drops it if we die."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logging.info('Waiting for %s: another run is fitting this floor.', path)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)
+
+
+def _read(path: str, identity: dict[str, Any]) -> list[Row] | None:
+  stored = rundir.read_json_file(path)
+  if stored is None:
+    return None
+  if stored.get('identity') != json.loads(json.dumps(identity)):
+    raise rundir.CorruptFileError(
+        f'{path} holds the floor of another identity than its name says; '
+        'delete it to fit the floor again.')
+  return [(tuple(path_), value) for path_, value in stored['rows']]
+
+
+def load_or_fit(floor_dir: str, identity: dict[str, Any],
+                fit: Callable[[], list[Row]], workdir: str
+                ) -> tuple[list[Row], str, bool]:
+  """The floor's rows for `identity`: stored ones, else `fit()` stored now.
+
+  Args:
+    floor_dir: the directory shared by the runs (created if needed).
+    identity: JSON-safe settings that decide the floor.
+    fit: computes the rows (JSON-safe values); called at most once per
+      identity across processes sharing `floor_dir`.
+    workdir: the run asking, recorded beside rows it fits.
+
+  Returns:
+    `(rows, path of the stored floor, whether this call fitted it)`.
+  """
+  path = floor_file(floor_dir, identity)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  rows = _read(path, identity)
+  if rows is None:
+    with _waiting_lock(path + '.lock'):
+      rows = _read(path, identity)
+      if rows is None:
+        start = time.perf_counter()
+        rows = fit()
+        rundir.write_json(path, {
+            'identity': identity, 'rows': [[list(p), v] for p, v in rows],
+            'fitted_by': os.path.abspath(workdir),
+            'seconds': time.perf_counter() - start})
+        logging.info('Random-init floor stored in %s.', path)
+        return rows, path, True
+  logging.info('Random-init floor read from %s (not refitted).', path)
+  return rows, path, False
