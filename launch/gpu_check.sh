@@ -4,17 +4,19 @@
 #   bench  `bench resnet` beside PyTorch's ResNet-18 at 2 x 256 images, then
 #          `bench train` (SimCLR and OTCLR steps) at batch 256 in float32 and
 #          bfloat16 and at 512 in float32, then `bench ot`.
-#   cifar  CIFAR-10 runs of launch/sweeps/cifar10_paper.py at batch 256,
-#          SimCLR and OTCLR of one seed at once (about 7.5 min on an H200,
-#          6 of them the linear probes on the host CPU), a seed more while
-#          the time allows, then their table.
+#   cifar  the batch-256 CIFAR-10 runs of launch/sweeps/cifar10_paper.py,
+#          SimCLR and OTCLR x seeds 0, 1, 2, PARALLEL (default 6) at once on
+#          the one GPU, evaluated by probe and kNN only (no K-means, views
+#          or figures); the runs of a seed share one random-init floor. Then
+#          the sweep's table: mean +- std and paired OTCLR - SimCLR.
 #
 #   bash launch/gpu_check.sh OUT SECONDS CIFAR10_JPEG_TAR_GZ [STAGES]
 #
 # Wheels in .whl/ (../shared/tools/gpu-wheels.sh flax==0.12.8 optax==0.2.8
 # orbax-checkpoint==0.12.8) are installed first. OUT receives env.txt,
 # bench.txt, cifar10.log, cifar10_table.txt and cifar10_results.tar.gz.
-# TINY=1 shrinks every size, for a check on a CPU; PY names the interpreter.
+# TINY=1 shrinks every size, for a check on a CPU; PY names the interpreter;
+# SWEEP and BATCH name another sweep file and its batch size (tests).
 set -uo pipefail
 out=$1 budget=$2 tarball=$3 stages=${4:-bench cifar}
 py=${PY:-python3}
@@ -50,15 +52,15 @@ run() {
 }
 
 if [[ ${TINY:-0} == 1 ]]; then
-  bench_train=('16 float32') repeats=2 ot_batches=16 seeds=(0)
+  bench_train=('16 float32') repeats=2 ot_batches=16
   steps=(--config.total_steps=4 --config.log_every_steps=2
     --config.monitor.every_steps=0)
 else
   bench_train=('256 float32' '256 bfloat16' '512 float32') repeats=10
   ot_batches=256,512
-  steps=() seeds=(0 1 2)
+  steps=()
 fi
-
+seeds=(0 1 2)
 { date -u; nvidia-smi -L 2>&1; lscpu | grep -E 'Model name|^CPU\(s\)'
   echo "vector extensions: $(grep -owE 'avx2|avx512f|amx_tile' /proc/cpuinfo \
     | sort -u | tr '\n' ' ')"
@@ -96,39 +98,42 @@ folder=folder:$data/cifar10
 log=$out/cifar10.log
 run 120 "$log" $py -c "from otclr_jax import data
 data.load_splits('$folder', ['train', 'test'], 32, '$data')"
-sweep=(-m launch.sweep --config=launch/sweeps/cifar10_paper.py
+batch=${BATCH:-256}
+sweep=(-m launch.sweep --config=${SWEEP:-launch/sweeps/cifar10_paper.py}
   --workdir=$work/cifar10_paper --config.dataset=$folder
   "--config.eval.datasets=(\"$folder\",)" --config.data_dir=$data
+  "--config.eval.evaluators=(\"probe\",\"knn\")"
   --config.eval.figures=False "${steps[@]}")
-# One seed's batch-256 runs, by their 0-based index in the sweep's own list.
+# One seed's runs at the batch size, by their 0-based index in the sweep's list.
 indices_of() {
   $py "${sweep[@]}" --dry_run 2>/dev/null | sed -nE \
-    "s/^\[([0-9]+)\/[0-9]+\] seed=$1,batch_size=256,.*/\1/p" \
+    "s/^\[([0-9]+)\/[0-9]+\] seed=$1,batch_size=$batch,.*/\1/p" \
     | while read -r n; do echo $((n - 1)); done
 }
-# The runs of a seed share the host's cores, and the probe runs in NumPy:
-# each process gets its share for BLAS, whose waiting threads spin.
-export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))}
-t_pair=0
-for seed in "${seeds[@]}"; do
-  if (( t_pair > 0 && $(left) < t_pair + t_pair / 5 + 40 )); then
-    echo "seed $seed not started: ${t_pair} s per seed, $(left) s left" >>"$log"
-    break
-  fi
-  indices=$(indices_of "$seed" | xargs)
-  if [[ -z $indices ]]; then
-    echo "seed $seed: no batch-256 run in the sweep's list" >>"$log"
-    break
-  fi
-  t0=$SECONDS
-  for i in $indices; do
-    run 600 "$log.$i" $py "${sweep[@]}" --only_index=$i &
-  done
-  wait
-  for i in $indices; do cat "$log.$i" >>"$log" && rm -f "$log.$i"; done
-  t_pair=$((SECONDS - t0))
-  echo "seed $seed: runs $indices at once in ${t_pair} s" >>"$log"
+indices=()
+for seed in "${seeds[@]}"; do indices+=($(indices_of "$seed")); done
+if (( ${#indices[@]} == 0 )); then
+  echo "no batch-$batch run in the sweep's list" >>"$log"
+fi
+parallel=${PARALLEL:-6}
+# The runs share the host's cores: each gets its share for BLAS (the
+# probe's host part, kNN), whose waiting threads would spin.
+share=$(( $(nproc) / parallel > 1 ? $(nproc) / parallel : 1 ))
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$share}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$share}
+echo "runs ${indices[*]}, $parallel at once, $share BLAS threads each" >>"$log"
+# Seed by seed in the sweep's order, so that a call cut short ends with
+# whole seeds.
+t0=$SECONDS
+for i in "${indices[@]}"; do
+  while (( $(jobs -rp | wc -l) >= parallel )); do wait -n; done
+  run 600 "$log.$i" $py "${sweep[@]}" --only_index=$i &
 done
+wait
+for i in "${indices[@]}"; do
+  [[ -f $log.$i ]] && cat "$log.$i" >>"$log" && rm -f "$log.$i"
+done
+echo "runs ${indices[*]} in $((SECONDS - t0)) s" >>"$log"
 $py "${sweep[@]}" --aggregate_only >"$out/cifar10_table.txt" 2>&1
 tar czf "$out/cifar10_results.tar.gz" \
   $(find "$work/cifar10_paper" \( -name checkpoints -o -name encoder \
