@@ -16,12 +16,23 @@ from otclr_jax import cli
 from otclr_jax import rundir
 
 
+# Orbax warnings about what this module does on purpose: read-only managers
+# for evaluation and export, and checkpoints read without Orbax's metadata.
+_DELIBERATE = ('CheckpointManagerOptions.read_only=True',
+               'Given directory is read only',
+               'Metadata file does not exist',
+               'Failed to get item metadata')
+
+
 class _DropOrbaxInfo(logging.Filter):
-  """Drops Orbax's INFO chatter (dozens of lines per save), keeps warnings."""
+  """Drops Orbax's INFO chatter (dozens of lines per save) and its warnings
+  about deliberate choices; keeps the other warnings."""
 
   def filter(self, record):
+    if f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
     return (record.levelno >= logging.WARNING
-            or f'{os.sep}orbax{os.sep}' not in record.pathname)
+            and not str(record.msg).startswith(_DELIBERATE))
 
 
 def _orbax_read_leftover(unraisable) -> bool:
@@ -219,6 +230,16 @@ class Checkpointer:
     self._manager.close()
 
 
+class NetworkMismatchError(ValueError):
+  """A checkpoint's network is not the one the config builds."""
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, 'shape'))[0]
+  return {jax.tree_util.keystr(p): tuple(leaf.shape) for p, leaf in leaves}
+
+
 def restore_part(workdir: str, step: int, item: Any) -> Any:
   """Reads only the entries of `item` from checkpoint `step` in `workdir`.
 
@@ -230,6 +251,7 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
 
   Raises:
     FileNotFoundError: no checkpoint `step` in `workdir`.
+    NetworkMismatchError: a part of `item` is not all of the saved part.
   """
   path = os.path.join(rundir.checkpoint_dir(workdir, step), _STATE)
   if not os.path.isdir(path):
@@ -240,6 +262,21 @@ def restore_part(workdir: str, step: int, item: Any) -> Any:
   with ocp.Checkpointer(
       ocp.PyTreeCheckpointHandler(multiprocessing_options=options),
       multiprocessing_options=options) as reader:
+    # Partial restore skips whole parts (the optimiser's state), never part
+    # of a network: what `item` asks of a part must be all the part holds.
+    saved = reader.metadata(path).item_metadata
+    saved = getattr(saved, 'tree', saved) or {}
+    want = _leaf_shapes(abstract)
+    have = _leaf_shapes({k: v for k, v in saved.items() if k in item})
+    if want != have:
+      missing, extra = sorted(want.keys() - have), sorted(have.keys() - want)
+      reshaped = sorted(k for k in want.keys() & have if want[k] != have[k])
+      raise NetworkMismatchError(
+          f'checkpoint {path} holds another network than the config builds '
+          f'({len(missing)} entries missing, e.g. {missing[:1]}; '
+          f'{len(extra)} more saved, e.g. {extra[:1]}; {len(reshaped)} of '
+          f'other shapes, e.g. {reshaped[:1]}): the model settings are not '
+          'the run\'s.')
     return reader.restore(path, args=ocp.args.PyTreeRestore(
         item=abstract,
         restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),

@@ -253,27 +253,41 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
 
 
 def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
-  """`(config, source)` of `workdir`'s run: config.json, else a checkpoint's;
-  None when it has neither a config nor a checkpoint.
+  """`(config, source)` of `workdir`'s run; None without config and checkpoint.
+
+  The config stored in the newest checkpoint that holds one is the run's;
+  config.json stands in only where no checkpoint holds a config. Every
+  reader (resume, evaluation, export, figures, sweeps) comes here.
 
   Raises:
     rundir.CorruptFileError: config.json is not a JSON object.
-    ConfigError: checkpoints whose config is recorded nowhere.
+    ConfigError: config.json disagrees with the checkpoint's config in a
+      result-changing field, or checkpoints whose config is recorded nowhere.
   """
-  stored = rundir.read_config(workdir)
-  if stored is not None:
-    return stored, os.path.join(workdir, rundir.CONFIG_FILE)
+  json_path = os.path.join(workdir, rundir.CONFIG_FILE)
+  from_json = rundir.read_config(workdir)
   found = checkpoint.stored_config(workdir)
   if found is None:
-    if checkpoint.has_checkpoint(workdir):
+    if from_json is None and checkpoint.has_checkpoint(workdir):
       raise ConfigError(
           f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
           'checkpoint holds its config: the settings it was trained with are '
           'unknown, so it can be neither resumed nor evaluated. Use another '
           '--workdir.')
-    return None
+    return None if from_json is None else (from_json, json_path)
   stored, step = found
-  return stored, rundir.checkpoint_dir(workdir, step)
+  source = rundir.checkpoint_dir(workdir, step)
+  if from_json is not None:
+    names = rundir.result_changing_diff(stored, from_json, length=True)
+    if names:
+      shown = rundir.describe_diff(stored, from_json, names[:3])
+      more = f' and {len(names) - 3} more' if len(names) > 3 else ''
+      raise ConfigError(
+          f'{json_path} disagrees with the config stored in checkpoint '
+          f'{source}, which is the run\'s ({shown}{more}; checkpoint -> '
+          f'config.json). Restore {rundir.CONFIG_FILE} or delete it (the '
+          'checkpoint\'s config is used then).')
+  return stored, source
 
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,

@@ -225,11 +225,7 @@ def stored_run_config(workdir: str) -> dict[str, Any] | None:
                    'replaces its %s.', workdir, rundir.CONFIG_FILE)
     return None
   # Checkpoints exist: a config is found, or run_config raises.
-  stored, source = experiment.run_config(workdir)
-  if not source.endswith(rundir.CONFIG_FILE):
-    logging.warning('%s has no %s: checking this run against the config '
-                    'stored in %s.', workdir, rundir.CONFIG_FILE, source)
-  return stored
+  return experiment.run_config(workdir)[0]
 
 
 def check_resume(stored: dict[str, Any] | None,

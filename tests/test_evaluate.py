@@ -375,20 +375,47 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
     for cls in ('bee', 'cow'):
       save_image(root, split, cls, '0.png', pixels)
   config = eval_config(str(tmp_path / 'data'))
-  before = features._cache_settings(config, 'folder:' + root, 1)
-  assert features._cache_settings(config, 'folder:' + root, 1) == before
+  before = features.cache_settings(config, 'folder:' + root, 1)
+  assert features.cache_settings(config, 'folder:' + root, 1) == before
   # Another extraction batch or device count rounds the features otherwise.
   other = eval_config(str(tmp_path / 'data'), **{
       'eval.batch_size': config.eval.batch_size + 1})
-  assert features._cache_settings(other, 'folder:' + root, 1) != before
-  assert features._cache_settings(config, 'folder:' + root, 2) != before
+  assert features.cache_settings(other, 'folder:' + root, 1) != before
+  assert features.cache_settings(config, 'folder:' + root, 2) != before
   # bfloat16 activations give other features from the same weights.
   bf16 = eval_config(str(tmp_path / 'data'), dtype='bfloat16')
-  assert features._cache_settings(bf16, 'folder:' + root, 1) != before
+  assert features.cache_settings(bf16, 'folder:' + root, 1) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
   save_image(root, 'test', 'ant', '0.png', pixels)
-  assert features._cache_settings(config, 'folder:' + root, 1) != before
+  assert features.cache_settings(config, 'folder:' + root, 1) != before
+
+
+def test_a_checkpoint_never_restores_into_another_network(finished_run):
+  config, workdir, _ = finished_run
+  template = jax.eval_shape(lambda: experiment.initial_variables(config))
+  item = {'params': {'net': template['params']},
+          'batch_stats': template['batch_stats']}
+  # A network with a part fewer than the checkpoint's, as a smaller
+  # model.stage_sizes builds: partial restore would fill it silently.
+  smaller = jax.tree_util.tree_map(lambda x: x, item)
+  dropped = sorted(set(smaller['params']['net']['encoder'])
+                   & set(smaller['batch_stats']['encoder']))[-1]
+  del smaller['params']['net']['encoder'][dropped]
+  del smaller['batch_stats']['encoder'][dropped]
+  with pytest.raises(checkpoint.NetworkMismatchError,
+                     match=r'another network .*entries missing.*more saved'):
+    checkpoint.restore_part(workdir, 4, smaller)
+  # More blocks, or another head width, likewise.
+  for field, value in (('model.stage_sizes', (2, 1, 1, 1)),
+                       ('model.proj_dim', 8)):
+    other = config.copy_and_resolve_references()
+    other.update_from_flattened_dict({field: value})
+    with pytest.raises(checkpoint.NetworkMismatchError):
+      experiment.restore_variables(other, workdir, 4)
+  # The run's own network restores; the optimiser's state is skipped.
+  assert set(experiment.restore_variables(config, workdir, 4)) == {
+      'params', 'batch_stats'}
 
 
 def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):

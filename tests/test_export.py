@@ -157,7 +157,7 @@ def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
 
 @pytest.mark.parametrize('text, message', [
     ('[1, 2]', 'config.json is corrupt: expected a JSON object'),
-    ('{"seed": 0}', 'is not a run config'),
+    ('{"seed": 0}', 'disagrees with the config stored in checkpoint'),
 ])
 def test_a_stored_config_that_is_not_a_runs_fails_in_one_line(
     finished_run, tmp_path, capsys, text, message):

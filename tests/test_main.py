@@ -70,7 +70,7 @@ def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
   workdir = copy_run(moco_run, tmp_path)
   config = _config(data_dir, mode='eval', method='simclr')
   assert_usage_error(
-      caplog, r"--config.method contradicts .*config.json "
+      caplog, r"--config.method contradicts the run in .*checkpoints.2 "
       r"\(method: 'moco' -> 'simclr'",
       lambda: main.run(config, workdir, overridden=['mode', 'method']))
   assert not os.path.exists(os.path.join(workdir, 'eval'))
@@ -115,6 +115,35 @@ def test_checkpoints_without_any_config_are_not_resumed_or_evaluated(
   assert_usage_error(caplog, 'no checkpoint holds its config',
                      lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
+
+
+@pytest.mark.parametrize('edit, shown', [
+    (lambda c: c['model'].update(stage_sizes=[2, 2, 2, 2]),
+     "model.stage_sizes: [1, 1, 1, 1] -> [2, 2, 2, 2]"),
+    (lambda c: c.update(seed=1), 'seed: 3 -> 1'),
+    (lambda c: c.update(batch_size='16'), "batch_size: 16 -> '16'"),
+    (lambda c: c.update(ot=None), 'ot: (absent) -> None'),
+    (lambda c: c.clear(), 'and '),
+])
+def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
+    moco_run, tmp_path, data_dir, caplog, capsys, edit, shown):
+  from otclr_jax import export  # pylint: disable=g-import-not-at-top
+  workdir = copy_run(moco_run, tmp_path)
+  path = os.path.join(workdir, rundir.CONFIG_FILE)
+  stored = rundir.read_config(workdir)
+  edit(stored)
+  rundir.write_json(path, stored)
+  message = 'disagrees with the config stored in checkpoint'
+  config = _config(data_dir, mode='eval')
+  assert_usage_error(caplog, re.escape(message) + '.*' + re.escape(shown),
+                     lambda: main.run(config, workdir))
+  assert not os.path.exists(os.path.join(workdir, 'eval'))
+  same = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  with pytest.raises(experiment.ConfigError, match=message):
+    train.train(same, workdir)
+  assert export.main(['export', f'--workdir={workdir}']) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count('\n') == 1, err
 
 
 def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
