@@ -112,6 +112,7 @@ def collect_results(workdir: str,
     collected.excluded += [
         (os.path.join(workdir, n), 'not a run of this sweep (runs.json does '
          'not list it)') for n in present if n not in set(names)]
+  finished = []  # the run directories of collected.results
   for name in names:
     run_dir = os.path.join(workdir, name)
     try:
@@ -141,8 +142,23 @@ def collect_results(workdir: str,
       why = stale(run_dir)
     if why is None:
       collected.results.append(results)
+      finished.append(run_dir)
     else:
       collected.excluded.append((run_dir, why))
+  repeated = aggregate.repeated_seeds(collected.results)
+  for index, counted in repeated:
+    collected.excluded.append((finished[index], (
+        f'seed {collected.results[index].get("seed")} of its row is counted '
+        f'from {os.path.basename(finished[counted])} (a seed counts once; '
+        'these runs differ only in evaluation settings that no row tells '
+        'apart, e.g. eval.datasets)')))
+  dropped = {index for index, _ in repeated}
+  collected.results = [r for i, r in enumerate(collected.results)
+                       if i not in dropped]
+  considered = len(names) + sum(n not in set(names) for n in present)
+  # Every run is in a table or in "Not averaged", with its reason.
+  assert len(collected.results) + len(collected.excluded) == considered, (
+      len(collected.results), len(collected.excluded), considered)
   return collected
 
 

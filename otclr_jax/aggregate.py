@@ -172,12 +172,21 @@ def _labels(keys: Sequence[RunKey], shared: bool = False
     names |= fields[key[2]] - {name for name, _ in key[3]}
   if shared:
     names = {n for n in names if not n.startswith(_METHOD_PREFIXES)}
+  protocol = [n for n in names if n.startswith('protocol.')]
+  # Rows apart by which instruments scored them, not by their settings.
+  by_instruments = any(n not in dict(key[3]) for key in keys for n in protocol)
   labels = {}
   for key in keys:
     own = dict(key[3])
-    labels[key] = ', '.join(
-        f'{n}={_plain(own[n]) if n in own else "(absent)"}'
-        for n in sorted(names) if n in own or n in fields[key[2]])
+    parts = [f'{n}={_plain(own[n]) if n in own else "(absent)"}'
+             for n in sorted(names) if n in own or n in fields[key[2]]]
+    if by_instruments:
+      parts = [p for p in parts if not p.startswith('protocol.')] + [
+          'evaluators: ' + (', '.join(
+              what for field, what in (('protocol.probe', 'probe'),
+                                       ('protocol.knn_k', 'kNN'))
+              if field in own) or 'neither probe nor kNN')]
+    labels[key] = ', '.join(parts)
   return labels
 
 
@@ -194,6 +203,19 @@ def _runs_by_seed(results: Sequence[dict[str, Any]]
     by_run.setdefault(_run_key(result), {}).setdefault(result.get('seed'),
                                                        result)
   return by_run
+
+
+def repeated_seeds(results: Sequence[dict[str, Any]]
+                   ) -> list[tuple[int, int]]:
+  """(index, index of the result counted instead) of each result whose seed
+  its row already counts: `aggregate` leaves these out."""
+  first: dict[tuple[RunKey, Any], int] = {}
+  out = []
+  for index, result in enumerate(results):
+    counted = first.setdefault((_run_key(result), result.get('seed')), index)
+    if counted != index:
+      out.append((index, counted))
+  return out
 
 
 def aggregate(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

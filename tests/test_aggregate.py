@@ -118,6 +118,13 @@ def test_other_evaluation_settings_or_probe_protocols_are_other_rows():
     result['protocol'] = {'knn_k': k}
   assert sorted(r['label'] for r in aggregate.aggregate(results)) == [
       'protocol.knn_k=20', 'protocol.knn_k=200']
+  # A run scored by kNN alone beside one scored by both: the label says so
+  # in words, not as the probe's protocol fields.
+  results[0]['protocol'] = {'knn_k': 200, **{
+      f: 0 for f in ('probe', 'probe_tolerance', 'l2_grid', 'holdout_seed')}}
+  results[1]['protocol'] = {'knn_k': 200}
+  assert sorted(r['label'] for r in aggregate.aggregate(results)) == [
+      'evaluators: kNN', 'evaluators: probe, kNN']
 
 
 def test_a_field_one_config_lacks_labels_both_rows():

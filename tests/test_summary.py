@@ -237,3 +237,25 @@ def test_aggregate_only_on_one_run_says_it_is_one(tmp_path, capsys):
   fake_results(str(tmp_path), 4)
   assert aggregate_only(tmp_path) == 0
   assert f'{tmp_path} is itself a run' in capsys.readouterr().out
+
+
+def test_a_seed_counted_twice_in_a_row_is_listed_not_dropped(tmp_path,
+                                                             capsys):
+  # Two finished runs of one seed, evaluated on other eval.datasets: one row
+  # counts the seed once; the other run is listed with its reason.
+  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
+  for name, top1, datasets in (('b', 80.0, ['digits']),
+                               ('a', 70.0, ['digits', 'cifar10'])):
+    _results_run(tmp_path, name, top1, finished)
+    path = tmp_path / name / 'eval' / 'results.json'
+    results = json.loads(path.read_text())
+    results['config']['eval']['datasets'] = datasets
+    path.write_text(json.dumps(results))
+  assert aggregate_only(tmp_path) == 0
+  summary = json.load(open(tmp_path / 'summary.json'))
+  assert [r['n'] for r in summary['rows']] == [1]
+  (listed,) = summary['not_averaged']
+  assert listed['run'] == 'b'
+  assert 'seed 0 of its row is counted from a' in listed['why']
+  assert '1 finished runs tabulated (1 not averaged)' in capsys.readouterr(
+  ).out
