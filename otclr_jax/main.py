@@ -203,6 +203,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     overridden: dotted fields set on the command line (checked in eval mode).
   """
   workdir = os.path.expanduser(workdir)
+  phase = 'start-up'
   try:
     # Wrong-kind paths are refused before caches or the workdir are created.
     rundir.check_directory(workdir, '--workdir')
@@ -217,6 +218,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     if config.mode == 'train':
       if config.eval.at_end:
         check_evaluation_data(config)
+      phase = 'training'
       result = train.train(config, workdir, make_monitor=make_monitor)
       if result.status != 'finished':
         return cli.EXIT_STOPPED
@@ -227,6 +229,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       logging.info('Evaluation runs on process 0; process %d waits for it.',
                    jax.process_index())
       return 0
+    phase = 'evaluation'
     with rundir.stop_on_signals():
       if config.mode == 'train':
         try:
@@ -241,8 +244,8 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
         evaluate_and_draw(config, workdir)
     return 0
   except rundir.StopRequested as e:
-    logging.error('%s during evaluation: stopped with nothing half-written; '
-                  'rerun the same command to evaluate %s.', e.name, workdir)
+    logging.error('%s during %s: stopped with nothing half-written; rerun the '
+                  'same command to resume %s.', e.name, phase, workdir)
     return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
     if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):

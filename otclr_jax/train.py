@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -361,7 +362,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   main = jax.process_index() == 0
   # Refuses an unreadable data source before the workdir exists.
   data.describe_source(config.dataset, 'train')
-  with workdir_lock(workdir):
+  # Outside the step loop (which checkpoints first) a signal raises, so that
+  # the files being written are removed and status.json says 'stopped'.
+  signals = (rundir.stop_on_signals()
+             if threading.current_thread() is threading.main_thread()
+             else contextlib.nullcontext())
+  with workdir_lock(workdir), signals:
     stored = stored_run_config(workdir)
     check_resume(stored, config, workdir)
     progress = {'step': 0, 'total': 0, 'started': False}
@@ -369,10 +375,19 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       result = _train(config, workdir, stored, progress, stop_after_steps,
                       mesh, make_monitor)
       if main and result.status == 'finished':
-        _export_encoder(config, workdir, result.state)
+        try:
+          _export_encoder(config, workdir, result.state)
+        except rundir.StopRequested as e:
+          logging.error('Stopped by %s while writing the trained encoder '
+                        '(no file half-written); the run is checkpointed at '
+                        'its last step: rerun the same command to write it.',
+                        e.name)
+          result = RunResult(result.state, 'stopped')
     except BaseException as e:
       if main and progress['started']:
-        state = 'diverged' if isinstance(e, DivergedError) else 'failed'
+        state = ('diverged' if isinstance(e, DivergedError) else
+                 'stopped' if isinstance(e, rundir.StopRequested) else
+                 'failed')
         try:
           rundir.write_status(workdir, state, progress['step'],
                               progress['total'])
@@ -390,6 +405,9 @@ def _export_encoder(config: ml_collections.ConfigDict, workdir: str,
                     state: step_lib.TrainState) -> str:
   """Writes the encoder to workdir/encoder/encoder.msgpack; returns the path."""
   path = export.encoder_path(workdir)
+  # A killed export's leftovers: only the run's lock holder writes here.
+  for stale in glob.glob(f'{glob.escape(path)}.*.tmp'):
+    os.remove(stale)
   export.export_encoder(
       path, {'params': state.params['net'], 'batch_stats': state.batch_stats},
       config, step=int(state.step))

@@ -258,6 +258,36 @@ def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
+def test_a_signal_while_the_encoder_is_written_stops_cleanly(
+    tmp_path, data_dir, monkeypatch, caplog):
+  from otclr_jax import export  # pylint: disable=g-import-not-at-top
+  from otclr_jax import fileio  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / 'run')
+  real = fileio.atomic_write
+
+  def interrupted(path, write):
+    def write_then_stop(f):
+      write(f)
+      os.kill(os.getpid(), signal.SIGTERM)
+    encoder = path.endswith(rundir.ENCODER_FILE)
+    return real(path, write_then_stop if encoder else write)
+
+  monkeypatch.setattr(fileio, 'atomic_write', interrupted)
+  with caplog.at_level(logging.ERROR):
+    assert main.run(_config(data_dir), workdir) == cli.EXIT_STOPPED
+  assert 'while writing the trained encoder' in caplog.text
+  assert 'while starting' not in caplog.text
+  encoder_dir = os.path.join(workdir, rundir.ENCODER_DIR)
+  assert not os.path.isdir(encoder_dir) or os.listdir(encoder_dir) == []
+  assert rundir.read_status(workdir)['state'] == 'stopped'
+  # The rerun writes it, from the final checkpoint.
+  monkeypatch.setattr(fileio, 'atomic_write', real)
+  assert main.run(_config(data_dir), workdir) == 0
+  assert os.listdir(encoder_dir) == [rundir.ENCODER_FILE]
+  assert rundir.read_status(workdir)['state'] == 'finished'
+  assert export.load_encoder_config(export.encoder_path(workdir))['step'] == 4
+
+
 def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir,
                                                          caplog):
   workdir = str(tmp_path / 'run')
