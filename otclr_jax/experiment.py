@@ -91,6 +91,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     ConfigError: naming the field, its value and the rule.
   """
   c = config
+  for name, value in rundir.flatten(c.to_dict()).items():
+    numbers = value if isinstance(value, (list, tuple)) else [value]
+    # A float that is not finite is never a setting (inf saturation, NaN
+    # crop bounds): refused here, not reported later as a divergence.
+    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+      raise ConfigError(f'config.{name} must be finite, got {value!r}.')
   for name, choices in _CHOICES:
     _require(_field(c, name) in choices, name, f'must be one of {choices}',
              _field(c, name))

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import os
 import platform
-import sys
 from typing import Any, Iterable
 
 from absl import app
@@ -27,7 +26,6 @@ from ml_collections import config_flags
 from otclr_jax import checkpoint
 from otclr_jax import cli
 from otclr_jax import config_files
-from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
@@ -177,21 +175,6 @@ def make_monitor(config, model, train_split):
   return monitor.KnnMonitor(config, model, train_split)
 
 
-def check_evaluation_data(config) -> None:
-  """Checks every dataset evaluation will read, before hours of pretraining.
-
-  Raises:
-    data.NotEvaluableError: an `eval.datasets` entry is missing or unusable.
-  """
-  names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
-  for name in dict.fromkeys(n for n in names if n):
-    found = data.check_evaluable(name, config.image_size,
-                                 config.data_dir or None)
-    logging.info('Evaluation dataset %s: %d train / %d test images, %d '
-                 'classes.', name, found.num_train, found.num_test,
-                 found.num_classes)
-
-
 def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
   """Trains or evaluates `workdir` as `config.mode` says; returns the exit status.
 
@@ -215,9 +198,11 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     if config.mode == 'eval':
       experiment.adopt_run_config(config, workdir, overridden)
     evaluate.validate(config)
+    if config.mode == 'eval':
+      evaluate.check_data(config)
     if config.mode == 'train':
       if config.eval.at_end:
-        check_evaluation_data(config)
+        evaluate.check_data(config)
       phase = 'training'
       result = train.train(config, workdir, make_monitor=make_monitor)
       if result.status != 'finished':

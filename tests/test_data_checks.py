@@ -30,12 +30,13 @@ def _refusal(name, data_dir):
 
 
 def test_evaluable_datasets_pass_with_their_sizes(tmp_path):
-  assert data.check_evaluable('digits', 8, tmp_path) == data.Evaluable(
-      'digits', 1438, 359, 10)
+  digits = data.check_evaluable('digits', 8, tmp_path)
+  assert digits[:4] == ('digits', 1438, 359, 10)
+  assert sum(digits.train_counts) == 1438 and len(digits.train_counts) == 10
   root = str(tmp_path / 'tree')
   _tree(root, {'train': {'a': 2, 'b': 3}, 'test': {'a': 1, 'b': 1}})
   assert data.check_evaluable('folder:' + root, S, tmp_path) == (
-      data.Evaluable('folder:' + root, 5, 2, 2))
+      data.Evaluable('folder:' + root, 5, 2, 2, (2, 3)))
 
 
 def test_missing_dataset_is_refused(tmp_path):

@@ -90,6 +90,8 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
     assert row['top5'] >= row['top1']
     assert (row['num_train'], row['num_test']) == tuple(
         10 * n for n in SMALL_DIGITS)
+    # Fewer train images than the protocol's k = 200: all of them vote.
+    assert row['knn_k'] == 10 * SMALL_DIGITS[0]
   assert results['random_init']['digits'] != results['linear']['digits']
   protocol = results['protocol']
   assert (protocol['embedding'], protocol['recompute_bn'],

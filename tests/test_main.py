@@ -193,21 +193,42 @@ def _one_class_tree(root):
                  rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
 
 
+def _one_image_per_class_tree(root):
+  rng = np.random.default_rng(0)
+  for split in ('train', 'test'):
+    for label in ('a', 'b', 'c'):
+      save_image(root, split, label, '0.png',
+                 rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+
+
 @pytest.mark.parametrize('name, message', [
     ('folder:{tmp}/absent', 'absent'),
     ('folder:{tmp}/one_class', 'class'),
+    ('folder:{tmp}/one_each', 'at most one train image per class'),
     ('cifar11', 'cifar11'),
 ])
 def test_evaluation_datasets_are_checked_before_training(tmp_path, data_dir,
                                                          name, message,
                                                          caplog):
   _one_class_tree(str(tmp_path / 'one_class'))
+  _one_image_per_class_tree(str(tmp_path / 'one_each'))
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.datasets = ('digits', name.format(tmp=tmp_path))
   assert_usage_error(caplog, message,
                      lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)  # nothing was trained
+
+
+def test_a_dataset_the_probe_cannot_use_is_refused_before_evaluating(
+    moco_run, tmp_path, data_dir, caplog):
+  _one_image_per_class_tree(str(tmp_path / 'one_each'))
+  workdir = copy_run(moco_run, tmp_path)
+  config = _config(data_dir, mode='eval')
+  config.eval.datasets = (f'folder:{tmp_path}/one_each',)
+  assert_usage_error(caplog, 'at most one train image per class',
+                     lambda: main.run(config, workdir))
+  assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
 def test_data_errors_are_usage_errors(tmp_path, data_dir, caplog):

@@ -39,6 +39,11 @@ def test_probe_separates_blobs():
   assert result['val_top1'] == pytest.approx(100.0)
   assert result['weight_decay'] in probe.L2_GRID
   assert (result['num_train'], result['num_test']) == (240, 90)
+  # With at most five classes top-5 is 100% by construction: not reported.
+  few = [probe.linear_probe(train_x[train_y < c], train_y[train_y < c],
+                            test_x[test_y < c], test_y[test_y < c], c)
+         for c in (probe.TOP5, probe.TOP5 + 1)]
+  assert 'top5' not in few[0] and few[1]['top5'] == pytest.approx(100.0)
 
 
 def test_scores_top1_top5_match_a_count():

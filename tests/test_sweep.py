@@ -19,7 +19,6 @@ from launch import launcher as launcher_lib
 from launch import sweep as sweep_lib
 from otclr_jax import cli
 from otclr_jax import experiment
-from otclr_jax import rundir
 from tests.helpers import FakeLauncher
 from tests.helpers import REPO
 from tests.helpers import fake_results

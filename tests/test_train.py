@@ -556,6 +556,11 @@ def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
     ({'mode': 'evaluate'}, 'mode'),
     ({'model.stage_sizes': (2, 2, 2)}, 'model.stage_sizes must be 4'),
     ({'model.stage_sizes': (1, 0, 1, 1)}, 'model.stage_sizes must be 4'),
+    ({'augment.saturation': float('inf')},
+     'config.augment.saturation must be finite, got inf'),
+    ({'augment.crop_scale': (0.5, float('nan'))},
+     r'config.augment.crop_scale must be finite, got \[0.5, nan\]'),
+    ({'dino.optim.base_lr': float('nan')}, 'dino.optim.base_lr must be finite'),
 ])
 def test_whole_config_is_checked_before_anything_is_created(
     tmp_path, data_dir, bad, match, caplog):

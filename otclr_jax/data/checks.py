@@ -14,11 +14,12 @@ _SPLITS = ('train', 'test')
 
 
 class Evaluable(NamedTuple):
-  """What `check_evaluable` found: split sizes and the number of classes."""
+  """What `check_evaluable` found: split sizes, classes, train rows per class."""
   name: str
   num_train: int
   num_test: int
   num_classes: int
+  train_counts: tuple[int, ...] = ()
 
 
 def check_evaluable(name: str,
@@ -53,8 +54,10 @@ def check_evaluable(name: str,
   if len(unseen):
     _refuse(name, f'test classes {[names[i] for i in unseen]} have no train '
             'examples; its test classes must be among its train classes')
+  counts = np.bincount(train.labels[train.labels >= 0],
+                       minlength=train.num_classes)
   return Evaluable(name, len(train.labels), len(test.labels),
-                   train.num_classes)
+                   train.num_classes, tuple(int(c) for c in counts))
 
 
 def _refuse(name: str, why: str, cause: Exception | None = None):

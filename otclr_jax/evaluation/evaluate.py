@@ -149,6 +149,38 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise experiment.ConfigError(str(e)) from e
 
 
+def check_data(config: ml_collections.ConfigDict) -> None:
+  """Checks every dataset evaluation will read, before hours of pretraining.
+
+  Raises:
+    data.NotEvaluableError: an `eval.datasets` entry is missing, unusable,
+      or too small for an evaluator (the probe's held-out rows).
+  """
+  names = tuple(config.eval.datasets) + (config.eval.views_dataset,)
+  for name in dict.fromkeys(n for n in names if n):
+    found = data.check_evaluable(name, config.image_size,
+                                 config.data_dir or None)
+    logging.info('Evaluation dataset %s: %d train / %d test images, %d '
+                 'classes.', name, found.num_train, found.num_test,
+                 found.num_classes)
+    labels = np.repeat(np.arange(len(found.train_counts)), found.train_counts)
+    if ('probe' in config.eval.evaluators
+        and not probe.stratified_holdout(labels).any()):
+      raise data.NotEvaluableError(
+          f'evaluation dataset {name!r} has at most one train image per '
+          'class: the probe chooses its L2 strength on held-out train images '
+          'and needs a class with two; add train images or drop "probe" '
+          'from config.eval.evaluators.')
+    if 'knn' in config.eval.evaluators and found.num_train < knn.KNN_K:
+      logging.info('kNN on %s votes with all its %d train images (k = %d '
+                   'needs more); results record the k used.', name,
+                   found.num_train, knn.KNN_K)
+    if found.num_classes <= probe.TOP5:
+      logging.info('%s has %d classes: top-5 would be 100%% by '
+                   'construction and is not reported.', name,
+                   found.num_classes)
+
+
 class Context:
   """What the evaluators share: the restored checkpoint, encoders and data.
 

@@ -97,5 +97,7 @@ def evaluate(ctx) -> Iterator[tuple[tuple[str, ...], Any]]:
       logging.info('%s %s: kNN top-1 %.2f%% [%.1f s]', row_name, name, top1,
                    time.perf_counter() - start)
       yield (row_name, name, 'knn_top1'), top1
+      # The protocol's k, or every train image where there are fewer.
+      yield (row_name, name, 'knn_k'), min(KNN_K, len(by_split['train'][1]))
   for field, value in PROTOCOL.items():
     yield ('protocol', field), value
