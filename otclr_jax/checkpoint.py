@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -134,6 +136,14 @@ class Checkpointer:
       raise RuntimeError(f'{self.directory} was opened read-only.')
     if step in self._manager.all_steps():
       return
+    # Orbax reports a full disk from a dozen writer threads, each with its
+    # traceback; a save that cannot fit fails here, in one line, instead.
+    need = sum(getattr(x, 'nbytes', 0) for x in jax.tree_util.tree_leaves(state))
+    free = shutil.disk_usage(self.directory).free
+    if free < need:
+      raise OSError(errno.ENOSPC, f'No space left on device ({need / 1e6:.0f} '
+                    f'MB to write, {free / 1e6:.0f} MB free)',
+                    os.path.join(self.directory, str(step)))
     items = {_STATE: ocp.args.StandardSave(state)}
     if config is not None:
       items[_CONFIG] = ocp.args.JsonSave(json.loads(json.dumps(config)))

@@ -23,9 +23,12 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp_path, path)
-  except BaseException:
+  except BaseException as e:
     if os.path.exists(tmp_path):
       os.remove(tmp_path)
+    if isinstance(e, OSError) and e.filename is None:
+      # Writes to an open file name no path: a full disk should say which.
+      raise OSError(e.errno, e.strerror or str(e), path) from e
     raise
 
 

@@ -58,6 +58,21 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
   assert os.listdir(tmp_path / 'otclr_cache') == []
 
 
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
+  # Writes to an open file raise OSError without a path (np.savez's).
+  def full(f):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  path = str(tmp_path / 'features.npz')
+  with pytest.raises(OSError) as info:
+    fileio.atomic_write(path, full)
+  assert (info.value.errno, info.value.filename) == (errno.ENOSPC, path)
+  assert os.listdir(tmp_path) == []
+  from otclr_jax import cli  # pylint: disable=g-import-not-at-top
+  assert cli.status_of(info.value)[1].startswith(
+      f'Disk full: could not write {path}')
+
+
 @pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape'])
 def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, warnings, damage):
   first = data.load_split('digits', 'test', 8, tmp_path)

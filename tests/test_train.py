@@ -514,6 +514,22 @@ def test_a_damaged_metrics_file_refuses_the_resume_before_any_write(
   assert {name: (workdir / name).read_bytes() for name in before} == before
 
 
+def test_a_checkpoint_that_cannot_fit_fails_before_orbax_writes(
+    tmp_path, data_dir, monkeypatch, caplog):
+  usage = checkpoint.shutil.disk_usage
+  monkeypatch.setattr(checkpoint.shutil, 'disk_usage',
+                      lambda path: usage(path)._replace(free=1000))
+  caplog.set_level('INFO')
+  workdir = str(tmp_path / 'run')
+  assert main.run(tiny_config(data_dir), workdir) == 1
+  errors = [r for r in caplog.records if r.levelname == 'ERROR']
+  assert len(errors) == 1, [r.getMessage() for r in errors]
+  assert errors[0].getMessage().startswith(
+      f'Disk full: could not write {workdir}/checkpoints/2 (No space left')
+  assert not os.listdir(os.path.join(workdir, 'checkpoints'))
+  assert rundir.read_status(workdir)['state'] == 'failed'
+
+
 def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
                                                       monkeypatch, caplog):
   path = str(tmp_path / 'metrics.jsonl')
