@@ -123,7 +123,8 @@ def check_histogram(name: str, h) -> jax.Array:
           'does).')
     totals = np.ravel(concrete.sum(axis=(-2, -1)) if concrete.ndim >= 2
                       else 1.0)
-    worst = totals[np.argmax(np.abs(totals - 1.0))]
+    # An empty batch of grids has no total to check (its result is empty).
+    worst = totals[np.argmax(np.abs(totals - 1.0))] if totals.size else 1.0
     if abs(worst - 1.0) > HISTOGRAM_SUM_ATOL:
       raise ValueError(f'{name} has a grid with total mass {worst:.6g}; a '
                        'histogram sums to 1 (divide it by its sum).')
@@ -179,6 +180,9 @@ def check_core(core: str) -> str:
 def check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
   if x.ndim != 4:
     raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
+  if x.shape[-1] == 0:
+    raise ValueError(f'x must have at least one channel, got shape '
+                     f'{x.shape}: each channel is one measure.')
   if y.shape != x.shape:
     raise ValueError(
         f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')

@@ -634,6 +634,19 @@ class TestInputRanges:
     x = jnp.full((1, 8, 8, 3), 1.0 + 1e-6).at[0, 0, 0, 0].set(-1e-6)
     assert bool(jnp.all(jnp.isfinite(ot.ot_views(x, x, grid_size=4))))
 
+  def test_images_without_channels_are_refused(self):
+    empty = np.zeros((2, 8, 8, 0), np.float32)
+    for fn in (ot.ot_views, ot.image_sinkhorn_cost):
+      with pytest.raises(ValueError, match='at least one channel'):
+        fn(empty, empty, grid_size=4)
+
+  def test_an_empty_batch_gives_an_empty_result(self):
+    grids = np.zeros((0, 4, 4), np.float32)
+    assert ot.sinkhorn_cost(grids, grids).shape == (0,)
+    images = np.zeros((0, 8, 8, 3), np.float32)
+    assert ot.ot_views(images, images, grid_size=4).shape == (0, 8, 8, 3)
+    assert ot.image_sinkhorn_cost(images, images, grid_size=4).shape == (0,)
+
   def test_negative_masses_are_refused(self):
     a = np.full((4, 4), 1 / 16, np.float32)
     bad = a.copy()
