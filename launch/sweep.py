@@ -301,7 +301,7 @@ def run_sweep(sweep: Sweep, workdir: str, *,
 
   Raises:
     RunConflictError: run directories hold runs with other settings.
-    rundir.WorkdirLockedError: another sweep runs in `workdir`.
+    cli.WorkdirLockedError: another sweep runs in `workdir`.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
   runs = selected = sweep.runs(workdir)
@@ -465,9 +465,9 @@ def _refuse(message: str) -> int:
 def main(argv: Sequence[str]) -> int:
   """The command line (module docstring); `argv[0]` is the program name."""
   try:
-    with rundir.stop_on_signals():
+    with cli.stop_on_signals():
       return _main(argv)
-  except rundir.StopRequested as e:
+  except cli.StopRequested as e:
     return _fail(cli.EXIT_STOPPED, f'Sweep stopped by {e.name}; rerun the '
                  'same command to resume.')
 
@@ -524,7 +524,7 @@ def _main(argv: Sequence[str]) -> int:
   try:
     return run_sweep(sweep, workdir, only_index=fv.only_index,
                      dry_run=fv.dry_run, stop_on_error=fv.stop_on_error)
-  except rundir.WorkdirLockedError as e:
+  except cli.WorkdirLockedError as e:
     return _fail(cli.EXIT_LOCKED, f'Sweep {sweep.name} refused: {e}')
   except ValueError as e:  # a run conflict, --only_index, a changed file
     return _refuse(f'Sweep {sweep.name} refused: {e}')

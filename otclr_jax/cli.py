@@ -10,12 +10,14 @@ nothing heavy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import signal
 import sys
-from typing import Any, Callable, Sequence
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -36,6 +38,10 @@ class DivergedRunError(ValueError):
 
 class BrokenRunError(RuntimeError):
   """A run's stored state cannot be used: no checkpoint restores (status 1)."""
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another process holds a workdir's lock (status 73)."""
 
 
 # A path the user named is of the wrong kind or absent: a usage error.
@@ -75,23 +81,20 @@ def disk_full_path(error: BaseException,
 
 def status_of(error: BaseException) -> tuple[int, str] | None:
   """(exit status, one line) for an expected failure; None for a bug."""
-  # Late: rundir imports absl, not needed before the early stop handler.
-  from otclr_jax import rundir  # pylint: disable=g-import-not-at-top
-  if isinstance(error, rundir.StopRequested):
+  if isinstance(error, StopRequested):
     return EXIT_STOPPED, (f'Stopped by {error.name}; nothing is half-written. '
                           'Rerun the same command to resume.')
   if isinstance(error, KeyboardInterrupt):
     return EXIT_STOPPED, ('Stopped by SIGINT; rerun the same command to '
                           'resume.')
-  if isinstance(error, rundir.WorkdirLockedError):
+  if isinstance(error, WorkdirLockedError):
     return EXIT_LOCKED, one_line(error)
   if isinstance(error, DivergedRunError):
     return EXIT_DIVERGED, one_line(error)
   if isinstance(error, BrokenRunError):
     return EXIT_FAILED, one_line(error)
   from absl import app  # pylint: disable=g-import-not-at-top
-  if isinstance(error, (UsageError, app.UsageError,
-                        rundir.IncompleteEvaluationError)):
+  if isinstance(error, (UsageError, app.UsageError)):
     return EXIT_USAGE, one_line(error)
   if isinstance(error, FileNotFoundError) and error.errno is None:
     return EXIT_USAGE, one_line(error)  # a file or run the user named
@@ -203,3 +206,96 @@ def install_early_stop() -> None:
     if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler,
                                     None):
       signal.signal(signum, _stop_during_start_up)
+
+
+class StopRequested(BaseException):
+  """SIGTERM/SIGINT in `stop_on_signals`; a BaseException, so not swallowed."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+  @property
+  def name(self) -> str:
+    """'SIGTERM' or 'SIGINT'."""
+    return signal.Signals(self.signum).name
+
+
+def exit_now(status: int) -> None:
+  """Exits with `status`, no shutdown (it may segfault); close files first."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
+# Signals of the current `stop_on_signals` block (a finaliser loses a raise).
+_requested: list[int] = []
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[None]:
+  """Turns `signals` into `StopRequested` inside the block (main thread only).
+
+  A tool catches it and returns `EXIT_STOPPED` with one line. A `fileio`
+  write is complete or absent; a raise dropped in a finaliser surfaces at
+  the next `check_stop()`. Handlers are restored on exit; blocks do not nest.
+
+  Args:
+    signals: the signals to turn into `StopRequested`.
+  """
+
+  def handle(signum, _):
+    _requested.append(signum)
+    raise StopRequested(signum)
+
+  def unraisable(info):
+    # A dropped raise is kept in `_requested`; its traceback would only alarm.
+    if not isinstance(info.exc_value, StopRequested):
+      previous_hook(info)
+
+  del _requested[:]
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = unraisable
+  previous = {s: signal.signal(s, handle) for s in signals}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    sys.unraisablehook = previous_hook
+    del _requested[:]
+
+
+def check_stop() -> None:
+  """Raises `StopRequested` if a signal came in this block (between parts)."""
+  if _requested:
+    raise StopRequested(_requested[0])
+
+
+class StopFlag:
+  """Turns SIGTERM/SIGINT into a flag a loop checks between its steps
+  (training: it checkpoints, then stops); main thread only."""
+
+  def __init__(self):
+    self.signal = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, _):
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning('Received %s: saving a checkpoint and stopping.',
+                    signal.Signals(signum).name)
+    self.signal = signum
+
+  def __exit__(self, *_):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)

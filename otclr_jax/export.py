@@ -265,7 +265,7 @@ def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
 def main(argv: Sequence[str]) -> int:
   """`python -m otclr_jax.export`; docs/operations.md "Exit statuses"."""
   try:
-    with rundir.stop_on_signals():
+    with cli.stop_on_signals():
       parsed = config_files.parse_flags(argv, _define_flags, __doc__)
       if parsed is None:
         return 0
@@ -278,7 +278,7 @@ def main(argv: Sequence[str]) -> int:
       rundir.check_directory(workdir, '--workdir')
       out = os.path.expanduser(fv.out) if fv.out else None
       path, step = export_checkpoint(workdir, fv.step, out)
-  except rundir.StopRequested as e:
+  except cli.StopRequested as e:
     print(f'Export stopped by {e.name}; nothing was written.', file=sys.stderr)
     return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except

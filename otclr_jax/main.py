@@ -215,11 +215,11 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
                    jax.process_index())
       return 0
     phase = 'evaluation'
-    with rundir.stop_on_signals():
+    with cli.stop_on_signals():
       if config.mode == 'train':
         try:
           evaluate_and_draw(config, workdir)
-        except rundir.WorkdirLockedError as e:
+        except cli.WorkdirLockedError as e:
           # That evaluation began before this run's last checkpoint.
           logging.warning('Training finished; its evaluation is skipped: '
                           'the evaluation lock is in use (%s). eval/ may '
@@ -228,7 +228,7 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       else:
         evaluate_and_draw(config, workdir)
     return 0
-  except rundir.StopRequested as e:
+  except cli.StopRequested as e:
     logging.error('%s during %s: stopped with nothing half-written; rerun the '
                   'same command to resume %s.', e.name, phase, workdir)
     return cli.EXIT_STOPPED
@@ -261,7 +261,7 @@ def main(argv):
         _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value)
   except experiment.ConfigError as e:
     logging.error('%s', e)
-    rundir.exit_now(cli.EXIT_USAGE)
+    cli.exit_now(cli.EXIT_USAGE)
   if settings is not None:
     jax.distributed.initialize(**settings)
   logging.info('process %d of %d, local devices %s', jax.process_index(),
@@ -269,7 +269,7 @@ def main(argv):
   overridden = config_flags.get_override_values(flags.FLAGS['config'])
   status = run(_CONFIG.value, _WORKDIR.value, overridden)
   if status != 0:
-    rundir.exit_now(status)
+    cli.exit_now(status)
   return status
 
 

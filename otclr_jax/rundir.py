@@ -1,6 +1,6 @@
 """Run directory (workdir) rules: stored files, the lock, run identity.
 
-Exit statuses are `cli`'s (docs/operations.md, "Exit statuses").
+Exit statuses and signals are `cli`'s (docs/operations.md, "Exit statuses").
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import fcntl
 import hashlib
 import json
 import os
-import signal
-import sys
 import threading
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -82,6 +80,13 @@ def features_file(tag: str, dataset_key: str, split: str) -> str:
   return os.path.join(FEATURES_DIR, tag, f'{dataset_key}_{split}.npz')
 
 
+def floor_files(floor_dir: str, digest: str) -> tuple[str, str]:
+  """A shared random-init floor's file and its lock, absolute."""
+  path = os.path.join(os.path.abspath(os.path.expanduser(floor_dir)),
+                      f'floor_{digest}.json')
+  return path, path + '.lock'
+
+
 def step_results_file(step: int) -> str:
   """A step's own copy of results.json, relative to eval/."""
   return f'results_step{int(step)}.json'
@@ -107,10 +112,6 @@ PROTOCOL_FIELDS = ('probe', 'l2_grid', 'probe_tolerance', 'holdout_fraction',
                    'holdout_seed', 'knn_k', 'knn_temperature')
 # Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).
 METHOD_BLOCKS = ('moco', 'byol', 'dino')
-
-
-class WorkdirLockedError(RuntimeError):
-  """Another process holds the workdir's lock."""
 
 
 class CorruptFileError(cli.UsageError):
@@ -146,7 +147,7 @@ def check_directory(path: str, what: str) -> None:
     probe = parent
 
 
-class IncompleteEvaluationError(ValueError):
+class IncompleteEvaluationError(cli.UsageError):
   """eval/ holds files of more than one evaluation (one was interrupted)."""
 
 
@@ -461,7 +462,7 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
     name: the lock file, `LOCK_FILE` (training) or `EVAL_LOCK_FILE`.
 
   Raises:
-    WorkdirLockedError: another process holds it (its pid named if readable).
+    cli.WorkdirLockedError: another process holds it (its pid named if readable).
   """
   path = os.path.realpath(os.path.join(workdir, name))
   with _held_guard:
@@ -487,7 +488,7 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
         raise
       holder = os.read(fd, 64).decode('ascii', 'replace').strip()
       who = f'process {holder}' if holder.isdigit() else 'another process'
-      raise WorkdirLockedError(
+      raise cli.WorkdirLockedError(
           f'{os.path.abspath(workdir)} is in use by {who} (lock {path}). '
           'One workdir holds one run: wait for it to end, stop it, or use '
           'another --workdir.') from None
@@ -504,70 +505,3 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
       os.ftruncate(fd, 0)
   finally:
     os.close(fd)  # closing the last descriptor releases the flock
-
-
-class StopRequested(BaseException):
-  """SIGTERM/SIGINT in `stop_on_signals`; a BaseException, so not swallowed."""
-
-  def __init__(self, signum: int):
-    super().__init__(signum)
-    self.signum = signum
-
-  @property
-  def name(self) -> str:
-    """'SIGTERM' or 'SIGINT'."""
-    return signal.Signals(self.signum).name
-
-
-def exit_now(status: int) -> None:
-  """Exits with `status`, no shutdown (it may segfault); close files first."""
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(status)  # pylint: disable=protected-access
-
-
-# Signals of the current `stop_on_signals` block (a finaliser loses a raise).
-_requested: list[int] = []
-
-
-@contextlib.contextmanager
-def stop_on_signals(
-    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
-) -> Iterator[None]:
-  """Turns `signals` into `StopRequested` inside the block (main thread only).
-
-  A tool catches it and returns `cli.EXIT_STOPPED` with one line. A `fileio`
-  write is complete or absent; a raise dropped in a finaliser surfaces at
-  the next `check_stop()`. Handlers are restored on exit; blocks do not nest.
-
-  Args:
-    signals: the signals to turn into `StopRequested`.
-  """
-
-  def handle(signum, _):
-    _requested.append(signum)
-    raise StopRequested(signum)
-
-  def unraisable(info):
-    # A dropped raise is kept in `_requested`; its traceback would only alarm.
-    if not isinstance(info.exc_value, StopRequested):
-      previous_hook(info)
-
-  del _requested[:]
-  previous_hook = sys.unraisablehook
-  sys.unraisablehook = unraisable
-  previous = {s: signal.signal(s, handle) for s in signals}
-  try:
-    yield
-  finally:
-    for s, handler in previous.items():
-      signal.signal(s, handler)
-    sys.unraisablehook = previous_hook
-    del _requested[:]
-
-
-def check_stop() -> None:
-  """Raises `StopRequested` if a signal came in this block (between parts)."""
-  if _requested:
-    raise StopRequested(_requested[0])

@@ -9,7 +9,6 @@ import glob
 import json
 import math
 import os
-import signal
 import threading
 import time
 from typing import Any, Iterator
@@ -105,29 +104,6 @@ class MetricLogger:
       self._tb.close()
 
 
-class _StopRequest:
-  """Turns SIGTERM/SIGINT into a flag checked between steps."""
-
-  def __init__(self):
-    self.signal = None
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, _):
-    logging.warning('Received %s: saving a checkpoint and stopping.',
-                    signal.Signals(signum).name)
-    self.signal = signum
-
-  def __exit__(self, *_):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-
 # Bytes of a lock message process 0 shares with the others.
 _MESSAGE_BYTES = 1024
 
@@ -154,7 +130,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   """The run's lock on `workdir`, taken by process 0 for all processes.
 
   Raises:
-    rundir.WorkdirLockedError: on every process if process 0 could not.
+    cli.WorkdirLockedError: on every process if process 0 could not.
   """
   if jax.process_count() == 1:
     with rundir.lock(workdir):
@@ -172,7 +148,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     if error is not None:
       raise error
     if message:
-      raise rundir.WorkdirLockedError(f'Process 0: {message}')
+      raise cli.WorkdirLockedError(f'Process 0: {message}')
     yield
 
 
@@ -344,7 +320,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
   Raises:
     ConfigError: a bad config field, or one that conflicts with the run.
-    rundir.WorkdirLockedError: another process is training in `workdir`.
+    cli.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
   experiment.validate_config(config)
@@ -364,7 +340,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   data.describe_source(config.dataset, 'train')
   # Outside the step loop (which checkpoints first) a signal raises, so that
   # the files being written are removed and status.json says 'stopped'.
-  signals = (rundir.stop_on_signals()
+  signals = (cli.stop_on_signals()
              if threading.current_thread() is threading.main_thread()
              else contextlib.nullcontext())
   with workdir_lock(workdir), signals:
@@ -377,7 +353,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       if main and result.status == 'finished':
         try:
           _export_encoder(config, workdir, result.state)
-        except rundir.StopRequested as e:
+        except cli.StopRequested as e:
           logging.error('Stopped by %s while writing the trained encoder '
                         '(no file half-written); the run is checkpointed at '
                         'its last step: rerun the same command to write it.',
@@ -386,7 +362,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     except BaseException as e:
       if main and progress['started']:
         state = ('diverged' if isinstance(e, DivergedError) else
-                 'stopped' if isinstance(e, rundir.StopRequested) else
+                 'stopped' if isinstance(e, cli.StopRequested) else
                  'failed')
         try:
           rundir.write_status(workdir, state, progress['step'],
@@ -503,7 +479,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
     if experiment.monitor_enabled(config) and make_monitor is not None:
       knn_monitor = make_monitor(config, run.model, train_data)
     logger = MetricLogger(workdir, total, start, spe, config.batch_size)
-    with _StopRequest() as stop:
+    with cli.StopFlag() as stop:
       while step < total:
         stopping = agreed_stop if several else stop.signal is not None
         if stopping or (

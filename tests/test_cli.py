@@ -20,6 +20,7 @@ from otclr_jax import cli
 from otclr_jax import export
 from otclr_jax import rundir
 from otclr_jax.figures import __main__ as figures_cli
+from tests.helpers import SignalsInAFinaliser
 from tests.helpers import tiny_config
 from tests.folder_trees import save_image
 
@@ -227,8 +228,8 @@ def test_every_tool_refuses_bad_inputs_in_one_line(tmp_path, data_dir,
 
 @pytest.mark.parametrize('error, status', [
     (rundir.CorruptFileError('x.json is corrupt'), 2),
-    (rundir.WorkdirLockedError('in use'), 73),
-    (rundir.StopRequested(signal.SIGTERM), 75),
+    (cli.WorkdirLockedError('in use'), 73),
+    (cli.StopRequested(signal.SIGTERM), 75),
     (OSError(28, 'No space left on device', '/full/x'), 1),
     (PermissionError(13, 'Permission denied', '/ro/x'), 73),
     (NotADirectoryError(20, 'Not a directory', '/f/x'), 2),
@@ -260,3 +261,61 @@ def test_disk_full_path_from_a_tensorstore_error():
   except RuntimeError as e:
     assert cli.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
   assert cli.disk_full_path(ValueError('other'), '/w') is None
+
+
+# ----------------------------------------------------------------------------
+# Signals: a stop raised where it lands, or a flag between steps.
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_stop_on_signals_raises_and_restores_the_handlers(signum):
+  before = signal.getsignal(signum)
+  with pytest.raises(cli.StopRequested) as stopped:
+    with cli.stop_on_signals():
+      os.kill(os.getpid(), signum)
+      time.sleep(5)  # The handler raises before this ends.
+  assert stopped.value.signum == signum
+  assert stopped.value.name == signal.Signals(signum).name
+  assert signal.getsignal(signum) is before
+  # Not an Exception: `except Exception` blocks do not swallow a stop.
+  assert not isinstance(stopped.value, Exception)
+
+
+def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
+  ran_on = []
+  with pytest.raises(cli.StopRequested) as stopped:
+    with cli.stop_on_signals():
+      SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
+      ran_on.append('after the finaliser')
+      cli.check_stop()
+      ran_on.append('after check_stop')
+  assert ran_on == ['after the finaliser']
+  assert stopped.value.signum == signal.SIGTERM
+  assert 'Exception ignored' not in capfd.readouterr().err
+  cli.check_stop()  # nothing pending once the block has ended
+
+
+def test_work_that_ends_before_a_check_has_ended():
+  with cli.stop_on_signals():
+    SignalsInAFinaliser(signal.SIGINT)
+  cli.check_stop()  # the next block starts with nothing pending
+  with cli.stop_on_signals():
+    cli.check_stop()
+
+
+def test_other_dropped_exceptions_are_still_reported():
+  seen = []
+
+  class Fails:
+
+    def __del__(self):
+      raise ValueError('from a finaliser')
+
+  hook = sys.unraisablehook
+  sys.unraisablehook = seen.append
+  try:
+    with cli.stop_on_signals():
+      Fails()
+  finally:
+    sys.unraisablehook = hook
+  assert [type(info.exc_value) for info in seen] == [ValueError]

@@ -3,11 +3,9 @@
 import ast
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import ml_collections
 import pytest
@@ -15,7 +13,6 @@ import pytest
 from otclr_jax import methods
 from otclr_jax import rundir
 from tests import helpers
-from tests.helpers import SignalsInAFinaliser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,11 +97,11 @@ def test_monitor_settings_never_change_a_result():
 def test_lock_refuses_a_second_process_and_is_released(tmp_path):
   workdir = str(tmp_path / 'run')
   script = textwrap.dedent(f"""
-      from otclr_jax import rundir
+      from otclr_jax import cli, rundir
       try:
         with rundir.lock({workdir!r}):
           pass
-      except rundir.WorkdirLockedError as e:
+      except cli.WorkdirLockedError as e:
         print('LOCKED', e)
       else:
         print('FREE')
@@ -122,60 +119,6 @@ def test_lock_refuses_a_second_process_and_is_released(tmp_path):
     assert workdir in result.stdout
   assert 'FREE' in other().stdout
   assert not helpers.is_locked(workdir)
-
-
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_stop_on_signals_raises_and_restores_the_handlers(signum):
-  before = signal.getsignal(signum)
-  with pytest.raises(rundir.StopRequested) as stopped:
-    with rundir.stop_on_signals():
-      os.kill(os.getpid(), signum)
-      time.sleep(5)  # The handler raises before this ends.
-  assert stopped.value.signum == signum
-  assert stopped.value.name == signal.Signals(signum).name
-  assert signal.getsignal(signum) is before
-  # Not an Exception: `except Exception` blocks do not swallow a stop.
-  assert not isinstance(stopped.value, Exception)
-
-
-def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
-  ran_on = []
-  with pytest.raises(rundir.StopRequested) as stopped:
-    with rundir.stop_on_signals():
-      SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
-      ran_on.append('after the finaliser')
-      rundir.check_stop()
-      ran_on.append('after check_stop')
-  assert ran_on == ['after the finaliser']
-  assert stopped.value.signum == signal.SIGTERM
-  assert 'Exception ignored' not in capfd.readouterr().err
-  rundir.check_stop()  # nothing pending once the block has ended
-
-
-def test_work_that_ends_before_a_check_has_ended():
-  with rundir.stop_on_signals():
-    SignalsInAFinaliser(signal.SIGINT)
-  rundir.check_stop()  # the next block starts with nothing pending
-  with rundir.stop_on_signals():
-    rundir.check_stop()
-
-
-def test_other_dropped_exceptions_are_still_reported():
-  seen = []
-
-  class Fails:
-
-    def __del__(self):
-      raise ValueError('from a finaliser')
-
-  hook = sys.unraisablehook
-  sys.unraisablehook = seen.append
-  try:
-    with rundir.stop_on_signals():
-      Fails()
-  finally:
-    sys.unraisablehook = hook
-  assert [type(info.exc_value) for info in seen] == [ValueError]
 
 
 # ----------------------------------------------------------------------------

@@ -398,7 +398,7 @@ def test_second_trainer_in_a_workdir_is_refused(tmp_path, data_dir):
   try:
     assert holder.stdout.readline().strip() == 'held'
     config = tiny_config(data_dir)
-    with pytest.raises(rundir.WorkdirLockedError,
+    with pytest.raises(cli.WorkdirLockedError,
                        match=f'in use by process {holder.pid}'):
       train.train(config, workdir)
     assert main.run(config, workdir) == cli.EXIT_LOCKED

@@ -378,7 +378,7 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     t0 = time.perf_counter()
     for path, value in EVALUATORS[name](ctx):
       _put(results, path, value)
-      rundir.check_stop()
+      cli.check_stop()
     logging.info('Evaluator %s done in %.1f s.', name,
                  time.perf_counter() - t0)
   # Last: a run sharing the floor waits for it while another fits it.

@@ -34,9 +34,8 @@ def digest(identity: dict[str, Any]) -> str:
 
 
 def floor_file(floor_dir: str, identity: dict[str, Any]) -> str:
-  """`<floor_dir>/floor_<digest>.json`, absolute."""
-  return os.path.join(os.path.abspath(os.path.expanduser(floor_dir)),
-                      f'floor_{digest(identity)}.json')
+  """The file of `identity`'s floor in `floor_dir` (`rundir.floor_files`)."""
+  return rundir.floor_files(floor_dir, digest(identity))[0]
 
 
 @contextlib.contextmanager
@@ -80,11 +79,11 @@ def load_or_fit(floor_dir: str, identity: dict[str, Any],
   Returns:
     `(rows, path of the stored floor, whether this call fitted it)`.
   """
-  path = floor_file(floor_dir, identity)
+  path, lock = rundir.floor_files(floor_dir, digest(identity))
   os.makedirs(os.path.dirname(path), exist_ok=True)
   rows = _read(path, identity)
   if rows is None:
-    with _waiting_lock(path + '.lock'):
+    with _waiting_lock(lock):
       rows = _read(path, identity)
       if rows is None:
         start = time.perf_counter()

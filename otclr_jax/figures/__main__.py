@@ -23,7 +23,6 @@ from ml_collections import config_flags
 
 from otclr_jax import cli
 from otclr_jax import config_files
-from otclr_jax import rundir
 
 FIGURES = ('interpolation', 'tsne', 'top5', 'curves', 'report')
 
@@ -139,7 +138,7 @@ def _draw(figure: str, fv: flags.FlagValues) -> None:
 def main(argv: Sequence[str]) -> int:
   """The command line (module docstring); exit statuses: docs/operations.md."""
   try:
-    with rundir.stop_on_signals():
+    with cli.stop_on_signals():
       parsed = config_files.parse_flags(argv, _define_flags, __doc__)
       if parsed is None:
         return 0
@@ -149,7 +148,7 @@ def main(argv: Sequence[str]) -> int:
             f'name one figure of {", ".join(FIGURES)}, got {rest}; see '
             '--help.')
       _draw(rest[0], fv)
-  except rundir.StopRequested as e:
+  except cli.StopRequested as e:
     print(f'Figures stopped by {e.name}; rerun to draw them.', file=sys.stderr)
     return cli.EXIT_STOPPED
   except Exception as e:  # pylint: disable=broad-except
