@@ -1,6 +1,7 @@
 """The package installs as a wheel and `otclr_jax.ot` works from it alone."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,27 @@ def test_installed_wheel_runs_ot_views_outside_the_repo(wheel, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith('ok'), result.stdout
+
+
+def _readme_snippets():
+  with open(os.path.join(REPO, 'README.md')) as f:
+    text = f.read()
+  return re.findall(r'```python\n(.*?)```', text, re.S)
+
+
+def test_the_readme_snippets_run_as_pasted_from_another_directory(
+    finished_run, tmp_path):
+  # The README's install is editable (requirements.txt): the package imports
+  # from anywhere. The encoder snippet reads the first command's output.
+  _, workdir, _ = finished_run
+  encoder = tmp_path / 'runs' / 'digits' / 'encoder'
+  encoder.mkdir(parents=True)
+  shutil.copy(os.path.join(workdir, 'encoder', 'encoder.msgpack'), encoder)
+  snippets = _readme_snippets()
+  assert len(snippets) == 2
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+  for code in snippets:
+    result = subprocess.run([sys.executable, '-c', code], cwd=str(tmp_path),
+                            env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, code + result.stderr[-3000:]
