@@ -113,6 +113,59 @@ def apply_overrides(
   return flag_values[FLAG].value
 
 
+_ASSIGNMENT = re.compile(r'^\s*config\.([\w.]+)\s*=[^#]*?(?:#\s*(.*))?$')
+
+
+def _comments(path: str, prefix: str = '') -> dict[str, str]:
+  """{dotted field: its comment} of a file's `config.<field> = ...` lines:
+  the comment on the line, else the comment lines just above it."""
+  comments, above = {}, []
+  with open(path) as f:
+    for line in f:
+      stripped = line.strip()
+      if stripped.startswith('#'):
+        above.append(stripped.lstrip('# ').strip())
+        continue
+      match = _ASSIGNMENT.match(line)
+      if match:
+        text = match.group(2) or ' '.join(above)
+        if text:
+          comments[prefix + match.group(1)] = text
+      above = []
+  return comments
+
+
+def describe(config: ml_collections.ConfigDict) -> str:
+  """Every field of `config` with its value and its comment in
+  configs/default.py or its method's module: `--helpconfig`'s text."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  comments = {}
+  for name in sorted(os.listdir(os.path.join(package, 'methods'))):
+    if name.endswith('.py') and not name.startswith(('_', 'base')):
+      comments.update(_comments(os.path.join(package, 'methods', name),
+                                f'{name[:-3]}.'))
+  default = os.path.join(os.path.dirname(package), 'configs', 'default.py')
+  if os.path.exists(default):
+    comments.update(_comments(default))
+  flat = {}
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, ml_collections.ConfigDict):
+        visit(value, f'{prefix}{key}.')
+      else:
+        flat[prefix + key] = value
+
+  visit(config, '')
+  lines = []
+  for name, value in flat.items():
+    comment = comments.get(name, '')
+    lines.append(f'  --{FLAG}.{name}={flag_value(value)}'
+                 + (f'\n      {comment}' if comment else ''))
+  return ('Config fields (override any as --config.<field>=<value>); values '
+          'are this config\'s:\n' + '\n'.join(lines))
+
+
 class UsageError(cli.UsageError):
   """A bad command line: an unknown flag or field, or a bad value."""
 
@@ -167,8 +220,25 @@ def overrides_of(argv: Sequence[str]) -> list[str]:
   return out
 
 
+HELP_CONFIG = '--helpconfig'
+
+
 def parse_absl_flags(argv: Sequence[str]) -> list[str]:
-  """`app.run`'s flags parser: a bad flag, field or config file exits 2."""
+  """`app.run`'s flags parser: a bad flag, field or config file exits 2;
+  `--helpconfig` prints `describe` of the given --config and exits 0."""
+  if HELP_CONFIG in argv:
+    paths = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{FLAG}=')]
+    if not paths:
+      sys.stderr.write(f'{HELP_CONFIG} describes a config: give '
+                       f'--{FLAG}=configs/<name>.py too.\n')
+      sys.exit(cli.EXIT_USAGE)
+    try:
+      config = apply_overrides(load(paths[-1]), overrides_of(argv))
+    except (OSError, ValueError) as e:
+      sys.stderr.write(f'FATAL Flags parsing error: {cli.one_line(e)}\n')
+      sys.exit(cli.EXIT_USAGE)
+    print(describe(config))
+    sys.exit(0)
   try:
     return parse_into(flags.FLAGS, argv)
   except UsageError as e:

@@ -5,7 +5,8 @@ checkpoint, then evaluates (`config.eval.at_end`) and draws the figures
 (`config.eval.figures`); `--config.mode=eval` evaluates DIR's newest
 checkpoint and draws the figures. Any config field can be overridden, e.g.
 `--config.ot.epsilon=0.1`; `--config.method=moco --config.views=ot` picks the
-objective and the view generator.
+objective and the view generator. `--config=configs/X.py --helpconfig` lists
+every field with its value and comment.
 
 Exit statuses are `cli`'s table (docs/operations.md).
 """

@@ -319,3 +319,24 @@ def test_other_dropped_exceptions_are_still_reported():
   finally:
     sys.unraisablehook = hook
   assert [type(info.exc_value) for info in seen] == [ValueError]
+
+
+def test_helpconfig_lists_every_field_with_its_value_and_comment():
+  from otclr_jax import config_files  # pylint: disable=g-import-not-at-top
+  result = subprocess.run(
+      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
+       '--config.ot.epsilon=0.1', '--helpconfig'], cwd=REPO,
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  config = config_files.load(os.path.join(REPO, 'configs', 'digits.py'))
+  for name in rundir.flatten(config.to_dict()):
+    assert f'--config.{name}=' in result.stdout, name
+  assert '--config.ot.epsilon=0.1\n' in result.stdout
+  assert '--config.dataset=digits\n      see otclr_jax/data/' in result.stdout
+  assert '--config.moco.temperature=0.2\n      MoCo v2.' in result.stdout
+  # The module's --help names it.
+  helped = subprocess.run(
+      [sys.executable, '-m', 'otclr_jax.main', '--help'], cwd=REPO,
+      capture_output=True, text=True, timeout=120)
+  assert '--helpconfig' in helped.stdout
+
