@@ -187,7 +187,7 @@ def test_digits_folder_and_cache_without_tensorflow(tmp_path):
       sys.modules['tensorflow'] = None
       sys.modules['tensorflow_datasets'] = None
       import numpy as np
-      from otclr_jax import data
+      from otclr_jax import cli, data
       digits = data.load_split('digits', 'train', 8, {data_dir!r})
       folder = data.load_split('folder:' + {root!r}, 'train', {S}, {data_dir!r})
       again = data.load_split('folder:' + {root!r}, 'train', {S}, {data_dir!r})
@@ -195,10 +195,13 @@ def test_digits_folder_and_cache_without_tensorflow(tmp_path):
       cached = data.load_split('cifar100', 'test', 8, {data_dir!r})
       try:
         data.load_split('cifar10', 'test', 8, {data_dir!r})
-      except ImportError as e:
-        message = str(e)
+      except data.MissingExtraError as e:
+        message, status = str(e), cli.status_of(e)[0]
       else:
-        raise AssertionError('expected ImportError')
+        raise AssertionError('expected MissingExtraError')
+      # One line, a usage error, naming the pinned extra to install.
+      assert status == cli.EXIT_USAGE and '\\n' not in message
+      assert 'pip install -r requirements-tfds.txt' in message, message
       assert "dataset='digits'" in message, message
       np.savez({out!r}, digits=digits.images, folder=folder.images,
                folder_labels=folder.labels, cached=cached.images,

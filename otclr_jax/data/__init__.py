@@ -16,6 +16,7 @@ from otclr_jax.data.tfds_sources import TFDS_SPLITS
 from otclr_jax.data.types import BatchSizeError
 from otclr_jax.data.types import DataError
 from otclr_jax.data.types import DatasetUnavailableError
+from otclr_jax.data.types import MissingExtraError
 from otclr_jax.data.types import NotEvaluableError
 from otclr_jax.data.types import Split
 from otclr_jax.data.types import SplitNotFoundError

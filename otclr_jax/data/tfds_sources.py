@@ -45,11 +45,11 @@ def import_tensorflow(what: str):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        f'preparing {what} needs tensorflow and tensorflow-datasets '
-        f'({e}). Install them (pip install tensorflow-cpu '
-        'tensorflow-datasets), or prepare the cache on a machine that has '
-        "them, or use dataset='digits' or 'folder:/path'.") from e
+    raise types.MissingExtraError(
+        f'preparing {what} needs TensorFlow ({e}): install the pinned extra '
+        'with `pip install -r requirements-tfds.txt`, or prepare the cache '
+        "on a machine that has it, or use dataset='digits' or "
+        "'folder:/path' (README, \"Data\").") from None
   try:
     tf.config.set_visible_devices([], 'GPU')
     tf.config.set_visible_devices([], 'TPU')

@@ -40,5 +40,9 @@ class NotEvaluableError(DataError):
   """An evaluation dataset that evaluation could not use (`check_evaluable`)."""
 
 
+class MissingExtraError(DataError):
+  """Preparing a dataset needs an optional package that is not installed."""
+
+
 class DatasetUnavailableError(DataError):
   """A tfds dataset is neither prepared under data_dir nor downloadable."""
