@@ -13,6 +13,7 @@ Exit statuses are `cli`'s table (docs/operations.md).
 
 import contextlib
 import hashlib
+import logging as std_logging
 import os
 import platform
 from typing import Any, Iterable
@@ -250,12 +251,21 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     return mapped[0]
 
 
+class _NoTpuProbe(std_logging.Filter):
+  """Drops JAX's note that no TPU is here: the user asked for none (a CUDA
+  backend that fails to start is still reported)."""
+
+  def filter(self, record):
+    return not str(record.msg).startswith("Unable to initialize backend 'tpu'")
+
+
 def main(argv):
   if len(argv) > 1:
     logging.error('Unexpected arguments %s: every setting is a --config.a.b=v '
                   'flag.', argv[1:])
     return cli.EXIT_USAGE
   checkpoint.quiet_logs()
+  std_logging.getLogger('jax._src.xla_bridge').addFilter(_NoTpuProbe())
   try:
     settings = distributed_settings(
         _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,

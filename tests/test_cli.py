@@ -340,3 +340,21 @@ def test_helpconfig_lists_every_field_with_its_value_and_comment():
       capture_output=True, text=True, timeout=120)
   assert '--helpconfig' in helped.stdout
 
+
+def test_orbax_warnings_about_deliberate_choices_are_dropped():
+  import logging  # pylint: disable=g-import-not-at-top
+  from otclr_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  keep = checkpoint._DropOrbaxInfo().filter
+  orbax = os.path.join('site-packages', 'orbax', 'checkpoint', 'x.py')
+
+  def record(level, msg, path=orbax):
+    return logging.LogRecord('absl', level, path, 1, msg, (), None)
+
+  for msg in ('Given directory is read only=%s',
+              'CheckpointManagerOptions.read_only=True, setting create=False.',
+              'Metadata file does not exist: %s'):
+    assert not keep(record(logging.WARNING, msg))
+  assert not keep(record(logging.INFO, 'Saving checkpoint'))
+  assert keep(record(logging.WARNING, 'Something else went wrong'))
+  assert keep(record(logging.INFO, 'ours', path='otclr_jax/train.py'))
+

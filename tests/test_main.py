@@ -334,6 +334,7 @@ def test_the_command_line_reports_a_usage_error_in_one_line(tmp_path,
   assert len(errors) == 1, proc.stderr
   assert 'batch_size=4096 is larger than digits/train' in errors[0]
   assert 'flags:' not in proc.stderr  # no usage text
+  assert "backend 'tpu'" not in proc.stderr  # JAX's probe is not the user's
 
 
 def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
