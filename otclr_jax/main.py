@@ -16,6 +16,7 @@ import hashlib
 import logging as std_logging
 import os
 import platform
+import time
 from typing import Any, Iterable
 
 from absl import app
@@ -259,12 +260,26 @@ class _NoTpuProbe(std_logging.Filter):
     return not str(record.msg).startswith("Unable to initialize backend 'tpu'")
 
 
+class _ShortPrefix(std_logging.Formatter):
+  """absl's line prefix without the date, microseconds and thread id:
+  'I 04:05:16 train.py:100] ...' (the level letter first, as absl's)."""
+
+  def format(self, record):
+    when = time.strftime('%H:%M:%S', time.localtime(record.created))
+    text = (f'{record.levelname[0]} {when} {record.filename}:'
+            f'{record.lineno}] {record.getMessage()}')
+    if record.exc_info:
+      text += '\n' + self.formatException(record.exc_info)
+    return text
+
+
 def main(argv):
   if len(argv) > 1:
     logging.error('Unexpected arguments %s: every setting is a --config.a.b=v '
                   'flag.', argv[1:])
     return cli.EXIT_USAGE
   checkpoint.quiet_logs()
+  logging.get_absl_handler().setFormatter(_ShortPrefix())
   std_logging.getLogger('jax._src.xla_bridge').addFilter(_NoTpuProbe())
   try:
     settings = distributed_settings(

@@ -39,6 +39,11 @@ class DivergedError(FloatingPointError, cli.DivergedRunError):
   """The loss, a gradient or the training state became non-finite."""
 
 
+# (metric, its label) on the console's progress line, in this order.
+_CONSOLE_METRICS = (('loss', 'loss'), ('top1', 'top1'),
+                    (MONITOR_METRIC, 'kNN'), ('lr', 'lr'))
+
+
 class MetricLogger:
   """Console progress line, TensorBoard events and `metrics.jsonl` (process 0)."""
 
@@ -91,13 +96,15 @@ class MetricLogger:
       if name not in ('step', 'steps_averaged'):
         self._tb.add_scalar(f'train/{name}', value, step)
     self._tb.flush()
-    frac = step / self.total_steps
-    bar = '#' * int(20 * frac) + '-' * (20 - int(20 * frac))
-    parts = ' '.join(f'{k} {v:.4g}' for k, v in metrics.items())
+    # The console shows what tells a run's health at a glance; every metric
+    # is in metrics.jsonl and TensorBoard.
+    parts = ' '.join(f'{label} {metrics[name]:.3g}'
+                     for name, label in _CONSOLE_METRICS if name in metrics)
     eta_text = (f'{int(eta) // 3600}:{int(eta) // 60 % 60:02d}:'
                 f'{int(eta) % 60:02d}' if math.isfinite(eta) else '?')
-    logging.info('step %d/%d [%s] %3.0f%% | %s | %.0f img/s | ETA %s', step,
-                 self.total_steps, bar, 100 * frac, parts, rate, eta_text)
+    logging.info('step %d/%d %.0f%% %s %.0f img/s ETA %s', step,
+                 self.total_steps, 100 * step / self.total_steps, parts, rate,
+                 eta_text)
 
   def close(self) -> None:
     if self._tb is not None:
