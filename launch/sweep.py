@@ -337,9 +337,18 @@ def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
              launcher: Launcher, stop_on_error: bool) -> int:
   stop = lambda: getattr(launcher, 'stop_signal', None)
   outcomes = []
+  start, worked = time.time(), 0
   for run in selected:
     if stop() is None:
       outcomes.append(run_one(sweep, run, launcher, total=total, stop=stop))
+      worked += outcomes[-1].status == 'done'
+      left = len(selected) - len(outcomes)
+      if worked and left:
+        # From the runs this invocation trained or evaluated.
+        eta = (time.time() - start) / worked * left
+        print(f'Sweep {sweep.name}: {len(outcomes)} of {len(selected)} runs '
+              f'through, about {time.strftime("%H:%M:%S", time.gmtime(eta))} '
+              'left.', flush=True)
     if stop() is not None or outcomes[-1].status == 'interrupted':
       name = signal.Signals(stop() or signal.SIGTERM).name
       print(f'Sweep {sweep.name} stopped by {name}; rerun the same command '

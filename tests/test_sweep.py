@@ -247,7 +247,8 @@ def test_array_task_refuses_a_sweep_file_that_changed_a_runs_settings(
 # Local runs with a fake launcher.
 
 
-def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs):
+def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs,
+                                                              capsys):
   sweep, workdir, names = four_runs
   runs = sweep.runs(workdir)
   # Run 0 finished; run 1 evaluated at an intermediate step (not finished);
@@ -264,6 +265,11 @@ def test_resuming_skips_finished_runs_and_relaunches_the_rest(four_runs):
   assert launcher.calls == [(names[1], 'train'), (names[1], 'eval'),
                             (names[2], 'eval'),
                             (names[3], 'train'), (names[3], 'eval')]
+  # Progress with an estimate from the runs worked on, not the skipped one.
+  out = capsys.readouterr().out
+  assert 'runs through' not in out.split(names[1])[0]
+  assert re.search(r'2 of 4 runs through, about \d\d:\d\d:\d\d left', out)
+  assert '4 of 4 runs through' not in out
   # Everything finished now: a second pass launches nothing.
   again = FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=again,

@@ -25,7 +25,7 @@ from otclr_jax import rundir
 
 
 _SPLITS = ('train', 'test')
-_LOG_EVERY_SECONDS = 30.0
+_LOG_EVERY_SECONDS = 10.0
 
 
 def check_dataset_name(name: Any) -> str:
@@ -146,8 +146,9 @@ def extract_features(encoder: Encoder, variables: Any, images: np.ndarray,
     now = time.perf_counter()
     if log_progress and (now - last_log > _LOG_EVERY_SECONDS or done == num):
       last_log = now
-      logging.info('%s: %d/%d images (%.0f img/s)', what, done, num,
-                   done / max(now - start, 1e-9))
+      rate = done / max(now - start, 1e-9)
+      logging.info('%s: %d/%d images (%.0f img/s, ETA %.0f s)', what, done,
+                   num, rate, (num - done) / rate)
   return np.concatenate(parts).astype(np.float32)
 
 
