@@ -115,6 +115,8 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
       np.sqrt(192) * otclr['pixel_rms'] * (1 + 1e-5))
   printed = capsys.readouterr().out
   assert '| Random init |' in printed
+  assert '"Random init" is the untrained encoder, the floor' in printed
+  assert printed.index('Digits kNN') < printed.index('Digits Top-1'), printed
   assert '| OTCLR (BN: stored) |' in printed
   assert '| OTCLR (BN: clean train) |' in printed
   with open(os.path.join(workdir, 'eval', 'tables.md')) as f:

@@ -389,7 +389,12 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   results['config'] = config.to_dict()
   results = write_results(_json_safe(results), workdir, config)
   if 'linear' in results:
-    print(tables.linear_table([results], metrics=('top1', 'top5', 'knn_top1')))
+    # kNN first: the column that separates methods where the floor's probe
+    # is already high (README, "Example runs").
+    print('Test accuracy (%): weighted kNN, then the linear probe; "Random '
+          'init" is the untrained encoder, the floor.\n'
+          + tables.linear_table([results],
+                                metrics=('knn_top1', 'top1', 'top5')))
   logging.info('Evaluation of step %d done in %.1f s; results in %s',
                ctx.step, time.perf_counter() - start,
                os.path.join(workdir, rundir.EVAL_DIR))
