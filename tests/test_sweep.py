@@ -580,3 +580,18 @@ def test_a_signal_ends_the_sweep_with_75_and_one_line(tmp_path, signum):
   assert 'FAILED' not in out
 
 
+
+
+def test_the_readmes_tiny_sweep_fits_its_schedule_in_its_steps(caplog):
+  from otclr_jax import data  # pylint: disable=g-import-not-at-top
+  from otclr_jax import optim  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(REPO, 'README.md')) as f:
+    assert 'launch/sweeps/digits_smoke.py' in f.read()
+  sweep = sweep_lib.load_sweep(sweep_file('digits_smoke'))
+  for run in sweep.runs('/w'):
+    config = sweep.run_config(run)
+    spe = data.steps_per_epoch(1438, config.batch_size, 'digits/train')
+    with caplog.at_level('WARNING'):
+      optim.learning_rate_schedule(config, spe, config.total_steps)
+    assert 'never decays' not in caplog.text
+    assert 0 < config.monitor.every_steps <= config.total_steps
