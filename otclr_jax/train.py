@@ -314,7 +314,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   """Pretrains, resuming from the newest finite checkpoint in `workdir`.
 
   Args:
-    config: the run's config (configs/default.py documents the fields).
+    config: the run's config (configs/default.py documents the fields),
+      checked by `evaluate.validate` (`main.run` does, once per command).
     workdir: the run directory (docs/operations.md, "A run directory").
     stop_after_steps: stop, checkpointed, after this many steps of this
       invocation; None runs to the end.
@@ -330,7 +331,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     cli.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
-  experiment.validate_config(config)
   if experiment.monitor_enabled(config) and make_monitor is None:
     logging.warning(
         'config.monitor.every_steps=%d but no make_monitor was given: no kNN '

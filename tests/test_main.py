@@ -146,6 +146,20 @@ def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
   assert message in err and err.count('\n') == 1, err
 
 
+def test_a_train_and_evaluate_command_validates_its_config_once(
+    tmp_path, data_dir, monkeypatch):
+  small_digits(monkeypatch)
+  calls = []
+  real = experiment.validate_config
+  monkeypatch.setattr(experiment, 'validate_config',
+                      lambda config: calls.append(1) or real(config))
+  config = _config(data_dir, **{'eval.at_end': True,
+                                'eval.evaluators': ('knn',)})
+  assert main.run(config, str(tmp_path / 'run')) == 0
+  assert os.path.exists(tmp_path / 'run' / rundir.RESULTS_FILE)
+  assert len(calls) == 1
+
+
 def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
                                              caplog):
   workdir = copy_run(moco_run, tmp_path)

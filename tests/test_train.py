@@ -28,6 +28,7 @@ from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
+from otclr_jax.evaluation import evaluate
 from tests.helpers import assert_usage_error
 from tests.helpers import copy_run
 from tests.helpers import rounding_tol
@@ -585,11 +586,11 @@ def test_whole_config_is_checked_before_anything_is_created(
   workdir = str(tmp_path / 'run')
   config = tiny_config(str(tmp_path / 'data'), **bad)
   with pytest.raises(experiment.ConfigError, match=match):
-    train.train(config, workdir)
-  assert not os.path.exists(workdir)
-  assert not os.path.exists(tmp_path / 'data')
+    evaluate.validate(config)
   assert_usage_error(caplog, match,
                      lambda: main.run(config, workdir))
+  assert not os.path.exists(workdir)
+  assert not os.path.exists(tmp_path / 'data')
 
 
 @pytest.mark.parametrize('name', ['default', 'digits', 'cifar10',

@@ -346,7 +346,8 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   """Evaluates a checkpoint of the run in `workdir` (module docstring).
 
   Args:
-    config: the run's config; `config.eval` chooses datasets and evaluators.
+    config: the run's config, checked by `validate` (once per command, by
+      the caller); `config.eval` chooses datasets and evaluators.
     workdir: the run's directory, holding checkpoints/.
     step: checkpoint step; None for the newest that restores.
 
@@ -357,7 +358,6 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
     FileNotFoundError: `workdir` holds no checkpoint.
     ValueError: unknown dataset or evaluator, missing step, bad config.
   """
-  validate(config)
   start = time.perf_counter()
   ctx = Context(config, workdir, step)
   results: dict[str, Any] = {
