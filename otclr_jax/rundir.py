@@ -110,6 +110,12 @@ EVAL_RESULT_FIELDS = ('eval.num_view_images', 'eval.embedding',
 # stale results for a sweep.
 PROTOCOL_FIELDS = ('probe', 'l2_grid', 'probe_tolerance', 'holdout_fraction',
                    'holdout_seed', 'knn_k', 'knn_temperature')
+# Top-level fields of a run's other stages: the training step is traced
+# without them, so runs that differ only there share one jitted step. Not
+# `IGNORED_FIELDS`: the seed changes results, log_every_steps the step.
+STEP_UNREAD_FIELDS = ('mode', 'seed', 'dataset', 'data_dir', 'monitor', 'eval',
+                      'checkpoint_every_steps', 'keep_checkpoints',
+                      'compilation_cache_dir')
 # Methods' own blocks; a run reads only its own (tests/test_rundir.py checks).
 METHOD_BLOCKS = ('moco', 'byol', 'dino')
 

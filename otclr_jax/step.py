@@ -19,6 +19,7 @@ from otclr_jax import experiment
 from otclr_jax import losses
 from otclr_jax import methods
 from otclr_jax import optim
+from otclr_jax import rundir
 from otclr_jax import views
 from otclr_jax.methods import base
 
@@ -245,14 +246,6 @@ def clear_compiled_steps() -> None:
   _STEPS.clear()
 
 
-# Fields of a run's other stages. The step is traced without them: runs that
-# differ only there share one jitted step, and a step reading one would fail.
-# Not `rundir.IGNORED_FIELDS`: seed changes results, log_every_steps the step.
-_OTHER_STAGES = ('mode', 'seed', 'dataset', 'data_dir', 'monitor', 'eval',
-                 'checkpoint_every_steps', 'keep_checkpoints',
-                 'compilation_cache_dir')
-
-
 def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
           mesh: Mesh) -> tuple[Setup, TrainState, Callable[..., Any]]:
   """`setup`, step-0 state on `mesh`, donating `step_fn(state, batch, key)`."""
@@ -260,7 +253,7 @@ def build(config: ml_collections.ConfigDict, steps_per_epoch: int,
   state = initial_state(config, run, mesh)
   # All the step closes over; frozen, so a caller's later edit cannot reach it.
   frozen = ml_collections.FrozenConfigDict(
-      {k: v for k, v in config.items() if k not in _OTHER_STAGES})
+      {k: v for k, v in config.items() if k not in rundir.STEP_UNREAD_FIELDS})
   key = (frozen, run.steps_per_epoch, run.total_steps, mesh)
   if key not in _STEPS:
     if len(_STEPS) == _MAX_STEPS:
