@@ -763,3 +763,35 @@ class TestZeroMass:
     assert np.isfinite(float(value))
     for g in grads:
       assert np.isfinite(np.asarray(g)).all()
+
+
+class TestDetail:
+
+  @pytest.mark.parametrize('core', ot.CORES)
+  def test_detail_is_added_before_the_clip(self, core):
+    # More images than one CPU chunk: the detail follows its image through
+    # the chunks and their padding.
+    rng = np.random.default_rng(13)
+    shape = (ot.CPU_CHUNK + 3, 8, 8, 3)
+    x, xs = _images(rng, shape), _images(rng, shape)
+    detail = jnp.asarray(rng.uniform(-0.3, 0.3, shape), jnp.float32)
+    views = jax.jit(ot.ot_views, static_argnames=('grid_size', 'core'))
+    plain = views(x, xs, 0.5, grid_size=4, core=core)
+    np.testing.assert_array_equal(
+        views(x, xs, 0.5, grid_size=4, core=core,
+              detail=jnp.zeros(shape)), plain)
+    out = views(x, xs, 0.5, grid_size=4, core=core, detail=detail)
+    # Where the plain view was not clipped, the sum is clipped once; a
+    # clip in between would leave pixels near 0 or 1 unchanged.
+    inside = (plain > 0) & (plain < 1)
+    assert inside.mean() > 0.9
+    np.testing.assert_allclose(out[inside],
+                               jnp.clip(plain + detail, 0, 1)[inside],
+                               rtol=0, atol=rounding_tol(2))
+    assert out.min() >= 0 and out.max() <= 1
+
+  def test_detail_of_another_shape_is_refused(self):
+    rng = np.random.default_rng(14)
+    x, xs = _images(rng, (2, 8, 8, 3)), _images(rng, (2, 8, 8, 3))
+    with pytest.raises(ValueError, match='detail must have the shape'):
+      ot.ot_views(x, xs, grid_size=4, detail=jnp.zeros((1, 8, 8, 3)))
