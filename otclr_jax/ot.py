@@ -501,7 +501,7 @@ def _default_chunk() -> int | None:
 
 
 def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
-                     chunk: int | None, detail=None):
+                     chunk: int | None, clip: bool = True):
   """`ot_views` with the separable core, `chunk` images at a time.
 
   Takes checked arguments. Grids are laid out `[m, images * C, m]`, so every
@@ -517,7 +517,7 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
   up_h, up_w = resize_matrix(m, height), resize_matrix(m, width)
 
   def views(xs):
-    images, images_strong = xs[:2]
+    images, images_strong = xs
     n = images.shape[0] * channels
 
     def measure(img):
@@ -548,26 +548,23 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
     small = (p_bar * mass[:, None] + offset[:, None] - DELTA).reshape(
         m, -1, channels, m)
     big = jnp.einsum('hr,rbcs,ws->bhwc', up_h, small, up_w)
-    if len(xs) == 3:
-      big = big + xs[2]
-    return jnp.clip(big, 0.0, 1.0)
+    return jnp.clip(big, 0.0, 1.0) if clip else big
 
-  inputs = (x, x_strong) if detail is None else (x, x_strong, detail)
   if chunk is None or chunk >= batch:
-    return views(inputs)
+    return views((x, x_strong))
   pad = -batch % chunk
   # Edge copies fill the last chunk; their views are dropped.
-  split = lambda t: jnp.pad(
-      t, ((0, pad), (0, 0), (0, 0), (0, 0)), mode='edge').reshape(
-          (-1, chunk) + t.shape[1:])
-  out = jax.lax.map(views, tuple(split(t) for t in inputs))
+  x, x_strong = (jnp.pad(t, ((0, pad), (0, 0), (0, 0), (0, 0)), mode='edge')
+                 for t in (x, x_strong))
+  split = lambda t: t.reshape((-1, chunk) + t.shape[1:])
+  out = jax.lax.map(views, (split(x), split(x_strong)))
   return out.reshape((-1,) + out.shape[2:])[:batch]
 
 
 def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
              grid_size: int = 16, epsilon: ArrayLike = 0.05,
              num_iters: int = 20, core: str = DEFAULT_CORE, *,
-             detail: ArrayLike | None = None) -> jax.Array:
+             clip: bool = True) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
   Per channel: `m x m` measures, Sinkhorn plan from `x` to `x_strong`, splat at
@@ -582,20 +579,14 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     epsilon: entropic regularisation on the max-1 cost, > 0.
     num_iters: exact number of Sinkhorn iterations, >= 1.
     core: `'separable'` or `'ott'`; same result to float32 rounding.
-    detail: optional `[B, H, W, C]` added to the upsampled views before they
-      are clipped, e.g. the high frequencies the grid and the entropic blur
-      remove; a clip in between would cut the bright or dark parts it
-      restores.
+    clip: clip the views to `[0, 1]`; False returns them as upsampled,
+      slightly outside where the transport overshoots, for a caller that
+      adds to them first (a clip in between would cut what it restores).
 
   Returns:
-    Generated views `[B, H, W, C]` in `[0, 1]`.
+    Generated views `[B, H, W, C]`, in `[0, 1]` if `clip`.
   """
   alpha = ot_checks.check_alpha(alpha)
-  if detail is not None:
-    detail = jnp.asarray(detail, jnp.float32)
-    if detail.shape != np.shape(x_strong):
-      raise ValueError(f'detail must have the shape of x_strong '
-                       f'{np.shape(x_strong)}, got {detail.shape}.')
   if core != 'separable':
     (_, mass_src, off_src), (_, mass_str, off_str), kx, _, u, v = (
         _solve_images(x, x_strong, 'x_strong', grid_size, epsilon, num_iters,
@@ -604,14 +595,13 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     mass = (1.0 - alpha) * mass_src + alpha * mass_str
     offset = (1.0 - alpha) * off_src + alpha * off_str
     height, width = np.shape(x)[1], np.shape(x)[2]
-    if detail is None:
+    if clip:
       return measure_to_image(p_bar, mass, offset, height, width)
-    return jnp.clip(_unclipped_image(p_bar, mass, offset, height, width)
-                    + detail, 0.0, 1.0)
+    return _unclipped_image(p_bar, mass, offset, height, width)
   x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
       x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
   return _separable_views(x, x_strong, alpha, m, epsilon, num_iters,
-                          _default_chunk(), detail)
+                          _default_chunk(), clip)
 
 
 def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,
