@@ -129,24 +129,30 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
   options = view_options(config)
   k1, k2 = jax.random.split(key)
   params_aug = augment_params(config)
-  if views == 'augment' or options == ViewOptions():
-    xs1 = augment.simclr_augment(k1, images, params_aug)
-    xs2 = augment.simclr_augment(k2, images, params_aug)
+  if views == 'ot' and options != ViewOptions():
+    generate = _generator(config, alpha)
+    kw1, kw2 = jax.random.split(jax.random.fold_in(key, _WEAK_KEY))
+    (v1, xs1), (v2, xs2) = (
+        _option_view(generate, options, images, k, kw, params_aug)
+        for k, kw in ((k1, kw1), (k2, kw2)))
+    return v1, v2, xs1, xs2
+  xs1 = augment.simclr_augment(k1, images, params_aug)
+  xs2 = augment.simclr_augment(k2, images, params_aug)
   if views == 'augment':
     return xs1, xs2, xs1, xs2
+  generate = _generator(config, alpha)
+  return generate(images, xs1), generate(images, xs2), xs1, xs2
+
+
+def _generator(config: ml_collections.ConfigDict, alpha):
+  """`ot.ot_views` with `config.ot`'s settings and `alpha` (None: the
+  config's) bound."""
   if alpha is None:
     alpha = jnp.asarray(config.ot.alpha, jnp.float32)
-  generate = functools.partial(
+  return functools.partial(
       ot.ot_views, alpha=alpha, grid_size=config.ot.grid_size,
       epsilon=config.ot.epsilon, num_iters=config.ot.num_iters,
       core=config.ot.core)
-  if options == ViewOptions():
-    return generate(images, xs1), generate(images, xs2), xs1, xs2
-  kw1, kw2 = jax.random.split(jax.random.fold_in(key, _WEAK_KEY))
-  (v1, xs1), (v2, xs2) = (
-      _option_view(generate, options, images, k, kw, params_aug)
-      for k, kw in ((k1, kw1), (k2, kw2)))
-  return v1, v2, xs1, xs2
 
 
 def _option_view(generate, options: ViewOptions, images: jax.Array,
