@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sklearn import datasets
 
 from configs import cifar10
 from otclr_jax import augment
@@ -30,8 +31,7 @@ ALL_ON = {'ot.source': 'weak', 'ot.detail': 'residual', 'ot.colour': 'after'}
 def photos():
   """16 photographs [16, 32, 32, 3] in [0, 1]: 128 px patches of
   scikit-learn's two sample images, averaged down 4 x 4."""
-  from sklearn.datasets import load_sample_images  # pylint: disable=g-import-not-at-top
-  sources = load_sample_images().images
+  sources = datasets.load_sample_images().images
   rng = np.random.default_rng(0)
   out = []
   for i in range(16):
@@ -54,15 +54,19 @@ def _views(config, images, key=KEY):
   return jax.jit(lambda x, k: views.make_views(config, x, k))(images, key)
 
 
-_CACHE = {}
+@pytest.fixture(scope='module')
+def option_views(photos):
+  """`get(**fields)`: `make_views` of `_config(**fields)` on the photographs,
+  computed once per module."""
+  cache = {}
 
+  def get(**fields):
+    name = tuple(sorted(fields.items()))
+    if name not in cache:
+      cache[name] = _views(_config(**fields), photos)
+    return cache[name]
 
-def _option_views(images, **fields):
-  """`make_views` of `_config(**fields)` on the photographs, computed once."""
-  name = tuple(sorted(fields.items()))
-  if name not in _CACHE:
-    _CACHE[name] = _views(_config(**fields), images)
-  return _CACHE[name]
+  return get
 
 
 def _pair_ratio(out):
@@ -122,9 +126,9 @@ def test_the_options_are_part_of_the_run_identity(field):
   assert field.split('.')[0] not in step_lib._OTHER_STAGES
 
 
-def test_strong_source_transports_each_strong_view_to_itself(photos):
-  default = _option_views(photos)
-  out = _option_views(photos, **{'ot.source': 'strong'})
+def test_strong_source_transports_each_strong_view_to_itself(option_views):
+  default = option_views()
+  out = option_views(**{'ot.source': 'strong'})
   v1, v2, s1, s2 = out
   # The strong views are those of the default's keys.
   np.testing.assert_array_equal(s1, default[2])
@@ -132,13 +136,14 @@ def test_strong_source_transports_each_strong_view_to_itself(photos):
   for view, strong in ((v1, s1), (v2, s2)):
     np.testing.assert_allclose(view, ot.ot_views(strong, strong), rtol=0,
                                atol=1e-6)
-  # No shared source: the views lie as far apart as their strong views do.
+  # No shared source: the views lie much farther apart.
   assert _pair_ratio(out) > _pair_ratio(default) + 0.2
 
 
-def test_weak_source_is_an_independent_crop_per_view(photos):
-  default = _option_views(photos)
-  out = _option_views(photos, **{'ot.source': 'weak'})
+def test_weak_source_is_an_independent_crop_per_view(
+    photos, option_views):
+  default = option_views()
+  out = option_views(**{'ot.source': 'weak'})
   np.testing.assert_array_equal(out[2], default[2])
   assert _pair_ratio(out) > _pair_ratio(default) + 0.1
   # With crops of the whole image and no flip, every weak crop is the image.
@@ -148,9 +153,10 @@ def test_weak_source_is_an_independent_crop_per_view(photos):
       _views(_config(**whole), photos), rtol=0, atol=1e-6)
 
 
-def test_residual_detail_restores_the_strong_views_high_frequencies(photos):
-  default = _option_views(photos)
-  out = _option_views(photos, **{'ot.detail': 'residual'})
+def test_residual_detail_restores_the_high_frequencies(
+    photos, option_views):
+  default = option_views()
+  out = option_views(**{'ot.detail': 'residual'})
   assert _high_freq_ratio(default) < 0.4
   assert _high_freq_ratio(out) > 0.6
   # Transporting a strong view to itself and adding back what that removes
@@ -161,9 +167,10 @@ def test_residual_detail_restores_the_strong_views_high_frequencies(photos):
   np.testing.assert_allclose(same[1], same[3], rtol=0, atol=1e-5)
 
 
-def test_colour_after_applies_the_strong_views_colour_draws(photos):
-  default = _option_views(photos)
-  out = _option_views(photos, **{'ot.colour': 'after'})
+def test_colour_after_applies_the_strong_views_colour_draws(
+    photos, option_views):
+  default = option_views()
+  out = option_views(**{'ot.colour': 'after'})
   np.testing.assert_array_equal(out[2], default[2])
   np.testing.assert_array_equal(out[3], default[3])
   assert float(jnp.abs(out[0] - default[0]).max()) > 0.05
@@ -183,8 +190,9 @@ def test_colour_after_applies_the_strong_views_colour_draws(photos):
   assert spread(before[0]) > 0.05
 
 
-def test_the_options_together_keep_views_in_range(photos):
-  out = _option_views(photos, **ALL_ON)
+def test_the_options_together_keep_views_in_range(
+    photos, option_views):
+  out = option_views(**ALL_ON)
   for view in out:
     assert view.shape == photos.shape
     assert float(view.min()) >= 0.0 and float(view.max()) <= 1.0
