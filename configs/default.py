@@ -92,6 +92,19 @@ def get_config() -> ml_collections.ConfigDict:
   # Train alpha = sigmoid(logit), initialised at ot.alpha; only then does the
   # Sinkhorn regulariser reach any parameter (docs/method.md section 6).
   config.ot.learn_alpha = False
+  # How OT views are made, each a [decision] (docs/method.md section 1, "OT
+  # view options"); the defaults are the paper's view, and each option
+  # separates one suspected cause of easy or unnatural positives.
+  # The source each view is transported from: 'image' (the stored image,
+  # shared by both views), 'strong' (the view's own strong augmentation,
+  # D(x_s, x_s)) or 'weak' (its own crop and flip of the image).
+  config.ot.source = 'image'
+  # 'residual' adds back the strong view's detail that the grid and the
+  # entropic blur remove, x_s - D(x_s, x_s); 'none' adds nothing.
+  config.ot.detail = 'none'
+  # Colour jitter, grayscale and blur 'before' the transport (part of x_s) or
+  # 'after' it (OT between uncoloured crops, then the same colour draws).
+  config.ot.colour = 'before'
 
   # kNN monitor during pretraining (otclr_jax/evaluation/monitor.py): every
   # every_steps optimiser steps (0: off; a multiple of log_every_steps), kNN

@@ -356,38 +356,74 @@ def separable_filter(image: Array, weights: Array) -> Array:
   return out
 
 
-def augment_image(key: PRNGKey,
-                  image: Array,
-                  params: AugmentParams = AugmentParams()) -> Array:
-  """SimCLR strong augmentation of one image.
+def _subkeys(key: PRNGKey) -> Tuple[PRNGKey, ...]:
+  """The seven per-operation keys of one strong augmentation.
+
+  All subkeys always: switching one operation off keeps the others' draws,
+  and the geometric and photometric halves draw what the whole would.
+  """
+  return tuple(jax.random.split(key, 7))
+
+
+def _check_image(name: str, image: Array) -> Array:
+  image = jnp.asarray(image)
+  if image.ndim != 3 or image.shape[-1] != 3:
+    raise ValueError(f'{name} expects [H, W, 3], got {image.shape}.')
+  if not jnp.issubdtype(image.dtype, jnp.floating):
+    raise ValueError(
+        f'{name} expects float images in [0, 1], got dtype '
+        f'{image.dtype}; convert e.g. uint8 with image / 255.')
+  return image.astype(jnp.float32)
+
+
+def geometric_augment(key: PRNGKey,
+                      image: Array,
+                      params: AugmentParams = AugmentParams()) -> Array:
+  """The random resized crop and flip of `augment_image`'s draws for `key`.
 
   Args:
-    key: PRNG key for this example.
+    key: PRNG key for this example, as given to `augment_image`.
     image: float [H, W, 3] in [0, 1].
-    params: probabilities and strengths.
+    params: probabilities and strengths (crop and flip fields used).
+
+  Returns:
+    float32 [H, W, 3], unclipped: a bilinear resampling, so in [0, 1] up to
+    rounding.
+
+  Raises:
+    ValueError: if `image` is not a float array of shape [H, W, 3].
+  """
+  image = _check_image('geometric_augment', image)
+  k_crop, k_flip = _subkeys(key)[:2]
+  flip = jax.random.uniform(k_flip) < params.flip_prob
+  return random_resized_crop(k_crop, image, params.crop_scale,
+                             params.crop_ratio, params.crop_attempts, flip)
+
+
+def photometric_augment(key: PRNGKey,
+                        image: Array,
+                        params: AugmentParams = AugmentParams()) -> Array:
+  """Colour jitter, grayscale and blur of `augment_image`'s draws for `key`.
+
+  `photometric_augment(k, geometric_augment(k, x))` is `augment_image(k, x)`
+  bit for bit, so the photometric half can act on another image (an OT view
+  of the crop) with the draws the strong view had.
+
+  Args:
+    key: PRNG key for this example, as given to `augment_image`.
+    image: float [H, W, 3] in [0, 1].
+    params: probabilities and strengths (jitter, grayscale, blur fields).
 
   Returns:
     float32 [H, W, 3] in [0, 1].
 
   Raises:
-    ValueError: if `image` is not a float array of shape [H, W, 3].
+    ValueError: if `image` is not a float array of shape [H, W, 3], or the
+      blur kernel does not fit it.
   """
-  image = jnp.asarray(image)
-  if image.ndim != 3 or image.shape[-1] != 3:
-    raise ValueError(f'augment_image expects [H, W, 3], got {image.shape}.')
-  if not jnp.issubdtype(image.dtype, jnp.floating):
-    raise ValueError(
-        f'augment_image expects float images in [0, 1], got dtype '
-        f'{image.dtype}; convert e.g. uint8 with image / 255.')
-  image = image.astype(jnp.float32)
-  height, width = image.shape[0], image.shape[1]
-  # All subkeys always: switching one operation off keeps the others' draws.
-  (k_crop, k_flip, k_jitter, k_jitter_on, k_gray, k_blur,
-   k_blur_on) = jax.random.split(key, 7)
-
-  flip = jax.random.uniform(k_flip) < params.flip_prob
-  x = random_resized_crop(k_crop, image, params.crop_scale, params.crop_ratio,
-                          params.crop_attempts, flip)
+  x = _check_image('photometric_augment', image)
+  height, width = x.shape[0], x.shape[1]
+  (_, _, k_jitter, k_jitter_on, k_gray, k_blur, k_blur_on) = _subkeys(key)
   if params.jitter_prob > 0 or params.grayscale_prob > 0:
     factors, order = sample_jitter(k_jitter, params.brightness,
                                    params.contrast, params.saturation,
@@ -413,6 +449,27 @@ def augment_image(key: PRNGKey,
     x = separable_filter(x, weights)
   # The convex combinations above can round a hair outside [0, 1].
   return jnp.clip(x, 0.0, 1.0)
+
+
+def augment_image(key: PRNGKey,
+                  image: Array,
+                  params: AugmentParams = AugmentParams()) -> Array:
+  """SimCLR strong augmentation of one image.
+
+  Args:
+    key: PRNG key for this example.
+    image: float [H, W, 3] in [0, 1].
+    params: probabilities and strengths.
+
+  Returns:
+    float32 [H, W, 3] in [0, 1].
+
+  Raises:
+    ValueError: if `image` is not a float array of shape [H, W, 3].
+  """
+  image = _check_image('augment_image', image)
+  return photometric_augment(key, geometric_augment(key, image, params),
+                             params)
 
 
 def simclr_augment(key: PRNGKey,
@@ -446,6 +503,47 @@ def simclr_augment(key: PRNGKey,
         f'simclr_augment expects float images in [0, 1], got dtype '
         f'{images.dtype}; convert e.g. uint8 with images / 255.')
   params = dataclasses.replace(params or AugmentParams(), **overrides)
+  return _per_example(augment_image, key, images, params)
+
+
+def _per_example(fn, key: PRNGKey, images: Array,
+                 params: AugmentParams) -> Array:
+  """`fn(key_i, image_i, params)` over the batch, keys as `simclr_augment`'s."""
   keys = jax.random.split(key, images.shape[0])
-  fn = functools.partial(augment_image, params=params)
-  return jax.vmap(fn)(keys, images.astype(jnp.float32))
+  return jax.vmap(functools.partial(fn, params=params))(
+      keys, images.astype(jnp.float32))
+
+
+def geometric_batch(key: PRNGKey, images: Array,
+                    params: Optional[AugmentParams] = None) -> Array:
+  """`geometric_augment` of a batch, with `simclr_augment`'s per-example keys.
+
+  Args:
+    key: PRNG key, split into B per-example keys.
+    images: float [B, H, W, 3] in [0, 1].
+    params: probabilities and strengths; defaults to `AugmentParams()`.
+
+  Returns:
+    float32 [B, H, W, 3]: the crops and flips `simclr_augment(key, ...)`
+    starts from.
+  """
+  return _per_example(geometric_augment, key, jnp.asarray(images),
+                      params or AugmentParams())
+
+
+def photometric_batch(key: PRNGKey, images: Array,
+                      params: Optional[AugmentParams] = None) -> Array:
+  """`photometric_augment` of a batch, with `simclr_augment`'s keys.
+
+  `photometric_batch(k, geometric_batch(k, x))` is `simclr_augment(k, x)`.
+
+  Args:
+    key: PRNG key, split into B per-example keys.
+    images: float [B, H, W, 3] in [0, 1].
+    params: probabilities and strengths; defaults to `AugmentParams()`.
+
+  Returns:
+    float32 [B, H, W, 3] in [0, 1].
+  """
+  return _per_example(photometric_augment, key, jnp.asarray(images),
+                      params or AugmentParams())

@@ -67,7 +67,8 @@ _OPTIM_RULES = (
     (('clip_grad',), 'must be >= 0 (0: off)', lambda v: v >= 0))
 _CHOICES = (('mode', ('train', 'eval')), ('dtype', tuple(base.DTYPES)),
             ('model.stem', models.STEMS), ('model.conv_impl', conv.CONV_IMPLS),
-            ('ot.core', ot.CORES))
+            ('ot.core', ot.CORES), ('ot.source', views_lib.SOURCES),
+            ('ot.detail', views_lib.DETAILS), ('ot.colour', views_lib.COLOURS))
 
 
 def _field(config: ml_collections.ConfigDict, name: str) -> Any:

@@ -195,13 +195,17 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
   Returns:
     Images `[..., H, W, C]` clipped to `[0, 1]`.
   """
+  return jnp.clip(_unclipped_image(p, mass, offset, height, width), 0.0, 1.0)
+
+
+def _unclipped_image(p, mass, offset, height: int, width: int) -> jax.Array:
+  """`measure_to_image` before its clipping."""
   mass = jnp.asarray(mass, jnp.float32)
   offset = jnp.asarray(offset, jnp.float32)
   small = p * mass[..., None, None] + offset[..., None, None] - DELTA
   m_rows, m_cols = small.shape[-2:]
-  big = jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
-                   small, resize_matrix(m_cols, width))
-  return jnp.clip(big, 0.0, 1.0)
+  return jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
+                    small, resize_matrix(m_cols, width))
 
 
 def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
@@ -497,7 +501,7 @@ def _default_chunk() -> int | None:
 
 
 def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
-                     chunk: int | None):
+                     chunk: int | None, clip: bool = True):
   """`ot_views` with the separable core, `chunk` images at a time.
 
   Takes checked arguments. Grids are laid out `[m, images * C, m]`, so every
@@ -544,7 +548,7 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
     small = (p_bar * mass[:, None] + offset[:, None] - DELTA).reshape(
         m, -1, channels, m)
     big = jnp.einsum('hr,rbcs,ws->bhwc', up_h, small, up_w)
-    return jnp.clip(big, 0.0, 1.0)
+    return jnp.clip(big, 0.0, 1.0) if clip else big
 
   if chunk is None or chunk >= batch:
     return views((x, x_strong))
@@ -559,7 +563,8 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
 
 def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
              grid_size: int = 16, epsilon: ArrayLike = 0.05,
-             num_iters: int = 20, core: str = DEFAULT_CORE) -> jax.Array:
+             num_iters: int = 20, core: str = DEFAULT_CORE, *,
+             clip: bool = True) -> jax.Array:
   """The OTCLR view generator `D_{alpha, eps}` (docs/method.md sections 2-5).
 
   Per channel: `m x m` measures, Sinkhorn plan from `x` to `x_strong`, splat at
@@ -574,9 +579,12 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     epsilon: entropic regularisation on the max-1 cost, > 0.
     num_iters: exact number of Sinkhorn iterations, >= 1.
     core: `'separable'` or `'ott'`; same result to float32 rounding.
+    clip: clip the views to `[0, 1]`; False returns them as upsampled,
+      slightly outside where the transport overshoots, for a caller that
+      adds to them first (a clip in between would cut what it restores).
 
   Returns:
-    Generated views `[B, H, W, C]` in `[0, 1]`.
+    Generated views `[B, H, W, C]`, in `[0, 1]` if `clip`.
   """
   alpha = ot_checks.check_alpha(alpha)
   if core != 'separable':
@@ -587,11 +595,13 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     mass = (1.0 - alpha) * mass_src + alpha * mass_str
     offset = (1.0 - alpha) * off_src + alpha * off_str
     height, width = np.shape(x)[1], np.shape(x)[2]
-    return measure_to_image(p_bar, mass, offset, height, width)
+    if clip:
+      return measure_to_image(p_bar, mass, offset, height, width)
+    return _unclipped_image(p_bar, mass, offset, height, width)
   x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
       x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
   return _separable_views(x, x_strong, alpha, m, epsilon, num_iters,
-                          _default_chunk())
+                          _default_chunk(), clip)
 
 
 def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,39 @@ from otclr_jax import ot
 VIEWS = ('augment', 'ot')
 # The paper's name of SimCLR + OT views.
 OTCLR_ALIAS = 'otclr'
+
+# OT view options (docs/method.md section 1, "OT view options"); the first
+# of each is the paper's view.
+SOURCES = ('image', 'strong', 'weak')
+DETAILS = ('none', 'residual')
+COLOURS = ('before', 'after')
+# `fold_in` datum of the 'weak' sources' keys, apart from the strong views'.
+_WEAK_KEY = 1
+
+
+class ViewOptions(NamedTuple):
+  """How OT views are made (`config.ot.source`, `.detail`, `.colour`)."""
+  source: str = SOURCES[0]
+  detail: str = DETAILS[0]
+  colour: str = COLOURS[0]
+
+
+def view_options(config: ml_collections.ConfigDict) -> ViewOptions:
+  """The run's OT view options, checked.
+
+  Raises:
+    ValueError: naming the field, e.g. "config.ot.source must be one of
+      ('image', 'strong', 'weak'), got 'x'."
+  """
+  values = {}
+  for name, choices in (('source', SOURCES), ('detail', DETAILS),
+                        ('colour', COLOURS)):
+    value = config.ot[name]
+    if value not in choices:
+      raise ValueError(
+          f'config.ot.{name} must be one of {choices}, got {value!r}.')
+    values[name] = value
+  return ViewOptions(**values)
 
 
 def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
@@ -88,22 +122,77 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
 
   Returns:
     `(v1, v2, strong1, strong2)`, each [B, H, W, 3] float32: the encoder's
-    views and the strong augmentations they came from.
+    views and the strong augmentations of the same keys (what the OT views
+    were generated from unless `config.ot.colour='after'`).
   """
   _, views = resolve(config)
+  options = view_options(config)
   k1, k2 = jax.random.split(key)
   params_aug = augment_params(config)
+  if views == 'ot' and options != ViewOptions():
+    generate = _generator(config, alpha)
+    kw1, kw2 = jax.random.split(jax.random.fold_in(key, _WEAK_KEY))
+    (v1, xs1), (v2, xs2) = (
+        _option_view(generate, options, images, k, kw, params_aug)
+        for k, kw in ((k1, kw1), (k2, kw2)))
+    return v1, v2, xs1, xs2
   xs1 = augment.simclr_augment(k1, images, params_aug)
   xs2 = augment.simclr_augment(k2, images, params_aug)
   if views == 'augment':
     return xs1, xs2, xs1, xs2
+  generate = _generator(config, alpha)
+  return generate(images, xs1), generate(images, xs2), xs1, xs2
+
+
+def _generator(config: ml_collections.ConfigDict, alpha):
+  """`ot.ot_views` with `config.ot`'s settings and `alpha` (None: the
+  config's) bound."""
   if alpha is None:
     alpha = jnp.asarray(config.ot.alpha, jnp.float32)
-  generate = functools.partial(
+  return functools.partial(
       ot.ot_views, alpha=alpha, grid_size=config.ot.grid_size,
       epsilon=config.ot.epsilon, num_iters=config.ot.num_iters,
       core=config.ot.core)
-  return generate(images, xs1), generate(images, xs2), xs1, xs2
+
+
+def _option_view(generate, options: ViewOptions, images: jax.Array,
+                 key: jax.Array, weak_key: jax.Array,
+                 params: augment.AugmentParams):
+  """One OT view under non-default `options`, and its strong augmentation.
+
+  Args:
+    generate: `ot.ot_views` with the run's settings bound.
+    options: the view options.
+    images: source images float32 [B, H, W, 3] in [0, 1].
+    key: this view's strong-augmentation key.
+    weak_key: this view's key for a 'weak' source.
+    params: the strong augmentation's settings.
+
+  Returns:
+    `(view, strong)`, each [B, H, W, 3] float32 in [0, 1].
+  """
+  if options.colour == 'after':
+    # Transport between uncoloured images; the colour draws of `key` follow.
+    target = augment.geometric_batch(key, images, params)
+    strong = augment.photometric_batch(key, target, params)
+  else:
+    target = strong = augment.simclr_augment(key, images, params)
+  if options.source == 'image':
+    source = images
+  elif options.source == 'strong':
+    source = target
+  else:
+    source = augment.geometric_batch(weak_key, images, params)
+  if options.detail == 'residual':
+    # What the grid and the blur remove from the target, added back before
+    # the one clip: a clip in between would cut it where views overshoot.
+    detail = target - generate(target, target, clip=False)
+    view = jnp.clip(generate(source, target, clip=False) + detail, 0.0, 1.0)
+  else:
+    view = generate(source, target)
+  if options.colour == 'after':
+    view = augment.photometric_batch(key, view, params)
+  return view, strong
 
 
 def regulariser_in_loss(config: ml_collections.ConfigDict) -> bool:

@@ -502,3 +502,17 @@ def test_input_validation():
     augment.AugmentParams(crop_scale=(0.0, 1.0))
   with pytest.raises(TypeError):
     augment.simclr_augment(jax.random.key(0), x, no_such_field=1.0)
+
+
+def test_geometric_then_photometric_halves_are_the_whole_augmentation():
+  x = jnp.asarray(_images(6, 32, 32, seed=23))
+  key = jax.random.key(24)
+  whole = jax.jit(augment.simclr_augment)(key, x)
+  # Jitted apart, as a view generator that acts between the halves runs them.
+  crops = jax.jit(augment.geometric_batch)(key, x)
+  halves = jax.jit(augment.photometric_batch)(key, crops)
+  np.testing.assert_array_equal(halves, whole)
+  # The crops alone: bilinear resampling of the image, no colour change.
+  no_colour = dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
+  np.testing.assert_array_equal(
+      crops, _jitted(**no_colour)(key, x))

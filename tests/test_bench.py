@@ -300,3 +300,38 @@ def test_probe_bench_names_a_missing_or_foreign_cache(evaluated_run,
         f.write(damage)
     with pytest.raises(FileNotFoundError, match='digits/test'):
       _bench(['probe', f'--workdir={workdir}', '--tag=init'])
+
+
+def _views_row(out):
+  """The numbers of the views bench's Markdown row."""
+  row = [line for line in out.splitlines()
+         if line.startswith('| ') and 'HF power' not in line]
+  assert len(row) == 1, out
+  return [float(c.strip().rstrip('%'))
+          for c in row[0].strip('|').split('|')[1:]]
+
+
+def test_views_bench_prints_the_pairs_statistics(data_dir, capsys):
+  tiny = ['views', '--config=configs/digits.py', '--dataset=digits',
+          '--num_images=24', f'--config.data_dir={data_dir}']
+  assert _bench(tiny) == 0
+  out = capsys.readouterr().out
+  assert 'OT views (source=image, detail=none, colour=before' in out
+  (high_freq, pair, ring, ring_strong, *retrieval) = _views_row(out)
+  # The paper's views share their source and are blurred.
+  assert 0 < high_freq < 1 and 0 < pair < 1
+  assert ring > 0 and ring_strong > 0
+  assert all(0 <= r <= 100 for r in retrieval)
+  # SimCLR's views are the strong views: every ratio is 1.
+  assert _bench(tiny + ['--config.method=simclr']) == 0
+  out = capsys.readouterr().out
+  assert 'simclr with strong augmentations' in out
+  high_freq, pair, ring, ring_strong, enc, enc_s, pix, pix_s = _views_row(out)
+  assert (high_freq, pair, ring, enc, pix) == (1.0, 1.0, ring_strong, enc_s,
+                                               pix_s)
+
+
+def test_views_bench_refuses_an_unknown_option(data_dir):
+  with pytest.raises(ValueError, match=r"config\.ot\.source must be one of"):
+    _bench(['views', '--config=configs/digits.py', '--dataset=digits',
+            f'--config.data_dir={data_dir}', '--config.ot.source=x'])

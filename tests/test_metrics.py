@@ -612,3 +612,45 @@ def test_cluster_metrics_bad_inputs_raise():
     metrics.cluster_metrics(z[:3], num_clusters=3, seed=0)
   with pytest.raises(ValueError, match=r'\[n, d\]'):
     metrics.cluster_metrics(z[0], num_clusters=3, seed=0)
+
+
+def test_high_frequency_power_is_the_mean_square_above_the_cutoff():
+  rows, cols = np.meshgrid(np.arange(16), np.arange(16), indexing='ij')
+  checker = ((rows + cols) % 2).astype(np.float32)  # 0.5 cycles/pixel
+  slow = 0.5 + 0.5 * np.cos(2 * np.pi * rows / 16)  # 1/16 cycle/pixel
+  images = np.stack([np.stack([checker] * 3, -1), np.stack([slow] * 3, -1),
+                     np.full((16, 16, 3), 0.7)])
+  # The checkerboard's zero-mean part is +-0.5: mean square 0.25.
+  assert metrics.high_frequency_power(images[:1]) == pytest.approx(0.25)
+  for smooth in (images[1:2], images[2:]):
+    assert metrics.high_frequency_power(smooth) == pytest.approx(0, abs=1e-20)
+  # A mean over images.
+  assert metrics.high_frequency_power(images) == pytest.approx(0.25 / 3)
+  # The cutoff is radial: the vertical stripes at 1/4 cycle per pixel
+  # count above 0.2 and not above 0.3.
+  stripes = np.broadcast_to((cols % 4 < 2)[None, :, :, None], (1, 16, 16, 3))
+  assert metrics.high_frequency_power(stripes * 1.0, 0.2) > 0.1
+  assert metrics.high_frequency_power(stripes * 1.0, 0.3) == pytest.approx(
+      0, abs=1e-20)
+
+
+def test_border_centre_ratio_compares_the_ring_with_the_inside():
+  image = np.full((2, 10, 10, 3), 0.5)
+  image[:, 3:-3, 3:-3] = 1.0
+  assert metrics.border_centre_ratio(image) == pytest.approx(0.5)
+  # Inside a 2-pixel ring: the 4 x 4 bright square and 20 pixels at 0.5.
+  assert metrics.border_centre_ratio(image, width=2) == pytest.approx(
+      0.5 / ((16 * 1.0 + 20 * 0.5) / 36), rel=1e-12)
+  with pytest.raises(ValueError, match='no pixels inside'):
+    metrics.border_centre_ratio(image, width=5)
+
+
+def test_retrieval_rate_counts_partners_that_are_nearest():
+  rng = np.random.default_rng(0)
+  keys = rng.normal(size=(50, 8))
+  assert metrics.retrieval_rate(3.0 * keys, keys) == 1.0
+  # Cosine similarity: a query's scale does not matter, its direction does.
+  assert metrics.retrieval_rate(keys[::-1], keys) == 0.0
+  queries = keys.copy()
+  queries[:10] = keys[10:20]
+  assert metrics.retrieval_rate(queries, keys) == pytest.approx(0.8)

@@ -776,3 +776,22 @@ class TestZeroMass:
     assert np.isfinite(float(value))
     for g in grads:
       assert np.isfinite(np.asarray(g)).all()
+
+
+class TestUnclipped:
+
+  @pytest.mark.parametrize('core', ot.CORES)
+  def test_clipping_the_unclipped_views_gives_the_views(self, core):
+    # More images than one CPU chunk: the chunks and their padding too.
+    rng = np.random.default_rng(13)
+    shape = (ot.CPU_CHUNK + 3, 8, 8, 3)
+    # Black and white 2 x 2 blocks sent to themselves: the entropic plan's
+    # midpoint overshoots 1 where white blocks meet.
+    blocks = (rng.random((shape[0], 4, 4, 3)) < 0.5).astype(np.float32)
+    x = jnp.asarray(np.repeat(np.repeat(blocks, 2, axis=1), 2, axis=2))
+    views = jax.jit(ot.ot_views, static_argnames=('grid_size', 'core',
+                                                  'clip'))
+    clipped = views(x, x, 0.5, grid_size=8, core=core)
+    raw = views(x, x, 0.5, grid_size=8, core=core, clip=False)
+    assert float(raw.max()) > 1.1
+    np.testing.assert_array_equal(jnp.clip(raw, 0.0, 1.0), clipped)

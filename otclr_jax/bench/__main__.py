@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet|probe> [flags]`.
+"""Benchmarks: `python -m otclr_jax.bench <ot|train|resnet|probe|views> [flags]`.
 
   ot   ms per batch of the OT view generator (docs/method.md sections 2-5)
        against ott-jax, POT (skipped if absent) and its other Sinkhorn core.
@@ -8,6 +8,9 @@
        ResNet-18 forward + backward per `model.conv_impl`.
   probe --workdir=<run> --tag=<step<N>|init> [--dataset=digits]
        seconds of the linear probe on one evaluation's cached features.
+  views --config=configs/X.py --dataset=<name> [--num_images=500]
+       pixel and untrained-encoder statistics of the configured positive
+       views on test images, against the strong augmentations.
 
 Override config fields as `--config.a.b=v`.
 """
@@ -23,7 +26,7 @@ from ml_collections import config_flags
 from otclr_jax import cli
 from otclr_jax import config_files
 
-COMMANDS = ('ot', 'train', 'resnet', 'probe')
+COMMANDS = ('ot', 'train', 'resnet', 'probe', 'views')
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
@@ -31,11 +34,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
   """Defines the flags on `flag_values`; `sys_argv` holds --config overrides."""
   fv = dict(flag_values=flag_values)
   config_flags.DEFINE_config_file(
-      'config', None, 'Config file (train, resnet); override fields as '
-      '--config.a.b=v.', lock_config=True, sys_argv=sys_argv, **fv)
+      'config', None, 'Config file (train, resnet, views); override fields '
+      'as --config.a.b=v.', lock_config=True, sys_argv=sys_argv, **fv)
   flags.DEFINE_integer('repeats', 5, 'Timed calls per row (ot: at least); '
                        'the median is printed.', **fv)
-  flags.DEFINE_integer('seed', 0, 'Seed of the images.', **fv)
+  flags.DEFINE_integer('seed', 0, 'Seed of the images (views: also of '
+                       'their augmentations).', **fv)
   flags.DEFINE_list('batch_sizes', ['64', '256'], 'ot: images per batch '
                     '(each has 3 channels).', **fv)
   flags.DEFINE_float('min_time_s', 2.0, 'ot: fast rows repeat until this '
@@ -56,7 +60,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
   flags.DEFINE_string('tag', None, 'probe: the encoder whose cached features '
                       'to fit, step<N> or init (random init).', **fv)
   flags.DEFINE_string('dataset', 'digits', 'probe: the dataset, as in '
-                      'config.eval.datasets.', **fv)
+                      'config.eval.datasets; views: whose test split to '
+                      'use.', **fv)
+  flags.DEFINE_integer('num_images', 500, 'views: test images (the '
+                       'retrieval picks each partner among this many).',
+                       **fv)
 
 
 def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
@@ -81,12 +89,15 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
   if command == 'train':
     from otclr_jax.bench import train_step
     return train_step.run_train(config, flag_values)
+  if command == 'views':
+    from otclr_jax.bench import views
+    return views.run_views(config, flag_values)
   from otclr_jax.bench import resnet
   return resnet.run_resnet(config, flag_values)
 
 
 def run() -> None:
-  """`python -m otclr_jax.bench <ot|train|resnet|probe> [flags]`."""
+  """`python -m otclr_jax.bench <ot|train|resnet|probe|views> [flags]`."""
   define_flags()
   # Its ValueErrors all describe its flags.
   cli.run(lambda argv: app.run(cli.guarded(main, (ValueError,)), argv=argv,

@@ -18,6 +18,7 @@ error between near-duplicates in float32.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -335,6 +336,71 @@ def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
   """
   _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
   return _pixel_rms(views, strong)
+
+
+def high_frequency_power(images: np.ndarray, cutoff: float = 0.25) -> float:
+  """Mean power of the images' spatial frequencies above `cutoff`.
+
+  Per image and channel, the 2-D DFT's power |F(f)|^2 / (H W)^2 summed over
+  the radial frequencies |f| > `cutoff` cycles per pixel (Nyquist is 0.5):
+  by Parseval, the mean square of the part of the channel above the cutoff.
+
+  Args:
+    images: [n, H, W, C] float images.
+    cutoff: radial frequency in cycles per pixel.
+
+  Returns:
+    The mean over images and channels.
+  """
+  _check_paired({'images': images}, 4, '[n, H, W, C]')
+  images = np.asarray(images, np.float64)
+  height, width = images.shape[1:3]
+  radius = np.hypot(np.fft.fftfreq(height)[:, None],
+                    np.fft.fftfreq(width)[None, :])
+  power = np.abs(np.fft.fft2(images, axes=(1, 2))) ** 2 / (height * width)**2
+  return float(np.mean(np.sum(power[:, radius > cutoff], axis=1)))
+
+
+def border_centre_ratio(images: np.ndarray, width: int = 3) -> float:
+  """Mean brightness of the outer `width`-pixel ring over the inside's.
+
+  Args:
+    images: [n, H, W, C] float images, H and W above 2 `width`.
+    width: ring width in pixels.
+
+  Returns:
+    Mean over images, channels and ring pixels, divided by the same mean
+    over the pixels inside the ring (nan if that is 0).
+  """
+  _check_paired({'images': images}, 4, '[n, H, W, C]')
+  images = np.asarray(images, np.float64)
+  height, side = images.shape[1:3]
+  if min(height, side) <= 2 * width:
+    raise ValueError(f'images of {height} x {side} have no pixels inside a '
+                     f'{width}-pixel ring.')
+  inside = np.zeros((height, side), bool)
+  inside[width:-width, width:-width] = True
+  centre = images[:, inside].mean()
+  return float(images[:, ~inside].mean() / centre) if centre else math.nan
+
+
+def retrieval_rate(queries: np.ndarray, keys: np.ndarray) -> float:
+  """Fraction of queries whose most cosine-similar key is their partner.
+
+  Args:
+    queries: [n, d] features; row i's partner is row i of `keys`.
+    keys: [n, d] features.
+
+  Returns:
+    In [0, 1]; 1 / n is chance. Ties go to the lower key index.
+  """
+  _check_paired({'queries': queries, 'keys': keys}, 2, '[n, d]')
+  q = np.asarray(queries, np.float64)
+  k = np.asarray(keys, np.float64)
+  q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+  k = k / np.maximum(np.linalg.norm(k, axis=1, keepdims=True), 1e-12)
+  nearest = np.argmax(q @ k.T, axis=1)
+  return float(np.mean(nearest == np.arange(len(q))))
 
 
 def cluster_metrics(z: np.ndarray, num_clusters: int,

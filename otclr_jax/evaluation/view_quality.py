@@ -44,6 +44,51 @@ class ViewEmbeddings(NamedTuple):
   embedding: str = 'z'
 
 
+def choose_images(images: np.ndarray, num_images: int,
+                  seed: int = VIEWS_SEED) -> tuple[np.ndarray, np.ndarray]:
+  """`(rows, images[rows])`: min(num_images, N) rows of [N, ...], sorted."""
+  n = min(num_images, len(images))
+  chosen = np.sort(np.random.default_rng(seed).choice(len(images), n,
+                                                      replace=False))
+  return chosen, images[chosen]
+
+
+def paired_views(config: ml_collections.ConfigDict, images: np.ndarray, *,
+                 batch_size: int, seed: int = VIEWS_SEED,
+                 alpha: Any = None) -> Iterator[tuple[Any, tuple, int]]:
+  """`config`'s positive pairs of images, one key per image.
+
+  Image i's views come from `fold_in(key(seed), i)`, so they do not depend
+  on `batch_size`.
+
+  Args:
+    config: a config (`views.make_views`).
+    images: uint8 [n, S, S, 3].
+    batch_size: images per device call; the last batch is padded.
+    seed: the views' key.
+    alpha: the interpolation coefficient; None means `config.ot.alpha`.
+
+  Yields:
+    `(x, (v1, v2, strong1, strong2), real)` per batch: float32
+    [batch_size, S, S, 3] arrays whose first `real` rows are images.
+  """
+
+  def one_image(x, key):
+    return tuple(v[0] for v in views_lib.make_views(config, x[None], key,
+                                                    alpha))
+
+  batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
+  key = jax.random.key(seed)
+  start = 0
+  for batch in data.eval_batches(images, batch_size):
+    real = len(batch)
+    x = features.to_unit(features.pad_rows(batch, batch_size))
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
+        jnp.arange(start, start + batch_size, dtype=jnp.uint32))
+    start += real
+    yield x, batch_views(x, keys), real
+
+
 def view_embeddings(config: ml_collections.ConfigDict, model,
                     variables: dict[str, Any], images: np.ndarray, *,
                     num_images: int, batch_size: int,
@@ -65,10 +110,8 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   Returns:
     The embeddings.
   """
-  n = min(num_images, len(images))
-  chosen = np.sort(np.random.default_rng(seed).choice(len(images), n,
-                                                      replace=False))
-  images = images[chosen]
+  chosen, images = choose_images(images, num_images, seed)
+  n = len(chosen)
   both = config.copy_and_resolve_references()
   # 'ot' views: make_views returns the OT and the strong pairs.
   both.views = 'ot'
@@ -78,13 +121,6 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   variables = {'params': variables['params'],
                'batch_stats': variables['batch_stats']}
   embedding = clusters.embedding_of(config)
-
-  def one_image(x, key):
-    return tuple(v[0] for v in views_lib.make_views(both, x[None], key,
-                                                    alpha))
-
-  # Per-image keys: the metrics must not depend on `batch_size`.
-  batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
 
   # These rows reuse the features' compiled encoder.
   encoder = features.Encoder(model)
@@ -96,17 +132,9 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
     return features.l2_normalise(np.asarray(z if embedding == 'z' else h)
                                  [:real])
 
-  views_batch = min(batch_size, n)
-  key = jax.random.key(seed)
   parts, l2_sum, rms_sum = [], 0.0, 0.0
-  start = 0
-  for batch in data.eval_batches(images, views_batch):
-    real = len(batch)
-    x = features.to_unit(features.pad_rows(batch, views_batch))
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(
-        jnp.arange(start, start + views_batch, dtype=jnp.uint32))
-    start += real
-    o1, o2, s1, s2 = batch_views(x, keys)
+  for x, (o1, o2, s1, s2), real in paired_views(
+      both, images, batch_size=min(batch_size, n), seed=seed, alpha=alpha):
     parts.append([embed(v, real) for v in (x, s1, s2, o1, o2)])
     # The paper's (1 / 2n) sum_i sum_k: both views of every image.
     l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
