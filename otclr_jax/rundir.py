@@ -222,6 +222,22 @@ def flatten(tree: dict[str, Any]) -> dict[str, Any]:
   return flat
 
 
+# Fields added after runs were stored, with what their absence meant: a
+# stored config without one is the same run as one with this value.
+ADDED_FIELDS = {'ot.source': 'image', 'ot.detail': 'none',
+                'ot.colour': 'before'}
+
+
+def _run_settings(config: dict[str, Any]) -> dict[str, Any]:
+  """`flatten(config)` with `ADDED_FIELDS` filled in where their block is."""
+  flat = flatten(config)
+  for name, value in ADDED_FIELDS.items():
+    block = name.rsplit('.', 1)[0] + '.'
+    if name not in flat and any(n.startswith(block) for n in flat):
+      flat[name] = value
+  return flat
+
+
 def _ignored(name: str, unread: tuple[str, ...], length: bool) -> bool:
   return (name in IGNORED_FIELDS or (not length and name in LENGTH_FIELDS)
           or name.startswith(IGNORED_PREFIXES) or name.startswith(unread))
@@ -242,7 +258,7 @@ def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
       so a tuple equals the list it was stored as.
     length: whether `total_steps` and `num_epochs` count.
   """
-  flat = flatten(config)
+  flat = _run_settings(config)
   unread = _unread_blocks(config.get('method'))
   return {n: v for n, v in flat.items() if not _ignored(n, unread, length)}
 
@@ -260,8 +276,8 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
     length: whether the run length counts.
   """
   unread = _unread_blocks(stored.get('method'), new.get('method'))
-  stored = flatten(stored)
-  new = flatten(new)
+  stored = _run_settings(stored)
+  new = _run_settings(new)
   missing = object()
   return sorted(
       name for name in set(stored) | set(new)

@@ -55,6 +55,17 @@ def test_result_changing_diff():
   assert rundir.result_changing_diff(stored, stored) == []
 
 
+def test_a_run_stored_before_a_view_option_existed_is_the_same_run():
+  # Its absence meant today's default: the run resumes and its results
+  # stay current; another value is another run.
+  stored = {'seed': 0, 'ot': {'epsilon': 0.05}}
+  new = {'seed': 0, 'ot': {'epsilon': 0.05, **{k.split('.')[1]: v for k, v in rundir.ADDED_FIELDS.items()}}}
+  assert rundir.result_changing_diff(stored, new) == []
+  assert rundir.identity(stored) == rundir.identity(new)
+  new['ot']['source'] = 'strong'
+  assert rundir.result_changing_diff(stored, new) == ['ot.source']
+
+
 def test_other_methods_settings_never_change_a_result():
   # A block of another method is never read: a field added to it later (or
   # changed) does not stop the run resuming; its own method's block does.

@@ -123,7 +123,7 @@ def test_the_options_are_part_of_the_run_identity(field):
   assert rundir.result_changing_diff(default.to_dict(),
                                      changed.to_dict()) == [field]
   # The jitted step is keyed by (and closes over) every other field.
-  assert field.split('.')[0] not in step_lib._OTHER_STAGES
+  assert field.split('.')[0] not in rundir.STEP_UNREAD_FIELDS
 
 
 def test_strong_source_transports_each_strong_view_to_itself(option_views):
