@@ -16,7 +16,9 @@
 # orbax-checkpoint==0.12.8) are installed first. OUT receives env.txt,
 # bench.txt, cifar10.log, cifar10_table.txt and cifar10_results.tar.gz.
 # TINY=1 shrinks every size, for a check on a CPU; PY names the interpreter;
-# SWEEP and BATCH name another sweep file and its batch size (tests).
+# SWEEP and BATCH name another sweep file and its batch size, SEEDS its seeds
+# (the view factorial: SWEEP=launch/sweeps/cifar10_views.py SEEDS=0, five
+# runs; its table goes to the same files).
 set -uo pipefail
 out=$1 budget=$2 tarball=$3 stages=${4:-bench cifar}
 py=${PY:-python3}
@@ -60,7 +62,7 @@ else
   ot_batches=256,512
   steps=()
 fi
-seeds=(0 1 2)
+read -r -a seeds <<<"${SEEDS:-0 1 2}"
 { date -u; nvidia-smi -L 2>&1; lscpu | grep -E 'Model name|^CPU\(s\)'
   echo "vector extensions: $(grep -owE 'avx2|avx512f|amx_tile' /proc/cpuinfo \
     | sort -u | tr '\n' ' ')"
@@ -99,8 +101,10 @@ log=$out/cifar10.log
 run 120 "$log" $py -c "from otclr_jax import data
 data.load_splits('$folder', ['train', 'test'], 32, '$data')"
 batch=${BATCH:-256}
-sweep=(-m launch.sweep --config=${SWEEP:-launch/sweeps/cifar10_paper.py}
-  --workdir=$work/cifar10_paper --config.dataset=$folder
+sweep_file=${SWEEP:-launch/sweeps/cifar10_paper.py}
+sweep_dir=$work/$(basename "$sweep_file" .py)
+sweep=(-m launch.sweep --config=$sweep_file --workdir=$sweep_dir
+  --config.dataset=$folder
   "--config.eval.datasets=(\"$folder\",)" --config.data_dir=$data
   "--config.eval.evaluators=(\"probe\",\"knn\")"
   --config.eval.figures=False "${steps[@]}")
@@ -136,7 +140,7 @@ done
 echo "runs ${indices[*]} in $((SECONDS - t0)) s" >>"$log"
 $py "${sweep[@]}" --aggregate_only >"$out/cifar10_table.txt" 2>&1
 tar czf "$out/cifar10_results.tar.gz" \
-  $(find "$work/cifar10_paper" \( -name checkpoints -o -name encoder \
+  $(find "$sweep_dir" \( -name checkpoints -o -name encoder \
       -o -name tensorboard -o -name features \) -prune -o -type f \( \
       -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' \) \
       -print 2>/dev/null)

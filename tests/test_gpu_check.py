@@ -73,7 +73,7 @@ def test_the_cifar_stage_runs_three_seeds_and_tabulates_them(tmp_path):
   assert 'runs 0 1 4 5 8 9, 2 at once' in log
   assert log.count('rc 0 after') == 7, log  # the data, then six runs
   results = [json.load(open(p)) for p in sorted(glob.glob(str(
-      tmp_path / 'work' / 'cifar10_paper' / '*' / 'eval' / 'results.json')))]
+      tmp_path / 'work' / 'tiny_paper' / '*' / 'eval' / 'results.json')))]
   assert sorted((r['seed'], r['method'], r['batch_size']) for r in results) == [
       (s, m, 16) for s in (0, 1, 2) for m in ('otclr', 'simclr')]
   for r in results:

@@ -595,3 +595,21 @@ def test_the_readmes_tiny_sweep_fits_its_schedule_in_its_steps(caplog):
       optim.learning_rate_schedule(config, spe, config.total_steps)
     assert 'never decays' not in caplog.text
     assert 0 < config.monitor.every_steps <= config.total_steps
+
+
+def test_the_view_factorial_sweeps_each_option_against_both_baselines():
+  sweep = sweep_lib.load_sweep(sweep_file('cifar10_views'))
+  runs = sweep.runs('/w')
+  assert len(runs) == 15
+  arms = [(c.method, c.ot.source, c.ot.detail, c.ot.colour)
+          for c in map(sweep.run_config, runs[:5])]
+  assert arms == [('simclr', 'image', 'none', 'before'),
+                  ('otclr', 'image', 'none', 'before'),
+                  ('otclr', 'strong', 'none', 'before'),
+                  ('otclr', 'image', 'residual', 'before'),
+                  ('otclr', 'image', 'none', 'after')]
+  # Seed and batch first in the names: gpu_check.sh picks a seed's runs so.
+  assert all(r.name.startswith(f'seed={i // 5},batch_size=256,')
+             for i, r in enumerate(runs))
+  config = sweep.run_config(runs[0])
+  assert (config.batch_size, config.eval.recompute_bn) == (256, True)
