@@ -17,6 +17,7 @@ from sklearn import metrics
 
 from otclr_jax import cli
 from otclr_jax import config_files
+from otclr_jax import data
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
 from otclr_jax.evaluation import view_quality
@@ -247,6 +248,31 @@ def test_tsne_points_and_classwise_silhouette():
   assert np.isnan(sil['otclr'][3])
   # Tighter views around the class centres separate the classes better.
   assert np.all(sil['otclr'][:3] > sil['simclr'][:3])
+
+
+def test_the_tsne_map_shows_a_seeded_sample_and_the_panels_all(
+    tmp_path, monkeypatch):
+  rng = np.random.default_rng(0)
+  n, labels = 40, np.repeat(np.arange(4), 10)  # class-ordered, as splits are
+  unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+  pair = lambda: tuple(unit(rng.normal(size=(n, 8))) for _ in range(2))
+  views = view_quality.ViewEmbeddings(np.arange(n), unit(rng.normal(
+      size=(n, 8))), pair(), pair(), 0.1)
+  test = data.Split(np.zeros((n, 8, 8, 3), np.uint8), labels.astype(np.int32),
+                    4, ['a', 'b', 'c', 'd'])
+  mapped, silhouettes = [], []
+  real = tsne.tsne_points
+  monkeypatch.setattr(tsne, 'tsne_points', lambda v, **k: mapped.append(
+      v.indices) or real(v, **k))
+  monkeypatch.setattr(tsne, 'classwise_silhouette', lambda v, *a: (
+      silhouettes.append(v.indices),
+      {'simclr': np.zeros(4), 'otclr': np.zeros(4)})[1])
+  tsne.draw_tsne(views, test, tmp_path / 't.png', map_images=12,
+                 perplexity=5, title='T')
+  (indices,), (every,) = mapped, silhouettes
+  assert len(indices) == 12 and len(set(labels[indices])) > 1
+  np.testing.assert_array_equal(every, np.arange(n))
+  _assert_png_and_pdf(tmp_path / 't.png')
 
 
 def test_top5_command(runs, tmp_path, monkeypatch, capsys):
