@@ -7,6 +7,7 @@
   resnet --config=configs/X.py [--conv_impls=xla,matmul,auto] [--per_layer]
        ResNet-18 forward + backward per `model.conv_impl`.
   probe --workdir=<run> --tag=<step<N>|init> [--dataset=digits]
+        [--backend=auto|numpy|jax]
        seconds of the linear probe on one evaluation's cached features.
 
 Override config fields as `--config.a.b=v`.
@@ -57,6 +58,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                       'to fit, step<N> or init (random init).', **fv)
   flags.DEFINE_string('dataset', 'digits', 'probe: the dataset, as in '
                       'config.eval.datasets.', **fv)
+  flags.DEFINE_enum('backend', 'auto', ['auto', 'numpy', 'jax'], 'probe: '
+                    "where the solver's arithmetic runs (auto: JAX on an "
+                    'accelerator, NumPy on a CPU).', **fv)
 
 
 def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS

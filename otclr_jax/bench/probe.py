@@ -28,11 +28,13 @@ def run_probe(flag_values: flags.FlagValues) -> int:
   seconds = []
   for _ in range(flag_values.repeats):
     start = time.perf_counter()
-    row = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes)
+    row = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes,
+                             backend=flag_values.backend)
     seconds.append(time.perf_counter() - start)
   print(f'linear probe, {flag_values.dataset} features of '
         f'{flag_values.workdir} ({flag_values.tag}): train {train_x.shape}, '
-        f'test {test_x.shape}, {num_classes} classes')
+        f'test {test_x.shape}, {num_classes} classes, backend '
+        f'{flag_values.backend}, BLAS threads {probe.blas_threads() or "as set"}')
   print('| fit | lambda | held-out top-1 | Newton steps | gradient norm | '
         'converged |')
   print('|---|---|---|---|---|---|')

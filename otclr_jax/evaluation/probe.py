@@ -214,7 +214,6 @@ def _jax_curvature_blocks(zt1, p, directions):
   return jax.lax.map(block, _direction_scales(jnp, p, directions)) / n
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def _jax_coupled_inverse(own, crosses, pairs):
   """H^-1 [G (D + 1), G (D + 1)] of `_invert_coupled`'s blocks (NaN where
   H is not positive definite)."""
@@ -228,18 +227,32 @@ def _jax_coupled_inverse(own, crosses, pairs):
   return jax.scipy.linalg.cho_solve((factor, True), jnp.eye(k * d1))
 
 
+def _on_device(kernel, **jit_args):
+  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
+  jitted = jax.jit(kernel, **jit_args)
+
+  def call(*args):
+    with _jax_context():
+      return jitted(*args)
+  return call
+
+
+_coupled_inverse = _on_device(_jax_coupled_inverse, static_argnums=2)
+
+
 def _jax_invert_coupled(own, crosses, pairs):
+  """`_invert_coupled` in JAX: H's inverse, explicit, multiplies each g."""
   crosses = jnp.stack(crosses) if crosses else jnp.zeros((0,) + own.shape[1:])
-  inverse = _jax_coupled_inverse(own, crosses, tuple(pairs))
+  inverse = _coupled_inverse(own, crosses, tuple(pairs))
   if not bool(jnp.isfinite(inverse).all()):
     return None
   return lambda g: inverse @ g
 
 
-JAX = _Backend(jnp, jax.jit(functools.partial(_value, jnp)),
-               jax.jit(functools.partial(_gradient, jnp)),
-               jax.jit(functools.partial(_hessp, jnp)),
-               jax.jit(_jax_curvature_blocks), _jax_invert_coupled,
+JAX = _Backend(jnp, _on_device(functools.partial(_value, jnp)),
+               _on_device(functools.partial(_gradient, jnp)),
+               _on_device(functools.partial(_hessp, jnp)),
+               _on_device(_jax_curvature_blocks), _jax_invert_coupled,
                _jax_context)
 
 
@@ -339,9 +352,9 @@ def _class_preconditioner(objective, p, coupled=False):
   dominates (small lambda).
   """
   backend, zt1, l2 = objective.backend, objective.zt1, objective.l2
-  xp, q = backend.xp, _class_rotation(p)
-  k, d1 = p.shape[1] - 1, zt1.shape[0]
+  xp, k, d1 = backend.xp, p.shape[1] - 1, zt1.shape[0]
   with backend.context():
+    q = _class_rotation(p)
     curvature = backend.curvature_blocks(zt1, p, xp.asarray(q))
     # The bias is not penalised; a floor keeps its block invertible.
     bias = np.zeros((d1, d1))
@@ -372,7 +385,7 @@ def _class_preconditioner(objective, p, coupled=False):
       inverses = xp.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
       groups, solves = [np.arange(k)], [
           lambda g: (inverses @ g.reshape(k, d1, 1)).reshape(-1)]
-  q = xp.asarray(q)
+    q = xp.asarray(q)
 
   def apply(gw, gb):
     g = (xp.concatenate([gw, gb[None]]) @ q).T  # [C - 1, D + 1]
