@@ -1,5 +1,7 @@
 """Tests of the linear probe (otclr_jax/evaluation/probe.py)."""
 
+import functools
+
 import numpy as np
 import pytest
 from sklearn import datasets
@@ -217,12 +219,18 @@ FEATURE_SETS = {
 }
 
 
+@functools.lru_cache
+def _reference(name):
+  """`_reference_protocol` on FEATURE_SETS[name], once per session."""
+  (train_x, train_y), (test_x, test_y), _ = FEATURE_SETS[name]
+  return _reference_protocol(train_x, train_y, test_x, test_y, probe.L2_GRID)
+
+
 @pytest.mark.parametrize('name', sorted(FEATURE_SETS))
 def test_the_probe_equals_a_converged_reference(name):
   (train_x, train_y), (test_x, test_y), num_classes = FEATURE_SETS[name]
   ours = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes)
-  l2, top1 = _reference_protocol(train_x, train_y, test_x, test_y,
-                                 probe.L2_GRID)
+  l2, top1 = _reference(name)
   assert ours['weight_decay'] == l2
   # Within one test image.
   assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
@@ -237,8 +245,7 @@ def test_the_jax_probe_equals_the_reference_and_the_numpy_probe(name):
   ours, fitted = probe.linear_probe(train_x, train_y, test_x, test_y,
                                     num_classes, backend='jax',
                                     return_probe=True)
-  l2, top1 = _reference_protocol(train_x, train_y, test_x, test_y,
-                                 probe.L2_GRID)
+  l2, top1 = _reference(name)
   # As the NumPy probe's test above.
   assert ours['weight_decay'] == l2
   assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
