@@ -3,7 +3,9 @@
 Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) by
 float64 Newton-CG until the (W, b) gradient norm is at most `GRAD_TOL`.
 lambda is chosen on a stratified held-out part of TRAIN, then the probe is
-refitted on all of it (docs/method.md section 7).
+refitted on all of it (docs/method.md section 7). The solver's arithmetic
+runs in JAX on an accelerator and in NumPy on a CPU (`linear_probe`'s
+`backend`); its control loop is Python either way.
 """
 
 from __future__ import annotations
