@@ -329,10 +329,10 @@ def _class_rotation(p) -> np.ndarray:
       ones_complement.T @ mean_curvature @ ones_complement)[1]
 
 
-# Bytes of float64 the class-coupled preconditioner may hold. Each CG step
-# reads it all, so it also bounds a step's cost: 1 GiB is ~10 Hessian
-# products at C = 100, N = 20,000, D = 512. CIFAR-10's 9 x 513 square
-# (170 MB) is coupled whole.
+# Bytes of float64 the class-coupled preconditioner may hold: at C = 100 the
+# whole square would be 21 GB. Each CG step reads it all, so it also bounds
+# a step's cost: 1 GiB takes about two Hessian products' time at C = 100,
+# N = 20,000, D = 512. CIFAR-10's 9 x 513 square (170 MB) is coupled whole.
 COUPLED_BYTES = 2**30
 
 
