@@ -244,8 +244,7 @@ _coupled_inverse = _on_device(_jax_coupled_inverse, static_argnums=2)
 
 def _jax_invert_coupled(own, crosses, pairs):
   """`_invert_coupled` in JAX: H's inverse, explicit, multiplies each g."""
-  crosses = jnp.stack(crosses) if crosses else jnp.zeros((0,) + own.shape[1:])
-  inverse = _coupled_inverse(own, crosses, tuple(pairs))
+  inverse = _coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
   if not bool(jnp.isfinite(inverse).all()):
     return None
   return lambda g: inverse @ g
@@ -329,18 +328,18 @@ def _class_rotation(p) -> np.ndarray:
       ones_complement.T @ mean_curvature @ ones_complement)[1]
 
 
-# Bytes of float64 the class-coupled preconditioner may hold: at C = 100 the
-# whole square would be 21 GB. Each CG step reads it all, so it also bounds
-# a step's cost: 1 GiB takes about two Hessian products' time at C = 100,
-# N = 20,000, D = 512. CIFAR-10's 9 x 513 square (170 MB) is coupled whole.
+# Bytes of the float64 (C - 1)(D + 1) square the class-coupled
+# preconditioner may hold (CIFAR-10's: 170 MB; C = 100 would need 21 GB).
+# Each CG step reads it, so the bound also caps a step's cost. Above it the
+# coupled build rebuilds the class blocks at the current point instead: at
+# C = 100 coupling groups of 5 classes within this bound took 3.5x the
+# time of the class blocks alone (docs/results.md).
 COUPLED_BYTES = 2**30
 
 
-def _coupling_groups(k: int, d1: int) -> list[np.ndarray]:
-  """Rotated classes coupled together: runs of equal size g (the last ones
-  one less) whose (g d1)^2 float64 squares fit `COUPLED_BYTES` together."""
-  size = min(k, max(1, COUPLED_BYTES // (8 * k * d1 * d1)))
-  return np.array_split(np.arange(k), -(-k // size))
+def _couples(k: int, d1: int) -> bool:
+  """Whether the coupled square of k rotated classes of d1 fits the bound."""
+  return 8 * (k * d1)**2 <= COUPLED_BYTES
 
 
 def _class_preconditioner(objective, p, coupled=False):
@@ -349,8 +348,8 @@ def _class_preconditioner(objective, p, coupled=False):
   In the rotated classes q = `_class_rotation(p)`, block (a, b) of the
   Hessian is mean_i q_a^T S_i q_b [z_i, 1] [z_i, 1]^T (+ l2 on W when a = b),
   S_i = diag(p_i) - p_i p_i^T. Without `coupled` only the blocks a = b are
-  kept; with it, the whole (C - 1)(D + 1) square of each `_coupling_groups`
-  group: 5x the SYRKs at C = 10, for fits where the coupling between classes
+  kept; with it and within `COUPLED_BYTES`, the whole (C - 1)(D + 1) square:
+  5x the SYRKs at C = 10, for fits where the coupling between classes
   dominates (small lambda).
   """
   backend, zt1, l2 = objective.backend, objective.zt1, objective.l2
@@ -363,37 +362,27 @@ def _class_preconditioner(objective, p, coupled=False):
     bias[-1, -1] = 1.0
     own = (curvature * xp.asarray(1.0 + 1e-9 * bias)
            + xp.asarray(l2 * (np.eye(d1) - bias) + 1e-12 * bias))
-    groups = _coupling_groups(k, d1) if coupled else []
-    solves = []
-    for group in groups:
-      pairs = [(a, b) for a in range(len(group))
-               for b in range(a + 1, len(group))]
-      crosses = []
-      if pairs:
-        # Off the diagonal by polarisation: block (a, b) is half of (q_a +
-        # q_b)'s block less those of q_a and q_b, all three with weights
-        # >= 0.
-        sums = backend.curvature_blocks(zt1, p, xp.asarray(np.stack(
-            [q[:, group[a]] + q[:, group[b]] for a, b in pairs], axis=1)))
-        crosses = [0.5 * (block - curvature[group[a]] - curvature[group[b]])
-                   for block, (a, b) in zip(sums, pairs)]
-      solves.append(backend.invert_coupled(own[group[0]:group[-1] + 1],
-                                           crosses, pairs))
-    if not groups or any(solve is None for solve in solves):
-      # Also where a coupled square is not positive definite. Batched
-      # explicit inverses L^-T L^-1: per-block LAPACK calls or solves each
-      # step cost more than a Hessian product.
+    solve = None
+    if coupled and _couples(k, d1) and k > 1:
+      pairs = [(a, b) for a in range(k) for b in range(a + 1, k)]
+      # Off the diagonal by polarisation: block (a, b) is half of (q_a +
+      # q_b)'s block less those of q_a and q_b, all three with weights >= 0.
+      sums = backend.curvature_blocks(zt1, p, xp.asarray(np.stack(
+          [q[:, a] + q[:, b] for a, b in pairs], axis=1)))
+      crosses = [0.5 * (block - curvature[a] - curvature[b])
+                 for block, (a, b) in zip(sums, pairs)]
+      solve = backend.invert_coupled(own, crosses, pairs)
+    if solve is None:  # also where the coupled one is not positive definite
+      # Batched explicit inverses L^-T L^-1: per-block LAPACK calls or solves
+      # each step cost more than a Hessian product.
       cholesky_inverse = xp.linalg.inv(xp.linalg.cholesky(own))
       inverses = xp.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
-      groups, solves = [np.arange(k)], [
-          lambda g: (inverses @ g.reshape(k, d1, 1)).reshape(-1)]
+      solve = lambda g: (inverses @ g.reshape(k, d1, 1)).reshape(-1)
     q = xp.asarray(q)
 
   def apply(gw, gb):
     g = (xp.concatenate([gw, gb[None]]) @ q).T  # [C - 1, D + 1]
-    out = xp.concatenate([
-        solve(g[group[0]:group[-1] + 1].reshape(-1)).reshape(-1, d1)
-        for group, solve in zip(groups, solves)]).T @ q.T
+    out = solve(g.reshape(-1)).reshape(k, d1).T @ q.T
     return out[:-1], out[-1]
   return apply
 
