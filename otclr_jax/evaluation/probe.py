@@ -261,8 +261,9 @@ def _backend(name: str) -> _Backend:
   """'numpy', 'jax' or 'auto': JAX on an accelerator, NumPy on a CPU."""
   if name not in ('auto', 'numpy', 'jax'):
     raise ValueError(f"backend must be 'auto', 'numpy' or 'jax', got {name!r}.")
-  # Not JAX on a CPU too: XLA's float32 Hessian product at N = 45,000, D =
-  # 512, C = 10 takes 2.3x NumPy's OpenBLAS time (docs/results.md).
+  # Not JAX on a CPU too: XLA's float32 Hessian product, most of a probe's
+  # time, takes 1.7-2.3x NumPy's at N = 45,000, D = 512, C = 10
+  # (docs/results.md).
   if name == 'auto':
     name = 'numpy' if jax.default_backend() == 'cpu' else 'jax'
   return JAX if name == 'jax' else NUMPY
