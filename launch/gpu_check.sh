@@ -69,6 +69,9 @@ read -r -a seeds <<<"${SEEDS:-0 1 2}"
   $py -c 'import jax, flax, optax; print("jax", jax.__version__,
     jax.devices(), "flax", flax.__version__, "optax", optax.__version__)' 2>&1
   $py -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1
+  # The BLAS NumPy loaded and its threads: the probe runs there.
+  $py -c 'import json, numpy, threadpoolctl; print("numpy", numpy.__version__,
+    json.dumps(threadpoolctl.threadpool_info()))' 2>&1
   } >"$out/env.txt"
 
 bench() {

@@ -273,6 +273,21 @@ def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
   assert fits == ['held-out selection'] * 5 + ['refit (all train)'], out
 
 
+def test_probe_bench_runs_the_jax_solver_to_the_same_probe(evaluated_run,
+                                                          capsys):
+  _, workdir = evaluated_run
+  outs = []
+  for backend in ('numpy', 'jax'):
+    assert _bench(['probe', f'--workdir={workdir}', '--tag=step4',
+                   '--repeats=1', f'--backend={backend}']) == 0
+    outs.append(capsys.readouterr().out)
+    assert f'backend {backend},' in outs[-1], outs[-1]
+  # Both solvers reach the same optimum: the same lambda, top-1 and top-5.
+  numpy_top1, jax_top1 = (re.search(r'^top-1 .*lambda \S+', out, re.M)[0]
+                          for out in outs)
+  assert numpy_top1 == jax_top1, outs
+
+
 def test_probe_bench_expands_tilde(evaluated_run, monkeypatch, capsys):
   _, workdir = evaluated_run
   monkeypatch.setenv('HOME', os.path.dirname(workdir))

@@ -1,5 +1,7 @@
 """Tests of the linear probe (otclr_jax/evaluation/probe.py)."""
 
+import functools
+
 import numpy as np
 import pytest
 from sklearn import datasets
@@ -69,14 +71,19 @@ def test_scores_top1_top5_match_a_count():
                                rtol=0, atol=1e-12)
 
 
-def _objective(l2=1e-3, n=50, d=6, c=4, seed=0):
+# The probe's kernels in both array libraries (JAX on this CPU here).
+BACKENDS = {'numpy': probe.NUMPY, 'jax': probe.JAX}
+
+
+def _objective(l2=1e-3, n=50, d=6, c=4, seed=0, backend='numpy'):
   rng = np.random.default_rng(seed)
   x, y = rng.normal(size=(n, d)), rng.integers(0, c, size=n)
-  return probe._Objective(x, y, l2, c), x, y
+  return probe._Objective(x, y, l2, c, BACKENDS[backend]), x, y
 
 
-def test_objective_value_and_gradient_equal_their_definition():
-  objective, x, y = _objective()
+@pytest.mark.parametrize('backend', sorted(BACKENDS))
+def test_objective_value_and_gradient_equal_their_definition(backend):
+  objective, x, y = _objective(backend=backend)
   rng = np.random.default_rng(1)
   w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
   value, p = objective.value(w, b)
@@ -94,18 +101,20 @@ def test_objective_value_and_gradient_equal_their_definition():
   loss = lambda t: objective.value(t[:24].reshape(6, 4), t[24:])[0]
   numeric = np.array([(loss(theta + h * e) - loss(theta - h * e)) / (2 * h)
                       for e in np.eye(len(theta))])
-  np.testing.assert_allclose(np.concatenate([grad_w.ravel(), grad_b]),
+  np.testing.assert_allclose(np.concatenate([np.asarray(grad_w).ravel(),
+                                             grad_b]),
                              numeric, rtol=0, atol=1e-8)
 
 
-def test_objective_hessian_product_equals_the_explicit_hessian():
-  objective, x, _ = _objective(l2=1e-2)
+@pytest.mark.parametrize('backend', sorted(BACKENDS))
+def test_objective_hessian_product_equals_the_explicit_hessian(backend):
+  objective, x, _ = _objective(l2=1e-2, backend=backend)
   rng = np.random.default_rng(2)
   w, b = rng.normal(size=(6, 4)), rng.normal(size=4)
   dw, db = rng.normal(size=(6, 4)), rng.normal(size=4)
   # The Hessian in (W, b) written out: sum_i (diag(p_i) - p_i p_i^T) (x)
   # [x_i, 1] [x_i, 1]^T / n, plus l2 on the W block.
-  p = objective.value(w, b)[1]
+  p = np.asarray(objective.value(w, b)[1])
   xb = np.concatenate([x, np.ones((len(x), 1))], axis=1)  # [N, D + 1]
   hessian = sum(np.kron(np.outer(xi, xi), np.diag(pi) - np.outer(pi, pi))
                 for xi, pi in zip(xb, p)) / len(x)
@@ -117,39 +126,45 @@ def test_objective_hessian_product_equals_the_explicit_hessian():
   bound = (50 + 6 + 1) * np.finfo(np.float32).eps * (np.abs(hessian)
                                                      @ np.abs(v))
   hw, hb = objective.hessp(np.float32(p.T), dw, db)
-  error = np.abs(np.concatenate([hw.ravel(), hb]) - hessian @ v)
+  error = np.abs(np.concatenate([np.asarray(hw).ravel(), hb])
+                 - hessian @ v)
   assert np.all(error <= bound), np.max(error / bound)
 
 
-def _preconditioned_newton_error(num_classes, coupled=False):
+def _preconditioned_newton_error(num_classes, coupled=False,
+                                 backend='numpy'):
   """max |H M^-1 g - g| at a random point, and the gradient's max |g_W|."""
-  objective, _, _ = _objective(l2=1e-2, c=num_classes)
+  objective, _, _ = _objective(l2=1e-2, c=num_classes, backend=backend)
   rng = np.random.default_rng(3)
   w, b = rng.normal(size=(6, num_classes)), rng.normal(size=num_classes)
   w, b = w - w.mean(1, keepdims=True), b - b.mean()
-  _, p = objective.value(w, b)
-  gw, gb = objective.gradient(w, p)
-  sw, sb = probe._class_preconditioner(objective, p, coupled)(gw, gb)
-  hw, hb = objective.hessp(np.float32(p.T), sw, sb)
-  error = np.abs(np.concatenate([hw.ravel() - gw.ravel(), hb - gb])).max()
-  return error, np.abs(gw).max()
+  with objective.backend.context():
+    _, p = objective.value(w, b)
+    gw, gb = objective.gradient(w, p)
+    sw, sb = probe._class_preconditioner(objective, p, coupled)(gw, gb)
+    hw, hb = objective.hessp(objective.steering(p), sw, sb)
+    error = np.abs(np.concatenate([np.asarray(hw - gw).ravel(),
+                                   np.asarray(hb - gb)])).max()
+    return error, float(np.abs(gw).max())
 
 
-def test_the_preconditioner_inverts_the_class_blocks():
+@pytest.mark.parametrize('backend', sorted(BACKENDS))
+def test_the_preconditioner_inverts_the_class_blocks(backend):
   # With two classes the ones-complement has one direction, whose block is
   # the whole Hessian there: the preconditioned gradient is the exact Newton
   # direction, up to float32 blocks (D + 1 + N roundings) and the bias floor.
-  error, scale = _preconditioned_newton_error(2)
+  error, scale = _preconditioned_newton_error(2, backend=backend)
   assert error <= 1e-5 * scale
 
 
-def test_the_coupled_preconditioner_inverts_the_whole_hessian():
+@pytest.mark.parametrize('backend', sorted(BACKENDS))
+def test_the_coupled_preconditioner_inverts_the_whole_hessian(backend):
   # Four classes: the coupled preconditioner is the whole Hessian in the
   # ones-complement, so the preconditioned gradient is the Newton direction
   # there, up to float32 blocks and the bias floor (as above). The class
   # blocks alone miss the coupling by orders more than that tolerance.
-  coupled, scale = _preconditioned_newton_error(4, coupled=True)
-  blocks, _ = _preconditioned_newton_error(4)
+  coupled, scale = _preconditioned_newton_error(4, True, backend)
+  blocks, _ = _preconditioned_newton_error(4, backend=backend)
   assert coupled <= 1e-5 * scale < blocks
 
 
@@ -209,18 +224,48 @@ FEATURE_SETS = {
 }
 
 
+@functools.lru_cache
+def _reference(name):
+  """`_reference_protocol` on FEATURE_SETS[name], once per session."""
+  (train_x, train_y), (test_x, test_y), _ = FEATURE_SETS[name]
+  return _reference_protocol(train_x, train_y, test_x, test_y, probe.L2_GRID)
+
+
 @pytest.mark.parametrize('name', sorted(FEATURE_SETS))
 def test_the_probe_equals_a_converged_reference(name):
   (train_x, train_y), (test_x, test_y), num_classes = FEATURE_SETS[name]
   ours = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes)
-  l2, top1 = _reference_protocol(train_x, train_y, test_x, test_y,
-                                 probe.L2_GRID)
+  l2, top1 = _reference(name)
   assert ours['weight_decay'] == l2
   # Within one test image.
   assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
   assert all(fit['converged'] for fit in ours['fits'])
   assert ours['converged'] is True
   assert len(ours['fits']) == len(probe.L2_GRID) + 1
+
+
+@pytest.mark.parametrize('name', sorted(FEATURE_SETS))
+def test_the_jax_probe_equals_the_reference_and_the_numpy_probe(name):
+  (train_x, train_y), (test_x, test_y), num_classes = FEATURE_SETS[name]
+  ours, fitted = probe.linear_probe(train_x, train_y, test_x, test_y,
+                                    num_classes, backend='jax',
+                                    return_probe=True)
+  l2, top1 = _reference(name)
+  # As the NumPy probe's test above.
+  assert ours['weight_decay'] == l2
+  assert abs(ours['top1'] - top1) <= 100.0 / len(test_y) + 1e-9
+  assert all(fit['converged'] for fit in ours['fits'])
+  assert ours['converged'] is True
+  numpy_row, numpy_fitted = probe.linear_probe(
+      train_x, train_y, test_x, test_y, num_classes, backend='numpy',
+      return_probe=True)
+  assert ours['weight_decay'] == numpy_row['weight_decay']
+  assert ours['top1'] == numpy_row['top1']
+  # Both refits are within GRAD_TOL of the gradient's zero, and the loss is
+  # lambda-strongly convex in W: each W lies within GRAD_TOL / lambda of the
+  # optimum (the basis is orthogonal), so the two within twice that.
+  np.testing.assert_allclose(fitted.w, numpy_fitted.w, rtol=0,
+                             atol=2 * probe.GRAD_TOL / l2)
 
 
 def test_the_probe_with_coupled_steps_equals_the_reference(monkeypatch):
@@ -406,3 +451,48 @@ def test_float64_features_keep_their_precision():
   centred = probe.linear_probe((x - 1e5) * 1e3, y, (test_x - 1e5) * 1e3,
                                test_y, 2)
   assert shifted['top1'] == centred['top1'] == 100.0
+
+
+@pytest.mark.parametrize('num_classes, couples', [(10, True), (100, False)])
+def test_the_coupled_square_is_built_only_within_the_memory_bound(
+    monkeypatch, num_classes, couples):
+  # CIFAR-10's and CIFAR-100's class counts at small N and D, under a bound
+  # that holds the coupled square of 10 classes but not 100 at D + 1 = 9.
+  # Every Newton step asks for the coupling (CIFAR-10-sized fits do after
+  # COUPLE_AFTER CG steps); above the bound the class blocks still converge.
+  train_x, train_y = _blobs(num_classes, 12, 8, seed=5, spread=2.0)
+  test_x, test_y = _blobs(num_classes, 4, 8, seed=5, spread=2.0,
+                          noise_seed=6)
+  monkeypatch.setattr(probe, 'COUPLE_AFTER', 1)
+  monkeypatch.setattr(probe, 'COUPLED_BYTES', 8 * (9 * 9)**2)
+  built = []
+  invert = probe.NUMPY.invert_coupled
+  monkeypatch.setattr(probe, 'NUMPY', probe.NUMPY._replace(
+      invert_coupled=lambda own, *args: built.append(own.shape) or invert(
+          own, *args)))
+  row = probe.linear_probe(train_x, train_y, test_x, test_y, num_classes,
+                           backend='numpy')
+  assert row['converged'] and all(fit['converged'] for fit in row['fits'])
+  # The squares built, as the hook saw their blocks.
+  assert bool(built) == couples
+  assert all(8 * (k * d1)**2 <= probe.COUPLED_BYTES for k, d1, _ in built)
+
+
+def test_the_coupled_square_fits_the_bound_for_cifar10_only():
+  assert probe._couples(9, 513)  # CIFAR-10 at D = 512: 170 MB
+  assert 8 * (9 * 513)**2 <= probe.COUPLED_BYTES
+  assert not probe._couples(99, 513)  # CIFAR-100 / Food-101: 21 GB
+
+
+def test_blas_threads_are_the_idle_cores_unless_a_variable_sets_them(
+    monkeypatch):
+  for name in probe.THREAD_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(probe.os, 'sched_getaffinity', lambda pid: {0, 1, 2},
+                      raising=False)
+  monkeypatch.setattr(probe, '_running_elsewhere', lambda: 1)
+  assert probe.blas_threads() == 2
+  monkeypatch.setattr(probe, '_running_elsewhere', lambda: 5)
+  assert probe.blas_threads() == 1
+  monkeypatch.setenv('OPENBLAS_NUM_THREADS', '3')
+  assert probe.blas_threads() is None

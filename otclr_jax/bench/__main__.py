@@ -7,6 +7,7 @@
   resnet --config=configs/X.py [--conv_impls=xla,matmul,auto] [--per_layer]
        ResNet-18 forward + backward per `model.conv_impl`.
   probe --workdir=<run> --tag=<step<N>|init> [--dataset=digits]
+        [--backend=auto|numpy|jax]
        seconds of the linear probe on one evaluation's cached features.
   views --config=configs/X.py --dataset=<name> [--num_images=500]
        pixel and untrained-encoder statistics of the configured positive
@@ -65,6 +66,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
   flags.DEFINE_integer('num_images', 500, 'views: test images (the '
                        'retrieval picks each partner among this many).',
                        **fv)
+  flags.DEFINE_enum('backend', 'auto', ['auto', 'numpy', 'jax'], 'probe: '
+                    "where the solver's arithmetic runs (auto: JAX on an "
+                    'accelerator, NumPy on a CPU).', **fv)
 
 
 def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS

@@ -3,21 +3,28 @@
 Each fit minimises mean CE + lambda / 2 ||W||^2 (bias not penalised) by
 float64 Newton-CG until the (W, b) gradient norm is at most `GRAD_TOL`.
 lambda is chosen on a stratified held-out part of TRAIN, then the probe is
-refitted on all of it (docs/method.md section 7).
+refitted on all of it (docs/method.md section 7). The solver's arithmetic
+runs in JAX on an accelerator and in NumPy on a CPU (`linear_probe`'s
+`backend`); its control loop is Python either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 import os
 import time
 from typing import Any, Iterator, NamedTuple
 
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
 from scipy import linalg
 from scipy import special
+import threadpoolctl
 
 from otclr_jax import fileio
 from otclr_jax import rundir
@@ -93,64 +100,38 @@ def _eigenbasis(x: np.ndarray) -> np.ndarray:
   return np.linalg.eigh(x.T @ x / len(x))[1]
 
 
-class _Objective:
-  """mean CE(z W + b, y) + l2 / 2 ||W||^2 and its derivatives.
-
-  z [N, D]: standardised features in their eigenbasis (orthogonal, so ||W||
-  and the gradient norm are basis-independent). Stored transposed: numpy's
-  GEMMs stream [D, N] faster.
-  """
-
-  def __init__(self, z, y, l2, num_classes):
-    self.y, self.l2 = y, l2
-    self.onehot_t = np.eye(num_classes)[:, y]  # [C, N]
-    self.zt = np.ascontiguousarray(np.asarray(z, np.float64).T)
-    # float32 only steers CG; the value and gradient stay float64. The ones
-    # row is the bias's feature.
-    self.zt1 = np.concatenate([self.zt, np.ones((1, len(z)))],
-                              dtype=np.float32)  # [D + 1, N]
-
-  def at(self, l2: float) -> '_Objective':
-    """The same features' objective at another lambda (arrays shared)."""
-    other = copy.copy(self)
-    other.l2 = l2
-    return other
-
-  def value(self, w, b):
-    """(value, softmax probabilities [N, C]) at (w [D, C], b [C])."""
-    logits = w.T @ self.zt + b[:, None]  # [C, N]
-    shift = logits.max(axis=0)  # log-sum-exp by hand: p reuses its exp
-    exp = np.exp(logits - shift)
-    total = exp.sum(axis=0)
-    value = (np.mean(shift + np.log(total)
-                     - logits[self.y, np.arange(len(self.y))])
-             + 0.5 * self.l2 * np.sum(w * w))
-    return value, (exp / total).T
-
-  def gradient(self, w, p):
-    """(dW [D, C], db [C]) at the point of weights w and probabilities p."""
-    residual = (p.T - self.onehot_t) / len(p)  # [C, N]
-    return self.zt @ residual.T + self.l2 * w, residual.sum(axis=1)
-
-  def hessp(self, pt, dw, db):
-    """The Hessian at softmax p times (dW, db); pt = p^T as float32 [C, N]."""
-    zt, n = self.zt1[:-1], self.zt1.shape[1]
-    dz = dw.T.astype(np.float32) @ zt + db.astype(np.float32)[:, None]
-    dp = pt * (dz - np.sum(pt * dz, axis=0, keepdims=True))  # [C, N]
-    return ((zt @ dp.T).astype(np.float64) / n + self.l2 * dw,
-            dp.sum(axis=1, dtype=np.float64) / n)
+def _value(xp, zt, y, w, b, l2):
+  """(value, softmax probabilities [N, C]) at (w [D, C], b [C]) in `xp`."""
+  logits = w.T @ zt + b[:, None]  # [C, N]
+  shift = logits.max(axis=0)  # log-sum-exp by hand: p reuses its exp
+  exp = xp.exp(logits - shift)
+  total = exp.sum(axis=0)
+  value = (xp.mean(shift + xp.log(total) - logits[y, xp.arange(y.shape[0])])
+           + 0.5 * l2 * xp.sum(w * w))
+  return value, (exp / total).T
 
 
-def _class_rotation(p: np.ndarray) -> np.ndarray:
-  """q [C, C - 1]: the complement of the ones vector, rotated to diagonalise
-  the mean softmax curvature at p [N, C] (the loss is invariant to shifting
-  every class's weights by the same vector)."""
-  n, num_classes = p.shape
-  ones_complement = np.linalg.qr(np.eye(num_classes)
-                                 - 1.0 / num_classes)[0][:, :-1]
-  mean_curvature = np.diag(p.mean(axis=0)) - p.T @ p / n
-  return ones_complement @ np.linalg.eigh(
-      ones_complement.T @ mean_curvature @ ones_complement)[1]
+def _gradient(xp, zt, onehot_t, w, p, l2):
+  """(dW [D, C], db [C]) at weights w and probabilities p [N, C]."""
+  del xp  # the operators alone
+  residual = (p.T - onehot_t) / p.shape[0]  # [C, N]
+  return zt @ residual.T + l2 * w, residual.sum(axis=1)
+
+
+def _hessp(xp, zt1, pt, dw, db, l2):
+  """The Hessian at softmax p times (dW [D, C], db [C]); pt = p^T float32
+  [C, N], zt1 = [z, 1]^T float32 [D + 1, N]."""
+  zt, n = zt1[:-1], zt1.shape[1]
+  dz = dw.T.astype(xp.float32) @ zt + db.astype(xp.float32)[:, None]
+  dp = pt * (dz - xp.sum(pt * dz, axis=0, keepdims=True))  # [C, N]
+  return ((zt @ dp.T).astype(xp.float64) / n + l2 * dw,
+          dp.sum(axis=1, dtype=xp.float64) / n)
+
+
+def _direction_scales(xp, p, directions):
+  """sqrt(u^T S_i u) float32 [P, N] for the columns u of directions [C, P]."""
+  return xp.sqrt(xp.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
+                 ).astype(xp.float32).T
 
 
 # Examples per float32 block sum; the chunks add up in float64, so rounding
@@ -166,8 +147,7 @@ def _curvature_blocks(zt1: np.ndarray, p: np.ndarray,
   columns scaled by its root: numpy runs that as a SYRK, twice as fast.
   """
   d1, n = zt1.shape
-  scale = np.sqrt(np.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
-                  ).astype(np.float32).T  # [P, N]
+  scale = _direction_scales(np, p, directions)
   blocks = np.zeros((len(scale), d1, d1))
   # All examples: from every 4th, CG needs so many more iterations that the
   # random-init CIFAR-10 probe takes longer in all.
@@ -179,55 +159,233 @@ def _curvature_blocks(zt1: np.ndarray, p: np.ndarray,
   return blocks / n
 
 
+def _invert_coupled(own, crosses, pairs):
+  """g -> H^-1 g for the symmetric H [G (D + 1), G (D + 1)] of the blocks
+  own [G, D + 1, D + 1] and crosses[i] at pairs[i] = (a, b), a < b; None
+  where H is not positive definite."""
+  k, d1 = own.shape[:2]
+  # LAPACK reads and writes only the lower triangle (C order's upper).
+  hessian = np.zeros((k, d1, k, d1))
+  for block, (a, b) in zip([*own, *crosses],
+                           [(a, a) for a in range(k)] + pairs):
+    hessian[a, :, b] = block
+  factor, info = linalg.lapack.dpotrf(hessian.reshape(k * d1, k * d1).T,
+                                      lower=True, overwrite_a=True)
+  if info == 0:
+    inverse, info = linalg.lapack.dpotri(factor, lower=True, overwrite_c=True)
+  if info != 0:
+    return None
+  return lambda g: linalg.blas.dsymv(1.0, inverse, g, lower=True)
+
+
+class _Backend(NamedTuple):
+  """The probe's kernels in one array library (module `xp`)."""
+  xp: Any
+  value: Any
+  gradient: Any
+  hessp: Any
+  curvature_blocks: Any
+  invert_coupled: Any
+  context: Any  # () -> the context manager the solve runs in
+
+
+NUMPY = _Backend(np, functools.partial(_value, np),
+                 functools.partial(_gradient, np),
+                 functools.partial(_hessp, np), _curvature_blocks,
+                 _invert_coupled, contextlib.nullcontext)
+
+
+def _jax_context():
+  """float64 and float32 products at full precision (no TF32), for the
+  probe's calls only: training keeps JAX's defaults."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(jax.enable_x64(True))
+  stack.enter_context(jax.default_matmul_precision('float32'))
+  return stack
+
+
+def _jax_curvature_blocks(zt1, p, directions):
+  """`_curvature_blocks` in JAX: one direction at a time, so memory holds
+  one [D + 1, _ROWS] product."""
+  d1, n = zt1.shape
+
+  def block(s):
+    total = jnp.zeros((d1, d1))
+    for start in range(0, n, _ROWS):
+      a = zt1[:, start:start + _ROWS] * s[start:start + _ROWS]
+      total = total + (a @ a.T).astype(jnp.float64)
+    return total
+  return jax.lax.map(block, _direction_scales(jnp, p, directions)) / n
+
+
+def _jax_coupled_inverse(own, crosses, pairs):
+  """H^-1 [G (D + 1), G (D + 1)] of `_invert_coupled`'s blocks (NaN where
+  H is not positive definite)."""
+  k, d1 = own.shape[:2]
+  stack = jnp.concatenate([own, crosses, jnp.swapaxes(crosses, 1, 2)])
+  where = np.arange(k)[:, None] * (np.arange(k) == np.arange(k)[:, None])
+  for index, (a, b) in enumerate(pairs):
+    where[a, b], where[b, a] = k + index, k + len(pairs) + index
+  hessian = jnp.transpose(stack[where], (0, 2, 1, 3)).reshape(k * d1, k * d1)
+  factor = jnp.linalg.cholesky(hessian)
+  return jax.scipy.linalg.cho_solve((factor, True), jnp.eye(k * d1))
+
+
+def _on_device(kernel, **jit_args):
+  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
+  jitted = jax.jit(kernel, **jit_args)
+
+  def call(*args):
+    with _jax_context():
+      return jitted(*args)
+  return call
+
+
+_coupled_inverse = _on_device(_jax_coupled_inverse, static_argnums=2)
+
+
+def _jax_invert_coupled(own, crosses, pairs):
+  """`_invert_coupled` in JAX: H's inverse, explicit, multiplies each g."""
+  inverse = _coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
+  if not bool(jnp.isfinite(inverse).all()):
+    return None
+  return lambda g: inverse @ g
+
+
+JAX = _Backend(jnp, _on_device(functools.partial(_value, jnp)),
+               _on_device(functools.partial(_gradient, jnp)),
+               _on_device(functools.partial(_hessp, jnp)),
+               _on_device(_jax_curvature_blocks), _jax_invert_coupled,
+               _jax_context)
+
+
+def _backend(name: str) -> _Backend:
+  """'numpy', 'jax' or 'auto': JAX on an accelerator, NumPy on a CPU."""
+  if name not in ('auto', 'numpy', 'jax'):
+    raise ValueError(f"backend must be 'auto', 'numpy' or 'jax', got {name!r}.")
+  # Not JAX on a CPU too: XLA's float32 Hessian product, most of a probe's
+  # time, takes 1.7-2.3x NumPy's at N = 45,000, D = 512, C = 10
+  # (docs/results.md).
+  if name == 'auto':
+    name = 'numpy' if jax.default_backend() == 'cpu' else 'jax'
+  return JAX if name == 'jax' else NUMPY
+
+
+class _Objective:
+  """mean CE(z W + b, y) + l2 / 2 ||W||^2 and its derivatives.
+
+  z [N, D]: standardised features in their eigenbasis (orthogonal, so ||W||
+  and the gradient norm are basis-independent), held by `backend` (on the
+  accelerator for JAX). Stored transposed: numpy's GEMMs stream [D, N]
+  faster.
+  """
+
+  def __init__(self, z, y, l2, num_classes, backend=NUMPY):
+    self.l2, self.backend = l2, backend
+    zt = np.ascontiguousarray(np.asarray(z, np.float64).T)
+    # float32 only steers CG; the value and gradient stay float64. The ones
+    # row is the bias's feature.
+    zt1 = np.concatenate([zt, np.ones((1, len(z)))], dtype=np.float32)
+    with backend.context():
+      xp = backend.xp
+      self.y = xp.asarray(y)
+      self.onehot_t = xp.asarray(np.eye(num_classes)[:, y])  # [C, N]
+      self.zt, self.zt1 = xp.asarray(zt), xp.asarray(zt1)  # [D (+ 1), N]
+
+  def at(self, l2: float) -> '_Objective':
+    """The same features' objective at another lambda (arrays shared)."""
+    other = copy.copy(self)
+    other.l2 = l2
+    return other
+
+  def value(self, w, b):
+    """(float value, softmax probabilities [N, C]) at (w [D, C], b [C])."""
+    value, p = self.backend.value(self.zt, self.y, w, b, self.l2)
+    return float(value), p
+
+  def gradient(self, w, p):
+    """(dW [D, C], db [C]) at the point of weights w and probabilities p."""
+    return self.backend.gradient(self.zt, self.onehot_t, w, p, self.l2)
+
+  def steering(self, p):
+    """p^T as float32 [C, N], for `hessp`."""
+    if self.backend.xp is np:
+      return np.ascontiguousarray(p.T, np.float32)
+    return p.T.astype(self.backend.xp.float32)
+
+  def hessp(self, pt, dw, db):
+    """The Hessian at softmax p times (dW, db); pt = `steering(p)`."""
+    return self.backend.hessp(self.zt1, pt, dw, db, self.l2)
+
+
+def _class_rotation(p) -> np.ndarray:
+  """q [C, C - 1]: the complement of the ones vector, rotated to diagonalise
+  the mean softmax curvature at p [N, C] (the loss is invariant to shifting
+  every class's weights by the same vector)."""
+  n, num_classes = p.shape
+  ones_complement = np.linalg.qr(np.eye(num_classes)
+                                 - 1.0 / num_classes)[0][:, :-1]
+  mean_curvature = (np.diag(np.asarray(p.mean(axis=0)))
+                    - np.asarray(p.T @ p) / n)
+  return ones_complement @ np.linalg.eigh(
+      ones_complement.T @ mean_curvature @ ones_complement)[1]
+
+
+# Bytes of the float64 (C - 1)(D + 1) square the class-coupled
+# preconditioner may hold (CIFAR-10's: 170 MB; C = 100 would need 21 GB).
+# Each CG step reads it, so the bound also caps a step's cost. Above it the
+# coupled build rebuilds the class blocks at the current point instead: at
+# C = 100 coupling groups of 5 classes within this bound took 3.5x the
+# time of the class blocks alone (docs/results.md).
+COUPLED_BYTES = 2**30
+
+
+def _couples(k: int, d1: int) -> bool:
+  """Whether the coupled square of k rotated classes of d1 fits the bound."""
+  return 8 * (k * d1)**2 <= COUPLED_BYTES
+
+
 def _class_preconditioner(objective, p, coupled=False):
   """Maps a gradient ([D, C], [C]) to an inverse Hessian approximation times it.
 
   In the rotated classes q = `_class_rotation(p)`, block (a, b) of the
   Hessian is mean_i q_a^T S_i q_b [z_i, 1] [z_i, 1]^T (+ l2 on W when a = b),
   S_i = diag(p_i) - p_i p_i^T. Without `coupled` only the blocks a = b are
-  kept; with it, the whole (C - 1)(D + 1) square: 5x the SYRKs, for fits
-  where the coupling between classes dominates (small lambda).
+  kept; with it and within `COUPLED_BYTES`, the whole (C - 1)(D + 1) square:
+  5x the SYRKs at C = 10, for fits where the coupling between classes
+  dominates (small lambda).
   """
-  zt1, l2, q = objective.zt1, objective.l2, _class_rotation(p)
-  k, d1 = p.shape[1] - 1, zt1.shape[0]
-  pairs = [(a, b) for a in range(k) for b in range(a + 1, k)] if coupled else []
-  # Off the diagonal by polarisation: block (a, b) is half of (q_a + q_b)'s
-  # block less those of q_a and q_b, all three with weights >= 0.
-  blocks = _curvature_blocks(
-      zt1, p, np.concatenate([q] + [q[:, [a]] + q[:, [b]] for a, b in pairs],
-                            axis=1))
-  own = blocks[:k]
-  crosses = [0.5 * (block - own[a] - own[b])
-             for block, (a, b) in zip(blocks[k:], pairs)]
-  diagonal = np.arange(d1 - 1)
-  own[:, diagonal, diagonal] += l2
-  # The bias is not penalised; a floor keeps its block invertible.
-  own[:, -1, -1] += 1e-12 + 1e-9 * own[:, -1, -1]
-  solve = None
-  if coupled:
-    # LAPACK reads and writes only the lower triangle (C order's upper).
-    hessian = np.zeros((k, d1, k, d1))
-    for block, (a, b) in zip([*own, *crosses], [(a, a) for a in range(k)]
-                             + pairs):
-      hessian[a, :, b] = block
-    factor, info = linalg.lapack.dpotrf(hessian.reshape(k * d1, k * d1).T,
-                                        lower=True, overwrite_a=True)
-    if info == 0:
-      inverse, info = linalg.lapack.dpotri(factor, lower=True,
-                                           overwrite_c=True)
-    if info == 0:
-      solve = lambda g: linalg.blas.dsymv(1.0, inverse, g.ravel(),
-                                          lower=True).reshape(k, d1)
-  if solve is None:  # also where the coupled one is not positive definite
-    # Batched explicit inverses L^-T L^-1: per-block LAPACK calls or solves
-    # each step cost more than a Hessian product.
-    cholesky_inverse = np.linalg.inv(np.linalg.cholesky(own))
-    inverses = np.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
-    solve = lambda g: (inverses @ g[:, :, None])[:, :, 0]
+  backend, zt1, l2 = objective.backend, objective.zt1, objective.l2
+  xp, k, d1 = backend.xp, p.shape[1] - 1, zt1.shape[0]
+  with backend.context():
+    q = _class_rotation(p)
+    curvature = backend.curvature_blocks(zt1, p, xp.asarray(q))
+    # The bias is not penalised; a floor keeps its block invertible.
+    bias = np.zeros((d1, d1))
+    bias[-1, -1] = 1.0
+    own = (curvature * xp.asarray(1.0 + 1e-9 * bias)
+           + xp.asarray(l2 * (np.eye(d1) - bias) + 1e-12 * bias))
+    solve = None
+    if coupled and _couples(k, d1) and k > 1:
+      pairs = [(a, b) for a in range(k) for b in range(a + 1, k)]
+      # Off the diagonal by polarisation: block (a, b) is half of (q_a +
+      # q_b)'s block less those of q_a and q_b, all three with weights >= 0.
+      sums = backend.curvature_blocks(zt1, p, xp.asarray(np.stack(
+          [q[:, a] + q[:, b] for a, b in pairs], axis=1)))
+      crosses = [0.5 * (block - curvature[a] - curvature[b])
+                 for block, (a, b) in zip(sums, pairs)]
+      solve = backend.invert_coupled(own, crosses, pairs)
+    if solve is None:  # also where the coupled one is not positive definite
+      # Batched explicit inverses L^-T L^-1: per-block LAPACK calls or solves
+      # each step cost more than a Hessian product.
+      cholesky_inverse = xp.linalg.inv(xp.linalg.cholesky(own))
+      inverses = xp.swapaxes(cholesky_inverse, 1, 2) @ cholesky_inverse
+      solve = lambda g: (inverses @ g.reshape(k, d1, 1)).reshape(-1)
+    q = xp.asarray(q)
 
   def apply(gw, gb):
-    g = (np.concatenate([gw, gb[None]]) @ q).T  # [C - 1, D + 1]
-    out = solve(g).T @ q.T
+    g = (xp.concatenate([gw, gb[None]]) @ q).T  # [C - 1, D + 1]
+    out = solve(g.reshape(-1)).reshape(k, d1).T @ q.T
     return out[:-1], out[-1]
   return apply
 
@@ -266,13 +424,22 @@ def _solve(objective, w, b, max_steps) -> Fit:
 
   Damped Newton with backtracking; directions by preconditioned CG to a
   relative residual of min(0.5, sqrt(|g|)), no tighter than `GRAD_TOL` needs.
+  The arrays live in `objective.backend`; the loop's scalars in Python.
   """
+  with objective.backend.context():
+    return _solve_in(objective, w, b, max_steps)
+
+
+def _solve_in(objective, w, b, max_steps) -> Fit:
+  """`_solve` inside its backend's context."""
+  xp = objective.backend.xp
   # The steps stay in the complement of the class-shift direction, where the
   # optimum lies: shifting W's classes together only changes the penalty.
+  w, b = xp.asarray(w), xp.asarray(b)
   w, b = w - w.mean(axis=1, keepdims=True), b - b.mean()
   value, p = objective.value(w, b)
   precondition = _class_preconditioner(objective, p)
-  dot = lambda a, b_: float(np.sum(a[0] * b_[0]) + np.sum(a[1] * b_[1]))
+  dot = lambda a, b_: float((a[0] * b_[0]).sum() + (a[1] * b_[1]).sum())
   steps, t = 0, 1.0
   while True:
     gw, gb = objective.gradient(w, p)
@@ -281,11 +448,11 @@ def _solve(objective, w, b, max_steps) -> Fit:
         or steps == max_steps):
       break
     steps += 1
-    pt = np.ascontiguousarray(p.T, np.float32)  # for `hessp`
+    pt = objective.steering(p)
     damping = DAMPING * grad_norm if t < 1.0 else 0.0
     tolerance = max(min(0.5, math.sqrt(grad_norm)),
                     0.5 * GRAD_TOL / grad_norm) * grad_norm
-    sw, sb = np.zeros_like(gw), np.zeros_like(gb)
+    sw, sb = xp.zeros_like(gw), xp.zeros_like(gb)
     rw, rb = -gw, -gb
     dw, db = precondition(rw, rb)
     rz = dot((rw, rb), (dw, db))
@@ -318,7 +485,8 @@ def _solve(objective, w, b, max_steps) -> Fit:
       break  # No decrease left at float64's resolution.
     w, b = w + t * sw, b + t * sb
     value, p = trial
-  return Fit(w, b, objective.l2, steps, grad_norm, grad_norm <= GRAD_TOL)
+  return Fit(np.asarray(w), np.asarray(b), objective.l2, steps, grad_norm,
+             grad_norm <= GRAD_TOL)
 
 
 # Relative column size below which a direction is empty: float64 leaves
@@ -326,7 +494,7 @@ def _solve(objective, w, b, max_steps) -> Fit:
 EMPTY_DIRECTION = 1e-12
 
 
-def _span_solver(z, y, num_classes):
+def _span_solver(z, y, num_classes, backend=NUMPY):
   """solve(l2, w [D, C], b [C], max_steps) -> Fit: `_solve` for z [N, D] in
   the directions in which z varies. Elsewhere the loss is l2 / 2 ||W||^2
   alone, so W = 0 there; the gradient norm covers all directions.
@@ -334,7 +502,7 @@ def _span_solver(z, y, num_classes):
   size = np.maximum(z.max(axis=0), -z.min(axis=0))
   live = size > EMPTY_DIRECTION * size.max(initial=0.0)
   z_live = z if live.all() else np.ascontiguousarray(z[:, live])
-  objective = _Objective(z_live, y, 0.0, num_classes)
+  objective = _Objective(z_live, y, 0.0, num_classes, backend)
 
   def solve(l2, w, b, max_steps):
     fit = _solve(objective.at(l2), w[live], b, max_steps)
@@ -365,7 +533,7 @@ def _scores(w, b, x, y):
   return rank == 0, rank < 5, ce
 
 
-def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
+def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
   """Fits every lambda of `l2_grid` on the kept rows, picks one on `held`.
 
   Strongest penalty first, each fit warm-started from the previous one; x
@@ -374,7 +542,7 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps):
   """
   basis = _eigenbasis(x[~held])
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
-  solve = _span_solver(fit_x, y[~held], num_classes)
+  solve = _span_solver(fit_x, y[~held], num_classes, backend)
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
   fits, records = {}, {}
   for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
@@ -470,12 +638,48 @@ def load_probe(path: str) -> Probe:
                  weight_decay=float(f['weight_decay']))
 
 
+# Where one of these is set, whoever started the process has shared the
+# cores out, and the probe keeps its BLAS threads as they are.
+THREAD_VARIABLES = ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS',
+                    'MKL_NUM_THREADS')
+
+
+def _running_elsewhere() -> int:
+  """Tasks running now besides this thread: the median of five reads, 10 ms
+  apart, of /proc/loadavg's count of running tasks (0 without /proc)."""
+  counts = []
+  for _ in range(5):
+    try:
+      with open('/proc/loadavg') as f:
+        counts.append(int(f.read().split()[3].split('/')[0]) - 1)
+    except (OSError, IndexError, ValueError):
+      return 0
+    time.sleep(0.01)
+  return sorted(counts)[2]
+
+
+def blas_threads() -> int | None:
+  """BLAS threads for a probe: None (as they are) where `THREAD_VARIABLES`
+  set them, else the cores this process may use that nothing else runs on
+  at the start, at least 1.
+
+  OpenBLAS's threads spin while they wait for one another, so one on a busy
+  core stalls the rest: on 2 cores beside another busy process the digits
+  probe took 35.7-70.3 s with two threads, 6.0-6.6 s with one.
+  """
+  if any(os.environ.get(name) for name in THREAD_VARIABLES):
+    return None
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+           else os.cpu_count() or 1)
+  return max(1, cores - _running_elsewhere())
+
+
 def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                  test_y: np.ndarray, num_classes: int, *,
                  l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
                  holdout_fraction: float = HOLDOUT_FRACTION,
                  holdout_seed: int = HOLDOUT_SEED,
-                 return_probe: bool = False):
+                 return_probe: bool = False, backend: str = 'auto'):
   """Linear probe with the L2 strength chosen on held-out training data.
 
   Each lambda is fitted on the kept part of TRAIN (standardised with its
@@ -493,6 +697,9 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     holdout_fraction: share of each class held out for the selection.
     holdout_seed: seed of the held-out split.
     return_probe: also return the final probe.
+    backend: where the solver's arithmetic runs: 'jax' (the default device),
+      'numpy', or 'auto' (JAX on an accelerator, NumPy on a CPU). The BLAS
+      threads are limited by `blas_threads` either way.
 
   Returns:
     {'top1', 'top5' (test, percent; top-5 only with more than `TOP5`
@@ -519,14 +726,23 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   if not l2_grid or min(l2_grid) <= 0:
     raise ValueError(f'l2_grid must be non-empty and > 0, got {l2_grid}.')
 
+  solver = _backend(backend)
   held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
   if not held.any():
     raise ValueError('the probe needs held-out rows to choose lambda: every '
                      'class has a single train example.')
+  with threadpoolctl.threadpool_limits(blas_threads()):
+    return _fit_and_score(train_x, train_y, test_x, test_y, num_classes, held,
+                          l2_grid, max_steps, return_probe, solver)
+
+
+def _fit_and_score(train_x, train_y, test_x, test_y, num_classes, held,
+                   l2_grid, max_steps, return_probe, backend):
+  """`linear_probe` after its checks."""
   fit_mean, fit_std = _standardiser(train_x[~held])
   chosen, val_top1, records = _l2_path(
       (train_x - fit_mean) / fit_std, train_y, held, num_classes, l2_grid,
-      max_steps)
+      max_steps, backend)
 
   mean, std = _standardiser(train_x)
   x = (train_x - mean) / std
@@ -534,7 +750,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   # Warm start: the selected probe, same logits in the new standardisation.
   w = (std / fit_std)[:, None] * chosen.w
   b = chosen.b + ((mean - fit_mean) / fit_std) @ chosen.w
-  refit = _span_solver(x @ basis, train_y, num_classes)(
+  refit = _span_solver(x @ basis, train_y, num_classes, backend)(
       chosen.l2, basis.T @ w, b, max_steps)
   if not refit.converged:
     logging.warning('probe refit at lambda=%g did not converge (gradient '
