@@ -139,8 +139,9 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
 def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
   config = tiny_config(data_dir)
   config.eval.datasets = ('digits', 'mnist')
+  # Checked once per command, before evaluating (`main.run` calls it).
   with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
-    _evaluate(config, str(tmp_path))
+    evaluate.validate(config)
   config.eval.datasets = ('digits',)
   (tmp_path / 'checkpoints').mkdir()
   with pytest.raises(FileNotFoundError, match='No complete checkpoint'):

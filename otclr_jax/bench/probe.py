@@ -4,8 +4,8 @@ steps and final gradient norm."""
 
 from __future__ import annotations
 
-import os
 import math
+import os
 import statistics
 import time
 
