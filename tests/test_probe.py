@@ -482,17 +482,3 @@ def test_the_coupled_square_fits_the_bound_for_cifar10_only():
   assert probe._couples(9, 513)  # CIFAR-10 at D = 512: 170 MB
   assert 8 * (9 * 513)**2 <= probe.COUPLED_BYTES
   assert not probe._couples(99, 513)  # CIFAR-100 / Food-101: 21 GB
-
-
-def test_blas_threads_are_the_idle_cores_unless_a_variable_sets_them(
-    monkeypatch):
-  for name in probe.THREAD_VARIABLES:
-    monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(probe.os, 'sched_getaffinity', lambda pid: {0, 1, 2},
-                      raising=False)
-  monkeypatch.setattr(probe, '_running_elsewhere', lambda: 1)
-  assert probe.blas_threads() == 2
-  monkeypatch.setattr(probe, '_running_elsewhere', lambda: 5)
-  assert probe.blas_threads() == 1
-  monkeypatch.setenv('OPENBLAS_NUM_THREADS', '3')
-  assert probe.blas_threads() is None

@@ -12,6 +12,7 @@ import time
 from absl import app
 from absl import flags
 
+from otclr_jax import threads as threads_lib
 from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
 
@@ -27,7 +28,7 @@ def run_probe(flag_values: flags.FlagValues) -> int:
   (train_x, train_y, num_classes), (test_x, test_y, _) = (
       splits['train'], splits['test'])
   # What the first fit's rule sees; each fit reads the load again.
-  threads = probe.blas_threads() or 'as set'
+  threads = threads_lib.host_threads() or 'as set'
   seconds = []
   for _ in range(flag_values.repeats):
     start = time.perf_counter()

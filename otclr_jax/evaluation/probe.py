@@ -28,6 +28,7 @@ import threadpoolctl
 
 from otclr_jax import fileio
 from otclr_jax import rundir
+from otclr_jax import threads
 from otclr_jax.evaluation import features
 
 
@@ -638,42 +639,6 @@ def load_probe(path: str) -> Probe:
                  weight_decay=float(f['weight_decay']))
 
 
-# Where one of these is set, whoever started the process has shared the
-# cores out, and the probe keeps its BLAS threads as they are.
-THREAD_VARIABLES = ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS',
-                    'MKL_NUM_THREADS')
-
-
-def _running_elsewhere() -> int:
-  """Tasks running now besides this thread: the median of five reads, 10 ms
-  apart, of /proc/loadavg's count of running tasks (0 without /proc)."""
-  counts = []
-  for _ in range(5):
-    try:
-      with open('/proc/loadavg') as f:
-        counts.append(int(f.read().split()[3].split('/')[0]) - 1)
-    except (OSError, IndexError, ValueError):
-      return 0
-    time.sleep(0.01)
-  return sorted(counts)[2]
-
-
-def blas_threads() -> int | None:
-  """BLAS threads for a probe: None (as they are) where `THREAD_VARIABLES`
-  set them, else the cores this process may use that nothing else runs on
-  at the start, at least 1.
-
-  OpenBLAS's threads spin while they wait for one another, so one on a busy
-  core stalls the rest: on 2 cores beside another busy process the digits
-  probe took 35.7-70.3 s with two threads, 6.0-6.6 s with one.
-  """
-  if any(os.environ.get(name) for name in THREAD_VARIABLES):
-    return None
-  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
-           else os.cpu_count() or 1)
-  return max(1, cores - _running_elsewhere())
-
-
 def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                  test_y: np.ndarray, num_classes: int, *,
                  l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
@@ -699,7 +664,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     return_probe: also return the final probe.
     backend: where the solver's arithmetic runs: 'jax' (the default device),
       'numpy', or 'auto' (JAX on an accelerator, NumPy on a CPU). The BLAS
-      threads are limited by `blas_threads` either way.
+      threads are limited by `threads.host_threads` either way.
 
   Returns:
     {'top1', 'top5' (test, percent; top-5 only with more than `TOP5`
@@ -731,7 +696,7 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   if not held.any():
     raise ValueError('the probe needs held-out rows to choose lambda: every '
                      'class has a single train example.')
-  with threadpoolctl.threadpool_limits(blas_threads()):
+  with threadpoolctl.threadpool_limits(threads.host_threads()):
     return _fit_and_score(train_x, train_y, test_x, test_y, num_classes, held,
                           l2_grid, max_steps, return_probe, solver)
 

@@ -19,6 +19,7 @@ from otclr_jax import data
 from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import tables
+from otclr_jax import threads
 from otclr_jax.evaluation import clusters
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import view_quality
@@ -52,8 +53,8 @@ def tsne_points(views: view_quality.ViewEmbeddings, *,
   if not 0 < perplexity < len(points):
     raise ValueError(f'perplexity must lie in (0, {len(points)}) for 5 x {n} '
                      f'points, got {perplexity}.')
-  # All allowed cores (JAX is done; the map is thread-count independent).
-  with threadpoolctl.threadpool_limits(limits=len(os.sched_getaffinity(0))):
+  # The idle cores (JAX is done; the map is thread-count independent).
+  with threadpoolctl.threadpool_limits(limits=threads.host_threads()):
     xy = manifold.TSNE(n_components=2, perplexity=perplexity, init='pca',
                        random_state=seed).fit_transform(
                            points.astype(np.float64))
