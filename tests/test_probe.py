@@ -333,6 +333,11 @@ def test_a_fit_cut_short_is_flagged(caplog):
   assert all(fit['steps'] == 2 and fit['grad_norm'] > probe.GRAD_TOL
              for fit in short['fits'])
   assert 'did not converge' in caplog.text
+  # Each fit says where the probe is: fit i of the grid and the refit.
+  count = len(probe.L2_GRID) + 1
+  for i in range(1, count):
+    assert f'probe fit {i}/{count}, lambda=' in caplog.text
+  assert 'ETA >= ' in caplog.text
 
 
 def test_a_fit_that_did_not_converge_ranks_below_converged_ones():

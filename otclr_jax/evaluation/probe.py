@@ -547,7 +547,9 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
   solve = _span_solver(fit_x, y[~held], num_classes, backend)
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
   fits, records = {}, {}
-  for index in sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]):
+  start = time.perf_counter()
+  for done, index in enumerate(
+      sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]), 1):
     fit = solve(float(l2_grid[index]), w, b, max_steps)
     if np.isfinite(fit.grad_norm):
       top1, _, ce = _scores(fit.w, fit.b, held_x, y[held])
@@ -557,9 +559,13 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
       val_top1, val_ce = 0.0, math.inf
       w, b = np.zeros_like(w), np.zeros_like(b)
     log = logging.info if fit.converged else logging.warning
-    log('probe lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d Newton steps, '
-        'gradient norm %.1e%s)', fit.l2, 100 * val_top1, val_ce, fit.steps,
-        fit.grad_norm, '' if fit.converged else ', NOT CONVERGED')
+    # Smaller lambdas take longer: the estimate is a lower bound.
+    elapsed = time.perf_counter() - start
+    log('probe fit %d/%d, lambda=%g: held-out top-1 %.2f%%, CE %.4f (%d '
+        'Newton steps, gradient norm %.1e%s) [%.0f s, ETA >= %.0f s]', done,
+        len(l2_grid) + 1, fit.l2, 100 * val_top1, val_ce, fit.steps,
+        fit.grad_norm, '' if fit.converged else ', NOT CONVERGED', elapsed,
+        elapsed / done * (len(l2_grid) + 1 - done))
     fits[index] = fit
     records[index] = dict(fit.record(), val_top1=100.0 * val_top1,
                           val_ce=val_ce)
