@@ -363,10 +363,12 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
 @pytest.mark.usefixtures('fresh_steps')
 def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
                                                   monkeypatch):
-  _poison_batch_stats_at(monkeypatch, 1)
-  config = tiny_config(data_dir)
+  # The poisoned step of test_non_finite_state_is_never_checkpointed, its
+  # program compiled once for both; no checkpoint before the run's end.
+  _poison_batch_stats_at(monkeypatch, 4)
+  config = tiny_config(data_dir, method='simclr', checkpoint_every_steps=100)
   with pytest.raises(train.DivergedError,
-                     match='step 1: .*No checkpoint was saved yet'):
+                     match='step 4: .*No checkpoint was saved yet'):
     train.train(config, str(tmp_path))
   assert main.run(config, str(tmp_path)) == cli.EXIT_DIVERGED
   # Nothing to resume: a retry with other settings starts afresh, with the
