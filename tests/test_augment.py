@@ -451,19 +451,21 @@ def test_determinism_shape_range():
   assert np.all(np.abs(a - c)[2:].reshape(6, -1).max(axis=1) > 1e-3)
   assert a.min() >= 0.0 and a.max() <= 1.0
   # One independent key per example: identical inputs get different views.
-  same = np.repeat(x[2:3], 4, axis=0)
+  # A batch of x's shape, so x's compiled augmentation draws them.
+  same = np.repeat(x[2:3], len(x), axis=0)
   views = _augment(jax.random.key(9), same)
-  for i, j in itertools.combinations(range(4), 2):
+  for i, j in itertools.combinations(range(len(x)), 2):
     assert np.abs(views[i] - views[j]).max() > 1e-3
 
 
 def test_vmap_matches_single_image_and_eager():
-  x = jnp.asarray(_images(3, 32, 32, seed=20))
+  # test_determinism_shape_range's shape: one compiled augmentation for both.
+  x = jnp.asarray(_images(8, 32, 32, seed=20))
   key = jax.random.key(21)
   batched = augment.simclr_augment(key, x)
-  keys = jax.random.split(key, 3)
+  keys = jax.random.split(key, len(x))
   single = jax.jit(augment.augment_image)
-  for i in range(3):
+  for i in range(len(x)):
     np.testing.assert_allclose(batched[i], single(keys[i], x[i]),
                                rtol=0, atol=1e-5)
   np.testing.assert_allclose(_augment(key, np.asarray(x)), batched,
@@ -505,9 +507,9 @@ def test_input_validation():
 
 
 def test_geometric_then_photometric_halves_are_the_whole_augmentation():
-  x = jnp.asarray(_images(6, 32, 32, seed=23))
+  x = jnp.asarray(_images(8, 32, 32, seed=23))
   key = jax.random.key(24)
-  whole = jax.jit(augment.simclr_augment)(key, x)
+  whole = _jitted()(key, x)
   # Jitted apart, as a view generator that acts between the halves runs them.
   crops = jax.jit(augment.geometric_batch)(key, x)
   halves = jax.jit(augment.photometric_batch)(key, crops)

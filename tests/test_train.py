@@ -151,12 +151,20 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
   assert checkpoint.Checkpointer(workdir).latest_step() == 2
 
 
+def _steps_per_epoch(config):
+  """Updates per epoch of `config`'s run, as `train.train` counts them."""
+  images = data.load_split(config.dataset, 'train', config.image_size,
+                           config.data_dir).images
+  return data.steps_per_epoch(len(images), config.batch_size)
+
+
 @pytest.mark.usefixtures('fresh_steps')
 def test_train_step_compiles_once(data_dir):
-  config = tiny_config(data_dir, method='simclr')
+  # The tiny run's own step: its program is in the persistent cache already.
+  config = tiny_config(data_dir)
   mesh = experiment.make_mesh()
   # Built as training builds it, so the donated output matches.
-  _, state, step = step_lib.build(config, 10, mesh)
+  _, state, step = step_lib.build(config, _steps_per_epoch(config), mesh)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
   with traces() as traced:
     for _ in range(3):
@@ -355,10 +363,12 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
 @pytest.mark.usefixtures('fresh_steps')
 def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
                                                   monkeypatch):
-  _poison_batch_stats_at(monkeypatch, 1)
-  config = tiny_config(data_dir)
+  # The poisoned step of test_non_finite_state_is_never_checkpointed, its
+  # program compiled once for both; no checkpoint before the run's end.
+  _poison_batch_stats_at(monkeypatch, 4)
+  config = tiny_config(data_dir, method='simclr', checkpoint_every_steps=100)
   with pytest.raises(train.DivergedError,
-                     match='step 1: .*No checkpoint was saved yet'):
+                     match='step 4: .*No checkpoint was saved yet'):
     train.train(config, str(tmp_path))
   assert main.run(config, str(tmp_path)) == cli.EXIT_DIVERGED
   # Nothing to resume: a retry with other settings starts afresh, with the
@@ -427,8 +437,10 @@ def test_resume_with_other_settings_is_refused(stopped_run, tmp_path,
     with pytest.raises(experiment.ConfigError,
                        match=f'4-step run.*asks for {total}'):
       train.train(tiny_config(data_dir, total_steps=total), workdir)
-  # Settings that do not change the result are allowed.
-  same = tiny_config(data_dir, log_every_steps=1, **{'eval.batch_size': 7})
+  # Settings that do not change the result are allowed; logging every 3
+  # steps, the step is `test_resume_matches_uninterrupted_run`'s.
+  same = tiny_config(data_dir, log_every_steps=3, **{
+      'monitor.every_steps': 0, 'eval.batch_size': 7})
   result = train.train(same, workdir, stop_after_steps=1)
   assert int(result.state.step) == 3
   assert rundir.read_config(workdir)['eval']['batch_size'] == 7
@@ -627,16 +639,20 @@ def test_a_resume_on_other_data_is_refused(tmp_path, data_dir):
       save_image(str(root), 'train', name, f'{i}.png',
                  rng.integers(0, 256, (8, 8, 3), np.uint8))
 
+  # As many full batches per epoch as the digits of `tiny_config`: the same
+  # schedule, so the same compiled step as the tiny run's.
+  per_class = -(-16 * _steps_per_epoch(tiny_config(data_dir)) // 3)
   for name in ('a', 'b', 'c'):
-    add_class(name, 10)
+    add_class(name, per_class)
   config = tiny_config(str(tmp_path / 'data'), dataset=f'folder:{root}',
                        total_steps=4)
   workdir = str(tmp_path / 'run')
   train.train(config, workdir, stop_after_steps=2)
   status = rundir.read_status(workdir)
-  add_class('d', 10)  # the tree grew between a preemption and the resume
+  add_class('d', per_class)  # the tree grew between a preemption and the resume
   with pytest.raises(experiment.ConfigError,
-                     match=r'other data.*30 -> 40 images.*3 -> 4 classes'):
+                     match=rf'other data.*{3 * per_class} -> {4 * per_class} '
+                     r'images.*3 -> 4 classes'):
     train.train(config, workdir)
   assert rundir.read_status(workdir) == status
   # Back to the data it was trained on, it resumes.
