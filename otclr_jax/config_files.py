@@ -34,6 +34,22 @@ def tuples(value: Any) -> Any:
   return value
 
 
+def flatten(tree: dict[str, Any]) -> dict[str, Any]:
+  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`;
+  JSON round-tripped, so a tuple equals the list it was stored as."""
+  flat = {}
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        visit(value, f'{prefix}{key}.')
+      else:
+        flat[f'{prefix}{key}'] = value
+
+  visit(json.loads(json.dumps(tree)), '')
+  return flat
+
+
 def load(path: str) -> ml_collections.ConfigDict:
   """A config from a `configs/X.py` file (`get_config()`) or a JSON dump."""
   if not os.path.exists(path):
@@ -147,18 +163,8 @@ def describe(config: ml_collections.ConfigDict) -> str:
   default = os.path.join(os.path.dirname(package), 'configs', 'default.py')
   if os.path.exists(default):
     comments.update(_comments(default))
-  flat = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, ml_collections.ConfigDict):
-        visit(value, f'{prefix}{key}.')
-      else:
-        flat[prefix + key] = value
-
-  visit(config, '')
   lines = []
-  for name, value in flat.items():
+  for name, value in flatten(config.to_dict()).items():
     comment = comments.get(name, '')
     lines.append(f'  --{FLAG}.{name}={flag_value(value)}'
                  + (f'\n      {comment}' if comment else ''))

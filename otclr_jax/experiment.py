@@ -15,6 +15,7 @@ import numpy as np
 
 from otclr_jax import checkpoint
 from otclr_jax import cli
+from otclr_jax import config_files
 from otclr_jax import conv
 from otclr_jax import data
 from otclr_jax import methods
@@ -92,7 +93,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     ConfigError: naming the field, its value and the rule.
   """
   c = config
-  for name, value in rundir.flatten(c.to_dict()).items():
+  for name, value in config_files.flatten(c.to_dict()).items():
     numbers = value if isinstance(value, (list, tuple)) else [value]
     # A float that is not finite is never a setting (inf saturation, NaN
     # crop bounds): refused here, not reported later as a divergence.

@@ -206,22 +206,6 @@ def write_config(workdir: str, config: dict[str, Any]) -> None:
                     json.dumps(config, indent=1, sort_keys=True) + '\n')
 
 
-def flatten(tree: dict[str, Any]) -> dict[str, Any]:
-  """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`;
-  JSON round-tripped, so a tuple equals the list it was stored as."""
-  flat = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, dict):
-        visit(value, f'{prefix}{key}.')
-      else:
-        flat[f'{prefix}{key}'] = value
-
-  visit(json.loads(json.dumps(tree)), '')
-  return flat
-
-
 # Fields added after runs were stored, with what their absence meant: a
 # stored config without one is the same run as one with this value.
 ADDED_FIELDS = {'ot.source': 'image', 'ot.detail': 'none',
@@ -229,8 +213,9 @@ ADDED_FIELDS = {'ot.source': 'image', 'ot.detail': 'none',
 
 
 def _run_settings(config: dict[str, Any]) -> dict[str, Any]:
-  """`flatten(config)` with `ADDED_FIELDS` filled in where their block is."""
-  flat = flatten(config)
+  """`config_files.flatten(config)` with `ADDED_FIELDS` filled in where
+  their block is."""
+  flat = config_files.flatten(config)
   for name, value in ADDED_FIELDS.items():
     block = name.rsplit('.', 1)[0] + '.'
     if name not in flat and any(n.startswith(block) for n in flat):
@@ -286,7 +271,7 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
 
 
 def _eval_fields(config: dict[str, Any], keep) -> dict[str, Any]:
-  flat = flatten(config)
+  flat = config_files.flatten(config)
   return {n: v for n, v in flat.items() if n.startswith('eval.') and keep(n)}
 
 
@@ -310,8 +295,8 @@ def evaluation_diff(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def describe_diff(stored: dict[str, Any], new: dict[str, Any],
                   names: list[str]) -> str:
   """`'method: 'otclr' -> 'simclr'; seed: 0 -> 1'` for the names given."""
-  stored = flatten(stored)
-  new = flatten(new)
+  stored = config_files.flatten(stored)
+  new = config_files.flatten(new)
   show = lambda d, n: repr(d[n]) if n in d else '(absent)'
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
 
@@ -341,8 +326,8 @@ def adopt_stored(config: Any, stored: dict[str, Any],
     ValueError: a command-line override contradicts the stored run.
   """
   new = config.to_dict()
-  flat_stored = flatten(stored)
-  flat_new = flatten(new)
+  flat_stored = config_files.flatten(stored)
+  flat_new = config_files.flatten(new)
   # A field missing on either side keeps this invocation's value.
   names = sorted(
       n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
@@ -471,6 +456,24 @@ def latest_checkpoint_step(workdir: str) -> int | None:
 # Held locks: flock conflicts within a process too, so nested users re-enter.
 _held: dict[str, int] = {}
 _held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def waiting_lock(path: str) -> Iterator[None]:
+  """A blocking exclusive flock on the file `path`; the OS drops it if the
+  process dies. Not `lock`'s: that one refuses instead of waiting (a
+  second run in a workdir is a mistake, a second fit of one floor is not)
+  and re-enters within a process."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logging.info('Waiting for %s, held by another process.', path)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)
 
 
 @contextlib.contextmanager

@@ -329,7 +329,7 @@ def test_helpconfig_lists_every_field_with_its_value_and_comment():
       capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   config = config_files.load(os.path.join(REPO, 'configs', 'digits.py'))
-  for name in rundir.flatten(config.to_dict()):
+  for name in config_files.flatten(config.to_dict()):
     assert f'--config.{name}=' in result.stdout, name
   assert '--config.ot.epsilon=0.1\n' in result.stdout
   assert '--config.dataset=digits\n      see otclr_jax/data/' in result.stdout

@@ -10,13 +10,11 @@ later run of the same identity.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from absl import logging
 
@@ -36,21 +34,6 @@ def digest(identity: dict[str, Any]) -> str:
 def floor_file(floor_dir: str, identity: dict[str, Any]) -> str:
   """The file of `identity`'s floor in `floor_dir` (`rundir.floor_files`)."""
   return rundir.floor_files(floor_dir, digest(identity))[0]
-
-
-@contextlib.contextmanager
-def _waiting_lock(path: str) -> Iterator[None]:
-  """A blocking exclusive flock on `path`; the OS drops it if we die."""
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      logging.info('Waiting for %s: another run is fitting this floor.', path)
-      fcntl.flock(fd, fcntl.LOCK_EX)
-    yield
-  finally:
-    os.close(fd)
 
 
 def _read(path: str, identity: dict[str, Any]) -> list[Row] | None:
@@ -83,7 +66,7 @@ def load_or_fit(floor_dir: str, identity: dict[str, Any],
   os.makedirs(os.path.dirname(path), exist_ok=True)
   rows = _read(path, identity)
   if rows is None:
-    with _waiting_lock(lock):
+    with rundir.waiting_lock(lock):
       rows = _read(path, identity)
       if rows is None:
         start = time.perf_counter()
