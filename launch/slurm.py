@@ -218,4 +218,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  config_files.run(main)

@@ -540,4 +540,4 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  config_files.run(main)

@@ -15,7 +15,9 @@ import sys
 import traceback
 from typing import Any, Callable, Sequence
 
+from absl import app
 from absl import flags
+from absl import logging
 import ml_collections
 from ml_collections import config_flags
 
@@ -176,7 +178,7 @@ class UsageError(cli.UsageError):
   """A bad command line: an unknown flag or field, or a bad value."""
 
 
-def parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+def _parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   """`flag_values(argv)`: the arguments left, program name first.
 
   Raises:
@@ -226,42 +228,17 @@ def overrides_of(argv: Sequence[str]) -> list[str]:
   return out
 
 
-HELP_CONFIG = '--helpconfig'
-
-
-def parse_absl_flags(argv: Sequence[str]) -> list[str]:
-  """`app.run`'s flags parser: a bad flag, field or config file exits 2;
-  `--helpconfig` prints `describe` of the given --config and exits 0."""
-  if HELP_CONFIG in argv:
-    paths = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{FLAG}=')]
-    if not paths:
-      sys.stderr.write(f'{HELP_CONFIG} describes a config: give '
-                       f'--{FLAG}=configs/<name>.py too.\n')
-      sys.exit(cli.EXIT_USAGE)
-    try:
-      config = apply_overrides(load(paths[-1]), overrides_of(argv))
-    except (OSError, ValueError) as e:
-      sys.stderr.write(f'FATAL Flags parsing error: {cli.one_line(e)}\n')
-      sys.exit(cli.EXIT_USAGE)
-    print(describe(config))
-    sys.exit(0)
-  try:
-    return parse_into(flags.FLAGS, argv)
-  except UsageError as e:
-    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
-                     'Pass --helpshort or --helpfull to see help on flags.\n')
-    sys.exit(cli.EXIT_USAGE)
-
-
 def parse_flags(
     argv: Sequence[str],
     define: Callable[[flags.FlagValues, list[str]], None],
     doc: str = '',
 ) -> tuple[flags.FlagValues, list[str]] | None:
-  """Parses a tool's command line, absl style, on the tool's own FlagValues.
+  """Every tool's command line, absl style, on the tool's own FlagValues.
 
   `define(flag_values, argv)` defines the flags (the config with
   `sys_argv=argv`); own FlagValues let tools share one process (the tests).
+  absl's logging flags (`-v`, `--logtostderr`) come along; a tool with a
+  --config also takes `--helpconfig`.
 
   Args:
     argv: the command line, program name first (as `sys.argv`).
@@ -270,7 +247,7 @@ def parse_flags(
 
   Returns:
     `(flag_values, positional arguments without the program name)`, or None
-    when `--help` was asked for (the help is printed).
+    when `--help` or `--helpconfig` was asked for (the help is printed).
 
   Raises:
     UsageError: one line naming the bad flag, field, value or config file.
@@ -278,7 +255,38 @@ def parse_flags(
   argv = list(argv)
   flag_values = flags.FlagValues()
   define(flag_values, argv)
+  if FLAG in flag_values:
+    flags.DEFINE_bool('helpconfig', False, 'List every field of --config '
+                      'with its value and comment, then exit.',
+                      flag_values=flag_values)
+  for flag in flags.FLAGS.get_flags_for_module(logging.__name__):
+    flag_values[flag.name] = flag  # and its short name
   if any(a in ('-h', '--help', '-help') for a in argv[1:]):
     print(f'{doc.strip()}\n\nFlags:\n{flag_values.get_help()}')
     return None
-  return flag_values, parse_into(flag_values, argv)[1:]
+  rest = _parse_into(flag_values, argv)[1:]
+  if FLAG in flag_values and flag_values.helpconfig:
+    if flag_values[FLAG].value is None:
+      raise UsageError(f'--helpconfig describes a config: give '
+                       f'--{FLAG}=configs/<name>.py too.')
+    print(describe(flag_values[FLAG].value))
+    return None
+  return flag_values, rest
+
+
+def run(main: Callable[[Sequence[str]], Any],
+        usage_errors: tuple[type[BaseException], ...] = ()) -> None:
+  """A tool's `__main__`: absl's `app.run` around `main(argv)`, which parses
+  its flags with `parse_flags`; exits with `cli`'s status table.
+
+  Args:
+    main: the tool's `main(argv) -> status`.
+    usage_errors: further exception types that are usage errors for it.
+  """
+
+  def parsed_by_main(argv):
+    flags.FLAGS.mark_as_parsed()  # absl's own flags: parsed by `parse_flags`
+    return list(argv)
+
+  cli.run(lambda argv: app.run(cli.guarded(main, usage_errors), argv=argv,
+                               flags_parser=parsed_by_main))

@@ -17,9 +17,8 @@ import logging as std_logging
 import os
 import platform
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
@@ -34,30 +33,31 @@ from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import evaluate
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Training configuration file.', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, '
-                               'logs and results.')
-_DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False, 'Call jax.distributed.initialize() first (one '
-    'process per host or GPU; coordinator from the cluster environment, e.g. '
-    "SLURM's variables, unless the three flags below are given).")
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'host:port of process 0 for a multi-process '
-    'run (default: $JAX_COORDINATOR_ADDRESS); implies --distributed.')
-_NUM_PROCESSES = flags.DEFINE_integer(
-    'num_processes', None, 'Processes in a multi-process run (default: '
-    '$JAX_NUM_PROCESSES).')
-_PROCESS_ID = flags.DEFINE_integer(
-    'process_id', None, "This process's index in [0, num_processes) "
-    '(default: $JAX_PROCESS_ID).')
-_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    'heartbeat_timeout', 100, 'Seconds without a heartbeat after which a '
-    'multi-process run declares a process dead and ends the others.')
-_SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
-    'shutdown_timeout', 86400, 'Seconds the processes other than 0 wait at '
-    'the end for process 0 (its evaluation and figures) before giving up.')
-flags.mark_flags_as_required(['config', 'workdir'])
+def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
+  config_flags.DEFINE_config_file(
+      'config', None, 'Training configuration file.', lock_config=True,
+      flag_values=fv, sys_argv=argv)
+  define = lambda kind, name, default, text: kind(
+      name, default, text, flag_values=fv)
+  define(flags.DEFINE_string, 'workdir', None, 'Directory for checkpoints, '
+         'logs and results.')
+  define(flags.DEFINE_bool, 'distributed', False, 'Call '
+         'jax.distributed.initialize() first (one process per host or GPU; '
+         "coordinator from the cluster environment, e.g. SLURM's variables, "
+         'unless the three flags below are given).')
+  define(flags.DEFINE_string, 'coordinator_address', None, 'host:port of '
+         'process 0 for a multi-process run (default: '
+         '$JAX_COORDINATOR_ADDRESS); implies --distributed.')
+  define(flags.DEFINE_integer, 'num_processes', None, 'Processes in a '
+         'multi-process run (default: $JAX_NUM_PROCESSES).')
+  define(flags.DEFINE_integer, 'process_id', None, "This process's index in "
+         '[0, num_processes) (default: $JAX_PROCESS_ID).')
+  define(flags.DEFINE_integer, 'heartbeat_timeout', 100, 'Seconds without a '
+         'heartbeat after which a multi-process run declares a process dead '
+         'and ends the others.')
+  define(flags.DEFINE_integer, 'shutdown_timeout', 86400, 'Seconds the '
+         'processes other than 0 wait at the end for process 0 (its '
+         'evaluation and figures) before giving up.')
 
 _ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
         'num_processes': 'JAX_NUM_PROCESSES', 'process_id': 'JAX_PROCESS_ID'}
@@ -273,18 +273,24 @@ class _ShortPrefix(std_logging.Formatter):
     return text
 
 
-def main(argv):
-  if len(argv) > 1:
-    logging.error('Unexpected arguments %s: every setting is a --config.a.b=v '
-                  'flag.', argv[1:])
-    return cli.EXIT_USAGE
+def main(argv: Sequence[str]) -> int:
+  """The command line (module docstring); exit statuses: `cli`'s table."""
+  parsed = config_files.parse_flags(argv, _define_flags, __doc__)
+  if parsed is None:
+    return 0
+  fv, rest = parsed
+  if rest or fv.config is None or not fv.workdir:
+    raise config_files.UsageError(
+        f'usage: python -m otclr_jax.main --config=configs/X.py --workdir=DIR '
+        f'[--config.a.b=v ...]{"; unexpected " + str(rest) if rest else ""}; '
+        'every setting is a --config.a.b=v flag.')
   checkpoint.quiet_logs()
   logging.get_absl_handler().setFormatter(_ShortPrefix())
   std_logging.getLogger('jax._src.xla_bridge').addFilter(_NoTpuProbe())
   try:
     settings = distributed_settings(
-        _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-        _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value)
+        fv.distributed, fv.coordinator_address, fv.num_processes,
+        fv.process_id, fv.heartbeat_timeout, fv.shutdown_timeout)
   except experiment.ConfigError as e:
     logging.error('%s', e)
     cli.exit_now(cli.EXIT_USAGE)
@@ -292,13 +298,12 @@ def main(argv):
     jax.distributed.initialize(**settings)
   logging.info('process %d of %d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
-  overridden = config_flags.get_override_values(flags.FLAGS['config'])
-  status = run(_CONFIG.value, _WORKDIR.value, overridden)
+  overridden = config_flags.get_override_values(fv['config'])
+  status = run(fv.config, fv.workdir, overridden)
   if status != 0:
     cli.exit_now(status)
   return status
 
 
 if __name__ == '__main__':
-  cli.run(lambda argv: app.run(cli.guarded(main), argv=argv,
-                               flags_parser=config_files.parse_absl_flags))
+  config_files.run(main)

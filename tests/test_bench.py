@@ -29,13 +29,13 @@ def _parse(argv):
   """The bench's flags parsed from `argv` (without the program name)."""
   argv = ['bench'] + list(argv)
   flag_values = flags.FlagValues()
-  bench.define_flags(flag_values, sys_argv=argv)
+  bench.define_flags(flag_values, argv)
   return flag_values(argv), flag_values
 
 
 def _bench(argv):
   """`python -m otclr_jax.bench *argv`, in this process; its exit status."""
-  return bench.main(*_parse(argv))
+  return bench.main(['bench', *argv])
 
 EXPECTED_ROWS = (
     '(a) ott dense Geometry lse + dense splat',
@@ -126,7 +126,7 @@ def test_ot_bench_rejects_bad_flags(flag, value):
 @pytest.mark.parametrize('argv, line', [
     (['ot', '--repeats=0'], 'error: --repeats must be >= 1, got 0.'),
     (['train', '--config=configs/digits.py', '--config.optim.baselr=1'],
-     'FATAL Flags parsing error: unknown config field \'baselr\''),
+     "error: unknown config field 'baselr'"),
 ])
 def test_the_command_refuses_bad_flags_in_one_line_with_2(argv, line):
   # They had ended as tracebacks with status 1.

@@ -106,6 +106,18 @@ def test_parse_flags_reads_config_and_overrides_like_main():
   assert config_files.parse_flags(['tool', '--help'], _define) is None
 
 
+def test_every_tool_takes_helpconfig_and_absl_logging_flags(capsys):
+  assert config_files.parse_flags(
+      ['tool', '--config=configs/digits.py', '--config.ot.epsilon=0.2',
+       '--helpconfig'], _define) is None
+  assert '  --config.ot.epsilon=0.2\n' in capsys.readouterr().out
+  with pytest.raises(config_files.UsageError, match='give --config='):
+    config_files.parse_flags(['tool', '--helpconfig'], _define)
+  fv, _ = config_files.parse_flags(['tool', '-v=1'], _define)
+  assert fv.verbosity == 1
+  flags.FLAGS['verbosity'].unparse()
+
+
 @pytest.mark.parametrize('argv, match', [
     (['--config=configs/digits.py', '--config.ot.epsilonn=0.1'],
      'Did you mean "epsilon"'),

@@ -30,13 +30,12 @@ from otclr_jax import config_files
 COMMANDS = ('ot', 'train', 'resnet', 'probe', 'views')
 
 
-def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
-                 sys_argv: Sequence[str] | None = None) -> None:
-  """Defines the flags on `flag_values`; `sys_argv` holds --config overrides."""
+def define_flags(flag_values: flags.FlagValues, argv: list[str]) -> None:
+  """Defines the flags on `flag_values`; `argv` holds --config overrides."""
   fv = dict(flag_values=flag_values)
   config_flags.DEFINE_config_file(
       'config', None, 'Config file (train, resnet, views); override fields '
-      'as --config.a.b=v.', lock_config=True, sys_argv=sys_argv, **fv)
+      'as --config.a.b=v.', lock_config=True, sys_argv=argv, **fv)
   flags.DEFINE_integer('repeats', 5, 'Timed calls per row (ot: at least); '
                        'the median is printed.', **fv)
   flags.DEFINE_integer('seed', 0, 'Seed of the images (views: also of '
@@ -71,13 +70,16 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS,
                     'accelerator, NumPy on a CPU).', **fv)
 
 
-def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
-         ) -> int:
-  """Runs the subcommand `argv[1]` with the parsed `flag_values`."""
-  if len(argv) != 2 or argv[1] not in COMMANDS:
+def main(argv: Sequence[str]) -> int:
+  """Runs the subcommand `argv[1]` (module docstring)."""
+  parsed = config_files.parse_flags(argv, define_flags, __doc__)
+  if parsed is None:
+    return 0
+  flag_values, rest = parsed
+  if len(rest) != 1 or rest[0] not in COMMANDS:
     raise app.UsageError(
-        f'Expected one subcommand of {COMMANDS}, got {list(argv[1:])}.')
-  command = argv[1]
+        f'Expected one subcommand of {COMMANDS}, got {rest}.')
+  command = rest[0]
   # Each command imports only its own module: `ot` alone needs ott-jax, whose
   # import is slow.
   # pylint: disable=g-import-not-at-top
@@ -100,13 +102,6 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
   return resnet.run_resnet(config, flag_values)
 
 
-def run() -> None:
-  """`python -m otclr_jax.bench <ot|train|resnet|probe|views> [flags]`."""
-  define_flags()
-  # Its ValueErrors all describe its flags.
-  cli.run(lambda argv: app.run(cli.guarded(main, (ValueError,)), argv=argv,
-                               flags_parser=config_files.parse_absl_flags))
-
-
 if __name__ == '__main__':
-  run()
+  # Its ValueErrors all describe its flags.
+  config_files.run(main, (ValueError,))

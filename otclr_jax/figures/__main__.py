@@ -158,4 +158,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
-  cli.run(main, usage_errors=(ValueError,))
+  config_files.run(main, usage_errors=(ValueError,))
