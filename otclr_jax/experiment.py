@@ -18,7 +18,6 @@ from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import conv
 from otclr_jax import data
-from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax import optim
 from otclr_jax import ot
@@ -68,8 +67,7 @@ _OPTIM_RULES = (
     (('clip_grad',), 'must be >= 0 (0: off)', lambda v: v >= 0))
 _CHOICES = (('mode', ('train', 'eval')), ('dtype', tuple(base.DTYPES)),
             ('model.stem', models.STEMS), ('model.conv_impl', conv.CONV_IMPLS),
-            ('ot.core', ot.CORES), ('ot.source', views_lib.SOURCES),
-            ('ot.detail', views_lib.DETAILS), ('ot.colour', views_lib.COLOURS))
+            ('ot.core', ot.CORES))
 
 
 def _field(config: ml_collections.ConfigDict, name: str) -> Any:
@@ -103,8 +101,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(_field(c, name) in choices, name, f'must be one of {choices}',
              _field(c, name))
   try:
-    method, _ = views_lib.resolve(c)
-    methods.get(method)
+    method = views_lib.recipe(c).method.name
   except ValueError as e:
     raise ConfigError(str(e)) from e
   # Seeds become uint32 PRNG key data (jax.random.key) and NumPy seeds.
@@ -161,10 +158,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            'monitor.every_steps', '(the kNN monitor) must be 0 (off) or a '
            'multiple of config.log_every_steps (it is logged with that '
            "step's line)", c.monitor.every_steps)
-  try:
-    views_lib.augment_params(c)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
   if method == 'moco':
     # The queue takes a whole batch of keys per step (methods/moco.py).
     _require(_is_int(c.moco.queue_size)
@@ -180,12 +173,12 @@ def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
 
 def title_of(config: ml_collections.ConfigDict) -> str:
   """The run's row name as the paper writes it ('MoCo + OT views', 'OTCLR')."""
-  return methods.title(*views_lib.resolve(config))
+  return views_lib.recipe(config).title
 
 
 def create_model(config: ml_collections.ConfigDict):
   """The trained (online) network of the run's method."""
-  return methods.get(views_lib.resolve(config)[0]).create_model(config)
+  return views_lib.recipe(config).method.create_model(config)
 
 
 def count_params(tree) -> int:

@@ -22,7 +22,7 @@ OPTIMIZERS = ('sgd', 'lars')
 def optim_settings(config: ml_collections.ConfigDict
                    ) -> ml_collections.ConfigDict:
   """The run's optimiser: a method block's ``optim``, else `config.optim`."""
-  method = views_lib.resolve(config)[0]
+  method = views_lib.recipe(config).method.name
   block = config.get(method, None)
   if block is not None and 'optim' in block:
     return block.optim

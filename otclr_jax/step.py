@@ -17,7 +17,6 @@ import optax
 
 from otclr_jax import experiment
 from otclr_jax import losses
-from otclr_jax import methods
 from otclr_jax import optim
 from otclr_jax import rundir
 from otclr_jax import views
@@ -48,7 +47,7 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
 
   Args:
     config: the run's config.
-    method: the objective (`methods.get`).
+    method: the objective (`views.recipe`).
     model: `method.create_model(config)`.
     tx: the optimiser.
     key: the run's init key.
@@ -109,7 +108,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     `(new_state, metrics)`: scalars ``'loss'``, the method's terms,
     ``'sinkhorn'`` and ``'alpha'`` (OT views), ``'grad_norm'``, ``'lr'``.
   """
-  _, view_kind = views.resolve(config)
+  view_kind = views.recipe(config).views
   images = batch.astype(jnp.float32) / 255.0
   step_key = jax.random.fold_in(key, state.step)
   progress = base.Progress(state.step, total_steps, steps_per_epoch)
@@ -178,23 +177,23 @@ class Setup:
   """Everything a config builds for a run of known length.
 
   Attributes:
-    method: the objective (`methods.get`).
-    views: the view generator, 'augment' or 'ot'.
-    title: the run's row name ('MoCo + OT views', 'OTCLR', ...).
+    recipe: the objective and the views (`views.recipe`).
     model: the trained network.
     schedule: the learning-rate schedule.
     tx: the optimiser.
     steps_per_epoch: updates per epoch.
     total_steps: length of the run in updates.
   """
-  method: base.Method
-  views: str
-  title: str
+  recipe: views.Recipe
   model: Any
   schedule: optax.Schedule
   tx: optax.GradientTransformation
   steps_per_epoch: int
   total_steps: int
+
+  @property
+  def method(self) -> base.Method:
+    return self.recipe.method
 
 
 def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
@@ -204,8 +203,8 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
     config: a validated config.
     steps_per_epoch: updates per epoch (`data.steps_per_epoch`).
   """
-  method_name, view_kind = views.resolve(config)
-  method = methods.get(method_name)
+  recipe = views.recipe(config)
+  method_name = recipe.method.name
   total = optim.run_steps(config.total_steps, config.num_epochs,
                           steps_per_epoch)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
@@ -215,9 +214,8 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
   block = config.get(method_name, None)
   if block is not None and 'base_tau' in block:
     base.report_horizon(method_name, block, total)
-  return Setup(method=method, views=view_kind,
-               title=methods.title(method_name, view_kind),
-               model=method.create_model(config), schedule=schedule,
+  return Setup(recipe=recipe, model=recipe.method.create_model(config),
+               schedule=schedule,
                tx=optim.create_optimizer(config, schedule),
                steps_per_epoch=steps_per_epoch, total_steps=total)
 

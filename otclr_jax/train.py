@@ -438,7 +438,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   logging.info(
       '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
       'batch %d over %d device(s); %.2fM pretraining parameters (network and '
-      'its targets).', run.title, run.method.name, run.views, config.dataset,
+      'its targets).', run.recipe.title, run.method.name, run.recipe.views, config.dataset,
       len(train_data.images), spe, total, config.batch_size, mesh.size,
       step_lib.pretraining_params(state) / 1e6)
 

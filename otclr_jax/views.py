@@ -11,6 +11,7 @@ import ml_collections
 
 from otclr_jax import augment
 from otclr_jax import losses
+from otclr_jax import methods
 from otclr_jax import ot
 
 VIEWS = ('augment', 'ot')
@@ -33,49 +34,55 @@ class ViewOptions(NamedTuple):
   colour: str = COLOURS[0]
 
 
-def view_options(config: ml_collections.ConfigDict) -> ViewOptions:
-  """The run's OT view options, checked.
+class Recipe(NamedTuple):
+  """What a config trains on: its objective and its positive views."""
+  method: methods.Method  # 'otclr' resolves to SimCLR
+  views: str  # 'augment' or 'ot'
+  options: ViewOptions
+  augment: augment.AugmentParams
+
+  @property
+  def title(self) -> str:
+    """The run's row name as the paper writes it ('MoCo + OT views')."""
+    return methods.title(self.method.name, self.views)
+
+
+def recipe(config: ml_collections.ConfigDict) -> Recipe:
+  """The run's objective and views, resolved and checked: the one place
+  that reads `config.method`, `.views`, `.ot.source/detail/colour` and
+  `.augment`.
 
   Raises:
     ValueError: naming the field, e.g. "config.ot.source must be one of
       ('image', 'strong', 'weak'), got 'x'."
   """
-  values = {}
-  for name, choices in (('source', SOURCES), ('detail', DETAILS),
-                        ('colour', COLOURS)):
-    value = config.ot[name]
-    if value not in choices:
-      raise ValueError(
-          f'config.ot.{name} must be one of {choices}, got {value!r}.')
-    values[name] = value
-  return ViewOptions(**values)
-
-
-def resolve(config: ml_collections.ConfigDict) -> tuple[str, str]:
-  """The run's `(objective, view generator)` names.
-
-  Args:
-    config: the run's config; `config.views` ``''`` means the method's own.
-
-  Returns:
-    `(method, views)`, e.g. ``('simclr', 'ot')`` for ``method='otclr'``.
-
-  Raises:
-    ValueError: for unknown `config.views`, or 'otclr' with 'augment' views.
-  """
   views = config.get('views', None) or None
   if views is not None and views not in VIEWS:
     raise ValueError(f'config.views must be one of {VIEWS}, got {views!r}.')
-  if config.method == OTCLR_ALIAS:
+  name = config.method
+  if name == OTCLR_ALIAS:
     if views not in (None, 'ot'):
       raise ValueError(
           "config.method='otclr' is SimCLR with OT views (config.views='ot'); "
           f'got config.views={views!r}. Use config.method=simclr with '
           "config.views='augment' for the baseline.")
-    return 'simclr', 'ot'
-  if views is None:
-    views = 'augment'
-  return config.method, views
+    name, views = 'simclr', 'ot'
+  options = {}
+  for field, choices in (('source', SOURCES), ('detail', DETAILS),
+                         ('colour', COLOURS)):
+    options[field] = config.ot[field]
+    if options[field] not in choices:
+      raise ValueError(f'config.ot.{field} must be one of {choices}, got '
+                       f'{options[field]!r}.')
+  fields = dict(config.augment) if 'augment' in config else {}
+  if 'crop_scale' in fields:
+    fields['crop_scale'] = tuple(float(v) for v in fields['crop_scale'])
+  try:
+    params = augment.AugmentParams(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'config.augment: {e}') from e
+  return Recipe(methods.get(name), views or 'augment', ViewOptions(**options),
+                params)
 
 
 def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
@@ -93,28 +100,12 @@ def current_alpha(config: ml_collections.ConfigDict, params) -> jax.Array:
   return jnp.asarray(config.ot.alpha, jnp.float32)
 
 
-def augment_params(config: ml_collections.ConfigDict) -> augment.AugmentParams:
-  """The strong augmentation's settings from `config.augment` (checked).
-
-  Raises:
-    ValueError: naming `config.augment` and the bad field.
-  """
-  fields = dict(config.augment) if 'augment' in config else {}
-  for name in ('crop_scale',):
-    if name in fields:
-      fields[name] = tuple(float(v) for v in fields[name])
-  try:
-    return augment.AugmentParams(**fields)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f'config.augment: {e}') from e
-
-
 def make_views(config: ml_collections.ConfigDict, images: jax.Array,
                key: jax.Array, alpha: jax.Array | float | None = None):
   """Both positive views of a batch, as the training step sees them.
 
   Args:
-    config: the run's config (`resolve`, `config.augment`, `config.ot`).
+    config: the run's config (`recipe`, `config.ot`).
     images: source images float32 [B, H, W, 3] in [0, 1].
     key: PRNG key for the two strong augmentations (split once, as always).
     alpha: scalar interpolation coefficient for ``'ot'`` views (may be
@@ -125,10 +116,8 @@ def make_views(config: ml_collections.ConfigDict, images: jax.Array,
     views and the strong augmentations of the same keys (what the OT views
     were generated from unless `config.ot.colour='after'`).
   """
-  _, views = resolve(config)
-  options = view_options(config)
+  views, options, params_aug = recipe(config)[1:]
   k1, k2 = jax.random.split(key)
-  params_aug = augment_params(config)
   if views == 'ot' and options != ViewOptions():
     generate = _generator(config, alpha)
     kw1, kw2 = jax.random.split(jax.random.fold_in(key, _WEAK_KEY))

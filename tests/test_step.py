@@ -39,7 +39,7 @@ def images(data_dir):
 
 def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
   """(method, state, jitted step) for `config`, as training will build them."""
-  method = methods.get(step_lib.views.resolve(config)[0])
+  method = step_lib.views.recipe(config).method
   model = method.create_model(config)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch,
                                                total_steps)
@@ -199,10 +199,10 @@ def test_every_conv_impl_reproduces_the_pinned_step(data_dir, images,
 
 def test_otclr_alias_equals_simclr_with_ot_views(data_dir):
   alias = methods.add_defaults(tiny_config(data_dir, method='otclr'))
-  assert step_lib.views.resolve(alias) == ('simclr', 'ot')
+  assert step_lib.views.recipe(alias)[:2] == (methods.get('simclr'), 'ot')
   alias.views = 'augment'
   with pytest.raises(ValueError, match='otclr'):
-    step_lib.views.resolve(alias)
+    step_lib.views.recipe(alias)
 
 
 def _progress_metric(method, metrics):

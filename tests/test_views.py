@@ -87,7 +87,7 @@ def test_defaults_are_bit_equal_to_the_paper_views(photos, kind):
 
   def paper(images, key):
     k1, k2 = jax.random.split(key)
-    params = views.augment_params(config)
+    params = views.recipe(config).augment
     xs1 = augment.simclr_augment(k1, images, params)
     xs2 = augment.simclr_augment(k2, images, params)
     if kind == 'augment':
@@ -107,7 +107,7 @@ def test_an_unknown_option_fails_in_one_line_naming_the_field(field, choices):
   config = _config(**{field: 'x'})
   message = f"config.{field} must be one of {choices}, got 'x'."
   with pytest.raises(ValueError) as raised:
-    views.view_options(config)
+    views.recipe(config)
   assert str(raised.value) == message
   with pytest.raises(experiment.ConfigError) as raised:
     experiment.validate_config(config)

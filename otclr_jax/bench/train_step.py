@@ -63,7 +63,7 @@ def _compile_variant(config, batch, key, mesh) -> Variant:
   variables = {'params': state.params['net'], 'batch_stats': state.batch_stats}
   fwd = jax.jit(lambda v, x: run.model.apply(v, x, train=False))
   return Variant(
-      run.title, run.model, compiled, state, common.flops(compiled),
+      run.recipe.title, run.model, compiled, state, common.flops(compiled),
       common.flops(fwd.lower(variables, views_in).compile()),
       step_lib.pretraining_params(state) / 1e6,
       experiment.count_params(state.params['net']['encoder']) / 1e6)

@@ -94,12 +94,11 @@ def run_views(config: ml_collections.ConfigDict,
                          config.data_dir or None)
   _, images = view_quality.choose_images(test.images, fv.num_images, fv.seed)
   stats = view_statistics(config, images, seed=fv.seed)
-  method, kind = views_lib.resolve(config)
-  options = views_lib.view_options(config)
+  method, kind, options = views_lib.recipe(config)[:3]
   generator = (f'OT views (source={options.source}, detail={options.detail}, '
                f'colour={options.colour}, alpha={config.ot.alpha:g})'
                if kind == 'ot' else 'strong augmentations')
-  print(f'{method} with {generator}: {len(images)} {fv.dataset} test images '
+  print(f'{method.name} with {generator}: {len(images)} {fv.dataset} test images '
         f'at {config.image_size} px (seed {fv.seed}), '
         f'{jax.devices()[0].platform}')
   print(f'views / strong views: high-frequency power (> {CUTOFF:g} '
