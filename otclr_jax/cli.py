@@ -147,9 +147,9 @@ def guarded(main: Callable[[Sequence[str]], Any],
     except SystemExit:
       raise
     except BaseException as e:  # pylint: disable=broad-except
-      _exit(report(e, usage_errors))
+      exit_now(report(e, usage_errors))
     if status:
-      _exit(int(status))
+      exit_now(int(status))
     return status
 
   return wrapped
@@ -174,21 +174,7 @@ def run(main: Callable[[Sequence[str]], Any],
         usage_errors: tuple[type[BaseException], ...] = ()) -> None:
   """Runs a tool's `main(argv)` and exits with its status (see the table)."""
   install_early_stop()
-  _exit(call(main, sys.argv if argv is None else argv, usage_errors))
-
-
-def _exit(status: int) -> None:
-  sys.stdout.flush()
-  sys.stderr.flush()
-  if status == 0:
-    sys.exit(0)
-  # Skip shutdown: tearing the runtime down under a running computation crashes.
-  try:
-    from absl import logging  # pylint: disable=g-import-not-at-top
-    logging.flush()
-  except ImportError:
-    pass
-  os._exit(status)  # pylint: disable=protected-access
+  exit_now(call(main, sys.argv if argv is None else argv, usage_errors))
 
 
 def _stop_during_start_up(signum, _):
@@ -222,11 +208,17 @@ class StopRequested(BaseException):
 
 
 def exit_now(status: int) -> None:
-  """Exits with `status`, no shutdown (it may segfault); close files first."""
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  logging.flush()
+  """Exits with `status`; a failure skips the runtime's shutdown, which
+  crashes under a running computation (close files first)."""
   sys.stdout.flush()
   sys.stderr.flush()
+  if status == 0:
+    sys.exit(0)
+  try:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.flush()
+  except ImportError:
+    pass
   os._exit(status)  # pylint: disable=protected-access
 
 

@@ -293,16 +293,14 @@ def main(argv: Sequence[str]) -> int:
         fv.process_id, fv.heartbeat_timeout, fv.shutdown_timeout)
   except experiment.ConfigError as e:
     logging.error('%s', e)
-    cli.exit_now(cli.EXIT_USAGE)
+    return cli.EXIT_USAGE
   if settings is not None:
     jax.distributed.initialize(**settings)
   logging.info('process %d of %d, local devices %s', jax.process_index(),
                jax.process_count(), jax.local_devices())
   overridden = config_flags.get_override_values(fv['config'])
-  status = run(fv.config, fv.workdir, overridden)
-  if status != 0:
-    cli.exit_now(status)
-  return status
+  # A failure's exit skips the runtime's shutdown (`cli.exit_now`).
+  return run(fv.config, fv.workdir, overridden)
 
 
 if __name__ == '__main__':
