@@ -98,23 +98,20 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
     steps = [s for s in _list_steps(workdir) if s not in failures]
     if not steps and not failures:
       raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
-    vanished = False
     for candidate in steps:
       try:
         return (model, experiment.restore_variables(config, workdir, candidate),
                 int(candidate))
       except Exception as e:  # pylint: disable=broad-except
-        if not os.path.isdir(rundir.checkpoint_dir(workdir, candidate)):
+        path = rundir.checkpoint_dir(workdir, candidate)
+        if not os.path.isdir(path):
           logging.info('Checkpoint %s was deleted while being read (a run '
-                       'rotating its checkpoints); listing them again.',
-                       rundir.checkpoint_dir(workdir, candidate))
-          vanished = True
+                       'rotating its checkpoints); listing them again.', path)
           break
         failures[candidate] = checkpoint.describe_error(e)
-        logging.warning('Skipping checkpoint %s: %s',
-                        rundir.checkpoint_dir(workdir, candidate),
+        logging.warning('Skipping checkpoint %s: %s', path,
                         failures[candidate])
-    if not vanished:
+    else:
       break
   reasons = '; '.join(f'step {s}: {why}' for s, why in failures.items())
   raise cli.BrokenRunError(
