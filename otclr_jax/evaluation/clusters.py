@@ -46,22 +46,21 @@ def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
   return {k: float(result[k]) for k in _CLUSTER_KEYS}
 
 
-def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
-                         max_points: int = MAX_CLUSTER_POINTS,
-                         seed: int = CLUSTER_SEED) -> dict[str, Any]:
+def feature_cluster_metrics(test_x: np.ndarray,
+                            num_classes: int) -> dict[str, Any]:
   """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
 
-  Above `max_points` rows, a seeded subsample (silhouette is O(n^2)).
+  Above `MAX_CLUSTER_POINTS` rows, a seeded subsample (silhouette is O(n^2)).
 
   Returns:
     The four metrics (None where undefined) and 'num_points'.
   """
   z = features.l2_normalise(test_x)
-  if len(z) > max_points:
-    keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points,
-                                                      replace=False))
+  if len(z) > MAX_CLUSTER_POINTS:
+    keep = np.sort(np.random.default_rng(CLUSTER_SEED).choice(
+        len(z), MAX_CLUSTER_POINTS, replace=False))
     logging.info('Cluster metrics on %d of %d test points (seed %d).',
-                 max_points, len(z), seed)
+                 MAX_CLUSTER_POINTS, len(z), CLUSTER_SEED)
     z = z[keep]
   out = safe_cluster_metrics(z, num_classes)
   out['num_points'] = int(len(z))

@@ -326,12 +326,6 @@ def _json_safe(tree: Any) -> Any:
   return value if math.isfinite(value) else None
 
 
-def _hardware() -> str:
-  devices = jax.devices()
-  return (f'{len(devices)} x {devices[0].device_kind} '
-          f'({devices[0].platform}, {jax.process_count()} process(es))')
-
-
 def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -357,13 +351,15 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   """
   start = time.perf_counter()
   ctx = Context(config, workdir, step)
+  devices = jax.devices()
   results: dict[str, Any] = {
       'step': ctx.step, 'checkpoint': rundir.checkpoint_dir(workdir, ctx.step),
       'method': config.method, 'view_generator': views_lib.resolve(config)[1],
       'title': experiment.title_of(config),
       'seed': int(config.seed), 'batch_size': int(config.batch_size),
       'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
-      'hardware': _hardware(),
+      'hardware': f'{len(devices)} x {devices[0].device_kind} '
+                  f'({devices[0].platform}, {jax.process_count()} process(es))',
       'protocol': {
           'embedding': clusters.embedding_of(config),
           'embedding_desc': clusters.EMBEDDINGS[clusters.embedding_of(config)],

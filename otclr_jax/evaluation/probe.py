@@ -195,15 +195,25 @@ NUMPY = _Backend(np, *(functools.partial(f, np) for f in _KERNELS),
                  _invert_coupled, contextlib.nullcontext)
 
 
+@contextlib.contextmanager
 def _jax_context():
   """float64 and float32 products at full precision (no TF32), for the
   probe's calls only: training keeps JAX's defaults."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(jax.enable_x64(True))
-  stack.enter_context(jax.default_matmul_precision('float32'))
-  return stack
+  with jax.enable_x64(True), jax.default_matmul_precision('float32'):
+    yield
 
 
+def _on_device(kernel, **jit_args):
+  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
+  jitted = jax.jit(kernel, **jit_args)
+
+  def call(*args):
+    with _jax_context():
+      return jitted(*args)
+  return call
+
+
+@functools.partial(_on_device, static_argnums=2)
 def _jax_coupled_inverse(own, crosses, pairs):
   """H^-1 [G (D + 1), G (D + 1)] of `_invert_coupled`'s blocks (NaN where
   H is not positive definite)."""
@@ -217,22 +227,9 @@ def _jax_coupled_inverse(own, crosses, pairs):
   return jax.scipy.linalg.cho_solve((factor, True), jnp.eye(k * d1))
 
 
-def _on_device(kernel, **jit_args):
-  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
-  jitted = jax.jit(kernel, **jit_args)
-
-  def call(*args):
-    with _jax_context():
-      return jitted(*args)
-  return call
-
-
-_coupled_inverse = _on_device(_jax_coupled_inverse, static_argnums=2)
-
-
 def _jax_invert_coupled(own, crosses, pairs):
   """`_invert_coupled` in JAX: H's inverse, explicit, multiplies each g."""
-  inverse = _coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
+  inverse = _jax_coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
   if not bool(jnp.isfinite(inverse).all()):
     return None
   return lambda g: inverse @ g
