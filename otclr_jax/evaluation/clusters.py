@@ -7,6 +7,7 @@ import time
 from typing import Any, Iterator
 
 from absl import logging
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -174,16 +175,13 @@ def recompute_batch_stats(model, variables: dict[str, Any],
       pooled[1] = pooled[1] + n * (np.asarray(var, np.float64) + mean**2)
 
   total = float(len(images))
-
-  def rebuild(tree, prefix):
-    if set(tree.keys()) == {'mean', 'var'}:
-      path = '/'.join(prefix)
-      if path not in sums:
-        raise ValueError(f'BatchNorm {path} was not reached by the forward '
-                         'pass; its statistics cannot be re-estimated.')
-      mean = sums[path][0] / total
-      var = np.maximum(sums[path][1] / total - mean**2, 0.0)
-      return {'mean': mean.astype(np.float32), 'var': var.astype(np.float32)}
-    return {k: rebuild(tree[k], prefix + (k,)) for k in tree.keys()}
-
-  return rebuild(variables['batch_stats'], ())
+  stats = {}
+  for key in traverse_util.flatten_dict(variables['batch_stats']):
+    path = '/'.join(key[:-1])  # key: the BatchNorm's path, then mean or var
+    if path not in sums:
+      raise ValueError(f'BatchNorm {path} was not reached by the forward '
+                       'pass; its statistics cannot be re-estimated.')
+    mean = sums[path][0] / total
+    var = np.maximum(sums[path][1] / total - mean**2, 0.0)
+    stats[key] = (mean if key[-1] == 'mean' else var).astype(np.float32)
+  return traverse_util.unflatten_dict(stats)

@@ -1,18 +1,10 @@
-"""Clustering and view metrics on embeddings (docs/method.md section 7).
+"""Clustering and view metrics on embeddings, defined in docs/method.md
+section 7.
 
 Clustering metrics take `z` [n, d] and ids `assign` [n]; empty clusters are
-masked out. With C the non-empty clusters, n_c a size and mu_c a centroid:
-
-  * silhouette: mean of (b_i - a_i) / max(a_i, b_i), a_i / b_i the mean
-    distance to i's own / nearest other cluster; singletons score 0.
-  * compactness: mean over c in C of (1 / n_c) sum_{i in c} ||z_i - mu_c||^2.
-  * centroid margin: mean over c in C of min_{c' != c} ||mu_c - mu_c'||.
-  * inter/intra ratio: mean ||mu_c - mu_c'|| over pairs, over the paper's
-    D_intra: the equal-weight mean over n_c >= 2 clusters of pair distances.
-
-All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or NaN when
-traced). Pairwise distances take O(block_size * n) memory, ~1e-3 absolute
-error between near-duplicates in float32.
+masked out. All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or
+NaN when traced). Pairwise distances take O(block_size * n) memory, ~1e-3
+absolute error between near-duplicates in float32.
 """
 
 from __future__ import annotations
@@ -135,7 +127,7 @@ def _all_cluster_metrics(z, assign, *, num_clusters, block_size):
            & ~jnp.eye(num_clusters, dtype=bool))
   diff = centroids[:, None, :] - centroids[None, :, :]
   between = jnp.sqrt(jnp.sum(diff * diff, axis=-1))
-  # Silhouette: a_i and b_i of the module doc.
+  # Silhouette: a_i, b_i the mean distance to i's own, nearest other cluster.
   own_count = counts[assign]
   a = own_sum / jnp.maximum(own_count - 1.0, 1.0)
   mean_to = dist_sums / jnp.maximum(counts, 1.0)[None, :]
@@ -194,7 +186,7 @@ def _view_cosine(z1, z2):
 def clustering_scores(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                       block_size: int | None = DEFAULT_BLOCK_SIZE
                       ) -> dict[str, jax.Array]:
-  """The four clustering metrics of the module doc, from one distance pass.
+  """The four clustering metrics, from one pairwise-distance pass.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
