@@ -520,7 +520,7 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
   solve = _span_solver(fit_x, y[~held], num_classes, backend)
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
-  fits, records = {}, {}
+  fits, records = [None] * len(l2_grid), [None] * len(l2_grid)
   start = time.perf_counter()
   for done, index in enumerate(
       sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]), 1):
@@ -543,7 +543,6 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
     fits[index] = fit
     records[index] = dict(fit.record(), val_top1=100.0 * val_top1,
                           val_ce=val_ce)
-  records = [records[i] for i in range(len(l2_grid))]
   index = select(records)
   chosen = fits[index]
   return (chosen._replace(w=basis @ chosen.w), records[index]['val_top1'],

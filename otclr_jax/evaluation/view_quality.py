@@ -77,7 +77,7 @@ def paired_views(config: ml_collections.ConfigDict, images: np.ndarray, *,
     return tuple(v[0] for v in views_lib.make_views(config, x[None], key,
                                                     alpha))
 
-  batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
+  batch_views = jax.jit(jax.vmap(one_image))
   key = jax.random.key(seed)
   start = 0
   for batch in data.eval_batches(images, batch_size):
