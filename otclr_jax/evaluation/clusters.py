@@ -7,6 +7,7 @@ import time
 from typing import Any, Iterator
 
 from absl import logging
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,22 +47,21 @@ def safe_cluster_metrics(z: np.ndarray, num_classes: int) -> dict[str, Any]:
   return {k: float(result[k]) for k in _CLUSTER_KEYS}
 
 
-def feature_cluster_metrics(test_x: np.ndarray, num_classes: int,
-                         max_points: int = MAX_CLUSTER_POINTS,
-                         seed: int = CLUSTER_SEED) -> dict[str, Any]:
+def feature_cluster_metrics(test_x: np.ndarray,
+                            num_classes: int) -> dict[str, Any]:
   """`metrics.cluster_metrics` of l2-normalised features, K = num_classes.
 
-  Above `max_points` rows, a seeded subsample (silhouette is O(n^2)).
+  Above `MAX_CLUSTER_POINTS` rows, a seeded subsample (silhouette is O(n^2)).
 
   Returns:
     The four metrics (None where undefined) and 'num_points'.
   """
   z = features.l2_normalise(test_x)
-  if len(z) > max_points:
-    keep = np.sort(np.random.default_rng(seed).choice(len(z), max_points,
-                                                      replace=False))
+  if len(z) > MAX_CLUSTER_POINTS:
+    keep = np.sort(np.random.default_rng(CLUSTER_SEED).choice(
+        len(z), MAX_CLUSTER_POINTS, replace=False))
     logging.info('Cluster metrics on %d of %d test points (seed %d).',
-                 max_points, len(z), seed)
+                 MAX_CLUSTER_POINTS, len(z), CLUSTER_SEED)
     z = z[keep]
   out = safe_cluster_metrics(z, num_classes)
   out['num_points'] = int(len(z))
@@ -175,16 +175,13 @@ def recompute_batch_stats(model, variables: dict[str, Any],
       pooled[1] = pooled[1] + n * (np.asarray(var, np.float64) + mean**2)
 
   total = float(len(images))
-
-  def rebuild(tree, prefix):
-    if set(tree.keys()) == {'mean', 'var'}:
-      path = '/'.join(prefix)
-      if path not in sums:
-        raise ValueError(f'BatchNorm {path} was not reached by the forward '
-                         'pass; its statistics cannot be re-estimated.')
-      mean = sums[path][0] / total
-      var = np.maximum(sums[path][1] / total - mean**2, 0.0)
-      return {'mean': mean.astype(np.float32), 'var': var.astype(np.float32)}
-    return {k: rebuild(tree[k], prefix + (k,)) for k in tree.keys()}
-
-  return rebuild(variables['batch_stats'], ())
+  stats = {}
+  for key in traverse_util.flatten_dict(variables['batch_stats']):
+    path = '/'.join(key[:-1])  # key: the BatchNorm's path, then mean or var
+    if path not in sums:
+      raise ValueError(f'BatchNorm {path} was not reached by the forward '
+                       'pass; its statistics cannot be re-estimated.')
+    mean = sums[path][0] / total
+    var = np.maximum(sums[path][1] / total - mean**2, 0.0)
+    stats[key] = (mean if key[-1] == 'mean' else var).astype(np.float32)
+  return traverse_util.unflatten_dict(stats)

@@ -98,23 +98,20 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
     steps = [s for s in _list_steps(workdir) if s not in failures]
     if not steps and not failures:
       raise FileNotFoundError(f'No complete checkpoint in {directory}; {how}.')
-    vanished = False
     for candidate in steps:
       try:
         return (model, experiment.restore_variables(config, workdir, candidate),
                 int(candidate))
       except Exception as e:  # pylint: disable=broad-except
-        if not os.path.isdir(rundir.checkpoint_dir(workdir, candidate)):
+        path = rundir.checkpoint_dir(workdir, candidate)
+        if not os.path.isdir(path):
           logging.info('Checkpoint %s was deleted while being read (a run '
-                       'rotating its checkpoints); listing them again.',
-                       rundir.checkpoint_dir(workdir, candidate))
-          vanished = True
+                       'rotating its checkpoints); listing them again.', path)
           break
         failures[candidate] = checkpoint.describe_error(e)
-        logging.warning('Skipping checkpoint %s: %s',
-                        rundir.checkpoint_dir(workdir, candidate),
+        logging.warning('Skipping checkpoint %s: %s', path,
                         failures[candidate])
-    if not vanished:
+    else:
       break
   reasons = '; '.join(f'step {s}: {why}' for s, why in failures.items())
   raise cli.BrokenRunError(
@@ -329,12 +326,6 @@ def _json_safe(tree: Any) -> Any:
   return value if math.isfinite(value) else None
 
 
-def _hardware() -> str:
-  devices = jax.devices()
-  return (f'{len(devices)} x {devices[0].device_kind} '
-          f'({devices[0].platform}, {jax.process_count()} process(es))')
-
-
 def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -360,13 +351,15 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   """
   start = time.perf_counter()
   ctx = Context(config, workdir, step)
+  devices = jax.devices()
   results: dict[str, Any] = {
       'step': ctx.step, 'checkpoint': rundir.checkpoint_dir(workdir, ctx.step),
       'method': config.method, 'view_generator': views_lib.recipe(config).views,
       'title': experiment.title_of(config),
       'seed': int(config.seed), 'batch_size': int(config.batch_size),
       'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
-      'hardware': _hardware(),
+      'hardware': f'{len(devices)} x {devices[0].device_kind} '
+                  f'({devices[0].platform}, {jax.process_count()} process(es))',
       'protocol': {
           'embedding': clusters.embedding_of(config),
           'embedding_desc': clusters.EMBEDDINGS[clusters.embedding_of(config)],

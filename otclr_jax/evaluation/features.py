@@ -82,19 +82,17 @@ def to_unit(images: jax.Array) -> jax.Array:
 
 
 class Encoder:
-  """The frozen network in inference mode, batches split over `mesh`.
+  """The frozen network in inference mode, batches split over local devices.
 
   `encoder(variables, images)`: uint8 [B, S, S, 3], B divisible by
   `num_devices`, to host float32 features [B, 512].
   """
 
-  def __init__(self, model, mesh=None):
-    mesh = (experiment.make_mesh(jax.local_devices()) if mesh is None
-            else mesh)
+  def __init__(self, model):
+    mesh = experiment.make_mesh(jax.local_devices())
     self.num_devices = mesh.size
     self._data = NamedSharding(mesh, P('data'))
     self._replicated = NamedSharding(mesh, P())
-
     self._apply = _compiled_apply(model)
 
   def place(self, variables: Any) -> Any:

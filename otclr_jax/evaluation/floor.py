@@ -1,11 +1,8 @@
 """The random-init floor, fitted once for the runs that share it.
 
-The untrained encoder depends only on the seed, the network and how its
-features are extracted, so SimCLR and OTCLR runs of one seed have the same
-floor. With `config.eval.floor_dir` set, the floor's rows (probe, kNN) are
-stored there under a digest of that identity, fitted by the first run that
-needs them while the others wait, and read back, never refitted, by every
-later run of the same identity.
+Runs that agree on the untrained encoder (docs/method.md section 7) store its
+rows (probe, kNN) in `config.eval.floor_dir` under a digest of its identity:
+the first run fits them while the others wait; later runs read them back.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Clustering and view metrics on embeddings (docs/method.md section 7).
+"""Clustering and view metrics on embeddings, defined in docs/method.md
+section 7.
 
 Clustering metrics take `z` [n, d] and ids `assign` [n]; empty clusters are
-masked out. With C the non-empty clusters, n_c a size and mu_c a centroid:
-
-  * silhouette: mean of (b_i - a_i) / max(a_i, b_i), a_i / b_i the mean
-    distance to i's own / nearest other cluster; singletons score 0.
-  * compactness: mean over c in C of (1 / n_c) sum_{i in c} ||z_i - mu_c||^2.
-  * centroid margin: mean over c in C of min_{c' != c} ||mu_c - mu_c'||.
-  * inter/intra ratio: mean ||mu_c - mu_c'|| over pairs, over the paper's
-    D_intra: the equal-weight mean over n_c >= 2 clusters of pair distances.
-
-All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or NaN when
-traced). Pairwise distances take O(block_size * n) memory, ~1e-3 absolute
-error between near-duplicates in float32.
+masked out. All need 2 <= #non-empty clusters <= n - 1 (else ValueError, or
+NaN when traced). Pairwise distances take O(block_size * n) memory, ~1e-3
+absolute error between near-duplicates in float32.
 """
 
 from __future__ import annotations
@@ -28,10 +20,6 @@ import numpy as np
 
 # Rows of the pairwise-distance slab per `lax.map` step (40 MB at n = 10k).
 DEFAULT_BLOCK_SIZE = 1024
-
-
-def _is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
 
 
 def _check_num_clusters(num_clusters: Any) -> None:
@@ -64,7 +52,7 @@ def _check_clustering_inputs(z: Any, assign: Any, num_clusters: Any,
       or not isinstance(block_size, (int, np.integer)) or block_size < 1):
     raise ValueError(
         f'block_size must be a positive int or None, got {block_size!r}.')
-  if _is_concrete(assign):
+  if not isinstance(assign, jax.core.Tracer):
     ids = np.asarray(assign)
     if ids.min() < 0 or ids.max() >= num_clusters:
       raise ValueError(
@@ -95,15 +83,6 @@ def _check_paired(arrays: dict[str, Any], rank: int, layout: str) -> None:
     raise ValueError(f'Shapes must match, got {described}.')
 
 
-def _cluster_stats(z: jax.Array, assign: jax.Array, num_clusters: int):
-  """Returns one-hot memberships [n, K], sizes [K] and centroids [K, d]."""
-  onehot = jax.nn.one_hot(assign, num_clusters, dtype=z.dtype)
-  counts = jax.ops.segment_sum(jnp.ones_like(z[:, 0]), assign, num_clusters)
-  sums = jax.ops.segment_sum(z, assign, num_clusters)
-  centroids = sums / jnp.maximum(counts, 1.0)[:, None]
-  return onehot, counts, centroids
-
-
 def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
                            block_size: int | None) -> jax.Array:
   """[n, K]: (i, c) = sum over j in cluster c of ||z_i - z_j||."""
@@ -131,21 +110,25 @@ def _cluster_distance_sums(z: jax.Array, onehot: jax.Array,
   return sums.reshape(num_blocks * block, -1)[:n]
 
 
-def _pairs_of_nonempty(counts: jax.Array) -> jax.Array:
-  """[K, K] mask of ordered pairs of distinct non-empty clusters."""
-  nonempty = counts > 0
-  return (nonempty[:, None] & nonempty[None, :]
-          & ~jnp.eye(counts.shape[0], dtype=bool))
-
-
-def _centroid_distances(centroids: jax.Array) -> jax.Array:
-  diff = centroids[:, None, :] - centroids[None, :, :]
-  return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
-
-
-def _silhouette_from(assign, onehot, counts, dist_sums):
-  own_count = counts[assign]
+@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
+def _all_cluster_metrics(z, assign, *, num_clusters, block_size):
+  """All four clustering metrics sharing one pairwise-distance pass."""
+  z = z.astype(jnp.float32)
+  onehot = jax.nn.one_hot(assign, num_clusters, dtype=z.dtype)  # [n, K]
+  counts = jax.ops.segment_sum(jnp.ones_like(z[:, 0]), assign, num_clusters)
+  centroids = (jax.ops.segment_sum(z, assign, num_clusters)
+               / jnp.maximum(counts, 1.0)[:, None])
+  dist_sums = _cluster_distance_sums(z, onehot, block_size)
   own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
+  nonempty = counts > 0
+  num_nonempty = jnp.sum(nonempty)
+  # [K, K]: ordered pairs of distinct non-empty clusters, centroid distances.
+  pairs = (nonempty[:, None] & nonempty[None, :]
+           & ~jnp.eye(num_clusters, dtype=bool))
+  diff = centroids[:, None, :] - centroids[None, :, :]
+  between = jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+  # Silhouette: a_i, b_i the mean distance to i's own, nearest other cluster.
+  own_count = counts[assign]
   a = own_sum / jnp.maximum(own_count - 1.0, 1.0)
   mean_to = dist_sums / jnp.maximum(counts, 1.0)[None, :]
   not_other = (onehot > 0) | (counts[None, :] == 0)
@@ -154,62 +137,40 @@ def _silhouette_from(assign, onehot, counts, dist_sums):
   # sklearn's convention: singletons, and a = b = 0, score 0.
   s = jnp.where((own_count > 1) & (denom > 0),
                 (b - a) / jnp.where(denom > 0, denom, 1.0), 0.0)
-  # With a single non-empty cluster every b is inf: undefined.
-  return jnp.where(jnp.sum(counts > 0) >= 2, jnp.mean(s), jnp.nan)
-
-
-def _compactness_from(z, assign, counts, centroids):
+  # Compactness, centroid margin, inter/intra ratio.
   resid = z - centroids[assign]
   per_cluster = jax.ops.segment_sum(
-      jnp.sum(resid * resid, axis=1), assign, counts.shape[0]) / jnp.maximum(
+      jnp.sum(resid * resid, axis=1), assign, num_clusters) / jnp.maximum(
           counts, 1.0)
-  nonempty = counts > 0
-  return jnp.sum(jnp.where(nonempty, per_cluster, 0.0)) / jnp.sum(nonempty)
-
-
-def _centroid_margin_from(counts, centroids):
-  nonempty = counts > 0
-  nearest = jnp.min(jnp.where(_pairs_of_nonempty(counts),
-                              _centroid_distances(centroids), jnp.inf), axis=1)
-  num_nonempty = jnp.sum(nonempty)
-  margin = jnp.sum(jnp.where(nonempty, nearest, 0.0)) / num_nonempty
-  return jnp.where(num_nonempty >= 2, margin, jnp.nan)
-
-
-def _inter_intra_ratio_from(assign, counts, centroids, dist_sums):
-  pairs = _pairs_of_nonempty(counts)
-  inter = jnp.sum(jnp.where(pairs, _centroid_distances(centroids), 0.0)
-                  ) / jnp.sum(pairs)
-  own_sum = jnp.take_along_axis(dist_sums, assign[:, None], axis=1)[:, 0]
+  nearest = jnp.min(jnp.where(pairs, between, jnp.inf), axis=1)
+  inter = jnp.sum(jnp.where(pairs, between, 0.0)) / jnp.sum(pairs)
   # Ordered pairs count each pair twice, hence n_c (n_c - 1).
-  cluster_sum = jax.ops.segment_sum(own_sum, assign, counts.shape[0])
+  cluster_sum = jax.ops.segment_sum(own_sum, assign, num_clusters)
   has_pairs = counts >= 2
   cluster_mean = cluster_sum / jnp.where(has_pairs, counts * (counts - 1.0),
                                          1.0)
   intra = jnp.sum(jnp.where(has_pairs, cluster_mean, 0.0)) / jnp.sum(
       has_pairs)
-  return inter / intra
-
-
-@functools.partial(jax.jit, static_argnames=('num_clusters', 'block_size'))
-def _all_cluster_metrics(z, assign, *, num_clusters, block_size):
-  """All four clustering metrics sharing one pairwise-distance pass."""
-  z = z.astype(jnp.float32)
-  onehot, counts, centroids = _cluster_stats(z, assign, num_clusters)
-  dist_sums = _cluster_distance_sums(z, onehot, block_size)
+  # With a single non-empty cluster every b is inf: undefined.
+  defined = num_nonempty >= 2
   return {
-      'silhouette': _silhouette_from(assign, onehot, counts, dist_sums),
-      'compactness': _compactness_from(z, assign, counts, centroids),
-      'centroid_margin': _centroid_margin_from(counts, centroids),
-      'inter_intra_ratio': _inter_intra_ratio_from(assign, counts, centroids,
-                                                   dist_sums),
+      'silhouette': jnp.where(defined, jnp.mean(s), jnp.nan),
+      'compactness': jnp.sum(jnp.where(nonempty, per_cluster, 0.0))
+                     / num_nonempty,
+      'centroid_margin': jnp.where(
+          defined, jnp.sum(jnp.where(nonempty, nearest, 0.0)) / num_nonempty,
+          jnp.nan),
+      'inter_intra_ratio': inter / intra,
   }
 
 
-@jax.jit
-def _view_distance(z1, z2):
-  diff = z1.astype(jnp.float32) - z2.astype(jnp.float32)
-  return jnp.mean(jnp.sqrt(jnp.sum(diff * diff, axis=-1)))
+@functools.partial(jax.jit, static_argnames='rms')
+def _mean_distance(a, b, rms=False):
+  """Mean over rows of the L2 (or RMS) norm of a - b [n, ...], flattened."""
+  diff = (a.astype(jnp.float32) - b.astype(jnp.float32)).reshape(
+      a.shape[0], -1)
+  reduce = jnp.mean if rms else jnp.sum
+  return jnp.mean(jnp.sqrt(reduce(diff * diff, axis=-1)))
 
 
 @jax.jit
@@ -222,27 +183,10 @@ def _view_cosine(z1, z2):
   return jnp.mean(jnp.sum(z1 * z2, axis=-1) / (n1 * n2))
 
 
-def _pixel_diff(views, strong):
-  return (views.astype(jnp.float32) - strong.astype(jnp.float32)).reshape(
-      views.shape[0], -1)
-
-
-@jax.jit
-def _pixel_l2(views, strong):
-  diff = _pixel_diff(views, strong)
-  return jnp.mean(jnp.sqrt(jnp.sum(diff * diff, axis=-1)))
-
-
-@jax.jit
-def _pixel_rms(views, strong):
-  diff = _pixel_diff(views, strong)
-  return jnp.mean(jnp.sqrt(jnp.mean(diff * diff, axis=-1)))
-
-
 def clustering_scores(z: jax.Array, assign: jax.Array, *, num_clusters: int,
                       block_size: int | None = DEFAULT_BLOCK_SIZE
                       ) -> dict[str, jax.Array]:
-  """The four clustering metrics of the module doc, from one distance pass.
+  """The four clustering metrics, from one pairwise-distance pass.
 
   Args:
     z: [n, d] l2-normalised embeddings, computed in float32.
@@ -277,7 +221,7 @@ def view_distance(z1: jax.Array, z2: jax.Array) -> jax.Array:
     [] float32, mean_i ||z1_i - z2_i||; in [0, 2] for unit rows.
   """
   _check_paired({'z1': z1, 'z2': z2}, 2, '[n, d]')
-  return _view_distance(z1, z2)
+  return _mean_distance(z1, z2)
 
 
 def view_cosine(z1: jax.Array, z2: jax.Array) -> jax.Array:
@@ -307,7 +251,7 @@ def anchor_distance(z1: jax.Array, z2: jax.Array,
     [] float32, (mean_i ||z1_i - a_i|| + mean_i ||z2_i - a_i||) / 2.
   """
   _check_paired({'z1': z1, 'z2': z2, 'z_anchor': z_anchor}, 2, '[n, d]')
-  return 0.5 * (_view_distance(z1, z_anchor) + _view_distance(z2, z_anchor))
+  return 0.5 * (_mean_distance(z1, z_anchor) + _mean_distance(z2, z_anchor))
 
 
 def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
@@ -321,7 +265,7 @@ def pixel_l2(views: jax.Array, strong: jax.Array) -> jax.Array:
     [] float32, mean over images of ||views_i - strong_i||_2.
   """
   _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
-  return _pixel_l2(views, strong)
+  return _mean_distance(views, strong)
 
 
 def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
@@ -335,7 +279,7 @@ def pixel_rms(views: jax.Array, strong: jax.Array) -> jax.Array:
     [] float32 in pixel units, mean over images of the RMS difference.
   """
   _check_paired({'views': views, 'strong': strong}, 4, '[n, H, W, C]')
-  return _pixel_rms(views, strong)
+  return _mean_distance(views, strong, rms=True)
 
 
 def high_frequency_power(images: np.ndarray, cutoff: float = 0.25) -> float:

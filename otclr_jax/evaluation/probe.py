@@ -129,35 +129,34 @@ def _hessp(xp, zt1, pt, dw, db, l2):
           dp.sum(axis=1, dtype=xp.float64) / n)
 
 
-def _direction_scales(xp, p, directions):
-  """sqrt(u^T S_i u) float32 [P, N] for the columns u of directions [C, P]."""
-  return xp.sqrt(xp.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
-                 ).astype(xp.float32).T
-
-
 # Examples per float32 block sum; the chunks add up in float64, so rounding
 # stays far below the smallest lambda's share of the curvature.
 _ROWS = 8192
 
 
-def _curvature_blocks(zt1: np.ndarray, p: np.ndarray,
-                      directions: np.ndarray) -> np.ndarray:
+def _curvature_blocks(xp, zt1, p, directions):
   """mean_i u^T S_i u [z_i, 1] [z_i, 1]^T [P, D + 1, D + 1] for the columns
   u of directions [C, P]; zt1 = [z, 1]^T float32 [D + 1, N], S_i = diag(p_i)
   - p_i p_i^T at p [N, C]. As u^T S_i u >= 0, each block is a a^T with a the
-  columns scaled by its root: numpy runs that as a SYRK, twice as fast.
+  columns scaled by its root: numpy runs that as a SYRK, twice as fast. One
+  direction at a time, so JAX's memory holds one [D + 1, _ROWS] product.
   """
   d1, n = zt1.shape
-  scale = _direction_scales(np, p, directions)
-  blocks = np.zeros((len(scale), d1, d1))
+  # sqrt(u^T S_i u) [P, N]
+  scale = xp.sqrt(xp.maximum(p @ directions**2 - (p @ directions)**2, 0.0)
+                  ).astype(xp.float32).T
+
   # All examples: from every 4th, CG needs so many more iterations that the
   # random-init CIFAR-10 probe takes longer in all.
-  for start in range(0, n, _ROWS):
-    columns = zt1[:, start:start + _ROWS]
-    for block, s in zip(blocks, scale[:, start:start + _ROWS]):
-      a = columns * s
-      block += a @ a.T
-  return blocks / n
+  def block(s):
+    total = xp.zeros((d1, d1))
+    for start in range(0, n, _ROWS):
+      a = zt1[:, start:start + _ROWS] * s[start:start + _ROWS]
+      total = total + (a @ a.T).astype(xp.float64)
+    return total
+  if xp is np:
+    return np.stack([block(s) for s in scale]) / n
+  return jax.lax.map(block, scale) / n
 
 
 def _invert_coupled(own, crosses, pairs):
@@ -180,7 +179,8 @@ def _invert_coupled(own, crosses, pairs):
 
 
 class _Backend(NamedTuple):
-  """The probe's kernels in one array library (module `xp`)."""
+  """The probe's kernels in one array library (module `xp`): `_KERNELS`
+  bound to it, then the coupled inverse and the solve's context."""
   xp: Any
   value: Any
   gradient: Any
@@ -190,35 +190,30 @@ class _Backend(NamedTuple):
   context: Any  # () -> the context manager the solve runs in
 
 
-NUMPY = _Backend(np, functools.partial(_value, np),
-                 functools.partial(_gradient, np),
-                 functools.partial(_hessp, np), _curvature_blocks,
+_KERNELS = (_value, _gradient, _hessp, _curvature_blocks)
+NUMPY = _Backend(np, *(functools.partial(f, np) for f in _KERNELS),
                  _invert_coupled, contextlib.nullcontext)
 
 
+@contextlib.contextmanager
 def _jax_context():
   """float64 and float32 products at full precision (no TF32), for the
   probe's calls only: training keeps JAX's defaults."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(jax.enable_x64(True))
-  stack.enter_context(jax.default_matmul_precision('float32'))
-  return stack
+  with jax.enable_x64(True), jax.default_matmul_precision('float32'):
+    yield
 
 
-def _jax_curvature_blocks(zt1, p, directions):
-  """`_curvature_blocks` in JAX: one direction at a time, so memory holds
-  one [D + 1, _ROWS] product."""
-  d1, n = zt1.shape
+def _on_device(kernel, **jit_args):
+  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
+  jitted = jax.jit(kernel, **jit_args)
 
-  def block(s):
-    total = jnp.zeros((d1, d1))
-    for start in range(0, n, _ROWS):
-      a = zt1[:, start:start + _ROWS] * s[start:start + _ROWS]
-      total = total + (a @ a.T).astype(jnp.float64)
-    return total
-  return jax.lax.map(block, _direction_scales(jnp, p, directions)) / n
+  def call(*args):
+    with _jax_context():
+      return jitted(*args)
+  return call
 
 
+@functools.partial(_on_device, static_argnums=2)
 def _jax_coupled_inverse(own, crosses, pairs):
   """H^-1 [G (D + 1), G (D + 1)] of `_invert_coupled`'s blocks (NaN where
   H is not positive definite)."""
@@ -232,32 +227,16 @@ def _jax_coupled_inverse(own, crosses, pairs):
   return jax.scipy.linalg.cho_solve((factor, True), jnp.eye(k * d1))
 
 
-def _on_device(kernel, **jit_args):
-  """`kernel` jitted, called in `_jax_context` (float64 arguments stay so)."""
-  jitted = jax.jit(kernel, **jit_args)
-
-  def call(*args):
-    with _jax_context():
-      return jitted(*args)
-  return call
-
-
-_coupled_inverse = _on_device(_jax_coupled_inverse, static_argnums=2)
-
-
 def _jax_invert_coupled(own, crosses, pairs):
   """`_invert_coupled` in JAX: H's inverse, explicit, multiplies each g."""
-  inverse = _coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
+  inverse = _jax_coupled_inverse(own, jnp.stack(crosses), tuple(pairs))
   if not bool(jnp.isfinite(inverse).all()):
     return None
   return lambda g: inverse @ g
 
 
-JAX = _Backend(jnp, _on_device(functools.partial(_value, jnp)),
-               _on_device(functools.partial(_gradient, jnp)),
-               _on_device(functools.partial(_hessp, jnp)),
-               _on_device(_jax_curvature_blocks), _jax_invert_coupled,
-               _jax_context)
+JAX = _Backend(jnp, *(_on_device(functools.partial(f, jnp)) for f in _KERNELS),
+               _jax_invert_coupled, _jax_context)
 
 
 def _backend(name: str) -> _Backend:
@@ -429,66 +408,61 @@ def _solve(objective, w, b, max_steps) -> Fit:
   The arrays live in `objective.backend`; the loop's scalars in Python.
   """
   with objective.backend.context():
-    return _solve_in(objective, w, b, max_steps)
-
-
-def _solve_in(objective, w, b, max_steps) -> Fit:
-  """`_solve` inside its backend's context."""
-  xp = objective.backend.xp
-  # The steps stay in the complement of the class-shift direction, where the
-  # optimum lies: shifting W's classes together only changes the penalty.
-  w, b = xp.asarray(w), xp.asarray(b)
-  w, b = w - w.mean(axis=1, keepdims=True), b - b.mean()
-  value, p = objective.value(w, b)
-  precondition = _class_preconditioner(objective, p)
-  dot = lambda a, b_: float((a[0] * b_[0]).sum() + (a[1] * b_[1]).sum())
-  steps, t = 0, 1.0
-  while True:
-    gw, gb = objective.gradient(w, p)
-    grad_norm = math.sqrt(dot((gw, gb), (gw, gb)))
-    if (not math.isfinite(grad_norm) or grad_norm <= GRAD_TOL
-        or steps == max_steps):
-      break
-    steps += 1
-    pt = objective.steering(p)
-    damping = DAMPING * grad_norm if t < 1.0 else 0.0
-    tolerance = max(min(0.5, math.sqrt(grad_norm)),
-                    0.5 * GRAD_TOL / grad_norm) * grad_norm
-    sw, sb = xp.zeros_like(gw), xp.zeros_like(gb)
-    rw, rb = -gw, -gb
-    dw, db = precondition(rw, rb)
-    rz = dot((rw, rb), (dw, db))
-    for cg_steps in range(1, MAX_CG_STEPS + 1):
-      hw, hb = objective.hessp(pt, dw, db)
-      hw, hb = hw + damping * dw, hb + damping * db
-      alpha = rz / dot((dw, db), (hw, hb))
-      sw, sb = sw + alpha * dw, sb + alpha * db
-      rw, rb = rw - alpha * hw, rb - alpha * hb
-      if math.sqrt(dot((rw, rb), (rw, rb))) <= tolerance:
+    xp = objective.backend.xp
+    # The steps stay in the complement of the class-shift direction, where the
+    # optimum lies: shifting W's classes together only changes the penalty.
+    w, b = xp.asarray(w), xp.asarray(b)
+    w, b = w - w.mean(axis=1, keepdims=True), b - b.mean()
+    value, p = objective.value(w, b)
+    precondition = _class_preconditioner(objective, p)
+    dot = lambda a, b_: float((a[0] * b_[0]).sum() + (a[1] * b_[1]).sum())
+    steps, t = 0, 1.0
+    while True:
+      gw, gb = objective.gradient(w, p)
+      grad_norm = math.sqrt(dot((gw, gb), (gw, gb)))
+      if (not math.isfinite(grad_norm) or grad_norm <= GRAD_TOL
+          or steps == max_steps):
         break
-      if cg_steps == COUPLE_AFTER:
-        precondition = _class_preconditioner(objective, p, coupled=True)
-        dw, db = precondition(rw, rb)
-        rz = dot((rw, rb), (dw, db))
-        continue
-      zw, zb = precondition(rw, rb)
-      rz, rz_old = dot((rw, rb), (zw, zb)), rz
-      if rz_old == 0:
-        break  # a singular preconditioner (a class without train rows)
-      dw, db = zw + (rz / rz_old) * dw, zb + (rz / rz_old) * db
-    # Backtracking (Armijo): the full Newton step near the optimum.
-    slope, t = dot((gw, gb), (sw, sb)), 1.0
-    for _ in range(40):
-      trial = objective.value(w + t * sw, b + t * sb)
-      if trial[0] <= value + 1e-4 * t * slope:
-        break
-      t *= 0.5
-    else:
-      break  # No decrease left at float64's resolution.
-    w, b = w + t * sw, b + t * sb
-    value, p = trial
-  return Fit(np.asarray(w), np.asarray(b), objective.l2, steps, grad_norm,
-             grad_norm <= GRAD_TOL)
+      steps += 1
+      pt = objective.steering(p)
+      damping = DAMPING * grad_norm if t < 1.0 else 0.0
+      tolerance = max(min(0.5, math.sqrt(grad_norm)),
+                      0.5 * GRAD_TOL / grad_norm) * grad_norm
+      sw, sb = xp.zeros_like(gw), xp.zeros_like(gb)
+      rw, rb = -gw, -gb
+      dw, db = precondition(rw, rb)
+      rz = dot((rw, rb), (dw, db))
+      for cg_steps in range(1, MAX_CG_STEPS + 1):
+        hw, hb = objective.hessp(pt, dw, db)
+        hw, hb = hw + damping * dw, hb + damping * db
+        alpha = rz / dot((dw, db), (hw, hb))
+        sw, sb = sw + alpha * dw, sb + alpha * db
+        rw, rb = rw - alpha * hw, rb - alpha * hb
+        if math.sqrt(dot((rw, rb), (rw, rb))) <= tolerance:
+          break
+        if cg_steps == COUPLE_AFTER:
+          precondition = _class_preconditioner(objective, p, coupled=True)
+          dw, db = precondition(rw, rb)
+          rz = dot((rw, rb), (dw, db))
+          continue
+        zw, zb = precondition(rw, rb)
+        rz, rz_old = dot((rw, rb), (zw, zb)), rz
+        if rz_old == 0:
+          break  # a singular preconditioner (a class without train rows)
+        dw, db = zw + (rz / rz_old) * dw, zb + (rz / rz_old) * db
+      # Backtracking (Armijo): the full Newton step near the optimum.
+      slope, t = dot((gw, gb), (sw, sb)), 1.0
+      for _ in range(40):
+        trial = objective.value(w + t * sw, b + t * sb)
+        if trial[0] <= value + 1e-4 * t * slope:
+          break
+        t *= 0.5
+      else:
+        break  # No decrease left at float64's resolution.
+      w, b = w + t * sw, b + t * sb
+      value, p = trial
+    return Fit(np.asarray(w), np.asarray(b), objective.l2, steps, grad_norm,
+               grad_norm <= GRAD_TOL)
 
 
 # Relative column size below which a direction is empty: float64 leaves
@@ -546,7 +520,7 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
   fit_x, held_x = x[~held] @ basis, x[held] @ basis
   solve = _span_solver(fit_x, y[~held], num_classes, backend)
   w, b = np.zeros((x.shape[1], num_classes)), np.zeros(num_classes)
-  fits, records = {}, {}
+  fits, records = [None] * len(l2_grid), [None] * len(l2_grid)
   start = time.perf_counter()
   for done, index in enumerate(
       sorted(range(len(l2_grid)), key=lambda i: -l2_grid[i]), 1):
@@ -569,7 +543,6 @@ def _l2_path(x, y, held, num_classes, l2_grid, max_steps, backend):
     fits[index] = fit
     records[index] = dict(fit.record(), val_top1=100.0 * val_top1,
                           val_ce=val_ce)
-  records = [records[i] for i in range(len(l2_grid))]
   index = select(records)
   chosen = fits[index]
   return (chosen._replace(w=basis @ chosen.w), records[index]['val_top1'],
@@ -649,8 +622,6 @@ def load_probe(path: str) -> Probe:
 def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                  test_y: np.ndarray, num_classes: int, *,
                  l2_grid=L2_GRID, max_steps: int = DEFAULT_PROBE_STEPS,
-                 holdout_fraction: float = HOLDOUT_FRACTION,
-                 holdout_seed: int = HOLDOUT_SEED,
                  return_probe: bool = False, backend: str = 'auto'):
   """Linear probe with the L2 strength chosen on held-out training data.
 
@@ -666,8 +637,6 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
     num_classes: C >= 2.
     l2_grid: candidate lambdas > 0.
     max_steps: maximum Newton iterations per fit.
-    holdout_fraction: share of each class held out for the selection.
-    holdout_seed: seed of the held-out split.
     return_probe: also return the final probe.
     backend: where the solver's arithmetic runs: 'jax' (the default device),
       'numpy', or 'auto' (JAX on an accelerator, NumPy on a CPU). The BLAS
@@ -698,14 +667,14 @@ def linear_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
   if not l2_grid or min(l2_grid) <= 0:
     raise ValueError(f'l2_grid must be non-empty and > 0, got {l2_grid}.')
 
-  solver = _backend(backend)
-  held = stratified_holdout(train_y, holdout_fraction, holdout_seed)
+  backend = _backend(backend)
+  held = stratified_holdout(train_y)
   if not held.any():
     raise ValueError('the probe needs held-out rows to choose lambda: every '
                      'class has a single train example.')
   with threadpoolctl.threadpool_limits(threads.host_threads()):
     return _fit_and_score(train_x, train_y, test_x, test_y, num_classes, held,
-                          l2_grid, max_steps, return_probe, solver)
+                          l2_grid, max_steps, return_probe, backend)
 
 
 def _fit_and_score(train_x, train_y, test_x, test_y, num_classes, held,

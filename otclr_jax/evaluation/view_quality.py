@@ -77,7 +77,7 @@ def paired_views(config: ml_collections.ConfigDict, images: np.ndarray, *,
     return tuple(v[0] for v in views_lib.make_views(config, x[None], key,
                                                     alpha))
 
-  batch_views = jax.jit(lambda x, keys: jax.vmap(one_image)(x, keys))
+  batch_views = jax.jit(jax.vmap(one_image))
   key = jax.random.key(seed)
   start = 0
   for batch in data.eval_batches(images, batch_size):
@@ -91,8 +91,7 @@ def paired_views(config: ml_collections.ConfigDict, images: np.ndarray, *,
 
 def view_embeddings(config: ml_collections.ConfigDict, model,
                     variables: dict[str, Any], images: np.ndarray, *,
-                    num_images: int, batch_size: int,
-                    seed: int = VIEWS_SEED) -> ViewEmbeddings:
+                    num_images: int, batch_size: int) -> ViewEmbeddings:
   """Both generators' positive pairs of test images, embedded by one encoder.
 
   SimCLR pair (xs1, xs2), OTCLR pair (ot_views(x, xs1), ot_views(x, xs2))
@@ -105,12 +104,11 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
     images: uint8 [N, S, S, 3] test images.
     num_images: n, at most N.
     batch_size: images per device call.
-    seed: selection and augmentation seed.
 
   Returns:
-    The embeddings.
+    The embeddings of `VIEWS_SEED`'s images and views.
   """
-  chosen, images = choose_images(images, num_images, seed)
+  chosen, images = choose_images(images, num_images)
   n = len(chosen)
   both = config.copy_and_resolve_references()
   # 'ot' views: make_views returns the OT and the strong pairs.
@@ -118,13 +116,11 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
   if both.method == views_lib.OTCLR_ALIAS:
     both.method = 'simclr'
   alpha = experiment.alpha_of(config, variables)
-  variables = {'params': variables['params'],
-               'batch_stats': variables['batch_stats']}
   embedding = clusters.embedding_of(config)
-
   # These rows reuse the features' compiled encoder.
   encoder = features.Encoder(model)
-  variables = encoder.place(variables)
+  variables = encoder.place({'params': variables['params'],
+                             'batch_stats': variables['batch_stats']})
   rows = -(-batch_size // encoder.num_devices) * encoder.num_devices
 
   def embed(x, real):
@@ -134,7 +130,7 @@ def view_embeddings(config: ml_collections.ConfigDict, model,
 
   parts, l2_sum, rms_sum = [], 0.0, 0.0
   for x, (o1, o2, s1, s2), real in paired_views(
-      both, images, batch_size=min(batch_size, n), seed=seed, alpha=alpha):
+      both, images, batch_size=min(batch_size, n), alpha=alpha):
     parts.append([embed(v, real) for v in (x, s1, s2, o1, o2)])
     # The paper's (1 / 2n) sum_i sum_k: both views of every image.
     l2_sum += real * 0.5 * float(metrics.pixel_l2(o1[:real], s1[:real]) +
