@@ -354,7 +354,8 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
   devices = jax.devices()
   results: dict[str, Any] = {
       'step': ctx.step, 'checkpoint': rundir.checkpoint_dir(workdir, ctx.step),
-      'method': config.method, 'view_generator': views_lib.recipe(config).views,
+      'method': config.method,
+      'view_generator': views_lib.recipe(config).views,
       'title': experiment.title_of(config),
       'seed': int(config.seed), 'batch_size': int(config.batch_size),
       'pretrain_dataset': config.dataset, 'image_size': int(config.image_size),
