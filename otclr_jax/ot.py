@@ -12,7 +12,8 @@ max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 `'separable'`, the faster default (docs/method.md section 9), a fused loop.
 
 Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
-give NaN: a non-finite or out-of-range pixel (beyond `IMAGE_RANGE_ATOL`) in
+give NaN: a non-finite or out-of-range pixel (beyond
+`ot_checks.IMAGE_RANGE_ATOL`) in
 its image, a negative mass or a total off 1 in its result, a bad `alpha` or
 `epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere.
 `jax.experimental.checkify` locates the culprit.
@@ -38,9 +39,6 @@ DELTA = 1e-3
 
 CORES = ot_checks.CORES
 DEFAULT_CORE = 'separable'
-
-# Images are in [0, 1] up to this much rounding (ot_checks.py).
-IMAGE_RANGE_ATOL = ot_checks.IMAGE_RANGE_ATOL
 
 
 def grid_points(grid_size: int) -> np.ndarray:
@@ -118,16 +116,8 @@ def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   return jnp.exp(-cost / epsilon)
 
 
-def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
-  """`K w` for `K = kron(kx, kx)` and `w` reshaped `[..., m, m]` (kx symmetric).
-
-  Args:
-    kx: `[m, m]` symmetric per-axis kernel.
-    w: `[..., m, m]`.
-
-  Returns:
-    `[..., m, m]` = `kx @ w @ kx`.
-  """
+def _apply_kernel(kx: jax.Array, w: jax.Array) -> jax.Array:
+  """`K w` for `K = kron(kx, kx)`, `w` `[..., m, m]`: `kx @ w @ kx`."""
   return jnp.matmul(jnp.matmul(kx, w), kx)
 
 
@@ -214,8 +204,8 @@ def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
 
   def body(_, uv):
     u, _ = uv
-    v = b / apply_kernel(kx, u)
-    return a / apply_kernel(kx, v), v
+    v = b / _apply_kernel(kx, u)
+    return a / _apply_kernel(kx, v), v
 
   ones = jnp.ones(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
   # Static bounds lower to a scan: gradients unroll, assuming no convergence.
@@ -339,8 +329,8 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   v = jnp.asarray(v, jnp.float32)
   epsilon = ot_checks.check_epsilon(epsilon)
   kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
-  row = u * apply_kernel(kx, v)
-  col = v * apply_kernel(kx, u)
+  row = u * _apply_kernel(kx, v)
+  col = v * _apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
   return epsilon * (jnp.sum(_xlog(row, u), axis=(-2, -1))
                     + jnp.sum(_xlog(col, v), axis=(-2, -1)) - total)
@@ -496,10 +486,6 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
 CPU_CHUNK = 32
 
 
-def _default_chunk() -> int | None:
-  return CPU_CHUNK if jax.default_backend() == 'cpu' else None
-
-
 def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
                      chunk: int | None, clip: bool = True):
   """`ot_views` with the separable core, `chunk` images at a time.
@@ -594,14 +580,13 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     p_bar = _displace(u, v, kx, alpha)
     mass = (1.0 - alpha) * mass_src + alpha * mass_str
     offset = (1.0 - alpha) * off_src + alpha * off_str
-    height, width = np.shape(x)[1], np.shape(x)[2]
-    if clip:
-      return measure_to_image(p_bar, mass, offset, height, width)
-    return _unclipped_image(p_bar, mass, offset, height, width)
+    image = _unclipped_image(p_bar, mass, offset, *np.shape(x)[1:3])
+    return jnp.clip(image, 0.0, 1.0) if clip else image
   x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
       x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
-  return _separable_views(x, x_strong, alpha, m, epsilon, num_iters,
-                          _default_chunk(), clip)
+  chunk = CPU_CHUNK if jax.default_backend() == 'cpu' else None
+  return _separable_views(x, x_strong, alpha, m, epsilon, num_iters, chunk,
+                          clip)
 
 
 def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,
