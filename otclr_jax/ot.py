@@ -13,16 +13,17 @@ max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 
 Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
 give NaN: a non-finite or out-of-range pixel (beyond
-`ot_checks.IMAGE_RANGE_ATOL`) in
-its image, a negative mass or a total off 1 in its result, a bad `alpha` or
-`epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere.
+`ot_checks.IMAGE_RANGE_ATOL`) in its image, a negative mass or a total off 1
+in its result, a bad `alpha` or `epsilon` (below `ot_checks.MIN_EPSILON`,
+0.01145) everywhere.
 `jax.experimental.checkify` locates the culprit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +173,8 @@ def _normalise(small: jax.Array, grid_axes: tuple[int, int]):
 
 
 def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
-                     height: int, width: int) -> jax.Array:
+                     height: int, width: int, *, clip: bool = True
+                     ) -> jax.Array:
   """Inverse of `image_to_measure`, then bilinear upsampling and clipping.
 
   Args:
@@ -181,31 +183,27 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
     offset: `[..., C]`.
     height: output height `H`.
     width: output width `W`.
+    clip: clip to `[0, 1]` (`ot_views`'s `clip`).
 
   Returns:
-    Images `[..., H, W, C]` clipped to `[0, 1]`.
+    Images `[..., H, W, C]`, clipped to `[0, 1]` if `clip`.
   """
-  return jnp.clip(_unclipped_image(p, mass, offset, height, width), 0.0, 1.0)
-
-
-def _unclipped_image(p, mass, offset, height: int, width: int) -> jax.Array:
-  """`measure_to_image` before its clipping."""
   mass = jnp.asarray(mass, jnp.float32)
   offset = jnp.asarray(offset, jnp.float32)
   small = p * mass[..., None, None] + offset[..., None, None] - DELTA
   m_rows, m_cols = small.shape[-2:]
-  return jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
-                    small, resize_matrix(m_cols, width))
+  image = jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
+                     small, resize_matrix(m_cols, width))
+  return jnp.clip(image, 0.0, 1.0) if clip else image
 
 
-def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
+def _separable_scalings(a: jax.Array, b: jax.Array, apply_kernel: Callable,
                         num_iters: int):
-  """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]`."""
+  """Exactly `num_iters` POT-ordered iterations of `K w = apply_kernel(w)`."""
 
   def body(_, uv):
-    u, _ = uv
-    v = b / _apply_kernel(kx, u)
-    return a / _apply_kernel(kx, v), v
+    v = b / apply_kernel(uv[0])
+    return a / apply_kernel(v), v
 
   ones = jnp.ones(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
   # Static bounds lower to a scan: gradients unroll, assuming no convergence.
@@ -245,7 +243,8 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
   kx = axis_kernel(m, epsilon)
   if core == 'ott':
     return _ott_scalings(a, b, grid_geometry(m, epsilon), num_iters), kx
-  return _separable_scalings(a, b, kx, num_iters), kx
+  return _separable_scalings(a, b, functools.partial(_apply_kernel, kx),
+                             num_iters), kx
 
 
 def _prepare(a, b, epsilon, num_iters, core):
@@ -359,8 +358,7 @@ def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Returns:
     `[...]` costs (a scalar for single grids).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  u, v = _scalings(a, b, m, epsilon, num_iters, core)[0]
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
   return cost_from_scalings(u, v, epsilon)
 
 
@@ -437,10 +435,8 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
     `[..., m, m]` histogram with total mass `sum(P)`; `alpha = 0` returns `a`
     (to rounding) and `alpha = 1` the plan's column marginal (close to `b`).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  alpha = ot_checks.check_alpha(alpha)
-  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
-  return _displace(u, v, kx, alpha)
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
+  return displace_from_scalings(u, v, alpha, epsilon)
 
 
 def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
@@ -454,8 +450,7 @@ def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
     `[m, m]` histogram.
   """
   plan = jnp.asarray(plan)
-  n = plan.shape[0]
-  m = math.isqrt(n)
+  m = math.isqrt(plan.shape[0])
   if plan.shape != (m * m, m * m):
     raise ValueError(f'plan must be [m*m, m*m], got {plan.shape}.')
   r = jnp.asarray(grid_points(m), jnp.float32)
@@ -517,12 +512,7 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
     (a, mass_src, off_src), (b, mass_str, off_str) = (
         measure(images), measure(images_strong))
 
-    def body(_, uv):
-      v = b / apply(uv[0])
-      return a / apply(v), v
-
-    ones = jnp.ones_like(a)
-    u, v = jax.lax.fori_loop(0, num_iters, body, (ones, ones))
+    u, v = _separable_scalings(a, b, apply, num_iters)
     # `_displace`'s contractions; the middle one is a per-problem batch matmul.
     z = jnp.matmul(a_left, v.reshape(m, n * m)).reshape(m, m, n, m)
     z = jnp.transpose(z, (2, 1, 0, 3)).reshape(n, m, m * m)
@@ -580,8 +570,8 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     p_bar = _displace(u, v, kx, alpha)
     mass = (1.0 - alpha) * mass_src + alpha * mass_str
     offset = (1.0 - alpha) * off_src + alpha * off_str
-    image = _unclipped_image(p_bar, mass, offset, *np.shape(x)[1:3])
-    return jnp.clip(image, 0.0, 1.0) if clip else image
+    return measure_to_image(p_bar, mass, offset, *np.shape(x)[1:3],
+                            clip=clip)
   x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
       x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
   chunk = CPU_CHUNK if jax.default_backend() == 'cpu' else None
