@@ -247,20 +247,6 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
                              num_iters), kx
 
 
-def _prepare(a, b, epsilon, num_iters, core):
-  m = ot_checks.check_grid('a', a)
-  if jnp.shape(b)[-2:] != jnp.shape(a)[-2:]:
-    raise ValueError(f'a and b must share the grid shape, got {jnp.shape(a)} '
-                     f'and {jnp.shape(b)}.')
-  ot_checks.check_finite('a', a)
-  ot_checks.check_finite('b', b)
-  a = ot_checks.check_histogram('a', a)
-  b = ot_checks.check_histogram('b', b)
-  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
-  epsilon = ot_checks.check_epsilon(epsilon)
-  return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
-
-
 def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
                       num_iters: int = 20, core: str = DEFAULT_CORE
                       ) -> tuple[jax.Array, jax.Array]:
@@ -278,7 +264,17 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Returns:
     `(u, v)`, each `[..., m, m]` (the broadcast shape of `a` and `b`).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
+  m = ot_checks.check_grid('a', a)
+  if jnp.shape(b)[-2:] != jnp.shape(a)[-2:]:
+    raise ValueError(f'a and b must share the grid shape, got {jnp.shape(a)} '
+                     f'and {jnp.shape(b)}.')
+  ot_checks.check_finite('a', a)
+  ot_checks.check_finite('b', b)
+  a = ot_checks.check_histogram('a', a)
+  b = ot_checks.check_histogram('b', b)
+  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
+  epsilon = ot_checks.check_epsilon(epsilon)
+  core = ot_checks.check_core(core)
   return _scalings(a, b, m, epsilon, num_iters, core)[0]
 
 
@@ -300,12 +296,12 @@ def sinkhorn_plan(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Raises:
     ValueError: for a concrete histogram with a negative mass or total 0.
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  if a.ndim != 2 or b.ndim != 2:
+  if jnp.ndim(a) > 2 or jnp.ndim(b) > 2:
     raise ValueError(
         f'sinkhorn_plan takes single [m, m] grids (vmap for batches), got '
-        f'{a.shape} and {b.shape}.')
-  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
+        f'{jnp.shape(a)} and {jnp.shape(b)}.')
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
+  kx = axis_kernel(u.shape[-1], ot_checks.check_epsilon(epsilon))
   return u.reshape(-1, 1) * jnp.kron(kx, kx) * v.reshape(1, -1)
 
 
