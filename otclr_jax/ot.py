@@ -232,9 +232,8 @@ def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
     return (geom.scaling_from_potential(out.f).reshape(m, m),
             geom.scaling_from_potential(out.g).reshape(m, m))
 
-  flat_a = jnp.broadcast_to(a, shape).reshape(-1, m, m)
-  flat_b = jnp.broadcast_to(b, shape).reshape(-1, m, m)
-  u, v = jax.vmap(one)(flat_a, flat_b)
+  flat = lambda t: jnp.broadcast_to(t, shape).reshape(-1, m, m)
+  u, v = jax.vmap(one)(flat(a), flat(b))
   return u.reshape(shape), v.reshape(shape)
 
 

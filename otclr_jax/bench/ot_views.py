@@ -172,15 +172,11 @@ def format_table(batch_sizes: Sequence[int], rows: Sequence[Row]) -> str:
 
 def _check_views(outputs: dict[str, np.ndarray]) -> tuple[str, bool]:
   """Max abs difference of each implementation's views from (c)'s."""
-  parts, ok_all = [], True
-  for k, views in outputs.items():
-    if k == 'c':
-      continue
-    diff = float(np.max(np.abs(views - outputs['c'])))
-    ok = diff <= VIEW_ATOL
-    ok_all &= ok
-    parts.append(f"{k}: {diff:.2e}{'' if ok else ' MISMATCH'}")
-  return ', '.join(parts), ok_all
+  diffs = {k: float(np.max(np.abs(views - outputs['c'])))
+           for k, views in outputs.items() if k != 'c'}
+  ok = {k: d <= VIEW_ATOL for k, d in diffs.items()}
+  return ', '.join(f"{k}: {d:.2e}{'' if ok[k] else ' MISMATCH'}"
+                   for k, d in diffs.items()), all(ok.values())
 
 
 def _time_stages(stages, x, x_strong, repeats: int, min_time_s: float):
