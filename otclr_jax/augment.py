@@ -18,9 +18,6 @@ import jax.numpy as jnp
 Array = jax.Array
 PRNGKey = Any
 
-# ITU-R 601 luma weights as torchvision uses them for float tensors.
-_LUMA = (0.2989, 0.587, 0.114)
-
 # Jitter operation ids, in torchvision's fixed order.
 BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3
 
@@ -76,16 +73,13 @@ class AugmentParams:
     if not 0.0 < lo <= hi <= 1.0:
       raise ValueError(
           f'crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}.')
-    lo, hi = self.crop_ratio
-    if not 0.0 < lo <= hi:
-      raise ValueError(
-          f'crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}.')
+    for name in ('crop_ratio', 'blur_sigma'):
+      lo, hi = getattr(self, name)
+      if not 0.0 < lo <= hi:
+        raise ValueError(f'{name} must satisfy 0 < min <= max, got '
+                         f'{getattr(self, name)}.')
     if self.crop_attempts < 1:
       raise ValueError(f'crop_attempts must be >= 1, got {self.crop_attempts}.')
-    lo, hi = self.blur_sigma
-    if not 0.0 < lo <= hi:
-      raise ValueError(
-          f'blur_sigma must satisfy 0 < min <= max, got {self.blur_sigma}.')
 
 
 def sample_crop_box(key: PRNGKey,
@@ -168,27 +162,18 @@ def resized_crop(image: Array, box: Array, flip: Array = False) -> Array:
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def random_resized_crop(key: PRNGKey,
-                        image: Array,
-                        scale: Tuple[float, float] = (0.08, 1.0),
-                        ratio: Tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-                        attempts: int = 10,
-                        flip: Array = False) -> Array:
-  """Random resized crop of [H, W, C] to float32 [H, W, C]; `flip` mirrors."""
-  box = sample_crop_box(key, image.shape[0], image.shape[1], scale, ratio,
-                        attempts)
-  return resized_crop(image, box, flip)
-
-
 def horizontal_flip(image: Array) -> Array:
   """Mirrors [H, W, C] left-right."""
   return image[:, ::-1, :]
 
 
 def luma(image: Array) -> Array:
-  """Luma of an RGB image [H, W, 3] -> [H, W, 1] (torchvision weights)."""
+  """Luma of an RGB image [H, W, 3] -> [H, W, 1].
+
+  ITU-R 601 weights as torchvision uses them for float tensors.
+  """
   r, g, b = image[..., 0:1], image[..., 1:2], image[..., 2:3]
-  return _LUMA[0] * r + _LUMA[1] * g + _LUMA[2] * b
+  return 0.2989 * r + 0.587 * g + 0.114 * b
 
 
 def grayscale(image: Array) -> Array:
@@ -272,9 +257,19 @@ def sample_jitter(key: PRNGKey,
 IDENTITY_FACTORS = (1.0, 1.0, 1.0, 0.0)
 
 
-def _colour(image: Array, factors: Array, order: Array,
-            to_grayscale: Array) -> Array:
-  """Colour jitter in `order`, then grayscale if `to_grayscale`; [H, W, 3]."""
+def apply_jitter(image: Array, factors: Array, order: Array,
+                 to_grayscale: Array = False) -> Array:
+  """Applies brightness, contrast, saturation and hue in a given order.
+
+  Args:
+    image: float32 [H, W, 3] in [0, 1].
+    factors: [4] as from `sample_jitter`; `IDENTITY_FACTORS` is a no-op.
+    order: int [4] permutation of the operation ids, applied first to last.
+    to_grayscale: bool scalar (may be traced); convert to grayscale last.
+
+  Returns:
+    [H, W, 3] in [0, 1].
+  """
   # Brightness, contrast, saturation and grayscale (saturation 0) are blends,
   # exact no-ops at factor 1. The costly hue runs once, between three blend
   # slots before it and four after it; unused slots get factor 1.
@@ -300,20 +295,6 @@ def _colour(image: Array, factors: Array, order: Array,
   image = adjust_hue(image, factors[HUE])
   return jax.lax.fori_loop(
       0, 4, lambda k, x: blend_slot(x, post_ops[k], post_factors[k]), image)
-
-
-def apply_jitter(image: Array, factors: Array, order: Array) -> Array:
-  """Applies brightness, contrast, saturation and hue in a given order.
-
-  Args:
-    image: float32 [H, W, 3] in [0, 1].
-    factors: [4] as from `sample_jitter`; `IDENTITY_FACTORS` is a no-op.
-    order: int [4] permutation of the operation ids, applied first to last.
-
-  Returns:
-    [H, W, 3] in [0, 1].
-  """
-  return _colour(image, factors, order, False)
 
 
 def blur_kernel_size(side: int, fraction: float = 0.1) -> int:
@@ -395,9 +376,10 @@ def geometric_augment(key: PRNGKey,
   """
   image = _check_image('geometric_augment', image)
   k_crop, k_flip = _subkeys(key)[:2]
-  flip = jax.random.uniform(k_flip) < params.flip_prob
-  return random_resized_crop(k_crop, image, params.crop_scale,
-                             params.crop_ratio, params.crop_attempts, flip)
+  box = sample_crop_box(k_crop, image.shape[0], image.shape[1],
+                        params.crop_scale, params.crop_ratio,
+                        params.crop_attempts)
+  return resized_crop(image, box, jax.random.uniform(k_flip) < params.flip_prob)
 
 
 def photometric_augment(key: PRNGKey,
@@ -431,8 +413,8 @@ def photometric_augment(key: PRNGKey,
     jitter_on = jax.random.uniform(k_jitter_on) < params.jitter_prob
     factors = jnp.where(jitter_on, factors, jnp.array(IDENTITY_FACTORS))
     to_grayscale = jax.random.uniform(k_gray) < params.grayscale_prob
-    # One pass materialises a buffer for the blur's shifted reads (`_colour`).
-    x = _colour(x, factors, order, to_grayscale)
+    # One pass materialises a buffer for the blur's shifted reads.
+    x = apply_jitter(x, factors, order, to_grayscale)
   kernel_size = blur_kernel_size(min(height, width),
                                  params.blur_kernel_fraction)
   if kernel_size // 2 >= min(height, width):
@@ -442,8 +424,7 @@ def photometric_augment(key: PRNGKey,
   if params.blur_prob > 0 and kernel_size > 1:
     sigma = jax.random.uniform(
         k_blur, minval=params.blur_sigma[0], maxval=params.blur_sigma[1])
-    identity = jnp.zeros((kernel_size,), jnp.float32)
-    identity = identity.at[kernel_size // 2].set(1.0)
+    identity = jnp.eye(kernel_size, dtype=jnp.float32)[kernel_size // 2]
     weights = jnp.where(jax.random.uniform(k_blur_on) < params.blur_prob,
                         gaussian_kernel(sigma, kernel_size), identity)
     x = separable_filter(x, weights)
@@ -507,11 +488,11 @@ def simclr_augment(key: PRNGKey,
 
 
 def _per_example(fn, key: PRNGKey, images: Array,
-                 params: AugmentParams) -> Array:
+                 params: Optional[AugmentParams]) -> Array:
   """`fn(key_i, image_i, params)` over the batch, keys as `simclr_augment`'s."""
-  keys = jax.random.split(key, images.shape[0])
-  return jax.vmap(functools.partial(fn, params=params))(
-      keys, images.astype(jnp.float32))
+  keys = jax.random.split(key, jnp.shape(images)[0])
+  return jax.vmap(functools.partial(fn, params=params or AugmentParams()))(
+      keys, jnp.asarray(images, jnp.float32))
 
 
 def geometric_batch(key: PRNGKey, images: Array,
@@ -527,8 +508,7 @@ def geometric_batch(key: PRNGKey, images: Array,
     float32 [B, H, W, 3]: the crops and flips `simclr_augment(key, ...)`
     starts from.
   """
-  return _per_example(geometric_augment, key, jnp.asarray(images),
-                      params or AugmentParams())
+  return _per_example(geometric_augment, key, images, params)
 
 
 def photometric_batch(key: PRNGKey, images: Array,
@@ -545,5 +525,4 @@ def photometric_batch(key: PRNGKey, images: Array,
   Returns:
     float32 [B, H, W, 3] in [0, 1].
   """
-  return _per_example(photometric_augment, key, jnp.asarray(images),
-                      params or AugmentParams())
+  return _per_example(photometric_augment, key, images, params)

@@ -112,19 +112,16 @@ def _check_plain_conv(x_shape, kernel_shape, kwargs: dict[str, Any]) -> None:
 CONV_MATMUL_MAX_OUT_PIXELS = 16 * 16
 
 
-def matmul_is_faster(x_shape: Sequence[int], kernel_shape: Sequence[int],
-                     strides: Sequence[int]) -> bool:
+def matmul_is_faster(x_shape: Sequence[int], strides: Sequence[int]) -> bool:
   """Whether ``conv_matmul`` beats XLA:CPU's convolution on this layer.
 
   Args:
     x_shape: [B, H, W, C_in].
-    kernel_shape: [kh, kw, C_in, C_out].
     strides: (sh, sw).
 
   Returns:
     True when the output has at most ``CONV_MATMUL_MAX_OUT_PIXELS`` pixels.
   """
-  del kernel_shape
   out_h = -(-x_shape[1] // strides[0])
   out_w = -(-x_shape[2] // strides[1])
   return out_h * out_w <= CONV_MATMUL_MAX_OUT_PIXELS
@@ -154,7 +151,7 @@ def conv_function(impl: str) -> Callable[..., jnp.ndarray]:
 
   def auto(x, kernel, window_strides, padding, **kwargs):
     if (jax.default_backend() == 'cpu'
-        and matmul_is_faster(x.shape, kernel.shape, window_strides)):
+        and matmul_is_faster(x.shape, window_strides)):
       return conv_matmul(x, kernel, window_strides, padding, **kwargs)
     return lax.conv_general_dilated(x, kernel, window_strides, padding,
                                     **kwargs)

@@ -12,16 +12,18 @@ max 1. Sinkhorn runs exactly `num_iters` iterations from `u = v = 1`, each
 `'separable'`, the faster default (docs/method.md section 9), a fused loop.
 
 Images are floats in `[0, 1]`; otherwise concrete inputs raise and traced ones
-give NaN: a non-finite or out-of-range pixel (beyond `IMAGE_RANGE_ATOL`) in
-its image, a negative mass or a total off 1 in its result, a bad `alpha` or
-`epsilon` (below `ot_checks.MIN_EPSILON`, 0.01145) everywhere.
+give NaN: a non-finite or out-of-range pixel (beyond
+`ot_checks.IMAGE_RANGE_ATOL`) in its image, a negative mass or a total off 1
+in its result, a bad `alpha` or `epsilon` (below `ot_checks.MIN_EPSILON`,
+0.01145) everywhere.
 `jax.experimental.checkify` locates the culprit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +40,6 @@ DELTA = 1e-3
 
 CORES = ot_checks.CORES
 DEFAULT_CORE = 'separable'
-
-# Images are in [0, 1] up to this much rounding (ot_checks.py).
-IMAGE_RANGE_ATOL = ot_checks.IMAGE_RANGE_ATOL
 
 
 def grid_points(grid_size: int) -> np.ndarray:
@@ -118,16 +117,8 @@ def axis_kernel(grid_size: int, epsilon: ArrayLike) -> jax.Array:
   return jnp.exp(-cost / epsilon)
 
 
-def apply_kernel(kx: ArrayLike, w: ArrayLike) -> jax.Array:
-  """`K w` for `K = kron(kx, kx)` and `w` reshaped `[..., m, m]` (kx symmetric).
-
-  Args:
-    kx: `[m, m]` symmetric per-axis kernel.
-    w: `[..., m, m]`.
-
-  Returns:
-    `[..., m, m]` = `kx @ w @ kx`.
-  """
+def _apply_kernel(kx: jax.Array, w: jax.Array) -> jax.Array:
+  """`K w` for `K = kron(kx, kx)`, `w` `[..., m, m]`: `kx @ w @ kx`."""
   return jnp.matmul(jnp.matmul(kx, w), kx)
 
 
@@ -182,7 +173,8 @@ def _normalise(small: jax.Array, grid_axes: tuple[int, int]):
 
 
 def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
-                     height: int, width: int) -> jax.Array:
+                     height: int, width: int, *, clip: bool = True
+                     ) -> jax.Array:
   """Inverse of `image_to_measure`, then bilinear upsampling and clipping.
 
   Args:
@@ -191,31 +183,27 @@ def measure_to_image(p: ArrayLike, mass: ArrayLike, offset: ArrayLike,
     offset: `[..., C]`.
     height: output height `H`.
     width: output width `W`.
+    clip: clip to `[0, 1]` (`ot_views`'s `clip`).
 
   Returns:
-    Images `[..., H, W, C]` clipped to `[0, 1]`.
+    Images `[..., H, W, C]`, clipped to `[0, 1]` if `clip`.
   """
-  return jnp.clip(_unclipped_image(p, mass, offset, height, width), 0.0, 1.0)
-
-
-def _unclipped_image(p, mass, offset, height: int, width: int) -> jax.Array:
-  """`measure_to_image` before its clipping."""
   mass = jnp.asarray(mass, jnp.float32)
   offset = jnp.asarray(offset, jnp.float32)
   small = p * mass[..., None, None] + offset[..., None, None] - DELTA
   m_rows, m_cols = small.shape[-2:]
-  return jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
-                    small, resize_matrix(m_cols, width))
+  image = jnp.einsum('hr,...crs,ws->...hwc', resize_matrix(m_rows, height),
+                     small, resize_matrix(m_cols, width))
+  return jnp.clip(image, 0.0, 1.0) if clip else image
 
 
-def _separable_scalings(a: jax.Array, b: jax.Array, kx: jax.Array,
+def _separable_scalings(a: jax.Array, b: jax.Array, apply_kernel: Callable,
                         num_iters: int):
-  """Exactly `num_iters` POT-ordered iterations, fused, on `[..., m, m]`."""
+  """Exactly `num_iters` POT-ordered iterations of `K w = apply_kernel(w)`."""
 
   def body(_, uv):
-    u, _ = uv
-    v = b / apply_kernel(kx, u)
-    return a / apply_kernel(kx, v), v
+    v = b / apply_kernel(uv[0])
+    return a / apply_kernel(v), v
 
   ones = jnp.ones(jnp.broadcast_shapes(a.shape, b.shape), jnp.float32)
   # Static bounds lower to a scan: gradients unroll, assuming no convergence.
@@ -244,9 +232,8 @@ def _ott_scalings(a: jax.Array, b: jax.Array, geom: ott_grid.Grid,
     return (geom.scaling_from_potential(out.f).reshape(m, m),
             geom.scaling_from_potential(out.g).reshape(m, m))
 
-  flat_a = jnp.broadcast_to(a, shape).reshape(-1, m, m)
-  flat_b = jnp.broadcast_to(b, shape).reshape(-1, m, m)
-  u, v = jax.vmap(one)(flat_a, flat_b)
+  flat = lambda t: jnp.broadcast_to(t, shape).reshape(-1, m, m)
+  u, v = jax.vmap(one)(flat(a), flat(b))
   return u.reshape(shape), v.reshape(shape)
 
 
@@ -255,21 +242,8 @@ def _scalings(a, b, m: int, epsilon, num_iters: int, core: str):
   kx = axis_kernel(m, epsilon)
   if core == 'ott':
     return _ott_scalings(a, b, grid_geometry(m, epsilon), num_iters), kx
-  return _separable_scalings(a, b, kx, num_iters), kx
-
-
-def _prepare(a, b, epsilon, num_iters, core):
-  m = ot_checks.check_grid('a', a)
-  if jnp.shape(b)[-2:] != jnp.shape(a)[-2:]:
-    raise ValueError(f'a and b must share the grid shape, got {jnp.shape(a)} '
-                     f'and {jnp.shape(b)}.')
-  ot_checks.check_finite('a', a)
-  ot_checks.check_finite('b', b)
-  a = ot_checks.check_histogram('a', a)
-  b = ot_checks.check_histogram('b', b)
-  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
-  epsilon = ot_checks.check_epsilon(epsilon)
-  return a, b, m, epsilon, num_iters, ot_checks.check_core(core)
+  return _separable_scalings(a, b, functools.partial(_apply_kernel, kx),
+                             num_iters), kx
 
 
 def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
@@ -289,7 +263,17 @@ def sinkhorn_scalings(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Returns:
     `(u, v)`, each `[..., m, m]` (the broadcast shape of `a` and `b`).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
+  m = ot_checks.check_grid('a', a)
+  if jnp.shape(b)[-2:] != jnp.shape(a)[-2:]:
+    raise ValueError(f'a and b must share the grid shape, got {jnp.shape(a)} '
+                     f'and {jnp.shape(b)}.')
+  ot_checks.check_finite('a', a)
+  ot_checks.check_finite('b', b)
+  a = ot_checks.check_histogram('a', a)
+  b = ot_checks.check_histogram('b', b)
+  num_iters = ot_checks.check_static_int('num_iters', num_iters, 1)
+  epsilon = ot_checks.check_epsilon(epsilon)
+  core = ot_checks.check_core(core)
   return _scalings(a, b, m, epsilon, num_iters, core)[0]
 
 
@@ -311,12 +295,12 @@ def sinkhorn_plan(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Raises:
     ValueError: for a concrete histogram with a negative mass or total 0.
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  if a.ndim != 2 or b.ndim != 2:
+  if jnp.ndim(a) > 2 or jnp.ndim(b) > 2:
     raise ValueError(
         f'sinkhorn_plan takes single [m, m] grids (vmap for batches), got '
-        f'{a.shape} and {b.shape}.')
-  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
+        f'{jnp.shape(a)} and {jnp.shape(b)}.')
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
+  kx = axis_kernel(u.shape[-1], ot_checks.check_epsilon(epsilon))
   return u.reshape(-1, 1) * jnp.kron(kx, kx) * v.reshape(1, -1)
 
 
@@ -339,8 +323,8 @@ def cost_from_scalings(u: ArrayLike, v: ArrayLike,
   v = jnp.asarray(v, jnp.float32)
   epsilon = ot_checks.check_epsilon(epsilon)
   kx = axis_kernel(ot_checks.check_grid('u', u), epsilon)
-  row = u * apply_kernel(kx, v)
-  col = v * apply_kernel(kx, u)
+  row = u * _apply_kernel(kx, v)
+  col = v * _apply_kernel(kx, u)
   total = jnp.sum(row, axis=(-2, -1))
   return epsilon * (jnp.sum(_xlog(row, u), axis=(-2, -1))
                     + jnp.sum(_xlog(col, v), axis=(-2, -1)) - total)
@@ -369,8 +353,7 @@ def sinkhorn_cost(a: ArrayLike, b: ArrayLike, epsilon: ArrayLike = 0.05,
   Returns:
     `[...]` costs (a scalar for single grids).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  u, v = _scalings(a, b, m, epsilon, num_iters, core)[0]
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
   return cost_from_scalings(u, v, epsilon)
 
 
@@ -447,10 +430,8 @@ def displace(a: ArrayLike, b: ArrayLike, alpha: ArrayLike,
     `[..., m, m]` histogram with total mass `sum(P)`; `alpha = 0` returns `a`
     (to rounding) and `alpha = 1` the plan's column marginal (close to `b`).
   """
-  a, b, m, epsilon, num_iters, core = _prepare(a, b, epsilon, num_iters, core)
-  alpha = ot_checks.check_alpha(alpha)
-  (u, v), kx = _scalings(a, b, m, epsilon, num_iters, core)
-  return _displace(u, v, kx, alpha)
+  u, v = sinkhorn_scalings(a, b, epsilon, num_iters, core)
+  return displace_from_scalings(u, v, alpha, epsilon)
 
 
 def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
@@ -464,8 +445,7 @@ def dense_displace(plan: ArrayLike, alpha: ArrayLike) -> jax.Array:
     `[m, m]` histogram.
   """
   plan = jnp.asarray(plan)
-  n = plan.shape[0]
-  m = math.isqrt(n)
+  m = math.isqrt(plan.shape[0])
   if plan.shape != (m * m, m * m):
     raise ValueError(f'plan must be [m*m, m*m], got {plan.shape}.')
   r = jnp.asarray(grid_points(m), jnp.float32)
@@ -494,10 +474,6 @@ def _solve_images(x, y, y_name: str, grid_size, epsilon, num_iters, core):
 
 # Separable views' images per `lax.map` step on CPU, to stay in cache.
 CPU_CHUNK = 32
-
-
-def _default_chunk() -> int | None:
-  return CPU_CHUNK if jax.default_backend() == 'cpu' else None
 
 
 def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
@@ -531,12 +507,7 @@ def _separable_views(x, x_strong, alpha, m: int, epsilon, num_iters: int,
     (a, mass_src, off_src), (b, mass_str, off_str) = (
         measure(images), measure(images_strong))
 
-    def body(_, uv):
-      v = b / apply(uv[0])
-      return a / apply(v), v
-
-    ones = jnp.ones_like(a)
-    u, v = jax.lax.fori_loop(0, num_iters, body, (ones, ones))
+    u, v = _separable_scalings(a, b, apply, num_iters)
     # `_displace`'s contractions; the middle one is a per-problem batch matmul.
     z = jnp.matmul(a_left, v.reshape(m, n * m)).reshape(m, m, n, m)
     z = jnp.transpose(z, (2, 1, 0, 3)).reshape(n, m, m * m)
@@ -594,14 +565,13 @@ def ot_views(x: ArrayLike, x_strong: ArrayLike, alpha: ArrayLike = 0.5,
     p_bar = _displace(u, v, kx, alpha)
     mass = (1.0 - alpha) * mass_src + alpha * mass_str
     offset = (1.0 - alpha) * off_src + alpha * off_str
-    height, width = np.shape(x)[1], np.shape(x)[2]
-    if clip:
-      return measure_to_image(p_bar, mass, offset, height, width)
-    return _unclipped_image(p_bar, mass, offset, height, width)
+    return measure_to_image(p_bar, mass, offset, *np.shape(x)[1:3],
+                            clip=clip)
   x, x_strong, m, epsilon, num_iters, _ = ot_checks.check_image_pair(
       x, x_strong, 'x_strong', grid_size, epsilon, num_iters, core)
-  return _separable_views(x, x_strong, alpha, m, epsilon, num_iters,
-                          _default_chunk(), clip)
+  chunk = CPU_CHUNK if jax.default_backend() == 'cpu' else None
+  return _separable_views(x, x_strong, alpha, m, epsilon, num_iters, chunk,
+                          clip)
 
 
 def image_sinkhorn_cost(x: ArrayLike, y: ArrayLike, grid_size: int = 16,

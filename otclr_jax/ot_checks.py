@@ -33,29 +33,21 @@ def check_static_int(name: str, value, minimum: int) -> int:
   return int(value)
 
 
-def check_scalar_range(name: str, value, low: float, high: float | None,
-                        low_inclusive: bool):
-  """Raises for a concrete out-of-range scalar; NaN-poisons a traced one."""
-  if is_concrete(value):
-    # NumPy, not jnp: inside a jit trace even ops on constants are staged.
-    concrete = np.asarray(value, np.float32)
-    if concrete.ndim != 0:
-      raise ValueError(f'{name} must be a scalar, got shape {concrete.shape}.')
-    ok = concrete >= low if low_inclusive else concrete > low
-    if high is not None:
-      ok = ok and concrete <= high
-    if not ok:
-      bounds = (f"{'[' if low_inclusive else '('}{low:.5g}, "
-                f"{'inf' if high is None else format(high, '.5g')}]")
-      raise ValueError(f'{name} must lie in {bounds}, got {float(concrete):g}.')
-    return jnp.float32(concrete)
-  value = jnp.asarray(value, jnp.float32)
+def check_scalar_range(name: str, value, low: float, high: float = math.inf):
+  """Raises for a concrete scalar outside `[low, high]`; NaN-poisons traced."""
+  concrete = is_concrete(value)
+  # NumPy, not jnp: inside a jit trace even ops on constants are staged.
+  value = (np.asarray(value, np.float32) if concrete
+           else jnp.asarray(value, jnp.float32))
   if value.ndim != 0:
     raise ValueError(f'{name} must be a scalar, got shape {value.shape}.')
-  ok = value >= low if low_inclusive else value > low
-  if high is not None:
-    ok = jnp.logical_and(ok, value <= high)
-  return jnp.where(ok, value, jnp.nan)
+  ok = (value >= low) & (value <= high)
+  if not concrete:
+    return jnp.where(ok, value, jnp.nan)
+  if not ok:
+    raise ValueError(
+        f'{name} must lie in [{low:.5g}, {high:.5g}], got {float(value):g}.')
+  return jnp.float32(value)
 
 
 # Smallest safe epsilon: below, float32 exp(-C / epsilon) on the max-1 cost
@@ -65,13 +57,12 @@ MIN_EPSILON = 1.0 / (126 * math.log(2))
 
 def check_epsilon(epsilon):
   """The entropic regularisation: a scalar >= `MIN_EPSILON` (0.01145)."""
-  return check_scalar_range('epsilon', epsilon, MIN_EPSILON, None,
-                            low_inclusive=True)
+  return check_scalar_range('epsilon', epsilon, MIN_EPSILON)
 
 
 def check_alpha(alpha):
   """The interpolation coefficient: a scalar in `[0, 1]`."""
-  return check_scalar_range('alpha', alpha, 0.0, 1.0, low_inclusive=True)
+  return check_scalar_range('alpha', alpha, 0.0, 1.0)
 
 
 def check_grid_fits(grid_size: int, height: int, width: int) -> None:
@@ -121,8 +112,7 @@ def check_histogram(name: str, h) -> jax.Array:
           f'{name} has negative masses (min {concrete.min():.3g}); a histogram '
           'must be non-negative (shift it by its minimum, as image_to_measure '
           'does).')
-    totals = np.ravel(concrete.sum(axis=(-2, -1)) if concrete.ndim >= 2
-                      else 1.0)
+    totals = np.ravel(concrete.sum(axis=(-2, -1)))
     # An empty batch of grids has no total to check (its result is empty).
     worst = totals[np.argmax(np.abs(totals - 1.0))] if totals.size else 1.0
     if abs(worst - 1.0) > HISTOGRAM_SUM_ATOL:
@@ -177,17 +167,6 @@ def check_core(core: str) -> str:
   return core
 
 
-def check_images(x: jax.Array, y: jax.Array, y_name: str) -> None:
-  if x.ndim != 4:
-    raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
-  if x.shape[-1] == 0:
-    raise ValueError(f'x must have at least one channel, got shape '
-                     f'{x.shape}: each channel is one measure.')
-  if y.shape != x.shape:
-    raise ValueError(
-        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
-
-
 def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   """All checks of an image-pair function (`ot_views`, `image_sinkhorn_cost`).
 
@@ -199,7 +178,14 @@ def check_image_pair(x, y, y_name: str, grid_size, epsilon, num_iters, core):
   check_finite(y_name, y)
   x = check_image_values('x', x)
   y = check_image_values(y_name, y)
-  check_images(x, y, y_name)
+  if x.ndim != 4:
+    raise ValueError(f'x must be images [B, H, W, C], got shape {x.shape}.')
+  if x.shape[-1] == 0:
+    raise ValueError(f'x must have at least one channel, got shape '
+                     f'{x.shape}: each channel is one measure.')
+  if y.shape != x.shape:
+    raise ValueError(
+        f'{y_name} must have the shape of x {x.shape}, got {y.shape}.')
   m = check_static_int('grid_size', grid_size, 2)
   num_iters = check_static_int('num_iters', num_iters, 1)
   epsilon = check_epsilon(epsilon)

@@ -51,13 +51,6 @@ def _reconstruct(p_bar, mass, offset, height: int, width: int):
   return ot.measure_to_image(p_bar, mass, offset, height, width)
 
 
-def _views_with(per_problem: Callable, x, x_strong, s: OTSettings):
-  """View generator around a per-channel `(a, b) [m, m] -> p_bar [m, m]`."""
-  a, b, mass, offset = _measures(x, x_strong, s)
-  p_bar = jax.vmap(per_problem)(a, b)
-  return _reconstruct(p_bar, mass, offset, x.shape[1], x.shape[2])
-
-
 def make_ott_dense(s: OTSettings) -> Callable:
   """(a) ott-jax dense `Geometry` in lse mode, materialised plan, scatter."""
   cost = jnp.asarray(ot.grid_cost(s.grid_size), jnp.float32)
@@ -71,7 +64,12 @@ def make_ott_dense(s: OTSettings) -> Callable:
     out = solver(linear_problem.LinearProblem(geom, a.ravel(), b.ravel()))
     return ot.dense_displace(out.matrix, s.alpha)
 
-  return jax.jit(functools.partial(_views_with, per_problem, s=s))
+  def views(x, x_strong):
+    a, b, mass, offset = _measures(x, x_strong, s)
+    p_bar = jax.vmap(per_problem)(a, b)
+    return _reconstruct(p_bar, mass, offset, x.shape[1], x.shape[2])
+
+  return jax.jit(views)
 
 
 def make_ot_views(s: OTSettings, core: str = ot.DEFAULT_CORE) -> Callable:
@@ -147,14 +145,6 @@ def make_stages(s: OTSettings):
   return measure, scalings, splat, reconstruct
 
 
-def _bench_images(batch_size: int, image_size: int, seed: int):
-  rng = np.random.default_rng(seed)
-  shape = (batch_size, image_size, image_size, 3)
-  x = jnp.asarray(rng.random(shape, np.float32))
-  x_strong = jnp.asarray(rng.random(shape, np.float32))
-  return x, x_strong
-
-
 @dataclasses.dataclass
 class Row:
   """A table row: a label and, per batch size, a value and maybe a minimum."""
@@ -182,15 +172,11 @@ def format_table(batch_sizes: Sequence[int], rows: Sequence[Row]) -> str:
 
 def _check_views(outputs: dict[str, np.ndarray]) -> tuple[str, bool]:
   """Max abs difference of each implementation's views from (c)'s."""
-  parts, ok_all = [], True
-  for k, views in outputs.items():
-    if k == 'c':
-      continue
-    diff = float(np.max(np.abs(views - outputs['c'])))
-    ok = diff <= VIEW_ATOL
-    ok_all &= ok
-    parts.append(f"{k}: {diff:.2e}{'' if ok else ' MISMATCH'}")
-  return ', '.join(parts), ok_all
+  diffs = {k: float(np.max(np.abs(views - outputs['c'])))
+           for k, views in outputs.items() if k != 'c'}
+  ok = {k: d <= VIEW_ATOL for k, d in diffs.items()}
+  return ', '.join(f"{k}: {d:.2e}{'' if ok[k] else ' MISMATCH'}"
+                   for k, d in diffs.items()), all(ok.values())
 
 
 def _time_stages(stages, x, x_strong, repeats: int, min_time_s: float):
@@ -256,7 +242,10 @@ def run_ot(fv: flags.FlagValues) -> int:
   stage_sum = Row('  (d) sum of stages')
   all_ok = True
   for batch_size in batch_sizes:
-    x, x_strong = _bench_images(batch_size, fv.image_size, fv.seed)
+    rng = np.random.default_rng(fv.seed)
+    shape = (batch_size, fv.image_size, fv.image_size, 3)
+    x, x_strong = (jnp.asarray(rng.random(shape, np.float32))
+                   for _ in range(2))
     outputs = {k: np.asarray(fn(x, x_strong)) for k, (_, fn) in impls.items()}
     text, ok = _check_views(outputs)
     all_ok &= ok

@@ -83,8 +83,7 @@ def _print_layers(config, repeats: int) -> None:
       fn, args = _conv_step(impl, x_shape, k_shape, strides, padding)
       jax.block_until_ready(fn(*args))
       ms[impl], _ = common.time_ms(fn, *args, repeats=repeats)
-    auto = ('matmul' if conv.matmul_is_faster(x_shape, k_shape, strides)
-            else 'xla')
+    auto = 'matmul' if conv.matmul_is_faster(x_shape, strides) else 'xla'
     print(f'| {list(x_shape)} | {list(k_shape)} | {strides[0]} | {count} '
           f'| {ms["xla"]:.1f} | {ms["matmul"]:.1f} '
           f'| {ms["xla"] / ms["matmul"]:.2f} | {auto} |')
