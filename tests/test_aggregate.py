@@ -35,9 +35,9 @@ def test_aggregate_matches_numpy():
                                                 'n': 2}
   assert (group['n'], group['seeds'], group['steps']) == (3, [0, 1, 2],
                                                           [100] * 3)
-  # The mean of three equal values: 3 + 2 roundings.
+  # The mean of three equal values.
   assert group['views']['otclr']['pixel_l2']['mean'] == pytest.approx(
-      0.17, rel=rounding_tol(5, eps=EPS64))
+      0.17, rel=rounding_tol(3, stages=1, eps=EPS64))
 
 
 def test_aggregate_groups_and_orders():
@@ -64,18 +64,17 @@ def test_paired_differences_match_the_t_test_by_hand():
   # Differences of halves: exact.
   np.testing.assert_array_equal(row['differences'], diffs)
   t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(3))
-  # float64: the mean's and deviation's errors, sqrt(3) and two divisions
-  # (5).
+  # float64: the mean's and deviation's errors, sqrt(3) and two divisions.
   rtol_mean, rtol_std = mean_std_rtol(diffs)
-  rtol_t = rtol_mean + rtol_std + rounding_tol(5, eps=EPS64)
+  rtol_t = rtol_mean + rtol_std + rounding_tol(stages=3, eps=EPS64)
   np.testing.assert_allclose(row['t'], t, rtol=rtol_t)
   # Student's t with 2 degrees of freedom: P(|T| > t) = 1 - t / sqrt(t^2 + 2).
   # t's error moves p by |dp/dt| t / p = 2 t / ((t^2 + 2)^1.5 p) relative;
-  # the closed form (5) and scipy's survival function (a special function,
-  # 12) round relative to 1, which 1 - ... cancels down to p (k = 1 / p).
+  # the closed form and scipy's survival function (a special function)
+  # round relative to 1, which 1 - ... cancels down to p (k = 1 / p).
   p = 1 - t / np.sqrt(t**2 + 2)
   rtol_p = (2 * t / ((t**2 + 2) ** 1.5 * p) * rtol_t
-            + rounding_tol(5 + 12, k=1 / p, eps=EPS64))
+            + rounding_tol(stages=3, funcs=1, k=1 / p, eps=EPS64))
   np.testing.assert_allclose(row['p'], p, rtol=rtol_p)
   assert (row['seeds'], row['wins'], row['n']) == ([0, 1, 2], 2, 3)
   floor = next(r for r in rows if (r['method'], r['baseline'], r['metric'])

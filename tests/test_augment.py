@@ -15,26 +15,28 @@ from scipy import ndimage
 from scipy import stats
 
 from otclr_jax import augment
+from tests.helpers import chain
 from tests.helpers import rounding_tol
 
 LUMA = np.array([0.2989, 0.587, 0.114])
 
 # Tolerances of the float32 colour operations against the float64 formulas
-# below, on pixels in [0, 1] (absolute). Luma: the three constants, products
-# and two sums (8). A blend f x + (1 - f) d: the factor, 1 - f, two products
-# and the sum (5) after d's own chain, on terms of at most
-# f + |1 - f| <= 2 for factors in [0, 1.4].
-_LUMA_ATOL = rounding_tol(8)
-_BRIGHTNESS_ATOL = rounding_tol(5) * 2
-_SATURATION_ATOL = rounding_tol(8 + 5) * 2
-# Contrast: d is the mean of the 6 x 7 lumas (43).
-_CONTRAST_ATOL = rounding_tol(8 + 43 + 5) * 2
-# Hue, absolute errors in units of u: the chroma's reciprocal and product at
-# scale 1 (3), + 2 or + 4 at scale 5 (5), the shift (constant, product, sum)
-# and its wrap (reciprocal product, floor, product, difference) at scale 8
-# (56), k and 4 - k at scale 11 (22), the product with the chroma and the
-# difference from the value at scale 1 (2): 88u, rounding_tol(44).
-_HUE_ATOL = rounding_tol(44)
+# below, absolute on pixels in [0, 1]. Luma: a dot product of 3 with
+# rounded constants. A blend f x + (1 - f) d: the factor, 1 - f, the
+# product and the sum after d's own chain, on terms of at most
+# f + |1 - f| <= 2 for factors in [0, 1.4]; contrast's d is the mean of the
+# 6 x 7 lumas.
+_LUMA = chain(3, stages=1)
+_BLEND = chain(stages=4)
+_LUMA_ATOL = rounding_tol(_LUMA)
+_BRIGHTNESS_ATOL = rounding_tol(_BLEND) * 2
+_SATURATION_ATOL = rounding_tol(_LUMA, _BLEND) * 2
+_CONTRAST_ATOL = rounding_tol(_LUMA, 6 * 7, _BLEND, stages=1) * 2
+# Hue, stages at the scales of their results: the chroma's reciprocal and
+# product, and the value's difference (1), + 2 or + 4 (5), the shift and
+# its wrap (8), k and 4 - k (11).
+_HUE_ATOL = (rounding_tol(stages=3) + rounding_tol(stages=1, k=5)
+             + rounding_tol(stages=7, k=8) + rounding_tol(stages=2, k=11))
 
 # Every operation off and the crop fixed to the whole image: the pipeline is
 # then the identity, and one operation at a time can be switched on.
@@ -76,7 +78,6 @@ def _assert_frequency(hits, p, name):
   assert abs(freq - p) <= tol, f'{name}: frequency {freq:.4f}, expected {p} +- {tol:.4f}'
 
 
-# ---------------------------------------------------------------------------
 # NumPy references.
 
 
@@ -126,7 +127,6 @@ def _np_resized_crop(image, box):
   ], axis=-1)
 
 
-# ---------------------------------------------------------------------------
 # Crop.
 
 
@@ -184,15 +184,15 @@ def test_crop_box_fallback_is_centred(height, width, ratio, expected):
   want = np.array([(height - bh) / 2, (width - bw) / 2, bh, bw])
   # The fallback is computed in float64 and rounded to float32 once.
   np.testing.assert_allclose(boxes, np.broadcast_to(want, boxes.shape),
-                             rtol=rounding_tol(1), atol=0)
+                             rtol=rounding_tol(stages=1), atol=0)
 
 
 # resized_crop against scipy's float64 interpolation, absolute on pixels in
-# [0, 1]: each output coordinate start + (o + 0.5) extent / size - 0.5 and its
-# clamp and fraction take 6 roundings at the scale of the image side (up to
-# 16), which move each of the 2 x 2 bilinear weights absolutely (k = 16), and
-# each axis's 2 weights (2 x 2 axes); the 2 x 2 products and sums (6).
-_CROP_ATOL = rounding_tol(6, k=16) * 2 * 2 + rounding_tol(6)
+# [0, 1]: each output coordinate start + (o + 0.5) extent / size - 0.5 and
+# its fraction take 6 stages at the scale of the image side (up to 16),
+# which move each axis's 2 bilinear weights absolutely (2 x 2 axes); then
+# the weights' product and the sum of 4.
+_CROP_ATOL = rounding_tol(stages=6, k=16) * 2 * 2 + rounding_tol(4, stages=1)
 
 
 def test_resized_crop_matches_scipy():
@@ -217,18 +217,16 @@ def test_resized_crop_full_box_is_identity_and_flip_mirrors():
   np.testing.assert_array_equal(
       augment.resized_crop(image, full, flip=True), image[:, ::-1])
   box = jnp.array([1.5, 2.25, 6.0, 9.5])
-  # The same weights, reversed: each output pixel sums the same 2 x 2
-  # products (4 products of two factors and their sums, 12 roundings at most
-  # on pixels <= 1), possibly in another vector lane or order.
+  # The same weights, reversed: each output pixel sums the same 4 products
+  # of two weights and a pixel <= 1, possibly in another lane or order.
   np.testing.assert_allclose(
       augment.resized_crop(image, box, flip=True),
       augment.resized_crop(image, box)[:, ::-1], rtol=0,
-      atol=rounding_tol(12))
+      atol=rounding_tol(4, stages=2))
   np.testing.assert_array_equal(augment.horizontal_flip(image),
                                 np.flip(np.asarray(image), axis=1))
 
 
-# ---------------------------------------------------------------------------
 # Colour.
 
 
@@ -337,7 +335,6 @@ def test_sample_jitter_ranges_and_uniform_order():
   np.testing.assert_array_equal(fixed, np.broadcast_to(np.arange(4), (10, 4)))
 
 
-# ---------------------------------------------------------------------------
 # Blur.
 
 
@@ -361,29 +358,28 @@ def test_gaussian_blur_matches_scipy(sigma, size):
   taps = np.arange(size) - size // 2
   w = np.exp(-taps**2 / (2 * sigma**2))
   w /= w.sum()
-  # The exponent: sigma's rounding, the division and the square (3), each
-  # relative, so absolute at the exponent's scale, at most (r / sigma)^2 / 2
-  # = 2 here (k = 2); exp (12), the sum over the taps and the division.
-  w_rtol = rounding_tol(3, k=2) + rounding_tol(12 + size + 2)
+  # The exponent's 3 stages, absolute at its scale, at most (r / sigma)^2 / 2
+  # = 2 here (k = 2); exp, the sum over the taps and the division.
+  w_rtol = rounding_tol(stages=3, k=2) + rounding_tol(size, stages=1, funcs=1)
   np.testing.assert_allclose(augment.gaussian_kernel(sigma, size), w,
                              rtol=w_rtol)
   # scipy's 'mirror' is reflection without repeating the edge pixel.
   want = ndimage.correlate1d(x.astype(np.float64), w, axis=0, mode='mirror')
   want = ndimage.correlate1d(want, w, axis=1, mode='mirror')
   # Two passes, each moved by the weights' relative error on pixels <= 1,
-  # and each summing `size` products (2 size).
+  # and each a dot product of `size`.
   np.testing.assert_allclose(_blur(jnp.asarray(x), sigma, size),
                              want, rtol=0,
-                             atol=2 * w_rtol + rounding_tol(2 * 2 * size))
+                             atol=2 * w_rtol + rounding_tol(size, size))
 
 
 def test_blur_preserves_constant_image():
   x = jnp.full((9, 12, 3), 0.37, jnp.float32)
-  # The normalised weights sum to 1 up to their sum and division (5 + 2);
-  # each pass sums 5 products (10); two passes, relative to 0.37.
+  # Two passes of a dot product of 5 with weights that sum to 1 up to their
+  # sum and division.
   for sigma in (0.1, 1.0, 2.0):
     np.testing.assert_allclose(_blur(x, sigma, 5), x,
-                               rtol=2 * rounding_tol(7 + 10), atol=0)
+                               rtol=rounding_tol(5, 5, 5, 5, stages=2), atol=0)
 
 
 def test_blur_rejects_bad_kernel():
@@ -394,7 +390,6 @@ def test_blur_rejects_bad_kernel():
     _blur(x, 1.0, 17)
 
 
-# ---------------------------------------------------------------------------
 # Full pipeline.
 
 
@@ -403,39 +398,27 @@ def test_all_off_is_identity():
   np.testing.assert_array_equal(_augment(jax.random.key(0), x, **ALL_OFF), x)
 
 
-def test_flip_frequency():
-  x = _images(2000, 8, 8, seed=15)
-  out = _augment(jax.random.key(15), x, **{**ALL_OFF, 'flip_prob': 0.5})
-  flipped = np.all(out == x[:, :, ::-1], axis=(1, 2, 3))
-  kept = np.all(out == x, axis=(1, 2, 3))
-  assert np.all(flipped ^ kept)
-  _assert_frequency(flipped, 0.5, 'flip')
-
-
-def test_jitter_frequency():
-  x = _images(2000, 8, 8, seed=16)
-  out = _augment(jax.random.key(16), x, **{**ALL_OFF, 'jitter_prob': 0.8})
-  _assert_frequency(_changed(out, x), 0.8, 'jitter')
-
-
-def test_grayscale_frequency():
-  x = _images(2000, 8, 8, seed=17)
-  out = _augment(jax.random.key(17), x, **{**ALL_OFF, 'grayscale_prob': 0.2})
-  gray = np.all(out == out[..., :1], axis=(1, 2, 3))
-  np.testing.assert_array_equal(gray, _changed(out, x))
-  _assert_frequency(gray, 0.2, 'grayscale')
-  np.testing.assert_allclose(out[gray][..., 0], _np_luma(x[gray]), rtol=0,
-                             atol=_LUMA_ATOL)
-
-
-def test_blur_frequency():
-  # sigma >= 1 so that every blurred image differs visibly from its input
-  # (at sigma 0.1 the neighbour weights underflow to ~1e-22).
-  x = _images(1000, 16, 16, seed=18)
-  out = _augment(jax.random.key(18), x, **{
-      **ALL_OFF, 'blur_prob': 0.5, 'blur_sigma': (1.0, 2.0),
-      'blur_kernel_fraction': 0.2})
-  _assert_frequency(_changed(out, x), 0.5, 'blur')
+@pytest.mark.parametrize('name, seed, p, extra', [
+    ('flip', 15, 0.5, {}), ('jitter', 16, 0.8, {}), ('grayscale', 17, 0.2, {}),
+    # sigma >= 1 so that every blurred image differs visibly from its input
+    # (at sigma 0.1 the neighbour weights underflow to ~1e-22).
+    ('blur', 18, 0.5, {'blur_sigma': (1.0, 2.0),
+                       'blur_kernel_fraction': 0.2})])
+def test_operation_frequency(name, seed, p, extra):
+  n, size = (1000, 16) if name == 'blur' else (2000, 8)
+  x = _images(n, size, size, seed=seed)
+  out = _augment(jax.random.key(seed), x,
+                 **{**ALL_OFF, f'{name}_prob': p, **extra})
+  hits = _changed(out, x)
+  if name == 'flip':
+    hits = np.all(out == x[:, :, ::-1], axis=(1, 2, 3))
+    assert np.all(hits ^ np.all(out == x, axis=(1, 2, 3)))
+  if name == 'grayscale':
+    gray = np.all(out == out[..., :1], axis=(1, 2, 3))
+    np.testing.assert_array_equal(gray, hits)
+    np.testing.assert_allclose(out[gray][..., 0], _np_luma(x[gray]), rtol=0,
+                               atol=_LUMA_ATOL)
+  _assert_frequency(hits, p, name)
 
 
 def test_determinism_shape_range():

@@ -8,6 +8,7 @@ import pytest
 
 from otclr_jax import conv
 from otclr_jax import models
+from tests.helpers import numpy_variables
 from tests.helpers import rounding_tol
 
 
@@ -18,28 +19,6 @@ def _count(tree):
 def _abstract_variables(module, shape):
   return jax.eval_shape(
       lambda: module.init(jax.random.key(0), jnp.zeros(shape), train=False))
-
-
-def _numpy_variables(module, shape, seed=0):
-  """Initial variables filled from NumPy (He-normal kernels, fresh BatchNorm).
-
-  ``module.init`` compiles one random-number kernel per parameter shape, which
-  costs seconds on a shared CPU; the structure comes from ``jax.eval_shape``.
-  """
-  rng = np.random.default_rng(seed)
-  abstract = flax.traverse_util.flatten_dict(
-      _abstract_variables(module, shape))
-  filled = {}
-  for path, leaf in abstract.items():
-    if path[-1] == 'kernel':
-      fan_in = np.prod(leaf.shape[:-1])
-      value = rng.normal(0.0, np.sqrt(2.0 / fan_in), leaf.shape)
-    elif path[-1] in ('scale', 'var'):
-      value = np.ones(leaf.shape)
-    else:
-      value = np.zeros(leaf.shape)
-    filled[path] = jnp.asarray(value, leaf.dtype)
-  return flax.traverse_util.unflatten_dict(filled)
 
 
 def _resnet_param_count(stem_kernel, stage_sizes=(2, 2, 2, 2)):
@@ -65,21 +44,26 @@ def _resnet_param_count(stem_kernel, stage_sizes=(2, 2, 2, 2)):
   return total
 
 
-def test_imagenet_stem_parameter_count():
+def test_parameter_counts_are_torchvisions_and_the_papers():
+  # torchvision's resnet18 and resnet34 without their fc (512 * 1000 + 1000).
   variables = _abstract_variables(models.ResNet(stem='imagenet'),
                                   (2, 32, 32, 3))
-  # torchvision resnet18 has 11,689,512 parameters, its fc 512 * 1000 + 1000.
   assert _resnet_param_count(7) == 11_689_512 - 513_000
   assert _count(variables['params']) == 11_176_512
-  # The paper's "11.18M".
-  assert round(_count(variables['params']) / 1e6, 2) == 11.18
+  assert round(_count(variables['params']) / 1e6, 2) == 11.18  # the paper's
+  # One running mean and one running variance per BatchNorm channel.
+  kernels = [v for k, v in flax.traverse_util.flatten_dict(
+      variables['params']).items() if k[-1] == 'kernel']
+  assert _count(variables['batch_stats']) == (
+      _count(variables['params']) - _count(kernels))
+  resnet34 = _abstract_variables(models.ResNet(stage_sizes=(3, 4, 6, 3)),
+                                 (2, 32, 32, 3))
+  assert _count(resnet34['params']) == 21_797_672 - 513_000
+  cifar = _abstract_variables(models.ResNet(stem='cifar'), (2, 32, 32, 3))
+  assert _count(cifar['params']) == _resnet_param_count(3) == 11_168_832
 
 
 def test_stage_sizes_set_the_depth():
-  resnet34 = _abstract_variables(models.ResNet(stage_sizes=(3, 4, 6, 3)),
-                                 (2, 32, 32, 3))
-  # torchvision resnet34 has 21,797,672 parameters, its fc 512 * 1000 + 1000.
-  assert _count(resnet34['params']) == 21_797_672 - 513_000
   one = models.ResNet(stage_sizes=(1, 1, 1, 1), stem='cifar')
   variables = _abstract_variables(one, (2, 32, 32, 3))
   assert _count(variables['params']) == _resnet_param_count(3, (1, 1, 1, 1))
@@ -90,35 +74,17 @@ def test_stage_sizes_set_the_depth():
       models.ResNet(stage_sizes=bad)
 
 
-def test_cifar_stem_parameter_count():
-  variables = _abstract_variables(models.ResNet(stem='cifar'), (2, 32, 32, 3))
-  assert _count(variables['params']) == _resnet_param_count(3) == 11_168_832
-
-
-def test_batch_stats_count():
-  variables = _abstract_variables(models.ResNet(), (2, 32, 32, 3))
-  # One running mean and one running variance per BatchNorm channel.
-  assert _count(variables['batch_stats']) == (
-      _count(variables['params']) - _count(
-          [v for k, v in flax.traverse_util.flatten_dict(
-              variables['params']).items() if k[-1] == 'kernel']))
-
-
-def test_projection_head_parameter_count():
-  variables = _abstract_variables(
-      models.SimCLRNet(proj_hidden_dim=2048, proj_dim=128), (2, 32, 32, 3))
-  head = variables['params']['head']
-  # Dense without bias, BatchNorm scale + bias, Dense with bias.
-  assert _count(head) == 512 * 2048 + 2 * 2048 + 2048 * 128 + 128
-
-
-def test_default_head_reproduces_the_papers_parameter_counts():
+def test_heads_reproduce_the_papers_parameter_counts():
   """The paper's 23.01M MoCo pretraining parameters = 2 x (backbone + head)."""
+  wide = _abstract_variables(
+      models.SimCLRNet(proj_hidden_dim=2048, proj_dim=128), (2, 32, 32, 3))
+  # Dense without bias, BatchNorm scale + bias, Dense with bias.
+  assert _count(wide['params']['head']) == (
+      512 * 2048 + 2 * 2048 + 2048 * 128 + 128)
   variables = _abstract_variables(models.SimCLRNet(), (2, 32, 32, 3))
   head = _count(variables['params']['head'])
   backbone = _count(variables['params']['encoder'])
-  assert head == 328_832
-  assert backbone == 11_176_512
+  assert (head, backbone) == (328_832, 11_176_512)
   assert round(2 * (backbone + head) / 1e6, 2) == 23.01
 
 
@@ -163,7 +129,7 @@ def test_train_mode_updates_batch_stats_and_eval_mode_does_not():
   x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
   # Same first example, different rest of the batch.
   x_alt = x.at[1:].set(jax.random.uniform(jax.random.key(2), (3, 32, 32, 3)))
-  variables = _numpy_variables(model, x.shape)
+  variables = numpy_variables(model, x.shape)
   old_stats = variables['batch_stats']
   apply_train, apply_eval = _jit_apply(model, True), _jit_apply(model, False)
 
@@ -201,7 +167,7 @@ def test_bfloat16_runs_and_returns_float32():
   model32 = models.SimCLRNet(proj_hidden_dim=32, proj_dim=8)
   model16 = models.SimCLRNet(models.ResNet(dtype=jnp.bfloat16),
                              proj_hidden_dim=32, proj_dim=8)
-  variables = _numpy_variables(model32, x.shape)
+  variables = numpy_variables(model32, x.shape)
   h32, z32 = _jit_apply(model32, False)(variables, x)
   (h16, z16), updates = _jit_apply(model16, True)(variables, x)
   h16_eval, z16_eval = _jit_apply(model16, False)(variables, x)
@@ -240,19 +206,6 @@ def test_downsampling_block_has_projection_shortcut():
   y = jax.eval_shape(lambda v: block.apply(v, jnp.zeros((2, 8, 8, 8)),
                                            train=False), variables)
   assert y.shape == (2, 4, 4, 16)
-
-
-def test_bad_stem_raises():
-  with pytest.raises(ValueError, match='stem'):
-    models.ResNet(stem='resnet')
-  with pytest.raises(ValueError, match='stem'):
-    models.SimCLRNet(models.ResNet(stem=''))
-
-
-def test_bad_input_rank_raises():
-  model = models.ResNet()
-  with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
-    model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
 
 
 # Convolutions as the model runs them: (H, C_in, C_out, kernel, stride,
@@ -304,20 +257,18 @@ def test_conv_matmul_equals_lax_conv_with_gradients(size, cin, cout, k,
   (_, y), (dx, dk) = _conv_loss(
       conv.conv_matmul, strides, padding, probe)(x, kernel)
   assert y.shape == y_ref.shape == out_shape
-  # Two programs summing the same products in other orders. An output sums
-  # k * k * cin products, an input's gradient k * k * cout, a kernel's
-  # 3 * out_h * out_w; each rounds relative to the sum of its terms'
-  # magnitudes, which the same convolution of |x|, |kernel| and |probe|
-  # gives.
-  out_h, out_w = out_shape[1:3]
+  # Two programs summing the same products in other orders: an output over
+  # the kernel's fan-in, an input's gradient over k x k x cout, a kernel's
+  # over the probe's batch and pixels; each rounds relative to the sum of
+  # its terms' magnitudes, the same convolution of |x|, |kernel|, |probe|.
   (_, y_abs), (dx_abs, dk_abs) = _conv_loss(
       jax.lax.conv_general_dilated, strides, padding, jnp.abs(probe))(
           jnp.abs(x), jnp.abs(kernel))
-  for got, ref, n, terms in ((y, y_ref, k * k * cin, y_abs),
-                             (dx, dx_ref, k * k * cout, dx_abs),
-                             (dk, dk_ref, 3 * out_h * out_w, dk_abs)):
+  for got, ref, terms, sums in ((y, y_ref, y_abs, kernel.shape[:-1]),
+                                (dx, dx_ref, dx_abs, (k, k, cout)),
+                                (dk, dk_ref, dk_abs, probe.shape[:-1])):
     np.testing.assert_allclose(
-        got, ref, rtol=0, atol=rounding_tol(n) * float(jnp.max(terms)))
+        got, ref, rtol=0, atol=rounding_tol(sums) * float(jnp.max(terms)))
 
 
 def _conv_matmul_jaxpr(size: int) -> str:
@@ -329,31 +280,43 @@ def _conv_matmul_jaxpr(size: int) -> str:
                                       dimension_numbers=NHWC))(x, kernel))
 
 
-def test_conv_matmul_skips_taps_that_read_only_padding():
-  jaxpr = _conv_matmul_jaxpr(1)
-  # One live tap (the centre): a [2, 4] x [4, 5] product, no concatenation.
+@pytest.mark.parametrize('size, shapes', [
+    # One live tap (the centre): a [2, 4] x [4, 5] product.
+    (1, ('f32[2,4]', 'f32[4,5]')),
+    # 4 pixels, 9 live taps: one [2, 2 * 2 * 4] x [16, 2 * 2 * 5] product of
+    # the whole map, no shifted copies.
+    (2, ('f32[2,16]', 'f32[16,20]')),
+])
+def test_conv_matmul_skips_taps_that_read_only_padding(size, shapes):
+  jaxpr = _conv_matmul_jaxpr(size)
   assert 'concatenate' not in jaxpr
-  assert 'f32[2,4]' in jaxpr and 'f32[4,5]' in jaxpr
+  assert all(shape in jaxpr for shape in shapes)
 
 
-def test_conv_matmul_multiplies_a_map_smaller_than_the_kernel_whole():
-  jaxpr = _conv_matmul_jaxpr(2)
-  # 4 pixels, 9 live taps: one [2, 2 * 2 * 4] x [16, 2 * 2 * 5] product of
-  # the whole map, no shifted copies.
-  assert 'concatenate' not in jaxpr
-  assert 'f32[2,16]' in jaxpr and 'f32[16,20]' in jaxpr
+_X = jnp.ones((1, 4, 4, 2))
+_K = jnp.ones((3, 3, 2, 2))
 
 
-def test_conv_matmul_rejects_dilation_and_groups():
-  x, kernel = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 2))
-  with pytest.raises(ValueError, match='undilated'):
-    conv.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)),
-                       dimension_numbers=NHWC, rhs_dilation=(2, 2))
-  with pytest.raises(ValueError, match='ungrouped'):
-    conv.conv_matmul(x, jnp.ones((3, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
-                       dimension_numbers=NHWC, feature_group_count=2)
-  with pytest.raises(ValueError, match='NHWC'):  # lax's default is NCHW
-    conv.conv_matmul(x, kernel, (1, 1), ((1, 1), (1, 1)))
+@pytest.mark.parametrize('call, match', [
+    (lambda: models.ResNet(stem='resnet'), 'stem'),
+    (lambda: models.SimCLRNet(models.ResNet(stem='')), 'stem'),
+    (lambda: models.ResNet().init(jax.random.key(0), jnp.zeros((32, 32, 3)),
+                                  train=False), r'\[B, H, W, C\]'),
+    (lambda: conv.conv_matmul(_X, _K, (1, 1), ((1, 1), (1, 1)),
+                              dimension_numbers=NHWC, rhs_dilation=(2, 2)),
+     'undilated'),
+    (lambda: conv.conv_matmul(_X, jnp.ones((3, 3, 1, 2)), (1, 1),
+                              ((1, 1), (1, 1)), dimension_numbers=NHWC,
+                              feature_group_count=2), 'ungrouped'),
+    # lax's default is NCHW.
+    (lambda: conv.conv_matmul(_X, _K, (1, 1), ((1, 1), (1, 1))), 'NHWC'),
+    (lambda: conv.conv_function('cudnn'), 'conv_impl'),
+    (lambda: conv.max_pool_function('cudnn'), 'conv_impl'),
+    (lambda: models.ResNet(conv_impl='im2col'), 'conv_impl'),
+])
+def test_bad_settings_raise(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
 
 
 def test_auto_conv_picks_matmul_on_small_cpu_maps_only():
@@ -418,15 +381,6 @@ def test_max_pool_follows_conv_impl():
   assert 'reduce_window' in ops('xla')
 
 
-def test_unknown_conv_impl_raises():
-  with pytest.raises(ValueError, match='conv_impl'):
-    conv.conv_function('cudnn')
-  with pytest.raises(ValueError, match='conv_impl'):
-    conv.max_pool_function('cudnn')
-  with pytest.raises(ValueError, match='conv_impl'):
-    models.ResNet(conv_impl='im2col')
-
-
 @pytest.mark.parametrize('stem', models.STEMS)
 def test_conv_impls_share_parameters_and_outputs(stem):
   x = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
@@ -440,7 +394,7 @@ def test_conv_impls_share_parameters_and_outputs(stem):
   assert jax.tree.map(lambda a: (a.shape, a.dtype), trees['xla']) == (
       jax.tree.map(lambda a: (a.shape, a.dtype), trees['matmul']))
 
-  variables = _numpy_variables(nets['xla'], x.shape)
+  variables = numpy_variables(nets['xla'], x.shape)
   # Eval mode: twenty layers of float32 rounding in another summation order.
   evals = {impl: _jit_apply(net, False)(variables, x)
            for impl, net in nets.items()}

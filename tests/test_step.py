@@ -20,11 +20,10 @@ from otclr_jax import methods
 from otclr_jax import models
 from otclr_jax import ot
 from otclr_jax import step as step_lib
-from tests.helpers import measure_chain
-from tests.helpers import ot_views_chain
-from tests.helpers import resnet_chain
+from tests.helpers import chain
+from tests.helpers import network_chain
+from tests.helpers import ot_chain
 from tests.helpers import rounding_tol
-from tests.helpers import sinkhorn_cost_chain
 from tests.helpers import tiny_config
 from tests.helpers import traces
 
@@ -86,41 +85,52 @@ PINNED = {
 }
 
 
-# `rounding_tol` chains of the `tiny_config` step: 16 images of 8 px, both
-# views through one network (BatchNorm batches of 32), the imagenet stem.
-_SIDE, _BATCH, _GRID = 8, 16, 4
-# The augmentations' absolute error on pixels in [0, 1], in units of eps
-# (tests/test_augment.py's bounds): the crop (390), colour jitter in any
-# order (1250), blur and grayscale (60). Relative to the first
-# convolution's terms, which weigh pixels of mean 1/2, it doubles.
-_AUGMENT = 2 * (390 + 1250 + 60)
-# One view's OT generation (8 px images on the 4 x 4 grid, 20 iterations),
-# likewise doubled.
-_OT_VIEWS = 2 * ot_views_chain(_SIDE, _SIDE, _GRID, 20)
-# The network up to the projections: the encoder, the head's 512-term Dense,
-# its BatchNorm over 32 and its 32-term Dense with the bias.
-_NETWORK = (resnet_chain('imagenet', _SIDE, 2 * _BATCH) + 512
-            + 2 * 2 * _BATCH + 7 + 32 + 1)
-# NT-Xent on 16-dim projections, batch 16 (tests/test_losses.py).
-_NT_XENT = (16 + 2) + 16 + 1 + 2 + 12 + (2 * _BATCH - 1) + 12 + 1 + (
-    2 * _BATCH + 1)
-# The gradients add the backward pass through the same reductions and the
-# weight gradients' sums over the stem's 32 x 4 x 4 outputs; the logged norm
-# adds the squares of the largest parameter (3 x 3 x 512 x 512) and the sum
-# over 62 parameters.
-_BACKWARD = _NETWORK + 2 * _BATCH * 4 * 4
-_NORM = 3 * 3 * 512 * 512 + 62
-# The Sinkhorn regulariser: the measures of its images, the cost and the
-# combination of four (tests/test_losses.py). Its terms are bounded by
-# eps (2 L + 1) per cost, with |log u|, |log v| <= L = 1 / eps +
-# 2 |log(DELTA / m^2)| + log(m^2) (the scalings of a kernel in
-# [exp(-1 / eps), 1] on histograms of at least DELTA / m^2); the
-# regulariser halves a sum of four such costs.
-_SINKHORN = measure_chain(_SIDE, _SIDE, _GRID) + sinkhorn_cost_chain(
-    _GRID, 20) + 7
+@functools.cache
+def _chains():
+  """`rounding_tol` chains of the pinned step: 16 images of 8 px, both views
+  through one network (BatchNorm batches of 32), the imagenet stem.
+
+  Returns:
+    The views' (augmentations, OT views) and the loss's, the gradients' and
+    the logged norm's chains, and the Sinkhorn regulariser's.
+  """
+  side, batch, grid = 8, 16, 4
+  # The augmentations' pixel errors (tests/test_augment.py), stages
+  # weighted by the scales they round at: the crop's 4 x 6 coordinate
+  # stages at the side's; the colour jitter's blends at 2 (dot products of
+  # 3, the mean over the image, 14 stages), hue's 13 stages at up to 11,
+  # amplified by up to 6.5 in any order; grayscale. The OT views likewise.
+  # Both doubled: relative to the first convolution's terms of mean 1/2.
+  crop = chain(4, stages=1 + 4 * side * 6)
+  jitter = 6.5 * (2 * chain(3, 3, side * side, stages=14)
+                  + 11 * chain(stages=13))
+  augment = 2 * (crop + math.ceil(jitter) + chain(3, stages=1))
+  ot_views = 2 * ot_chain(grid, 20, (side, side), 'views')
+  config = tiny_config(None, method='simclr', **_PINNED_MODEL)
+  model = methods.get('simclr').create_model(config)
+  network = network_chain(model, (2 * batch, side, side, 3), train=True)
+  # NT-Xent on 16-dim projections (tests/test_losses.py).
+  nt_xent = chain(16, 16, 2 * batch - 1, 2 * batch, stages=5, funcs=3)
+  # The backward pass through the same reductions and the weight
+  # gradients' sums over the stem's outputs; the norm: squares of the
+  # largest parameter, the sum over all, sqrt.
+  backward = chain(network, (2 * batch, 4, 4))
+  params = jax.tree.leaves(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), np.zeros((1, side, side, 3)),
+                         train=False))['params'])
+  norm = chain(max(p.size for p in params), len(params), stages=2)
+  # The regulariser: four image costs, their sum and the mean over the batch.
+  sinkhorn = chain(ot_chain(grid, 20, (side, side), 'cost'), 4, batch,
+                   stages=2)
+  return augment, ot_views, network + nt_xent, backward, norm, sinkhorn
+
+
+# The Sinkhorn regulariser's terms are bounded by eps (2 L + 1) per cost,
+# with |log u|, |log v| <= L = 1 / eps + 2 |log(DELTA / m^2)| + log(m^2)
+# (the scalings of a kernel in [exp(-1 / eps), 1] on histograms of at least
+# DELTA / m^2); the regulariser halves a sum of four such costs.
 _EPS = 0.05
-_L = 1 / _EPS + 2 * abs(math.log(ot.DELTA / _GRID ** 2)) + math.log(
-    _GRID ** 2)
+_L = 1 / _EPS + 2 * abs(math.log(ot.DELTA / 16)) + math.log(16)
 _SINKHORN_SCALE = 2 * _EPS * (2 * _L + 1)
 
 
@@ -135,19 +145,20 @@ def pinned_rtol(name, index, pinned):
   learning rate times the curvature below 1). alpha is the sigmoid of a
   logit the warm-up's zero first learning rate left at 0: exactly 1/2.
   """
-  views = _AUGMENT + (_OT_VIEWS if name != 'augment' else 0)
-  loss = views + _NETWORK + _NT_XENT
-  grads = loss + _BACKWARD
+  augment, ot_views, forward, backward, norm, sinkhorn_chain = _chains()
+  views = augment + (ot_views if name != 'augment' else 0)
+  loss = views + forward
+  grads = loss + backward
   carried = grads if index == 1 else 0
-  rtol = {'loss': rounding_tol(carried + loss),
-          'grad_norm': rounding_tol(carried + grads + _NORM),
+  rtol = {'loss': rounding_tol(carried, loss),
+          'grad_norm': rounding_tol(carried, grads, norm),
           'alpha': 0.0}
   value = abs(float.fromhex(pinned.get('sinkhorn', 'nan')))
   if not math.isnan(value):
     # The regulariser's images do not depend on the network; with a learnt
     # alpha its views depend on step 1's gradients.
     carried_views = carried if name == 'ot_learn' else 0
-    sinkhorn = rounding_tol(carried_views + views + _SINKHORN,
+    sinkhorn = rounding_tol(carried_views, views, sinkhorn_chain,
                             k=_SINKHORN_SCALE / value)
     rtol['sinkhorn'] = sinkhorn
     if name == 'ot_learn':
@@ -276,10 +287,11 @@ def test_targets_follow_the_online_network_by_ema(data_dir, images):
   kernel = lambda tree: tree['encoder']['stem_conv']['kernel']
   online = kernel(after.params['net'])
   target = kernel(before.extra['target_params'])
-  # The step's tau carries cosine_momentum's 20 roundings, an absolute error
-  # that 1 - tau keeps; the two products, 1 - tau and the sum (4), on terms
-  # of at most |target| + |online|.
-  atol = rounding_tol(24) * float(np.max(np.abs(target) + np.abs(online)))
+  # The step's tau carries cosine_momentum's 8 stages and cos, an absolute
+  # error that 1 - tau keeps; the products, 1 - tau and the sum, on terms of
+  # at most |target| + |online|.
+  atol = rounding_tol(stages=12, funcs=1) * float(
+      np.max(np.abs(target) + np.abs(online)))
   # The EMA of the updated online weights, not of those before the step.
   np.testing.assert_allclose(kernel(after.extra['target_params']),
                              tau * target + (1 - tau) * online, rtol=0,
