@@ -72,10 +72,9 @@ def _changed(out, images):
 
 def _assert_frequency(hits, p, name):
   """Binomial check: |freq - p| within 4.5 standard errors."""
-  n = hits.size
   freq = hits.mean()
-  tol = 4.5 * math.sqrt(p * (1 - p) / n)
-  assert abs(freq - p) <= tol, f'{name}: frequency {freq:.4f}, expected {p} +- {tol:.4f}'
+  tol = 4.5 * math.sqrt(p * (1 - p) / hits.size)
+  assert abs(freq - p) <= tol, f'{name}: {freq:.4f}, expected {p} +- {tol:.4f}'
 
 
 # NumPy references.
@@ -83,18 +82,6 @@ def _assert_frequency(hits, p, name):
 
 def _np_luma(x):
   return x[..., 0] * LUMA[0] + x[..., 1] * LUMA[1] + x[..., 2] * LUMA[2]
-
-
-def _np_brightness(x, f):
-  return np.clip(f * x, 0, 1)
-
-
-def _np_contrast(x, f):
-  return np.clip(f * x + (1 - f) * _np_luma(x).mean(), 0, 1)
-
-
-def _np_saturation(x, f):
-  return np.clip(f * x + (1 - f) * _np_luma(x)[..., None], 0, 1)
 
 
 def _np_hue(x, delta):
@@ -106,9 +93,11 @@ def _np_hue(x, delta):
 
 
 _NP_OPS = {
-    augment.BRIGHTNESS: _np_brightness,
-    augment.CONTRAST: _np_contrast,
-    augment.SATURATION: _np_saturation,
+    augment.BRIGHTNESS: lambda x, f: np.clip(f * x, 0, 1),
+    augment.CONTRAST: lambda x, f: np.clip(
+        f * x + (1 - f) * _np_luma(x).mean(), 0, 1),
+    augment.SATURATION: lambda x, f: np.clip(
+        f * x + (1 - f) * _np_luma(x)[..., None], 0, 1),
     augment.HUE: _np_hue,
 }
 
@@ -197,17 +186,13 @@ _CROP_ATOL = rounding_tol(stages=6, k=16) * 2 * 2 + rounding_tol(4, stages=1)
 
 def test_resized_crop_matches_scipy():
   image = _images(1, 12, 16, seed=4)[0]
-  keys = jax.random.split(jax.random.key(4), 8)
-  for key in keys:
-    box = augment.sample_crop_box(key, 12, 16)
-    got = np.asarray(augment.resized_crop(jnp.asarray(image), box))
-    np.testing.assert_allclose(got, _np_resized_crop(image, np.asarray(box)),
-                               rtol=0, atol=_CROP_ATOL)
-  # Sub-pixel box touching the border, where the edge clamp matters.
-  box = np.array([0.0, 11.3, 3.7, 4.7], np.float32)
-  got = np.asarray(augment.resized_crop(jnp.asarray(image), jnp.asarray(box)))
-  np.testing.assert_allclose(got, _np_resized_crop(image, box), rtol=0,
-                             atol=_CROP_ATOL)
+  boxes = [np.asarray(augment.sample_crop_box(key, 12, 16))
+           for key in jax.random.split(jax.random.key(4), 8)]
+  # A sub-pixel box touching the border, where the edge clamp matters.
+  for box in boxes + [np.array([0.0, 11.3, 3.7, 4.7], np.float32)]:
+    got = augment.resized_crop(jnp.asarray(image), jnp.asarray(box))
+    np.testing.assert_allclose(got, _np_resized_crop(image, box), rtol=0,
+                               atol=_CROP_ATOL)
 
 
 def test_resized_crop_full_box_is_identity_and_flip_mirrors():
@@ -239,18 +224,13 @@ def _one_op(op, image, factor):
 
 
 @pytest.mark.parametrize('factor', [0.0, 0.6, 1.3, 1.4])
-def test_blend_ops_match_closed_forms(factor):
+@pytest.mark.parametrize('op, atol', [
+    (augment.BRIGHTNESS, _BRIGHTNESS_ATOL), (augment.CONTRAST, _CONTRAST_ATOL),
+    (augment.SATURATION, _SATURATION_ATOL)])
+def test_blend_ops_match_closed_forms(op, atol, factor):
   x = _images(1, 6, 7, seed=6)[0]
-  xj = jnp.asarray(x)
-  np.testing.assert_allclose(_one_op(augment.BRIGHTNESS, xj, factor),
-                             _np_brightness(x, factor), rtol=0,
-                             atol=_BRIGHTNESS_ATOL)
-  np.testing.assert_allclose(_one_op(augment.CONTRAST, xj, factor),
-                             _np_contrast(x, factor), rtol=0,
-                             atol=_CONTRAST_ATOL)
-  np.testing.assert_allclose(_one_op(augment.SATURATION, xj, factor),
-                             _np_saturation(x, factor), rtol=0,
-                             atol=_SATURATION_ATOL)
+  np.testing.assert_allclose(_one_op(op, x, factor), _NP_OPS[op](x, factor),
+                             rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize('delta', [0.1, -0.1, 0.037, 0.5, -0.5])
@@ -308,11 +288,11 @@ def test_apply_jitter_follows_order(order):
 
 
 def test_order_matters():
-  # Sanity check that the previous test can tell orders apart.
-  x = _images(1, 6, 6, seed=11)[0]
+  # The previous test can tell orders apart.
+  x = jnp.asarray(_images(1, 6, 6, seed=11)[0])
   factors = jnp.array([1.4, 0.6, 1.4, 0.1])
-  a = augment.apply_jitter(jnp.asarray(x), factors, jnp.array([0, 1, 2, 3]))
-  b = augment.apply_jitter(jnp.asarray(x), factors, jnp.array([3, 2, 1, 0]))
+  a, b = (augment.apply_jitter(x, factors, jnp.array(order))
+          for order in ((0, 1, 2, 3), (3, 2, 1, 0)))
   assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3
 
 
@@ -321,10 +301,12 @@ def test_sample_jitter_ranges_and_uniform_order():
   keys = jax.random.split(jax.random.key(12), n)
   factors, orders = jax.vmap(augment.sample_jitter)(keys)
   factors, orders = np.asarray(factors), np.asarray(orders)
+  uniform = lambda a, low, width: stats.kstest(
+      a, stats.uniform(low, width).cdf).pvalue > 1e-3
   for i in range(3):
     assert factors[:, i].min() >= 0.6 and factors[:, i].max() <= 1.4
-    assert stats.kstest(factors[:, i], stats.uniform(0.6, 0.8).cdf).pvalue > 1e-3
-  assert stats.kstest(factors[:, 3], stats.uniform(-0.1, 0.2).cdf).pvalue > 1e-3
+    assert uniform(factors[:, i], 0.6, 0.8)
+  assert uniform(factors[:, 3], -0.1, 0.2)
   np.testing.assert_array_equal(np.sort(orders, axis=1),
                                 np.broadcast_to(np.arange(4), orders.shape))
   perms = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
@@ -345,11 +327,8 @@ def _blur(image, sigma, kernel_size):
 
 
 def test_blur_kernel_size():
-  assert augment.blur_kernel_size(32) == 3
-  assert augment.blur_kernel_size(224) == 23
-  assert augment.blur_kernel_size(96) == 9
-  assert augment.blur_kernel_size(40) == 5
-  assert augment.blur_kernel_size(16) == 1
+  for side, size in ((32, 3), (224, 23), (96, 9), (40, 5), (16, 1)):
+    assert augment.blur_kernel_size(side) == size, side
 
 
 @pytest.mark.parametrize('sigma,size', [(0.5, 3), (1.7, 5), (2.0, 9)])
@@ -380,14 +359,6 @@ def test_blur_preserves_constant_image():
   for sigma in (0.1, 1.0, 2.0):
     np.testing.assert_allclose(_blur(x, sigma, 5), x,
                                rtol=rounding_tol(5, 5, 5, 5, stages=2), atol=0)
-
-
-def test_blur_rejects_bad_kernel():
-  x = jnp.zeros((8, 8, 3))
-  with pytest.raises(ValueError, match='odd'):
-    _blur(x, 1.0, 4)
-  with pytest.raises(ValueError, match='too large'):
-    _blur(x, 1.0, 17)
 
 
 # Full pipeline.
@@ -466,27 +437,33 @@ def test_non_square_images():
   assert np.all(np.abs(out - x).reshape(2, -1).max(axis=1) > 1e-3)
 
 
-def test_input_validation():
-  x = jnp.zeros((2, 8, 8, 3))
-  with pytest.raises(ValueError, match=r'\[B, H, W, 3\]'):
-    augment.simclr_augment(jax.random.key(0), x[0])
-  with pytest.raises(ValueError, match=r'\[B, H, W, 3\]'):
-    augment.simclr_augment(jax.random.key(0), jnp.zeros((2, 8, 8, 1)))
-  with pytest.raises(ValueError, match='float'):
-    augment.simclr_augment(jax.random.key(0), jnp.zeros((2, 8, 8, 3),
-                                                        jnp.uint8))
-  with pytest.raises(ValueError, match=r'\[H, W, 3\]'):
-    augment.augment_image(jax.random.key(0), x)
-  with pytest.raises(ValueError, match='float'):
-    augment.augment_image(jax.random.key(0), jnp.zeros((8, 8, 3), jnp.int32))
-  with pytest.raises(ValueError, match='flip_prob'):
-    augment.simclr_augment(jax.random.key(0), x, flip_prob=1.5)
-  with pytest.raises(ValueError, match='hue'):
-    augment.AugmentParams(hue=0.6)
-  with pytest.raises(ValueError, match='crop_scale'):
-    augment.AugmentParams(crop_scale=(0.0, 1.0))
-  with pytest.raises(TypeError):
-    augment.simclr_augment(jax.random.key(0), x, no_such_field=1.0)
+_X = jnp.zeros((2, 8, 8, 3))
+_KEY = jax.random.key(0)
+
+
+@pytest.mark.parametrize('call, error, match', [
+    (lambda: _blur(_X[0], 1.0, 4), ValueError, 'odd'),
+    (lambda: _blur(_X[0], 1.0, 17), ValueError, 'too large'),
+    (lambda: augment.simclr_augment(_KEY, _X[0]), ValueError,
+     r'\[B, H, W, 3\]'),
+    (lambda: augment.simclr_augment(_KEY, _X[..., :1]), ValueError,
+     r'\[B, H, W, 3\]'),
+    (lambda: augment.simclr_augment(_KEY, _X.astype(jnp.uint8)), ValueError,
+     'float'),
+    (lambda: augment.augment_image(_KEY, _X), ValueError, r'\[H, W, 3\]'),
+    (lambda: augment.augment_image(_KEY, _X[0].astype(jnp.int32)),
+     ValueError, 'float'),
+    (lambda: augment.simclr_augment(_KEY, _X, flip_prob=1.5), ValueError,
+     'flip_prob'),
+    (lambda: augment.AugmentParams(hue=0.6), ValueError, 'hue'),
+    (lambda: augment.AugmentParams(crop_scale=(0.0, 1.0)), ValueError,
+     'crop_scale'),
+    (lambda: augment.simclr_augment(_KEY, _X, no_such_field=1.0), TypeError,
+     None),
+])
+def test_bad_inputs_raise(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
 
 
 def test_geometric_then_photometric_halves_are_the_whole_augmentation():

@@ -150,39 +150,12 @@ def _compactness_rtol(z, assign):
           + rounding_tol(z.shape[1], len(z), len(ids), stages=2))
 
 
-# Plain NumPy float64 references, written from the definitions.
-
-
-def _np_centroids(z, assign):
-  ids = np.unique(assign)
-  return ids, np.stack([z[assign == c].mean(axis=0) for c in ids])
-
-
-def _np_compactness(z, assign):
-  z = z.astype(np.float64)
-  return np.mean([
-      np.mean(np.sum((z[assign == c] - z[assign == c].mean(0))**2, axis=1))
-      for c in np.unique(assign)])
-
-
-def _np_centroid_margin(z, assign):
-  _, mu = _np_centroids(z.astype(np.float64), assign)
-  dist = np.linalg.norm(mu[:, None] - mu[None], axis=-1)
-  np.fill_diagonal(dist, np.inf)
-  return dist.min(axis=1).mean()
-
-
-def _np_inter_intra(z, assign):
-  """The paper's equation: D_inter / D_intra, D_intra = (1/K) sum_k mean_k.
-
-  mean_k is cluster k's mean of ||z_i - z_j|| over pairs i < j; clusters
-  without a pair (singletons) are left out of the 1/K average.
-  """
-  z = z.astype(np.float64)
-  _, mu = _np_centroids(z, assign)
-  k = len(mu)
+def _np_inter_intra(z, mu, assign):
+  """The paper's D_inter / D_intra, D_intra = (1/K) sum_k mean_k: cluster
+  k's mean of ||z_i - z_j|| over pairs i < j; clusters without a pair
+  (singletons) are left out of the 1/K average."""
   inter = [np.linalg.norm(mu[i] - mu[j])
-           for i in range(k) for j in range(i + 1, k)]
+           for i in range(len(mu)) for j in range(i + 1, len(mu))]
   per_cluster = []
   for c in np.unique(assign):
     members = z[assign == c]
@@ -193,20 +166,41 @@ def _np_inter_intra(z, assign):
   return np.mean(inter) / np.mean(per_cluster)
 
 
+def _references(z, assign):
+  """The four scores in float64, from their definitions (sklearn's
+  silhouette)."""
+  z = z.astype(np.float64)
+  ids = np.unique(assign)
+  mu = np.stack([z[assign == c].mean(axis=0) for c in ids])
+  dist = np.linalg.norm(mu[:, None] - mu[None], axis=-1)
+  np.fill_diagonal(dist, np.inf)
+  return {
+      'silhouette': sk_metrics.silhouette_score(z, assign),
+      'compactness': np.mean([np.mean(np.sum(
+          (z[assign == c] - z[assign == c].mean(0))**2, axis=1))
+                              for c in ids]),
+      'centroid_margin': dist.min(axis=1).mean(),
+      'inter_intra_ratio': _np_inter_intra(z, mu, assign)}
+
+
 # Silhouette.
 
 
 @pytest.mark.parametrize('make', [_random_data, _clustered_data])
-@pytest.mark.parametrize('singleton', [False, True])
-def test_silhouette_matches_sklearn(make, singleton):
+@pytest.mark.parametrize('singleton', [None, 'next', 5])
+def test_scores_match_their_definitions(make, singleton):
   z, assign = make()
   k = int(assign.max()) + 1
   if singleton:
+    # A singleton cluster, with empty ids below it if its id is 5.
+    k = k if singleton == 'next' else singleton
     z, assign = _with_singleton(z, assign, k)
     k += 1
-  expected = sk_metrics.silhouette_score(z.astype(np.float64), assign)
-  got = _silhouette(z, assign, num_clusters=k)
-  np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+  got = metrics.clustering_scores(z, assign, num_clusters=k)
+  for name, expected in _references(z, assign).items():
+    np.testing.assert_allclose(got[name], expected, rtol=RTOL,
+                               atol=0 if name == 'inter_intra_ratio' else ATOL,
+                               err_msg=name)
 
 
 def test_silhouette_clustered_is_high_random_is_low():
@@ -246,21 +240,6 @@ def test_silhouette_identical_points_is_one():
 # Compactness, centroid margin, inter/intra.
 
 
-@pytest.mark.parametrize('make', [_random_data, _clustered_data])
-def test_cluster_metrics_match_numpy(make):
-  z, assign = _with_singleton(*make(), k=5)
-  k = 6
-  np.testing.assert_allclose(
-      _compactness(z, assign, num_clusters=k),
-      _np_compactness(z, assign), rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(
-      _centroid_margin(z, assign, num_clusters=k),
-      _np_centroid_margin(z, assign), rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(
-      _inter_intra_ratio(z, assign, num_clusters=k),
-      _np_inter_intra(z, assign), rtol=RTOL)
-
-
 def test_inter_intra_is_mean_of_per_cluster_means():
   # Cluster 0: 3 collinear points (pair distances 1, 1, 2; mean 4/3),
   # cluster 1: a pair at distance 4. The paper's D_intra is (4/3 + 4) / 2 =
@@ -286,13 +265,13 @@ def test_inter_intra_unequal_clusters_match_paper_equation():
                       3.0 + 2.0 * rng.normal(size=(3, 6)),
                       [np.full(6, -5.0)]]).astype(np.float32)
   assign = np.array([0] * 40 + [1] * 3 + [2], np.int32)
+  expected = _references(z, assign)['inter_intra_ratio']
   got = _inter_intra_ratio(z, assign, num_clusters=3)
-  np.testing.assert_allclose(got, _np_inter_intra(z, assign), rtol=1e-4)
+  np.testing.assert_allclose(got, expected, rtol=1e-4)
   # The path `cluster_metrics` takes (one shared distance pass, chunked).
   values = metrics._all_cluster_metrics(z, assign, num_clusters=3,
                                         block_size=7)
-  np.testing.assert_allclose(values['inter_intra_ratio'],
-                             _np_inter_intra(z, assign), rtol=1e-4)
+  np.testing.assert_allclose(values['inter_intra_ratio'], expected, rtol=1e-4)
 
 
 def test_identical_point_clusters_closed_form():
@@ -406,15 +385,9 @@ def test_cluster_metrics_deterministic_and_consistent():
     assert first[key] == second[key]
   assign = first['assign']
   assert assign.shape == (90,) and assign.dtype == np.int32
-  np.testing.assert_allclose(
-      first['silhouette'],
-      sk_metrics.silhouette_score(z.astype(np.float64), assign), rtol=RTOL)
-  np.testing.assert_allclose(first['compactness'],
-                             _np_compactness(z, assign), rtol=RTOL)
-  np.testing.assert_allclose(first['centroid_margin'],
-                             _np_centroid_margin(z, assign), rtol=RTOL)
-  np.testing.assert_allclose(first['inter_intra_ratio'],
-                             _np_inter_intra(z, assign), rtol=RTOL)
+  for name, expected in _references(z, assign).items():
+    np.testing.assert_allclose(first[name], expected, rtol=RTOL,
+                               err_msg=name)
 
 
 # View metrics.
