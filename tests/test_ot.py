@@ -200,18 +200,16 @@ class TestDisplace:
                 + alpha * (plan.sum(0)[:, None] * r).sum(0))
     np.testing.assert_allclose(_centroid(out), expected, rtol=rtol)
 
-  def test_alpha_zero_returns_source(self, pair):
+  def test_alpha_endpoints_return_the_marginals(self, pair):
     a, b = pair
     # alpha = 0 splats u K v onto each source vertex: its row sums, which
     # the last half-iteration set to a (test_marginals).
     np.testing.assert_allclose(ot.displace(a, b, 0.0), a,
                                rtol=rounding_tol(_SPLAT, 16, 16, stages=4))
-
-  def test_alpha_one_returns_column_marginal(self, pair):
-    a, b = pair
+    # alpha = 1: the plan's column sums, by the splat against the kron and
+    # products.
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
     out = np.asarray(ot.displace(a, b, 1.0))
-    # The plan's column sums, by the splat against the kron and products.
     np.testing.assert_allclose(out.ravel(), plan.sum(0),
                                rtol=rounding_tol(_SPLAT, stages=3))
     np.testing.assert_allclose(out, b, rtol=1e-3)

@@ -55,10 +55,6 @@ def build(config, total_steps=4, steps_per_epoch=2, mesh=None):
   return method, state, step, mesh
 
 
-def leaves(tree):
-  return jax.tree_util.tree_leaves(jax.device_get(tree))
-
-
 # Logged metrics (float.hex) of the first two steps of the SimCLR/OTCLR train
 # step (train.train_step at commit 656364d, `tiny_config` digits with
 # ResNet-18's stages (`_PINNED_MODEL`), batch images[:16], init key 0, train
@@ -168,162 +164,162 @@ def pinned_rtol(name, index, pinned):
   return rtol
 
 
-# Every conv_impl sums the same convolutions in another order: another
-# program of the same chains.
-@pytest.mark.parametrize('name, views, overrides, conv_impl', [
-    ('augment', 'augment', {}, 'xla'),
-    ('ot', 'ot', {}, 'xla'),
-    ('ot_learn', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}, 'xla'),
-    ('ot', 'ot', {}, 'matmul'),
-    ('ot', 'ot', {}, 'auto'),
-])
-def test_simclr_reproduces_the_old_train_step(data_dir, images, name, views,
-                                              overrides, conv_impl):
-  config = tiny_config(data_dir, method='simclr', views=views, **overrides,
-                       **{'model.conv_impl': conv_impl, **_PINNED_MODEL})
-  _, state, step, mesh = build(config)
-  batch = experiment.global_batch(images[:16], mesh)
-  for index, pinned in enumerate(PINNED[name]):
-    state, metrics = step(state, batch, jax.random.key(1))
-    rtol = pinned_rtol(name, index, pinned)
-    for k, value in pinned.items():
-      np.testing.assert_allclose(float(np.asarray(metrics[k])),
-                                 float.fromhex(value), rtol=rtol[k], atol=0,
-                                 err_msg=k)
-  assert np.all(np.asarray(metrics['state_finite']))
-  assert state.extra == {}
-
-
-def test_otclr_alias_equals_simclr_with_ot_views(data_dir):
-  alias = methods.add_defaults(tiny_config(data_dir, method='otclr'))
-  assert step_lib.views.resolve(alias) == ('simclr', 'ot')
-  alias.views = 'augment'
-  with pytest.raises(ValueError, match='otclr'):
-    step_lib.views.resolve(alias)
-
-
 def _progress_metric(method, metrics):
-  """The part of the loss training lowers (DINO: KL, without the teacher's entropy)."""
+  """The part of the loss training lowers (DINO's: KL, without the
+  teacher's entropy)."""
   if method == 'dino':
     return float(metrics['loss']) - float(metrics['teacher_entropy'])
   return float(metrics['loss'])
 
 
-@pytest.mark.slow  # ~1 min per combination on the 2-core CPU
-@pytest.mark.parametrize('method, views', COMBINATIONS)
-def test_every_method_trains_and_resumes_exactly(data_dir, images, method,
-                                                 views):
-  n = 8
-  config = tiny_config(data_dir, method=method, views=views, **{
-      'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
-  # One batch of keys: from step 1 on, the negatives are the previous batch's
-  # keys, not the random initial queue (whose loss is lower, by construction).
-  config.moco.queue_size = 16
-  # A fixed teacher temperature: its warm-up raises the loss by design.
-  config.dino.warmup_teacher_temp_epochs = 0.0
-  _, state, step, mesh = build(config, total_steps=2 * n)
-  template = jax.device_get(state)
-  batches = [experiment.global_batch(images[16 * i:16 * (i + 1)], mesh)
-             for i in range(2 * n)]
-  key = jax.random.key(1)
-  with traces() as traced:
-    progress = []
-    for i, batch in enumerate(batches):
-      if i == n:
-        saved = flax.serialization.to_bytes(state)
-      state, metrics = step(state, batch, key)
-      assert np.isfinite(float(metrics['loss'])), (i, metrics)
-      assert np.all(np.asarray(metrics['state_finite'])), i
-      progress.append(_progress_metric(method, metrics))
-    # Trains: the objective falls over 16 steps (means of 3: single tiny steps
-    # are noisy; over 8 steps MoCo on OT views looked flat). MoCo starts at
-    # step 1: at step 0 its negatives are the random initial queue, an easier
-    # task by construction.
-    start = 1 if method == 'moco' else 0
-    assert np.mean(progress[-3:]) < np.mean(progress[start:start + 3]), (
-        progress)
-    # Resumes: N steps, a serialised round trip, N more == 2N straight, bit for
-    # bit, extra state (targets, queue, centre) included.
-    resumed = jax.device_put(flax.serialization.from_bytes(template, saved),
-                             NamedSharding(mesh, P()))
-    assert int(resumed.step) == n
-    for batch in batches[n:]:
-      resumed, _ = step(resumed, batch, key)
-  # The extra state keeps its shapes and dtypes: one compilation, resume too.
-  assert traced.count('step') == 1, traced
-  straight, again = jax.device_get(state), jax.device_get(resumed)
-  assert (jax.tree_util.tree_structure(straight)
-          == jax.tree_util.tree_structure(again))
-  for a, b in zip(jax.tree_util.tree_leaves(straight),
-                  jax.tree_util.tree_leaves(again)):
-    np.testing.assert_array_equal(b, a)
+class TestStep:
+  """The train step: pinned metrics, every method, EMA targets, devices."""
 
+  # Every conv_impl sums the same convolutions in another order: another
+  # program of the same chains.
+  @pytest.mark.parametrize('name, views, overrides, conv_impl', [
+      ('augment', 'augment', {}, 'xla'),
+      ('ot', 'ot', {}, 'xla'),
+      ('ot_learn', 'ot', {'ot.learn_alpha': True, 'ot.beta': 1.0}, 'xla'),
+      ('ot', 'ot', {}, 'matmul'),
+      ('ot', 'ot', {}, 'auto'),
+  ])
+  def test_simclr_reproduces_the_old_train_step(
+      self, data_dir, images, name, views, overrides, conv_impl):
+    config = tiny_config(data_dir, method='simclr', views=views, **overrides,
+                         **{'model.conv_impl': conv_impl, **_PINNED_MODEL})
+    _, state, step, mesh = build(config)
+    batch = experiment.global_batch(images[:16], mesh)
+    for index, pinned in enumerate(PINNED[name]):
+      state, metrics = step(state, batch, jax.random.key(1))
+      rtol = pinned_rtol(name, index, pinned)
+      for k, value in pinned.items():
+        np.testing.assert_allclose(float(np.asarray(metrics[k])),
+                                   float.fromhex(value), rtol=rtol[k], atol=0,
+                                   err_msg=k)
+    assert np.all(np.asarray(metrics['state_finite']))
+    assert state.extra == {}
 
-def test_targets_follow_the_online_network_by_ema(data_dir, images):
-  # No warm-up, so the first step moves the online network (at lr 0 every
-  # tau gives the same target), and max_init_share 1 keeps base_tau.
-  config = tiny_config(data_dir, method='byol', views='augment', **{
-      'optim.warmup_epochs': 0.0, 'byol.max_init_share': 1.0})
-  method, state, step, mesh = build(config, total_steps=4)
-  before = jax.device_get(state)
-  state, _ = step(state, experiment.global_batch(images[:16], mesh),
-                  jax.random.key(1))
-  after = jax.device_get(state)
-  tau = 0.99  # cosine schedule at step 0 = base_tau.
-  kernel = lambda tree: tree['encoder']['stem_conv']['kernel']
-  online = kernel(after.params['net'])
-  target = kernel(before.extra['target_params'])
-  # The step's tau carries cosine_momentum's 8 stages and cos, an absolute
-  # error that 1 - tau keeps; the products, 1 - tau and the sum, on terms of
-  # at most |target| + |online|.
-  atol = rounding_tol(stages=12, funcs=1) * float(
-      np.max(np.abs(target) + np.abs(online)))
-  # The EMA of the updated online weights, not of those before the step.
-  np.testing.assert_allclose(kernel(after.extra['target_params']),
-                             tau * target + (1 - tau) * online, rtol=0,
-                             atol=atol)
-  pre = tau * target + (1 - tau) * kernel(before.params['net'])
-  assert np.abs(kernel(after.extra['target_params']) - pre).max() > 10 * atol
-  assert method.name == 'byol'
+  def test_otclr_alias_equals_simclr_with_ot_views(self, data_dir):
+    alias = methods.add_defaults(tiny_config(data_dir, method='otclr'))
+    assert step_lib.views.resolve(alias) == ('simclr', 'ot')
+    alias.views = 'augment'
+    with pytest.raises(ValueError, match='otclr'):
+      step_lib.views.resolve(alias)
 
+  @pytest.mark.slow  # ~1 min per combination on the 2-core CPU
+  @pytest.mark.parametrize('method, views', COMBINATIONS)
+  def test_every_method_trains_and_resumes_exactly(
+      self, data_dir, images, method, views):
+    n = 8
+    config = tiny_config(data_dir, method=method, views=views, **{
+        'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
+    # One batch of keys: from step 1 on, the negatives are the previous batch's
+    # keys, not the random initial queue (whose loss is lower, by construction).
+    config.moco.queue_size = 16
+    # A fixed teacher temperature: its warm-up raises the loss by design.
+    config.dino.warmup_teacher_temp_epochs = 0.0
+    _, state, step, mesh = build(config, total_steps=2 * n)
+    template = jax.device_get(state)
+    batches = [experiment.global_batch(images[16 * i:16 * (i + 1)], mesh)
+               for i in range(2 * n)]
+    key = jax.random.key(1)
+    with traces() as traced:
+      progress = []
+      for i, batch in enumerate(batches):
+        if i == n:
+          saved = flax.serialization.to_bytes(state)
+        state, metrics = step(state, batch, key)
+        assert np.isfinite(float(metrics['loss'])), (i, metrics)
+        assert np.all(np.asarray(metrics['state_finite'])), i
+        progress.append(_progress_metric(method, metrics))
+      # Trains: the objective falls over 16 steps (means of 3: single tiny steps
+      # are noisy; over 8 steps MoCo on OT views looked flat). MoCo starts at
+      # step 1: at step 0 its negatives are the random initial queue, an easier
+      # task by construction.
+      start = 1 if method == 'moco' else 0
+      assert np.mean(progress[-3:]) < np.mean(progress[start:start + 3]), (
+          progress)
+      # Resumes: N steps, a serialised round trip, N more == 2N straight,
+      # bit for bit, extra state (targets, queue, centre) included.
+      resumed = jax.device_put(flax.serialization.from_bytes(template, saved),
+                               NamedSharding(mesh, P()))
+      assert int(resumed.step) == n
+      for batch in batches[n:]:
+        resumed, _ = step(resumed, batch, key)
+    # The extra state keeps its shapes and dtypes: one compilation, resume too.
+    assert traced.count('step') == 1, traced
+    straight, again = jax.device_get(state), jax.device_get(resumed)
+    assert (jax.tree_util.tree_structure(straight)
+            == jax.tree_util.tree_structure(again))
+    for a, b in zip(jax.tree_util.tree_leaves(straight),
+                    jax.tree_util.tree_leaves(again)):
+      np.testing.assert_array_equal(b, a)
 
-@pytest.mark.slow  # a subprocess compiling every method on 4 devices
-def test_four_devices_match_one_for_every_method(data_dir):
-  script = textwrap.dedent(f"""
-      import jax, numpy as np
-      from otclr_jax import data, experiment, methods
-      from tests.helpers import tiny_config
-      from tests.test_step import build, pinned_rtol
-      assert jax.device_count() == 4
-      images = data.load_split('digits', 'train', 8,
-                               {data_dir!r}).images[:16]
-      for name in methods.NAMES:
-        config = tiny_config({data_dir!r}, method=name, views='augment')
-        out = []
-        for devices in (jax.devices()[:1], jax.devices()):
-          mesh = experiment.make_mesh(devices)
-          _, state, step, _ = build(config, mesh=mesh)
-          state, metrics = step(state, experiment.global_batch(images, mesh),
-                                jax.random.key(1))
-          out.append((float(metrics['loss']), jax.tree_util.tree_leaves(
-              jax.device_get((state.params, state.batch_stats,
-                              state.extra)))))
-        (loss1, tree1), (loss4, tree4) = out
-        # Two programs (BatchNorm's and NT-Xent's reductions over 4 devices
-        # against one) of the first step's loss chain.
-        rtol = pinned_rtol('augment', 0, {{}})['loss']
-        np.testing.assert_allclose(loss4, loss1, rtol=rtol, err_msg=name)
-        # atol 1e-5: MoCo's queued keys are unit vectors whose entries near 0
-        # carry the float32 noise of BatchNorm's cross-device reduction order
-        # (measured: 2e-6 absolute on entries of 3e-3).
-        for a, b in zip(tree1, tree4):
-          np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5,
-                                     err_msg=name)
-        print('OK', name, loss1, loss4, flush=True)
-      """)
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
-             JAX_PLATFORMS='cpu')
-  result = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.count('OK') == len(methods.NAMES)
+  def test_targets_follow_the_online_network_by_ema(self, data_dir, images):
+    # No warm-up, so the first step moves the online network (at lr 0 every
+    # tau gives the same target), and max_init_share 1 keeps base_tau.
+    config = tiny_config(data_dir, method='byol', views='augment', **{
+        'optim.warmup_epochs': 0.0, 'byol.max_init_share': 1.0})
+    method, state, step, mesh = build(config, total_steps=4)
+    before = jax.device_get(state)
+    state, _ = step(state, experiment.global_batch(images[:16], mesh),
+                    jax.random.key(1))
+    after = jax.device_get(state)
+    tau = 0.99  # cosine schedule at step 0 = base_tau.
+    kernel = lambda tree: tree['encoder']['stem_conv']['kernel']
+    online = kernel(after.params['net'])
+    target = kernel(before.extra['target_params'])
+    # The step's tau carries cosine_momentum's 8 stages and cos, an absolute
+    # error that 1 - tau keeps; the products, 1 - tau and the sum, on terms of
+    # at most |target| + |online|.
+    atol = rounding_tol(stages=12, funcs=1) * float(
+        np.max(np.abs(target) + np.abs(online)))
+    # The EMA of the updated online weights, not of those before the step.
+    np.testing.assert_allclose(kernel(after.extra['target_params']),
+                               tau * target + (1 - tau) * online, rtol=0,
+                               atol=atol)
+    pre = tau * target + (1 - tau) * kernel(before.params['net'])
+    assert np.abs(kernel(after.extra['target_params']) - pre).max() > 10 * atol
+    assert method.name == 'byol'
+
+  @pytest.mark.slow  # a subprocess compiling every method on 4 devices
+  def test_four_devices_match_one_for_every_method(self, data_dir):
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from otclr_jax import data, experiment, methods
+        from tests.helpers import tiny_config
+        from tests.test_step import build, pinned_rtol
+        assert jax.device_count() == 4
+        images = data.load_split('digits', 'train', 8,
+                                 {data_dir!r}).images[:16]
+        for name in methods.NAMES:
+          config = tiny_config({data_dir!r}, method=name, views='augment')
+          out = []
+          for devices in (jax.devices()[:1], jax.devices()):
+            mesh = experiment.make_mesh(devices)
+            _, state, step, _ = build(config, mesh=mesh)
+            state, metrics = step(state, experiment.global_batch(images, mesh),
+                                  jax.random.key(1))
+            out.append((float(metrics['loss']), jax.tree_util.tree_leaves(
+                jax.device_get((state.params, state.batch_stats,
+                                state.extra)))))
+          (loss1, tree1), (loss4, tree4) = out
+          # Two programs (BatchNorm's and NT-Xent's reductions over 4 devices
+          # against one) of the first step's loss chain.
+          rtol = pinned_rtol('augment', 0, {{}})['loss']
+          np.testing.assert_allclose(loss4, loss1, rtol=rtol, err_msg=name)
+          # atol 1e-5: MoCo's queued keys are unit vectors whose entries near 0
+          # carry the float32 noise of BatchNorm's cross-device reduction order
+          # (measured: 2e-6 absolute on entries of 3e-3).
+          for a, b in zip(tree1, tree4):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5,
+                                       err_msg=name)
+          print('OK', name, loss1, loss4, flush=True)
+        """)
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+               JAX_PLATFORMS='cpu')
+    result = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count('OK') == len(methods.NAMES)
