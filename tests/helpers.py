@@ -1,6 +1,5 @@
 """Helpers shared by test modules: the tiny run config, rounding tolerances,
-chains of roundings, usage-error and lock checks; fixtures live in
-conftest.py."""
+usage-error and lock checks; fixtures live in conftest.py."""
 
 import contextlib
 import errno
@@ -16,7 +15,10 @@ import textwrap
 import threading
 import time
 
+import flax
+from flax import linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from launch import sweep as sweep_lib
@@ -181,183 +183,179 @@ class SignalsInAFinaliser:
 # Machine epsilons, twice the unit roundoffs u (2**-24 for float32).
 EPS32 = float(np.finfo(np.float32).eps)
 EPS64 = float(np.finfo(np.float64).eps)
-# How many standard deviations the probabilistic bound allows (see
-# `rounding_tol`): its failure probability per result, 2 exp(-LAMBDA**2 / 2),
-# is 2.5e-14, so even the ten million results of a network's gradient are
-# all inside it with probability 1 - 3e-7.
+# Standard deviations the probabilistic bound allows: it fails with
+# probability 2 exp(-LAMBDA**2 / 2) = 2.5e-14 per result, so the ten million
+# results of a network's gradient all meet it with probability 1 - 3e-7.
 LAMBDA = 8.0
 
 
-def rounding_tol(n: int, k: float = 1.0, eps: float = EPS32) -> float:
-  """How far two roundings of one real-valued result may lie apart, relatively.
+def chain(*sums, stages: int = 0, funcs: int = 0) -> int:
+  """Roundings on the longest chain from a computation's inputs to a result.
 
-  A result computed through a chain of n rounded operations (see below) is
-  the exact result times prod_i (1 + d_i), |d_i| <= u = eps / 2 (Higham,
-  Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1). Two
-  bounds on the relative error, for the same product:
-
-  * the worst case, gamma_n = n u / (1 - n u) ~ n u, certain, whatever order
-    the terms are accumulated in (XLA:CPU's AVX2 or AVX-512 vector lanes, a
-    GEMM's blocking, NumPy's pairwise sums, another fusion);
-  * the probabilistic one, about lambda sqrt(n) u (Higham and Mary, "A New
-    Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci.
-    Comput. 41(5), 2019: the d_i as independent zero-mean random
-    variables), exceeded with probability at most 2 exp(-lambda**2 / 2);
-    lambda = LAMBDA = 8.
-
-  The tolerance is the smaller of the two, n u for a chain shorter than 64
-  and 8 sqrt(n) u from 64 on, doubled: two evaluations that each meet it (two
-  programs, two instruction sets, two summation orders) differ by at most
-  twice the bound; float32 against a float64 reference has a factor 2 to
-  spare.
-
-  Counting n: a sum or dot product of m terms counts m (Higham's gamma_m
-  bounds both), a mean m + 1; a product, square root, subtraction or rounding
-  of a constant to the format counts 1, a quotient 2 (XLA may rewrite x / y
-  as x * (1 / y)); a transcendental function (exp, log, cos, tanh, erf)
-  counts 12: implementations are accurate to a few ulp, not correctly
-  rounded (NumPy's AVX-512 float64 loops to 4 ulp; XLA:CPU's float32 exp and
-  log to 1 ulp, its tanh and expm1 to 6), and 6 ulp is at most 12u. Chained
-  stages add: a network's layers count their reductions one after another
-  (`resnet_chain`).
-
-  k is the growth factor, stated at each call: how much the formula amplifies
-  a relative error of its terms, i.e. its condition number (1 for a sum of
-  terms of one sign; the sum of the terms' magnitudes over the result's when
-  they cancel; |x| for exp(x), which damps the rounding of an x below 1).
-  For an absolute tolerance, multiply by the scale of the terms instead.
+  A sum of m terms rounds m times; an arithmetic stage at most twice (x / y
+  may become x * (1 / y)); a function at most 12 times: XLA:CPU's and
+  NumPy's are accurate to 6 ulp (XLA's tanh and expm1; its exp and log to
+  1, NumPy's AVX-512 float64 loops to 4).
 
   Args:
-    n: rounded operations on the longest chain from the inputs to the result.
-    k: growth factor (condition number), >= 0.
-    eps: machine epsilon of the format the result is computed in (EPS64 for
-      float64 arithmetic).
-
-  Returns:
-    2 k min(n, 8 sqrt(n)) u = k min(n, 8 sqrt(n)) eps.
+    *sums: the reductions on the chain: each the number of terms it adds
+      (a sum, a dot product, a mean), a shape whose entries it adds, or the
+      `chain` of a computation that feeds this one.
+    stages: arithmetic on the chain (x - y, x * y, x / y, sqrt, a constant
+      rounded to the format), one per operation.
+    funcs: exp, log, cos, tanh, erf, rsqrt on the chain.
   """
+  return int(sum(np.prod(s) for s in sums)) + 2 * stages + 12 * funcs
+
+
+def rounding_tol(*sums, stages: int = 0, funcs: int = 0, k: float = 1.0,
+                 eps: float = EPS32) -> float:
+  """How far two evaluations of one real-valued result may lie apart,
+  relatively: 2 k min(n, LAMBDA sqrt(n)) u for n = `chain`(...).
+
+  n roundings make the exact result times prod_i (1 + d_i), |d_i| <= u, in
+  whatever order a sum's roundings come (AVX2 or AVX-512 lanes, a GEMM's
+  blocking, pairwise sums): at most n u off (Higham, Accuracy and Stability
+  of Numerical Algorithms, Lemma 3.1), and LAMBDA sqrt(n) u off but with
+  probability 2.5e-14 for independent zero-mean d_i (Higham and Mary, SIAM
+  J. Sci. Comput. 41(5), 2019); two evaluations that each meet the smaller
+  bound lie within twice it. k, the condition number, is how much the
+  formula amplifies its terms' relative errors: 1 for terms of one sign,
+  |x| for exp(x), the terms' magnitudes over the result where they cancel;
+  for an absolute tolerance, multiply by the terms' scale instead.
+
+  Args:
+    *sums: `chain`'s reductions.
+    stages: `chain`'s arithmetic operations.
+    funcs: `chain`'s functions.
+    k: growth factor (condition number), >= 0.
+    eps: machine epsilon of the arithmetic (EPS64 for float64).
+  """
+  n = chain(*sums, stages=stages, funcs=funcs)
   if n < 1 or k < 0:
     raise ValueError(f'rounding_tol needs n >= 1 and k >= 0, got {n}, {k}.')
   return k * min(n, LAMBDA * math.sqrt(n)) * eps
 
 
-def _batchnorm_chain(batch: int, size: int) -> int:
-  # Mean and variance over batch x size x size values, then subtract (1),
-  # + eps and sqrt (2), the division (2), scale and shift (2).
-  return 2 * batch * size * size + 7
+def network_chain(model, shape, **kwargs) -> int:
+  """`chain` of a flax network's outputs on inputs of `shape`, read off its
+  kernels and BatchNorm activations.
+
+  Every layer in series (a shortcut is a shorter path): a kernel's fan-in
+  and a stage for its bias or residual sum; a BatchNorm's mean and variance
+  over all but the feature axis, its rsqrt and five stages (x - mean,
+  var + eps, the product, scale, shift); a global pool over at most H x W
+  of the input. Running averages (eval mode) round less.
+
+  Args:
+    model: the flax module.
+    shape: its input's shape, [B, H, W, C] or [B, D].
+    **kwargs: `init`'s and `apply`'s keywords, e.g. train=True.
+  """
+  x = jnp.zeros(shape)
+  is_norm = lambda module, _: isinstance(module, nn.BatchNorm)
+
+  def run():
+    variables = model.init(jax.random.key(0), x, **kwargs)
+    _, state = model.apply(variables, x, capture_intermediates=is_norm,
+                           mutable=True, **kwargs)
+    return variables['params'], state['intermediates']
+
+  params, norms = jax.eval_shape(run)
+  kernels = [leaf.shape for path, leaf
+             in flax.traverse_util.flatten_dict(params).items()
+             if path[-1] == 'kernel']
+  outputs = [leaf.shape for leaf in jax.tree.leaves(norms)]
+  return chain(*(s[:-1] for s in kernels), *(s[:-1] for s in outputs * 2),
+               shape[1:-1], stages=len(kernels) + 5 * len(outputs) + 1,
+               funcs=len(outputs))
 
 
 def resnet_chain(stem: str, image_size: int, batch: int,
                  stage_sizes=(2, 2, 2, 2)) -> int:
-  """`rounding_tol`'s n for the pooled features of `models.ResNet`.
+  """`network_chain` of `models.ResNet`'s pooled features in train mode."""
+  from otclr_jax import models  # pylint: disable=g-import-not-at-top
+  return network_chain(models.ResNet(stage_sizes=stage_sizes, stem=stem),
+                       (batch, image_size, image_size, 3), train=True)
 
-  The longest chain runs through the stem and every block's two 3 x 3
-  convolutions (fan-in 9 x input channels each; the 1 x 1 shortcut is
-  shorter), each followed by BatchNorm's statistics over the batch, then the
-  global average pool. Max-pooling and ReLU round nothing. In eval mode
-  BatchNorm's running averages round less; the count still bounds it.
 
-  Args:
-    stem: 'imagenet' (7 x 7 / 2 convolution, 3 x 3 / 2 max-pool) or 'cifar'
-      (3 x 3 / 1 convolution).
-    image_size: side of the square input images.
-    batch: images in the batch BatchNorm normalises over.
-    stage_sizes: blocks per stage (ResNet-18's by default).
+def ot_chain(m: int, num_iters: int, image=(), result='scalings') -> int:
+  """`chain` of `ot`'s Sinkhorn `result` on an m x m grid.
+
+  The kernel exp(-cost / eps): 6 stages and exp (the exponent's rounding,
+  amplified by cost / eps, scales entries exp(-cost / eps), and
+  x exp(-x) <= 1 / e); each of the 2 num_iters half-iterations b / (K v),
+  two sums of m and the division, passes earlier errors on unamplified.
+  `image` (H, W) adds the measures before: the resize's sums over H and W,
+  the shift and the division by the mass's sum over m^2. 'cost' adds
+  u K v, its log and the sum over m^2; 'views' the splat (its hat weights
+  and three sums of m), mass and offset, and the resize back.
   """
-  halve = lambda s: -(-s // 2)  # stride 2 with 'same'-style padding
-  size = image_size
-  if stem == 'imagenet':
-    size = halve(size)
-    n = 7 * 7 * 3 + _batchnorm_chain(batch, size)
-    size = halve(size)
-  else:
-    n = 3 * 3 * 3 + _batchnorm_chain(batch, size)
-  channels = 64
-  for stage, features in enumerate((64, 128, 256, 512)):
-    for block in range(stage_sizes[stage]):
-      if stage > 0 and block == 0:
-        size = halve(size)
-      n += 9 * channels + 9 * features + 2 * _batchnorm_chain(batch, size)
-      n += 1  # the residual sum
-      channels = features
-  return n + size * size
+  n = chain(*image, *[m] * (4 * num_iters), stages=6 + 2 * num_iters,
+            funcs=1)
+  if image:
+    n += chain(m * m, stages=3)
+  extra = {'scalings': chain(), 'cost': chain(2 * m, m * m, stages=5,
+                                              funcs=1),
+           'views': chain(m, m, m, m, m, stages=8)}
+  return n + extra[result]
 
 
-def sinkhorn_chain(grid_size: int, num_iters: int) -> int:
-  """`rounding_tol`'s n for the Sinkhorn scalings u, v of `ot` on an m x m grid.
-
-  The per-axis kernel exp(-cost / eps) takes 20 (coordinates, cost, the
-  division, exp); the exponent's rounding is amplified by cost / eps, on
-  entries scaled by exp(-cost / eps), and x exp(-x) <= 1 / e. Each of the
-  2 num_iters half-iterations b / (Kx V Kx) adds two matmuls of m terms and
-  the division, 2m + 1, on top of the previous one's error (relative errors
-  of positive scalings pass through K and the division unamplified).
-  """
-  return 20 + 2 * num_iters * (2 * grid_size + 1)
-
-
-def sinkhorn_cost_chain(grid_size: int, num_iters: int) -> int:
-  """`rounding_tol`'s n for `ot.cost_from_scalings` of the scalings' chain.
-
-  After the scalings: K v and its product with u (2m + 1), log (12), the
-  product (1), the sum over m^2 entries, the three sums' combination and
-  the factor eps (4). The terms cancel (S_eps may be negative): their
-  magnitudes, not the cost, set the scale the tolerance multiplies.
-  """
-  m = grid_size
-  return sinkhorn_chain(m, num_iters) + 2 * m + 1 + 12 + 1 + m * m + 4
+def ot_cost_scale(a, b, epsilon: float, num_iters: int) -> float:
+  """The magnitudes `ot.cost_from_scalings` adds up, the largest over a
+  batch: eps (sum |row log u| + sum |col log v| + sum row), in float64 from
+  the float32 scalings; an absolute tolerance's scale for a cost."""
+  from otclr_jax import ot  # pylint: disable=g-import-not-at-top
+  u, v = (np.asarray(t, np.float64)
+          for t in ot.sinkhorn_scalings(a, b, epsilon, num_iters))
+  kx = np.exp(-ot.axis_cost(u.shape[-1]) / epsilon)
+  row = u * (kx @ v @ kx)
+  col = v * (kx @ u @ kx)
+  return epsilon * float(np.max(np.sum(
+      np.abs(row * np.log(u)) + np.abs(col * np.log(v)) + row,
+      axis=(-2, -1))))
 
 
-def measure_chain(height: int, width: int, grid_size: int) -> int:
-  """`rounding_tol`'s n for `ot.image_to_measure`: resize, shift, normalise.
-
-  The separable resize sums at most `height` then `width` terms, the shift
-  and DELTA (2), the mass sums m^2 and the division (1).
-  """
-  return height + width + 2 + grid_size ** 2 + 1
-
-
-def ot_views_chain(height: int, width: int, grid_size: int,
-                   num_iters: int) -> int:
-  """`rounding_tol`'s n for `ot.ot_views`: measures, scalings, splat, image.
-
-  The splat factors (kernel times hat weights, 7) and the three contractions
-  of m terms; then mass and offset interpolated (4), the product and sums
-  back to pixels (3) and the upsampling's sums over at most m rows and m
-  columns. Every pixel is at most 1 + DELTA before clipping, so the chain's
-  relative error is also an absolute one.
-  """
-  m = grid_size
-  return (measure_chain(height, width, m) + sinkhorn_chain(m, num_iters)
-          + 7 + 3 * m + 4 + 3 + 2 * m)
+def numpy_variables(module, shape, seed=0):
+  """A flax module's initial variables filled from NumPy: He-normal kernels,
+  fresh BatchNorm, zero biases. `module.init` would compile one random-number
+  kernel per parameter shape, seconds on a shared CPU."""
+  rng = np.random.default_rng(seed)
+  abstract = flax.traverse_util.flatten_dict(jax.eval_shape(
+      lambda: module.init(jax.random.key(0), jnp.zeros(shape), train=False)))
+  filled = {}
+  for path, leaf in abstract.items():
+    if path[-1] == 'kernel':
+      value = rng.normal(0.0, np.sqrt(2.0 / np.prod(leaf.shape[:-1])),
+                         leaf.shape)
+    else:
+      value = np.full(leaf.shape, float(path[-1] in ('scale', 'var')))
+    filled[path] = jnp.asarray(value, leaf.dtype)
+  return flax.traverse_util.unflatten_dict(filled)
 
 
 def mean_std_rtol(values) -> tuple[float, float]:
   """`rounding_tol`s of float64 NumPy means and sample deviations of `values`.
 
-  Against any other float64 evaluation (statistics.fmean and stdev round
-  about once). The mean: the sum over n and the division (n + 2). The
-  standard deviation (ddof=1): each deviation x - mean carries the mean's
-  error and its own rounding, absolutely at the scale |x| + |mean| (n + 3),
-  which moves the sum of squares by 2 sum |dev| (|x| + |mean|) times it,
-  relative to sum dev^2 (k); the squares, their sum and the division round
-  relative (n + 3); the square root halves the variance's error and rounds
-  once.
+  Against any other float64 evaluation. The mean: the sum and the division.
+  The standard deviation (ddof=1): each deviation x - mean carries the
+  mean's error and its own rounding at the scale |x| + |mean|, which moves
+  the sum of squares by 2 sum |dev| (|x| + |mean|) times it, relative to
+  sum dev^2 (k); the squares, their sum and the division round relative;
+  the square root halves the variance's error and rounds once.
 
   Returns:
     (rtol of the mean, rtol of the standard deviation).
   """
   x = np.asarray(values, np.float64)
-  n = len(x)
   dev = x - x.mean()
   spread = np.sum(dev ** 2)
   # Values without spread (a single one) leave no deviation to amplify.
   k = (2 * np.sum(np.abs(dev) * (np.abs(x) + abs(x.mean()))) / spread
        if spread > 0 else 0.0)
-  rtol_std = 0.5 * (rounding_tol(n + 3, k=k, eps=EPS64)
-                    + rounding_tol(n + 3, eps=EPS64)) + rounding_tol(
-                        1, eps=EPS64)
-  return rounding_tol(n + 2, eps=EPS64), rtol_std
+  tol = lambda k: rounding_tol(len(x), stages=2, k=k, eps=EPS64)
+  rtol_std = 0.5 * (tol(k) + tol(1.0)) + rounding_tol(stages=1, eps=EPS64)
+  return rounding_tol(len(x), stages=1, eps=EPS64), rtol_std
 
 
 # Sweeps: tiny sweep files, what runs leave behind, a fake launcher.

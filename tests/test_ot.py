@@ -15,13 +15,13 @@ from otclr_jax import ot
 from otclr_jax import ot_checks
 from tests import folder_trees
 from tests.helpers import EPS64
-from tests.helpers import measure_chain
-from tests.helpers import ot_views_chain
+from tests.helpers import chain
+from tests.helpers import ot_chain
+from tests.helpers import ot_cost_scale
 from tests.helpers import rounding_tol
-from tests.helpers import sinkhorn_chain
-from tests.helpers import sinkhorn_cost_chain
 
 EPS = 0.05
+ITERS = [1, 5, 20]
 
 
 def _histogram(rng, m=16):
@@ -47,44 +47,32 @@ def _centroid(h):
   return (np.asarray(h, np.float64).reshape(-1, 1) * r).sum(0)
 
 
-def _cost_scale(a, b, num_iters=20, epsilon=EPS):
-  """The magnitudes `ot.cost_from_scalings` adds up, for its tolerance.
+def _pot_plan(a, b, num_iters=20, **kwargs):
+  """POT's float64 plan of `num_iters` Sinkhorn iterations."""
+  return pot.sinkhorn(a.ravel().astype(np.float64),
+                      b.ravel().astype(np.float64),
+                      ot.grid_cost(a.shape[-1]), reg=EPS,
+                      numItermax=num_iters, stopThr=0, **kwargs)
 
-  eps (sum |row log u| + sum |col log v| + sum row), in float64 from the
-  float32 scalings; the largest over a batch.
-  """
-  u, v = (np.asarray(t, np.float64)
-          for t in ot.sinkhorn_scalings(a, b, epsilon, num_iters))
-  kx = np.exp(-ot.axis_cost(u.shape[-1]) / epsilon)
-  row = u * (kx @ v @ kx)
-  col = v * (kx @ u @ kx)
-  return epsilon * float(np.max(np.sum(
-      np.abs(row * np.log(u)) + np.abs(col * np.log(v)) + row,
-      axis=(-2, -1))))
+
+# The kernel's exponent -cost / eps: 8 stages, absolute on a cost of at
+# most 1, which exp turns into relative errors up to 1 / eps times larger.
+_KERNEL_RTOL = rounding_tol(stages=8, k=1 / EPS)
+# |log u|, |log v| <= L = 1 / eps + 2 |log(DELTA / m^2)| + log(m^2) for
+# histograms of at least DELTA / m^2 on a kernel in [exp(-1 / eps), 1].
+_LOG_SCALING = 1 / EPS + 2 * abs(math.log(ot.DELTA / 256)) + math.log(256)
+# Potentials eps log u (or scalings exp(f / eps)): a product and a function
+# each, absolute at |log u| <= L, which the plan's exp makes relative.
+_POTENTIALS_RTOL = rounding_tol(stages=2, funcs=2, k=_LOG_SCALING)
+# `ot.displace`'s splat: the hat weights on rounded positions and their
+# product (5), then three sums of m = 16.
+_SPLAT = chain(16, 16, 16, stages=5)
 
 
 def _plan_rtol(num_iters):
-  """Relative error of a float32 plan entry u_i K_ij v_j, m = 16.
-
-  The scalings' chain and the plan's kron and two products (3); the
-  kernel's exponent takes 11 roundings (test_kernel_comes_from_ott_grid),
-  each absolute at the cost's scale, amplified by up to 1 / eps in an entry.
-  """
-  return (rounding_tol(sinkhorn_chain(16, num_iters) + 3)
-          + rounding_tol(11, k=1 / EPS))
-
-
-# The scalings' |log u| and |log v| are at most L = 1 / eps +
-# 2 |log(DELTA / m^2)| + log(m^2) for histograms of at least DELTA / m^2
-# on a kernel in [exp(-1 / eps), 1] (here the histograms' floor is 1e-3 /
-# (1.001 m^2), larger).
-_LOG_SCALING = 1 / EPS + 2 * abs(math.log(ot.DELTA / 256)) + math.log(256)
-
-
-# The splat of `ot.displace`: the factors Kx w (7: the hat weights' four
-# operations on rounded positions, the product), then three contractions of
-# m = 16 terms.
-_SPLAT = 7 + 3 * 16
+  """Relative error of float32 plan entries u_i K_ij v_j, m = 16: the
+  scalings, the kernel, the kron and two products."""
+  return rounding_tol(ot_chain(16, num_iters), stages=3) + _KERNEL_RTOL
 
 
 class TestGrid:
@@ -102,29 +90,27 @@ class TestGrid:
     m = 5
     cx = ot.axis_cost(m)
     full = cx[:, None, :, None] + cx[None, :, None, :]
-    # float64, entries <= 1: i / (m - 1) or (i - j) / (m - 1) (1-2), the
-    # difference (1), the square (1), the sum (1), the division by the
-    # maximum (1): n = 6 on either side.
+    # float64 on entries <= 1: coordinates, difference, square, sum and the
+    # division by the maximum.
     np.testing.assert_allclose(full.reshape(m * m, m * m), ot.grid_cost(m),
-                               rtol=0, atol=rounding_tol(6, eps=EPS64))
+                               rtol=0, atol=rounding_tol(stages=6, eps=EPS64))
 
 
 class TestSinkhorn:
 
-  @pytest.mark.parametrize('num_iters', [1, 5, 20])
-  def test_plan_matches_pot(self, pair, num_iters):
+  @pytest.mark.parametrize('core', ot.CORES)
+  @pytest.mark.parametrize('num_iters', ITERS)
+  def test_plan_matches_pot(self, pair, num_iters, core):
     a, b = pair
-    c = ot.grid_cost(16)
-    expected = pot.sinkhorn(a.ravel().astype(np.float64),
-                            b.ravel().astype(np.float64), c, reg=EPS,
-                            numItermax=num_iters, stopThr=0)
-    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
+    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters, core=core))
     assert plan.shape == (256, 256)
-    # float32 against POT's float64 iterations.
-    np.testing.assert_allclose(plan, expected, rtol=_plan_rtol(num_iters),
+    # float32 against POT's float64 iterations; ott-jax's scalings are
+    # exp(f / eps) of its potentials.
+    rtol = _plan_rtol(num_iters) + (_POTENTIALS_RTOL if core == 'ott' else 0)
+    np.testing.assert_allclose(plan, _pot_plan(a, b, num_iters), rtol=rtol,
                                atol=0)
 
-  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  @pytest.mark.parametrize('num_iters', ITERS)
   def test_plan_matches_ott_grid_solver(self, pair, num_iters):
     a, b = pair
     axis = jnp.linspace(0.0, 1.0, 16) / np.sqrt(2.0)  # max cost 1 on [0,1]^2
@@ -137,45 +123,33 @@ class TestSinkhorn:
     f, g = np.asarray(out.f, np.float64), np.asarray(out.g, np.float64)
     expected = np.exp((f[:, None] + g[None, :] - ot.grid_cost(16)) / EPS)
     plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters))
-    # Two float32 programs; ott-jax's potentials f = eps log u, g = eps log v
-    # round log and product (13 each), absolutely at |log u|, |log v| <= L,
-    # which exp((f + g - C) / eps) turns into a relative error.
+    # Two float32 programs; ott-jax's potentials f = eps log u, g = eps log v.
     np.testing.assert_allclose(
-        plan, expected,
-        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
-        atol=0)
+        plan, expected, rtol=_plan_rtol(num_iters) + _POTENTIALS_RTOL, atol=0)
 
   def test_marginals(self, pair):
     a, b = pair
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
-    # The last half-iteration sets u = a / (K v), and the plan's rows sum
-    # u K v again: K v by two matmuls of m = 16 terms (32) and the division
-    # (1), against the plan's kron and two products (3, summed in float64):
-    # n = 36, all terms positive.
-    np.testing.assert_allclose(plan.sum(1), a.ravel(), rtol=rounding_tol(36))
+    # The last half-iteration set u = a / (K v): K v's two sums of 16 and
+    # the division, against the plan's kron and two products.
+    np.testing.assert_allclose(plan.sum(1), a.ravel(),
+                               rtol=rounding_tol(16, 16, stages=4))
     np.testing.assert_allclose(plan.sum(0), b.ravel(), rtol=1e-3, atol=1e-7)
 
-  def test_cost_matches_numpy_formula(self, pair):
+  def test_cost_matches_numpy_formula_and_batches(self, pair):
     a, b = pair
-    plan = pot.sinkhorn(a.ravel().astype(np.float64),
-                        b.ravel().astype(np.float64), ot.grid_cost(16),
-                        reg=EPS, numItermax=20, stopThr=0)
+    plan = _pot_plan(a, b)
     expected = (plan * ot.grid_cost(16)).sum() + EPS * (
         plan * (np.log(plan) - 1.0)).sum()
     # float32 against POT's float64 iterations on the same histograms.
-    assert float(ot.sinkhorn_cost(a, b)) == pytest.approx(
-        expected, rel=0,
-        abs=rounding_tol(sinkhorn_cost_chain(16, 20)) * _cost_scale(a, b))
-
-  def test_cost_batched(self, pair):
-    a, b = pair
+    atol = (rounding_tol(ot_chain(16, 20, result='cost'))
+            * ot_cost_scale(a, b, EPS, 20))
+    cost = float(ot.sinkhorn_cost(a, b))
+    assert cost == pytest.approx(expected, rel=0, abs=atol)
     batch = ot.sinkhorn_cost(np.stack([a, b]), np.stack([b, a]))
     assert batch.shape == (2,)
-    # Two programs (a batch of two against one problem) of one float32
-    # computation.
-    assert float(batch[0]) == pytest.approx(
-        float(ot.sinkhorn_cost(a, b)), rel=0,
-        abs=rounding_tol(sinkhorn_cost_chain(16, 20)) * _cost_scale(a, b))
+    # Two programs (a batch of two against one problem).
+    assert float(batch[0]) == pytest.approx(cost, rel=0, abs=atol)
 
 
 class TestDisplace:
@@ -204,46 +178,40 @@ class TestDisplace:
             w = (t[0] if dr else 1 - t[0]) * (t[1] if dc else 1 - t[1])
             expected[k[0] + dr, k[1] + dc] += plan[i, j] * w
     got = ot.dense_displace(jnp.asarray(plan, jnp.float32), alpha)
-    # float32 against float64: the plan's rounding (1), each packet's weight
-    # (positions (1 - alpha) r_i + alpha r_j and their scaling by m - 1,
-    # the fraction, the weights' product: 8) and product (1), and up to all
-    # 16 x 16 x 4 packets scattered into one vertex. Positions are rounded
-    # in grid units, up to m - 1 = 3, and a weight's error is absolute: k = 3.
+    # float32 against float64: the plan's rounding, each packet's position,
+    # fraction and weights (8 stages) and product, and up to all 16 x 16 x 4
+    # packets scattered into one vertex. Positions are rounded in grid
+    # units, up to m - 1 = 3, and a weight's error is absolute: k = 3.
     np.testing.assert_allclose(got, expected,
-                               rtol=rounding_tol(1 + 8 + 1 + 1024, k=3))
+                               rtol=rounding_tol(1024, stages=10, k=3))
 
   @pytest.mark.parametrize('alpha', [0.1, 0.5, 0.9])
   def test_mass_and_centroid_are_exact(self, pair, alpha):
     a, b = pair
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
     out = np.asarray(ot.displace(a, b, alpha), np.float64)
-    # The splat's hat weights of each packet sum to 1 and keep its centroid;
-    # the same scalings make both sides, so the difference is the splat's
-    # chain against the plan's kron and two products (3); all terms are
-    # positive, and the float64 sums add nothing.
-    rtol = rounding_tol(_SPLAT + 3)
+    # Each packet's hat weights sum to 1 and keep its centroid; the same
+    # scalings make both sides: the splat against the plan's kron and two
+    # products, all terms positive.
+    rtol = rounding_tol(_SPLAT, stages=3)
     assert out.sum() == pytest.approx(plan.sum(), rel=rtol)
     r = ot.grid_points(16)
     expected = ((1 - alpha) * (plan.sum(1)[:, None] * r).sum(0)
                 + alpha * (plan.sum(0)[:, None] * r).sum(0))
     np.testing.assert_allclose(_centroid(out), expected, rtol=rtol)
 
-  def test_alpha_zero_returns_source(self, pair):
+  def test_alpha_endpoints_return_the_marginals(self, pair):
     a, b = pair
     # alpha = 0 splats u K v onto each source vertex: its row sums, which
-    # the last half-iteration set to a (test_marginals, 36), by the splat's
-    # chain: all terms positive.
+    # the last half-iteration set to a (test_marginals).
     np.testing.assert_allclose(ot.displace(a, b, 0.0), a,
-                               rtol=rounding_tol(36 + _SPLAT))
-
-  def test_alpha_one_returns_column_marginal(self, pair):
-    a, b = pair
+                               rtol=rounding_tol(_SPLAT, 16, 16, stages=4))
+    # alpha = 1: the plan's column sums, by the splat against the kron and
+    # products.
     plan = np.asarray(ot.sinkhorn_plan(a, b), np.float64)
     out = np.asarray(ot.displace(a, b, 1.0))
-    # The plan's column sums, by the splat's chain against the plan's kron
-    # and two products (3).
     np.testing.assert_allclose(out.ravel(), plan.sum(0),
-                               rtol=rounding_tol(_SPLAT + 3))
+                               rtol=rounding_tol(_SPLAT, stages=3))
     np.testing.assert_allclose(out, b, rtol=1e-3)
 
   def test_translated_blob_moves_half_way(self):
@@ -296,16 +264,17 @@ class TestDisplace:
     np.testing.assert_array_equal(mass, 0.0)
 
 
-def _images(rng, shape):
-  return jnp.asarray(rng.random(shape), jnp.float32)
+def _images(seed, shape, count=2):
+  """`count` float32 batches of `shape`, uniform in [0, 1)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.random(shape), jnp.float32) for _ in range(count)]
 
 
 class TestOTViews:
 
   @pytest.mark.parametrize('size', [32, 96])
   def test_jit_vmap_shapes(self, size):
-    rng = np.random.default_rng(size)
-    x, xs = _images(rng, (2, 3, size, size, 3)), _images(rng, (2, 3, size, size, 3))
+    x, xs = _images(size, (2, 3, size, size, 3))
     fn = jax.jit(jax.vmap(ot.ot_views))
     out = fn(x, xs)
     assert out.shape == (2, 3, size, size, 3)
@@ -313,26 +282,24 @@ class TestOTViews:
     np.testing.assert_allclose(out[1], ot.ot_views(x[1], xs[1]), atol=1e-5)
 
   def test_alpha_endpoints_return_low_resolution_inputs(self):
-    rng = np.random.default_rng(1)
-    x, xs = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
-    low = lambda img: ot.measure_to_image(*ot.image_to_measure(img, 16), 32, 32)
-    np.testing.assert_allclose(ot.ot_views(x, xs, alpha=0.0), low(x), atol=1e-5)
-    np.testing.assert_allclose(ot.ot_views(x, xs, alpha=1.0), low(xs), atol=1e-3)
+    x, xs = _images(1, (2, 32, 32, 3))
+    low = lambda img: ot.measure_to_image(*ot.image_to_measure(img, 16), 32,
+                                          32)
+    for alpha, end, atol in ((0.0, x, 1e-5), (1.0, xs, 1e-3)):
+      np.testing.assert_allclose(ot.ot_views(x, xs, alpha=alpha), low(end),
+                                 atol=atol)
 
   @pytest.mark.parametrize('alpha', [0.25, 0.5])
   def test_channel_means_interpolate_linearly(self, alpha):
     # At grid resolution (16 x 16 images, m = 16) resizing is the identity, so
     # conservation of mass and offset makes each channel mean move linearly.
-    rng = np.random.default_rng(2)
-    x = 0.2 + 0.6 * _images(rng, (2, 16, 16, 3))
-    xs = 0.2 + 0.6 * _images(rng, (2, 16, 16, 3))
+    x, xs = (0.2 + 0.6 * t for t in _images(2, (2, 16, 16, 3)))
     out = ot.ot_views(x, xs, alpha=alpha, grid_size=16)
     expected = (1 - alpha) * x.mean(axis=(1, 2)) + alpha * xs.mean(axis=(1, 2))
     np.testing.assert_allclose(out.mean(axis=(1, 2)), expected, atol=1e-4)
 
   def test_gradients_are_finite(self):
-    rng = np.random.default_rng(3)
-    x, xs = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
+    x, xs = _images(3, (2, 32, 32, 3))
     loss = lambda x, xs, alpha: jnp.sum(ot.ot_views(x, xs, alpha) ** 2)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, xs, 0.5)
     for g in grads:
@@ -341,24 +308,28 @@ class TestOTViews:
     assert float(grads[2]) != 0.0
 
   def test_image_sinkhorn_cost_averages_channels(self):
-    rng = np.random.default_rng(4)
-    x, y = _images(rng, (2, 32, 32, 3)), _images(rng, (2, 32, 32, 3))
+    x, y = _images(4, (2, 32, 32, 3))
     p, _, _ = ot.image_to_measure(x, 16)
     q, _, _ = ot.image_to_measure(y, 16)
     expected = np.mean(np.asarray(ot.sinkhorn_cost(p, q)), axis=-1)
-    # Two programs: the measures (32 x 32 images on a 16 x 16 grid), the
-    # cost and the mean over 3 channels. The cost is linear in the measures
-    # with coefficients (the potentials eps log u) inside the cost's terms'
-    # scale, so both chains count relative to that scale.
-    n = measure_chain(32, 32, 16) + sinkhorn_cost_chain(16, 20) + 3
-    np.testing.assert_allclose(ot.image_sinkhorn_cost(x, y), expected, rtol=0,
-                               atol=rounding_tol(n) * _cost_scale(p, q))
+    # Two programs: the measures, the cost and the mean over 3 channels.
+    # The cost is linear in the measures with coefficients (eps log u)
+    # inside its terms' scale, so both chains count relative to that scale.
+    n = ot_chain(16, 20, (32, 32), 'cost')
+    np.testing.assert_allclose(
+        ot.image_sinkhorn_cost(x, y), expected, rtol=0,
+        atol=rounding_tol(n, 3, stages=1) * ot_cost_scale(p, q, EPS, 20))
+
+
+_X = jnp.zeros((2, 32, 32, 3)) + 0.5
+_A = np.full((4, 4), 1 / 16, np.float32)
+_VIEWS = jax.jit(ot.ot_views, static_argnames='grid_size')
 
 
 class TestErrors:
   """Every public entry point rejects bad input with a clear message."""
 
-  x = jnp.zeros((2, 32, 32, 3)) + 0.5
+  x = _X
 
   @pytest.mark.parametrize('kwargs, match', [
       ({'alpha': -0.1}, 'alpha'),
@@ -375,44 +346,45 @@ class TestErrors:
     with pytest.raises(ValueError, match=match):
       ot.ot_views(self.x, self.x, **kwargs)
 
-  def test_wrong_rank(self):
-    with pytest.raises(ValueError, match=r'\[B, H, W, C\]'):
-      ot.ot_views(self.x[0], self.x[0])
-
-  def test_image_to_measure_checks_its_images(self):
-    # A uint8 image had become an all-white reconstruction, NaN a NaN grid.
-    with pytest.raises(ValueError, match='dtype uint8'):
-      ot.image_to_measure(np.full((1, 8, 8, 3), 128, np.uint8), 4)
-    with pytest.raises(ValueError, match='NaN'):
-      ot.image_to_measure(self.x.at[0, 1, 2, 0].set(jnp.nan), 4)
-    with pytest.raises(ValueError, match=r'pixels in \[0, 127.5\]'):
-      ot.image_to_measure(255 * self.x.at[0, 0, 0, 0].set(0.0), 4)
-    with pytest.raises(ValueError, match=r'got shape \(1, 2\)'):
-      ot.image_to_measure([[0.5, 0.5]], 4)  # a list: no .shape to name
-
-  def test_channels_first_images_are_named(self):
-    # Read as 3 x 32 images of 32 channels, [B, C, H, W] data fails on
-    # grid_size; the message must not only suggest a smaller grid_size.
-    x = jnp.transpose(self.x, (0, 3, 1, 2))
-    with pytest.raises(ValueError, match=r'\(3 x 32 as \[B, H, W, C\]\).*'
-                       r'transpose channels-first \[B, C, H, W\]'):
-      ot.ot_views(x, x)
-
-  def test_mismatched_shapes(self):
-    with pytest.raises(ValueError, match='shape'):
-      ot.ot_views(self.x, self.x[:1])
-
-  @pytest.mark.parametrize('bad', [np.nan, np.inf])
-  def test_non_finite_pixels(self, bad):
-    with pytest.raises(ValueError, match='NaN or infinite'):
-      ot.ot_views(self.x.at[0, 1, 2, 0].set(bad), self.x)
-
-  def test_shape_errors_raise_under_jit(self):
-    with pytest.raises(ValueError, match='shape'):
-      jax.jit(ot.ot_views)(self.x, self.x[:1])
-    with pytest.raises(ValueError, match='grid_size'):
-      jax.jit(ot.ot_views, static_argnames='grid_size')(self.x, self.x,
-                                                        grid_size=64)
+  @pytest.mark.parametrize('call, match', [
+      (lambda: ot.ot_views(_X[0], _X[0]), r'\[B, H, W, C\]'),
+      (lambda: ot.ot_views(_X, _X[:1]), 'shape'),
+      (lambda: ot.ot_views(_X.at[0, 1, 2, 0].set(np.nan), _X),
+       'NaN or infinite'),
+      (lambda: ot.ot_views(_X.at[0, 1, 2, 0].set(np.inf), _X),
+       'NaN or infinite'),
+      # Shapes are checked under jit too.
+      (lambda: jax.jit(ot.ot_views)(_X, _X[:1]), 'shape'),
+      (lambda: _VIEWS(_X, _X, grid_size=64), 'grid_size'),
+      # A uint8 image had become an all-white reconstruction, NaN a NaN grid.
+      (lambda: ot.image_to_measure(np.full((1, 8, 8, 3), 128, np.uint8), 4),
+       'dtype uint8'),
+      (lambda: ot.image_to_measure(_X.at[0, 1, 2, 0].set(jnp.nan), 4), 'NaN'),
+      (lambda: ot.image_to_measure(255 * _X.at[0, 0, 0, 0].set(0.0), 4),
+       r'pixels in \[0, 127.5\]'),
+      (lambda: ot.image_to_measure([[0.5, 0.5]], 4), r'got shape \(1, 2\)'),
+      # Read as 3 x 32 images of 32 channels, [B, C, H, W] data fails on
+      # grid_size; the message must not only suggest a smaller grid_size.
+      (lambda: ot.ot_views(*[jnp.transpose(_X, (0, 3, 1, 2))] * 2),
+       r'\(3 x 32 as \[B, H, W, C\]\).*'
+       r'transpose channels-first \[B, C, H, W\]'),
+      (lambda: ot.displace(_A[:, :3], _A[:, :3], 0.5), 'square'),
+      (lambda: ot.sinkhorn_cost(_A, np.full((5, 5), 1 / 25, np.float32)),
+       'share'),
+      (lambda: ot.sinkhorn_plan(_A[None], _A[None]), 'single'),
+      (lambda: ot.displace(_A, _A, 2.0), 'alpha'),
+      (lambda: ot.sinkhorn_cost(_A * np.nan, _A), 'NaN'),
+      (lambda: ot.splat_axis(4, 1.5), 'alpha'),
+      (lambda: ot.sinkhorn_cost(_A, _A, core='lse'), 'core must be one of'),
+      (lambda: ot.ot_views(*[np.zeros((2, 8, 8, 0), np.float32)] * 2,
+                           grid_size=4), 'at least one channel'),
+      (lambda: ot.image_sinkhorn_cost(*[np.zeros((2, 8, 8, 0), np.float32)]
+                                      * 2, grid_size=4),
+       'at least one channel'),
+  ])
+  def test_bad_inputs(self, call, match):
+    with pytest.raises(ValueError, match=match):
+      call()
 
   def test_traced_values_propagate_nan(self):
     out = jax.jit(ot.ot_views)(self.x, self.x, 1.5)
@@ -434,26 +406,11 @@ class TestErrors:
     with pytest.raises(ValueError, match='alpha'):
       jax.jit(lambda: ot.ot_views(x, x, alpha=2.0))()
 
-  def test_grid_functions(self):
-    a = np.full((4, 4), 1 / 16, np.float32)
-    with pytest.raises(ValueError, match='square'):
-      ot.displace(a[:, :3], a[:, :3], 0.5)
-    with pytest.raises(ValueError, match='share'):
-      ot.sinkhorn_cost(a, np.full((5, 5), 1 / 25, np.float32))
-    with pytest.raises(ValueError, match='single'):
-      ot.sinkhorn_plan(a[None], a[None])
-    with pytest.raises(ValueError, match='alpha'):
-      ot.displace(a, a, 2.0)
-    with pytest.raises(ValueError, match='NaN'):
-      ot.sinkhorn_cost(a * np.nan, a)
-    with pytest.raises(ValueError, match='alpha'):
-      ot.splat_axis(4, 1.5)
-
   def test_epsilon_below_the_safe_minimum(self):
     # At 0.008 the plan's float32 kernel flushes entries that the scalings
     # (fitted to unflushed separable products) count on: it lost 13% of the
     # mass, silently; the composables took even a negative epsilon.
-    a = np.full((4, 4), 1 / 16, np.float32)
+    a = _A
     u, v = ot.sinkhorn_scalings(a, a)
     for fn in (lambda e: ot.sinkhorn_plan(a, a, e),
                lambda e: ot.sinkhorn_cost(a, a, e),
@@ -478,34 +435,17 @@ class TestErrors:
 
 
 class TestCores:
-  """The ott-jax solver core and the fused separable core agree with POT."""
+  """The ott-jax solver core and the fused separable core agree."""
 
-  @pytest.mark.parametrize('num_iters', [1, 5, 20])
-  def test_ott_core_plan_matches_pot(self, pair, num_iters):
-    a, b = pair
-    expected = pot.sinkhorn(a.ravel().astype(np.float64),
-                            b.ravel().astype(np.float64), ot.grid_cost(16),
-                            reg=EPS, numItermax=num_iters, stopThr=0)
-    plan = np.asarray(ot.sinkhorn_plan(a, b, EPS, num_iters, core='ott'))
-    # ott-jax's scalings come from its potentials (exp(f / eps): 13 more
-    # roundings each, absolute at |log u| <= L).
-    np.testing.assert_allclose(
-        plan, expected,
-        rtol=_plan_rtol(num_iters) + rounding_tol(2 * 13, k=_LOG_SCALING),
-        atol=0)
-
-  @pytest.mark.parametrize('num_iters', [1, 5, 20])
+  @pytest.mark.parametrize('num_iters', ITERS)
   def test_cores_agree_on_views(self, num_iters):
-    rng = np.random.default_rng(num_iters)
-    x, xs = _images(rng, (2, 16, 16, 3)), _images(rng, (2, 16, 16, 3))
+    x, xs = _images(num_iters, (2, 16, 16, 3))
     views = {core: ot.ot_views(x, xs, 0.3, grid_size=8, num_iters=num_iters,
                                core=core) for core in ot.CORES}
     np.testing.assert_allclose(views['ott'], views['separable'], atol=1e-5)
 
   def test_cores_agree_on_gradients(self):
-    rng = np.random.default_rng(7)
-    x, xs = _images(rng, (2, 16, 16, 3)), _images(rng, (2, 16, 16, 3))
-    weights = _images(rng, (2, 16, 16, 3))
+    x, xs, weights = _images(7, (2, 16, 16, 3), 3)
 
     def loss(xs, alpha, core):
       views = ot.ot_views(x, xs, alpha, grid_size=8, num_iters=20, core=core)
@@ -537,14 +477,9 @@ class TestCores:
 
   def test_kernel_comes_from_ott_grid(self):
     kx = ot.axis_kernel(6, EPS)
-    # float32 against float64. The exponent -cost / eps takes 11 roundings
-    # (coordinates (2), / sqrt 2 and its constant (2), two squares and a
-    # product (3), two sums (2), / eps and its constant (2)), each absolute
-    # on terms of at most 1, so amplified by 1 / eps in exp's relative
-    # error; exp itself 12.
-    np.testing.assert_allclose(
-        kx, np.exp(-ot.axis_cost(6) / EPS),
-        rtol=rounding_tol(11, k=1 / EPS) + rounding_tol(12))
+    # float32 against float64: the exponent, then exp.
+    np.testing.assert_allclose(kx, np.exp(-ot.axis_cost(6) / EPS),
+                               rtol=_KERNEL_RTOL + rounding_tol(funcs=1))
     geom = ot.grid_geometry(6, EPS)
     assert geom.shape == (36, 36)
 
@@ -590,10 +525,6 @@ class TestCores:
     out = fn(x, x, 0.5, grid_size=4, num_iters=3, core='ott')
     assert out.shape == x.shape
 
-  def test_unknown_core(self, pair):
-    with pytest.raises(ValueError, match="core must be one of"):
-      ot.sinkhorn_cost(*pair, core='lse')
-
 
 class TestInputRanges:
   """No garbage from wrong image ranges or histograms."""
@@ -634,12 +565,6 @@ class TestInputRanges:
     x = jnp.full((1, 8, 8, 3), 1.0 + 1e-6).at[0, 0, 0, 0].set(-1e-6)
     assert bool(jnp.all(jnp.isfinite(ot.ot_views(x, x, grid_size=4))))
 
-  def test_images_without_channels_are_refused(self):
-    empty = np.zeros((2, 8, 8, 0), np.float32)
-    for fn in (ot.ot_views, ot.image_sinkhorn_cost):
-      with pytest.raises(ValueError, match='at least one channel'):
-        fn(empty, empty, grid_size=4)
-
   def test_an_empty_batch_gives_an_empty_result(self):
     grids = np.zeros((0, 4, 4), np.float32)
     assert ot.sinkhorn_cost(grids, grids).shape == (0,)
@@ -648,7 +573,7 @@ class TestInputRanges:
     assert ot.image_sinkhorn_cost(images, images, grid_size=4).shape == (0,)
 
   def test_negative_masses_are_refused(self):
-    a = np.full((4, 4), 1 / 16, np.float32)
+    a = _A
     bad = a.copy()
     bad[0, 0], bad[0, 1] = -0.05, 1 / 16 + 0.05
     for fn in (ot.sinkhorn_plan, ot.sinkhorn_cost, ot.sinkhorn_scalings):
@@ -662,7 +587,7 @@ class TestInputRanges:
   def test_histograms_must_sum_to_one(self):
     # A plan between totals 3 and 1 had column sums 0.23 off b, displace(.., 1)
     # mass 3; an all-zero source under jit with one iteration cost 0.
-    a = np.full((4, 4), 1 / 16, np.float32)
+    a = _A
     with pytest.raises(ValueError, match='total mass 0;'):
       ot.sinkhorn_plan(np.zeros_like(a), a)
     with pytest.raises(ValueError, match='total mass 0;'):
@@ -694,17 +619,14 @@ class TestSeparableViewsLayout:
     assert mat.shape == (out_size, in_size)
     # Two programs of one weighted mean of pixels in [0, 1]: each output sums
     # the 2 ceil(max(in / out, 1)) + 1 pixels its triangle covers (the rest
-    # add exact zeros), on either side, and resize computes its weights in
-    # float32 (offsets, scale, hat, normalising: 6).
+    # add exact zeros) on either side, with weights of 6 float32 stages.
     taps = 2 * math.ceil(max(in_size / out_size, 1)) + 1
     np.testing.assert_allclose(np.einsum('oi,bic->boc', mat, x), expected,
-                               rtol=0, atol=rounding_tol(2 * taps + 6))
+                               rtol=0, atol=rounding_tol(taps, taps, stages=6))
 
   def test_chunks_give_the_views_and_gradients_of_one_call(self):
     # 10 images in chunks of 4: two full chunks and one padded with copies.
-    rng = np.random.default_rng(11)
-    x, xs = _images(rng, (10, 16, 16, 3)), _images(rng, (10, 16, 16, 3))
-    weights = _images(rng, (10, 16, 16, 3))
+    x, xs, weights = _images(11, (10, 16, 16, 3), 3)
 
     def loss(x, alpha, chunk):
       views = ot._separable_views(x, xs, alpha, 8, jnp.float32(0.05), 20,
@@ -717,8 +639,9 @@ class TestSeparableViewsLayout:
     (gx_chunk, ga_chunk), views_chunk = grad(x, 0.4, 4)
     # Two programs (chunks of 4 against the batch) of one float32
     # computation; pixels are at most 1.
-    np.testing.assert_allclose(views_chunk, views_one, rtol=0,
-                               atol=rounding_tol(ot_views_chain(16, 16, 8, 20)))
+    np.testing.assert_allclose(
+        views_chunk, views_one, rtol=0,
+        atol=rounding_tol(ot_chain(8, 20, (16, 16), 'views')))
     np.testing.assert_allclose(
         views_one, ot.ot_views(x, xs, 0.4, grid_size=8, core='ott'),
         atol=1e-5)
@@ -728,9 +651,7 @@ class TestSeparableViewsLayout:
     assert float(ga_chunk) == pytest.approx(float(ga_one), rel=1e-4)
 
   def test_vmap_over_a_chunked_batch(self):
-    rng = np.random.default_rng(12)
-    shape = (2, ot.CPU_CHUNK + 3, 8, 8, 3)
-    x, xs = _images(rng, shape), _images(rng, shape)
+    x, xs = _images(12, (2, ot.CPU_CHUNK + 3, 8, 8, 3))
     views = jax.jit(jax.vmap(
         lambda a, b: ot._separable_views(a, b, 0.5, 4, 0.05, 5,
                                          ot.CPU_CHUNK)))(x, xs)
@@ -758,10 +679,7 @@ class TestZeroMass:
     m = a.shape[0]
     # POT's log-domain solver: its plain one stops at iteration 0 when both
     # histograms have empty cells ("numerical errors").
-    plan = pot.sinkhorn(a.ravel().astype(np.float64),
-                        b.ravel().astype(np.float64), ot.grid_cost(m),
-                        reg=EPS, numItermax=20, stopThr=0,
-                        method='sinkhorn_log')
+    plan = _pot_plan(a, b, method='sinkhorn_log')
     # 0 log 0 = 0: the entropy of an empty cell.
     entropy = np.where(plan > 0, plan * (np.log(np.where(plan > 0, plan, 1))
                                          - 1.0), 0.0)
