@@ -3,7 +3,8 @@
 Tables take results dicts of `otclr_jax.evaluation.evaluate` (one
 `<workdir>/eval/results.json` per run) and `fmt`, 'markdown' or 'latex'. The
 seeds of a run are one row (`aggregate.aggregate`): `46.90 ± 0.40 (n=3)`,
-std with ddof = 1. Bold marks each column's best within a block of comparable rows.
+std with ddof = 1. Bold marks each column's best within a block of comparable
+rows.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ NOT_RANKED = ('pixel_l2', 'pixel_rms')
 LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
 FORMATS = ('markdown', 'latex')
 FLOOR_LABEL = 'Random init'
-# Rows of `linear_clean_bn` runs: checkpoint vs clean-image BatchNorm stats.
-BN_STORED_LABEL = ' (BN: stored)'
-BN_CLEAN_LABEL = ' (BN: clean train)'
 # `protocol.embedding` of evaluate; absent means 'h'.
 EMBEDDING_NAMES = {'z': 'z, l2-normalised projection output',
                    'h': 'h, l2-normalised backbone features'}
@@ -144,11 +142,13 @@ def _cell_text(cell, bold, digits, fmt) -> str:
   return text
 
 
-def _render(spec: _Spec, rows: Sequence[_Row], fmt: str) -> str:
-  flags = _best_flags(rows, spec)
-  body = [[_cell_text(cell, flag, digits, fmt)
-           for cell, flag, digits in zip(row.cells, row_flags, spec.digits)]
-          for row, row_flags in zip(rows, flags)]
+def _render(spec: _Spec, rows: Sequence[_Row], fmt: str,
+            body: Sequence[Sequence[str]] | None = None) -> str:
+  """The table of `rows`; `body` gives their cells as text instead."""
+  if body is None:
+    body = [[_cell_text(cell, flag, digits, fmt) for cell, flag, digits
+             in zip(row.cells, row_flags, spec.digits)]
+            for row, row_flags in zip(rows, _best_flags(rows, spec))]
   if fmt == 'markdown':
     return _render_markdown(spec, rows, body)
   return _render_latex(spec, rows, body)
@@ -278,8 +278,9 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
       suffix = _suffix(g, several)
       probes = [('', g['linear'])]
       if g['linear_clean_bn']:
-        probes = [(BN_STORED_LABEL, g['linear']),
-                  (BN_CLEAN_LABEL, g['linear_clean_bn'])]
+        # Checkpoint against clean-image BatchNorm statistics.
+        probes = [(' (BN: stored)', g['linear']),
+                  (' (BN: clean train)', g['linear_clean_bn'])]
       for bn_label, probe in probes:
         rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
                          block=setting, highlight=g['method'] == 'otclr',
@@ -411,11 +412,13 @@ def paired_table(results: Sequence[dict[str, Any]],
   if not rows:
     return ''
   titles = {g['method']: g['title'] for g in aggregate.aggregate(results)}
-  headers = ('Dataset', 'Comparison', 'Metric', 'Per seed',
-             'Mean ± std', 't', 'p', 'Positive')
+  spec = _Spec(label_headers=('Dataset', 'Comparison', 'Metric'),
+               columns=tuple((h, '') for h in ('Per seed', f'Mean{_PM[fmt]}std',
+                                               't', 'p', 'Positive')),
+               directions=(), digits=(), raw_headers=True)
   names = dict(aggregate.PAIRED_METRICS)
   several = len({(r['pretrain_dataset'], r['batch_size']) for r in rows}) > 1
-  body = []
+  labels, body = [], []
   for r in rows:
     base = (FLOOR_LABEL if r['baseline'] == 'random_init'
             else titles.get(r['baseline'],
@@ -427,59 +430,38 @@ def paired_table(results: Sequence[dict[str, Any]],
     if r.get('unpaired'):
       per_seed += ('; without a pair: seed '
                    + ', '.join(str(s) for s in r['unpaired']))
-    labels = (dataset_name(r['dataset']), comparison, names[r['metric']],
-              per_seed)
-    # Only the labels are text to escape: the rest are numbers or, in LaTeX,
-    # already markup (the mean's $\pm$).
-    body.append([_escape(c, fmt) for c in labels] + [
-        _value_text(r, 2, fmt),
+    labels.append(_Row((dataset_name(r['dataset']), comparison,
+                        names[r['metric']]), ()))
+    body.append([
+        _escape(per_seed, fmt), _value_text(r, 2, fmt),
         _EMPTY[fmt] if math.isnan(r['t']) else f'{r["t"]:.2f}',
         _EMPTY[fmt] if math.isnan(r['p']) else f'{r["p"]:.3f}',
         f'{r["wins"]}/{r["n"]}'])
-  if fmt == 'markdown':
-    align = [':--'] * 3 + ['--:'] * 5
-    lines = ['| ' + ' | '.join(row) + ' |' for row in [headers, align, *body]]
-    return '\n'.join(lines) + '\n'
-  header = ' & '.join(
-      _bold(_escape(h, fmt).replace('±', _PM[fmt].strip()), fmt)
-      for h in headers)
-  lines = [r'\begin{tabular}{lllccccc}', r'\toprule', header + r' \\',
-           r'\midrule']
-  lines += [' & '.join(row).replace('−', '$-$') + r' \\' for row in body]
-  lines += [r'\bottomrule', r'\end{tabular}']
-  return '\n'.join(lines) + '\n'
-
-
-def embedding_label(results: Sequence[dict[str, Any]]) -> str:
-  """Which embedding the runs' cluster and view metrics used, in words."""
-  used = sorted({(r.get('protocol') or {}).get('embedding', 'h')
-                 for r in results})
-  return '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in used)
-
-
-def _unconverged_warning(results: Sequence[dict[str, Any]]) -> str | None:
-  """A line naming every run whose probe stopped before its optimum."""
-  runs = [f'{r.get("title") or aggregate.method_name(aggregate.run_id(r))} '
-          f'seed {r.get("seed")} ({", ".join(where)})' for r in results
-          if (where := aggregate.unconverged_probes(r))]
-  if not runs:
-    return None
-  return ('Not at their optimum: the linear probes of ' + '; '.join(runs)
-          + ' stopped at eval.probe_steps (probe_fits in results.json); '
-          "their probe numbers are not the protocol's.")
+  table = _render(spec, labels, fmt, body)
+  return table.replace('−', '$-$') if fmt == 'latex' else table
 
 
 def render_report(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
   """All results tables, each under a heading (a comment in LaTeX)."""
-  _check_fmt(fmt)
-  embedding = embedding_label(results)
   parts = [
       ('Linear probe and kNN (%, complete test splits)',
        linear_table(results, fmt, metrics=('top1', 'top5', 'knn_top1'))),
       ('Linear probe by pretraining dataset and batch size',
        ablation_table(results, fmt)),
   ]
+  unconverged = [
+      f'{r.get("title") or aggregate.method_name(aggregate.run_id(r))} '
+      f'seed {r.get("seed")} ({", ".join(where)})' for r in results
+      if (where := aggregate.unconverged_probes(r))]
+  if unconverged:
+    parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '')
+                     + 'Not at their optimum: the linear probes of '
+                     + '; '.join(unconverged) + ' stopped at '
+                     'eval.probe_steps (probe_fits in results.json); their '
+                     "probe numbers are not the protocol's.\n"))
+  embedding = '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in sorted(
+      {(r.get('protocol') or {}).get('embedding', 'h') for r in results}))
   # The sections of evaluators that ran (eval.evaluators).
   if any('views' in r for r in results):
     parts.append((f'View quality (same encoder, two view generators; '
@@ -488,10 +470,6 @@ def render_report(results: Sequence[dict[str, Any]],
     parts.append((f'Cluster metrics of the test embeddings (K-means, K = '
                   f'classes; embedding {embedding})',
                   cluster_table(results, fmt)))
-  warning = _unconverged_warning(results)
-  if warning:
-    parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '') + warning
-                     + '\n'))
   paired = paired_table(results, fmt)
   if paired:
     parts.append(('Paired differences over seeds (percentage points; '
