@@ -63,6 +63,10 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
     return ('its linear probe did not reach its optimum ('
             + ', '.join(unconverged) + '; see probe_fits in results.json): '
             'evaluate again with a larger eval.probe_steps')
+  if not isinstance(evaluated, dict):
+    return (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
+            'records the config that made these results, so their row '
+            'cannot be told')
   return None
 
 
@@ -118,11 +122,8 @@ def collect_results(workdir: str,
     try:
       results = rundir.read_results(run_dir)
       if results is not None:
-        try:
-          aggregate.check_result(results)
-        except ValueError as e:
-          raise ValueError(
-              f'{os.path.join(run_dir, rundir.RESULTS_FILE)} {e}') from None
+        aggregate.check_result(results,
+                               os.path.join(run_dir, rundir.RESULTS_FILE))
     except rundir.IncompleteEvaluationError as e:
       collected.excluded.append((run_dir, f'incomplete evaluation: {e}'))
       continue
@@ -132,14 +133,7 @@ def collect_results(workdir: str,
       continue
     if results is not None:
       results = _with_config(run_dir, results)
-    why = _why_not_averaged(run_dir, results)
-    if why is None:
-      if not isinstance(results.get('config'), dict):
-        why = (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
-               'records the config that made these results, so their row '
-               'cannot be told')
-    if why is None and stale is not None:
-      why = stale(run_dir)
+    why = _why_not_averaged(run_dir, results) or (stale and stale(run_dir))
     if why is None:
       collected.results.append(results)
       finished.append(run_dir)

@@ -35,11 +35,9 @@ def stat(values: Iterable[float]) -> dict[str, Any]:
   return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
 
 
-def check_result(result: Any) -> None:
-  """Raises ValueError naming the fields unless `result` is shaped like an
-  evaluation's results.json, as far as the tables read it."""
-  if not isinstance(result, dict):
-    raise ValueError(f'holds {type(result).__name__}, not a results object')
+def check_result(result: dict[str, Any], path: str) -> None:
+  """Raises ValueError naming `path` and the fields unless `result` is shaped
+  like an evaluation's results.json, as far as the tables read it."""
   kinds = {'pretrain_dataset': str, 'method': str, 'batch_size': int,
            'seed': (int, type(None))}
   problems = [f'{k}={result.get(k)!r}' for k, kind in kinds.items()
@@ -56,7 +54,7 @@ def check_result(result: Any) -> None:
                  for m in ('top1', 'top5', 'knn_top1')
                  if row.get(m) is not None and not _is_number(row[m])]
   if problems:
-    raise ValueError('not the results of an evaluation: '
+    raise ValueError(f'{path} not the results of an evaluation: '
                      + ', '.join(problems))
 
 
