@@ -30,8 +30,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
                  run_names: Sequence[str], *, job_name: str,
                  partition: str = '', gres: str = 'gpu:1',
                  time_limit: str = '24:00:00', cpus_per_task: int = 8,
-                 mem: str = '64G', max_parallel: int = 0,
-                 grace_seconds: int = _GRACE_SECONDS) -> str:
+                 mem: str = '64G', max_parallel: int = 0) -> str:
   """The text of a SLURM job array of one task per run, requeued on SIGTERM.
 
   Args:
@@ -41,10 +40,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
     job_name, partition, gres, time_limit, cpus_per_task, mem: `#SBATCH`
       settings of each task; an empty partition or gres is left out.
     max_parallel: at most this many tasks at once; 0 for no limit.
-    grace_seconds: how long before the time limit the SIGTERM comes.
   """
-  if not run_names:
-    raise ValueError('A SLURM array needs at least one run.')
   array = f'0-{len(run_names) - 1}' + (f'%{max_parallel}' if max_parallel
                                         else '')
   lines = ['#!/bin/bash',
@@ -57,7 +53,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
            f'#SBATCH --mem={mem}',
            f'#SBATCH --time={time_limit}',
            '#SBATCH --requeue',
-           f'#SBATCH --signal=B:TERM@{grace_seconds}']
+           f'#SBATCH --signal=B:TERM@{_GRACE_SECONDS}']
   lines += [f'#SBATCH --gres={gres}'] if gres else []
   lines += [f'#SBATCH --partition={partition}'] if partition else []
   lines += [
