@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import os
 import re
+import runpy
 import shlex
 import signal
 import sys
@@ -138,19 +139,15 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     ValueError: one line naming the file and run.
   """
   path = os.path.abspath(os.path.expanduser(path))
-  module = types.ModuleType('_sweep')
-  module.__file__ = path
   if REPO not in sys.path:  # Sweep files import `configs.X`.
     sys.path.insert(0, REPO)
   try:
-    with open(path) as f:
-      code = compile(f.read(), path, 'exec')
-    exec(code, module.__dict__)  # pylint: disable=exec-used
-    if not hasattr(module, 'get_hyper') or not hasattr(module, 'get_config'):
+    module = runpy.run_path(path)
+    if 'get_hyper' not in module or 'get_config' not in module:
       raise ValueError('it defines no get_config() and get_hyper(hyper)')
     if config is None:
-      config = config_files.apply_overrides(module.get_config(), cli_flags)
-    hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
+      config = config_files.apply_overrides(module['get_config'](), cli_flags)
+    hypers = tuple(dict(h) for h in module['get_hyper'](HYPER))
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
   for key, value in ((k, v) for h in hypers for k, v in h.items()):

@@ -29,8 +29,6 @@ SECTIONS = ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn')
 def stat(values: Iterable[float]) -> dict[str, Any]:
   """{'mean', 'std', 'n'} of numbers; std has ddof = 1 and is None for n = 1."""
   values = [float(v) for v in values]
-  if not values:
-    raise ValueError('stat needs at least one value.')
   std = statistics.stdev(values) if len(values) > 1 else None
   return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
 
@@ -355,8 +353,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
   metrics = [m for m, _ in PAIRED_METRICS]
   # Per setting: view comparisons before the floor's, datasets in paper order.
   rows.sort(key=lambda r: (
-      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
-      r['label'],
+      r['pretrain_dataset'], -r['batch_size'], r['label'],
       r['baseline'] == 'random_init', method_rank(r['method']),
       _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
   return rows
