@@ -139,16 +139,14 @@ def collect_results(workdir: str,
       finished.append(run_dir)
     else:
       collected.excluded.append((run_dir, why))
-  repeated = aggregate.repeated_seeds(collected.results)
-  for index, counted in repeated:
-    collected.excluded.append((finished[index], (
-        f'seed {collected.results[index].get("seed")} of its row is counted '
-        f'from {os.path.basename(finished[counted])} (a seed counts once; '
-        'these runs differ only in evaluation settings that no row tells '
-        'apart, e.g. eval.datasets)')))
-  dropped = {index for index, _ in repeated}
+  repeated = dict(aggregate.repeated_seeds(collected.results))
+  collected.excluded += [(finished[index], (
+      f'seed {collected.results[index].get("seed")} of its row is counted '
+      f'from {os.path.basename(finished[counted])} (a seed counts once; '
+      'these runs differ only in evaluation settings that no row tells '
+      'apart, e.g. eval.datasets)')) for index, counted in repeated.items()]
   collected.results = [r for i, r in enumerate(collected.results)
-                       if i not in dropped]
+                       if i not in repeated]
   considered = len(names) + sum(n not in set(names) for n in present)
   # Every run is in a table or in "Not averaged", with its reason.
   assert len(collected.results) + len(collected.excluded) == considered, (
@@ -187,7 +185,7 @@ def aggregate_dir(workdir: str,
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
            '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  rows = aggregate.aggregate(results) if results else []
+  rows = aggregate.aggregate(results)
   for row in rows:
     del row['setting']  # the grouping key; `settings` and `label` say it
   # Everything is rendered before the first file is replaced.
