@@ -93,11 +93,16 @@ class _Row(NamedTuple):
   section: Any = None  # a LaTeX \midrule separates sections.
 
 
+class _Column(NamedTuple):
+  header: str  # equal neighbours share one LaTeX header cell
+  sub: str = ''  # sub-header
+  direction: int = 1  # +1: higher is better; -1: lower; 0: never bold.
+  digits: int = 2
+
+
 class _Spec(NamedTuple):
   label_headers: tuple[str, ...]
-  columns: tuple[tuple[str, str], ...]  # (group header, sub-header)
-  directions: tuple[int, ...]
-  digits: tuple[int, ...]
+  columns: tuple[_Column, ...]
   merge_labels: int = 0  # leading label columns merged with \multirow.
   raw_headers: bool = False  # column headers are already LaTeX.
 
@@ -111,8 +116,7 @@ def _best_flags(rows: Sequence[_Row], spec: _Spec) -> list[list[list[bool]]]:
   for members in blocks.values():
     if len(members) < 2:
       continue
-    for col, (direction, digits) in enumerate(zip(spec.directions,
-                                                  spec.digits)):
+    for col, (_, _, direction, digits) in enumerate(spec.columns):
       for pos in range(len(rows[members[0]].cells[col])):
         # Compare as displayed, so equal printed values are both bold.
         shown = {i: round(rows[i].cells[col][pos]['mean'], max(digits, 0))
@@ -146,8 +150,8 @@ def _render(spec: _Spec, rows: Sequence[_Row], fmt: str,
             body: Sequence[Sequence[str]] | None = None) -> str:
   """The table of `rows`; `body` gives their cells as text instead."""
   if body is None:
-    body = [[_cell_text(cell, flag, digits, fmt) for cell, flag, digits
-             in zip(row.cells, row_flags, spec.digits)]
+    body = [[_cell_text(cell, flag, column.digits, fmt) for cell, flag, column
+             in zip(row.cells, row_flags, spec.columns)]
             for row, row_flags in zip(rows, _best_flags(rows, spec))]
   if fmt == 'markdown':
     return _render_markdown(spec, rows, body)
@@ -156,7 +160,7 @@ def _render(spec: _Spec, rows: Sequence[_Row], fmt: str,
 
 def _render_markdown(spec, rows, body) -> str:
   header = list(spec.label_headers) + [
-      f'{g} {s}'.strip() for g, s in spec.columns]
+      f'{c.header} {c.sub}'.strip() for c in spec.columns]
   align = [':--'] * len(spec.label_headers) + ['--:'] * len(spec.columns)
   lines = ['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join(align) + ' |']
   for row, cells in zip(rows, body):
@@ -170,8 +174,8 @@ def _latex_header(spec: _Spec) -> list[str]:
     return _bold(text if raw else _escape(text, 'latex'), 'latex')
 
   groups = [(group, len(list(members))) for group, members
-            in itertools.groupby(g for g, _ in spec.columns)]
-  if not any(sub for _, sub in spec.columns):
+            in itertools.groupby(c.header for c in spec.columns)]
+  if not any(c.sub for c in spec.columns):
     return [' & '.join([bold(h) for h in spec.label_headers] +
                        [bold(g, spec.raw_headers) for g, _ in groups])
             + r' \\']
@@ -183,7 +187,7 @@ def _latex_header(spec: _Spec) -> list[str]:
     rules.append(rf'\cmidrule(lr){{{col}-{col + width - 1}}}')
     col += width
   second = '& ' * len(spec.label_headers) + ' & '.join(
-      bold(s) for _, s in spec.columns)
+      bold(c.sub) for c in spec.columns)
   return [' & '.join(first) + r' \\', ' '.join(rules), second + r' \\']
 
 
@@ -262,10 +266,8 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   groups, several = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Method',),
-               columns=tuple((dataset_name(d), LINEAR_METRICS[m])
-                             for d in datasets for m in metrics),
-               directions=(1,) * len(datasets) * len(metrics),
-               digits=(2,) * len(datasets) * len(metrics))
+               columns=tuple(_Column(dataset_name(d), LINEAR_METRICS[m])
+                             for d in datasets for m in metrics))
 
   def cells(section):
     return tuple((section.get(d, {}).get(m),) for d in datasets
@@ -299,10 +301,8 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
   groups, _ = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Pretraining Dataset', 'Batch Size', 'Method'),
-               columns=tuple((dataset_name(d), 'Top-1 / Top-5')
-                             for d in datasets),
-               directions=(1,) * len(datasets), digits=(2,) * len(datasets),
-               merge_labels=2)
+               columns=tuple(_Column(dataset_name(d), 'Top-1 / Top-5')
+                             for d in datasets), merge_labels=2)
   floors = aggregate.floors(results) if include_random_init else {}
 
   def cells(section):
@@ -330,10 +330,10 @@ def augmentation_table(results: Sequence[dict[str, Any]],
   arrows = {1: ' ↑', -1: ' ↓'} if fmt == 'markdown' else {
       1: r' $\uparrow$', -1: r' $\downarrow$'}
   spec = _Spec(label_headers=('Encoder', 'Views'),
-               columns=tuple((h + arrows[d], '') for _, h, d in keys),
-               directions=tuple(0 if k in NOT_RANKED else d
-                                for k, _, d in keys),
-               digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
+               columns=tuple(_Column(h + arrows[d], '',
+                                     0 if k in NOT_RANKED else d, 4)
+                             for k, h, d in keys),
+               merge_labels=1, raw_headers=True)
   rows = []
   for g in groups:
     encoder = g['title'] + _suffix(g, several)
@@ -351,9 +351,8 @@ def cluster_table(results: Sequence[dict[str, Any]],
   """K-means cluster metrics of the test features, rows dataset x method."""
   groups, several = _groups(results, fmt)
   spec = _Spec(label_headers=('Dataset', 'Method'),
-               columns=tuple((h, '') for _, h, _ in CLUSTER_METRICS),
-               directions=tuple(d for _, _, d in CLUSTER_METRICS),
-               digits=(4,) * len(CLUSTER_METRICS), merge_labels=1)
+               columns=tuple(_Column(h, '', d, 4)
+                             for _, h, d in CLUSTER_METRICS), merge_labels=1)
   rows = []
   for dataset in _datasets(groups, 'clusters'):
     for g in groups:
@@ -391,10 +390,8 @@ def complexity_table(rows: Sequence[dict[str, Any]],
       raise ValueError(f'complexity rows need stage and method, got {row}.')
     grouped.setdefault((str(row['stage']), str(row['method'])), []).append(row)
   spec = _Spec(label_headers=('Stage', 'Method'),
-               columns=tuple((h, '') for _, h, _ in COMPLEXITY_COLUMNS),
-               directions=(1,) * len(COMPLEXITY_COLUMNS),
-               digits=tuple(d for _, _, d in COMPLEXITY_COLUMNS),
-               merge_labels=1)
+               columns=tuple(_Column(h, digits=d)
+                             for _, h, d in COMPLEXITY_COLUMNS), merge_labels=1)
   out = []
   for (stage, method), members in grouped.items():
     values = aggregate.aggregate_tree(members)
@@ -413,9 +410,9 @@ def paired_table(results: Sequence[dict[str, Any]],
     return ''
   titles = {g['method']: g['title'] for g in aggregate.aggregate(results)}
   spec = _Spec(label_headers=('Dataset', 'Comparison', 'Metric'),
-               columns=tuple((h, '') for h in ('Per seed', f'Mean{_PM[fmt]}std',
-                                               't', 'p', 'Positive')),
-               directions=(), digits=(), raw_headers=True)
+               columns=tuple(map(_Column, ('Per seed', f'Mean{_PM[fmt]}std',
+                                           't', 'p', 'Positive'))),
+               raw_headers=True)
   names = dict(aggregate.PAIRED_METRICS)
   several = len({(r['pretrain_dataset'], r['batch_size']) for r in rows}) > 1
   labels, body = [], []
