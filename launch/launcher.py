@@ -47,15 +47,14 @@ class SubprocessLauncher:
                                     stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent(os.getpid()))
-      shown = None
-      while True:
+      shown = code = None
+      while code is None:
         try:
           code = self._proc.wait(timeout=self.poll_seconds)
-          break
         except subprocess.TimeoutExpired:
-          shown = self._show_progress(workdir, shown)
-      # A command can end between polls: its last progress still shows.
-      shown = self._show_progress(workdir, shown)
+          pass
+        # Also once it ended: its last progress still shows.
+        shown = self._show_progress(workdir, shown)
       self._proc = None
     if shown and self.interactive:
       self._show('')

@@ -30,8 +30,7 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
                  run_names: Sequence[str], *, job_name: str,
                  partition: str = '', gres: str = 'gpu:1',
                  time_limit: str = '24:00:00', cpus_per_task: int = 8,
-                 mem: str = '64G', max_parallel: int = 0,
-                 grace_seconds: int = _GRACE_SECONDS) -> str:
+                 mem: str = '64G', max_parallel: int = 0) -> str:
   """The text of a SLURM job array of one task per run, requeued on SIGTERM.
 
   Args:
@@ -41,52 +40,47 @@ def slurm_script(task_argv: Sequence[str], repo: str, workdir: str,
     job_name, partition, gres, time_limit, cpus_per_task, mem: `#SBATCH`
       settings of each task; an empty partition or gres is left out.
     max_parallel: at most this many tasks at once; 0 for no limit.
-    grace_seconds: how long before the time limit the SIGTERM comes.
   """
-  if not run_names:
-    raise ValueError('A SLURM array needs at least one run.')
   array = f'0-{len(run_names) - 1}' + (f'%{max_parallel}' if max_parallel
                                         else '')
-  lines = ['#!/bin/bash',
-           f'#SBATCH --job-name={job_name}',
-           f'#SBATCH --array={array}',
-           f'#SBATCH --output={workdir}/{rundir.SLURM_DIR}/%A_%a.out',
-           '#SBATCH --open-mode=append',
-           '#SBATCH --ntasks=1',
-           f'#SBATCH --cpus-per-task={cpus_per_task}',
-           f'#SBATCH --mem={mem}',
-           f'#SBATCH --time={time_limit}',
-           '#SBATCH --requeue',
-           f'#SBATCH --signal=B:TERM@{grace_seconds}']
-  lines += [f'#SBATCH --gres={gres}'] if gres else []
-  lines += [f'#SBATCH --partition={partition}'] if partition else []
-  lines += [
-      '',
-      '# One run per array task: train (resuming from its latest checkpoint),',
-      '# then evaluate. Written by launch/sweep.py; the run list is runs.json.',
-      '# Afterwards tabulate with',
-      f'#   python -m launch.sweep --workdir={workdir} --aggregate_only',
-      '# Array index -> run:',
-      *(f'#   {i}: {name}' for i, name in enumerate(run_names)),
-      'set -u',
-      f'cd {shlex.quote(repo)}',
-      '',
-      'requeue() {',
-      '  echo "SIGTERM: checkpointing, then requeueing task '
-      '${SLURM_ARRAY_TASK_ID}."',
-      '  kill -TERM "$child" 2>/dev/null',
-      '  wait "$child"',
-      '  scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
-      '  exit 0',
-      '}',
-      'trap requeue TERM',
-      '',
-      f'{shlex.join(task_argv)} --only_index="$SLURM_ARRAY_TASK_ID" &',
-      'child=$!',
-      'wait "$child"',
-      'exit $?',
-      '']
-  return '\n'.join(lines)
+  directives = [f'job-name={job_name}', f'array={array}',
+                f'output={workdir}/{rundir.SLURM_DIR}/%A_%a.out',
+                'open-mode=append', 'ntasks=1',
+                f'cpus-per-task={cpus_per_task}', f'mem={mem}',
+                f'time={time_limit}', 'requeue',
+                f'signal=B:TERM@{_GRACE_SECONDS}']
+  directives += [f'gres={gres}'] if gres else []
+  directives += [f'partition={partition}'] if partition else []
+  return _script(repo, directives, [
+      'One run per array task: train (resuming from its latest checkpoint),',
+      'then evaluate. Written by launch/sweep.py; the run list is runs.json.',
+      'Afterwards tabulate with',
+      f'  python -m launch.sweep --workdir={workdir} --aggregate_only',
+      'Array index -> run:',
+      *(f'  {i}: {name}' for i, name in enumerate(run_names))], [
+          'requeue() {',
+          '  echo "SIGTERM: checkpointing, then requeueing task '
+          '${SLURM_ARRAY_TASK_ID}."',
+          '  kill -TERM "$child" 2>/dev/null',
+          '  wait "$child"',
+          '  scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+          '  exit 0',
+          '}',
+          'trap requeue TERM',
+          '',
+          f'{shlex.join(task_argv)} --only_index="$SLURM_ARRAY_TASK_ID" &',
+          'child=$!',
+          'wait "$child"',
+          'exit $?'])
+
+
+def _script(repo: str, directives: Sequence[str], comments: Sequence[str],
+            body: Sequence[str]) -> str:
+  """A job file: `#SBATCH --` directives, `# ` comments, then `body` run
+  from `repo`."""
+  return '\n'.join(['#!/bin/bash', *(f'#SBATCH --{d}' for d in directives),
+                    '', *(f'# {c}' for c in comments), 'set -u',
+                    f'cd {shlex.quote(repo)}', '', *body, ''])
 
 
 def write_multinode(run_argv: Sequence[str], workdir: str,
@@ -109,41 +103,32 @@ def write_multinode(run_argv: Sequence[str], workdir: str,
                      f'{nodes} x {gpus_per_node}.')
   argv = [*run_argv, '--distributed',
           f'--heartbeat_timeout={fv.heartbeat_timeout}']
-  lines = ['#!/bin/bash',
-           f'#SBATCH --job-name={fv.job_name or job_name}',
-           f'#SBATCH --nodes={nodes}',
-           f'#SBATCH --ntasks-per-node={gpus_per_node}',
-           f'#SBATCH --gres=gpu:{gpus_per_node}',
-           f'#SBATCH --cpus-per-task={fv.cpus_per_task}',
-           f'#SBATCH --mem={fv.mem}',
-           f'#SBATCH --time={fv.time}',
-           f'#SBATCH --output={workdir}/{rundir.SLURM_DIR}/%j.out',
-           '#SBATCH --open-mode=append',
-           '#SBATCH --requeue',
-           # Without B: the signal goes to every task of the job's steps.
-           f'#SBATCH --signal=TERM@{_GRACE_SECONDS}']
-  lines += [f'#SBATCH --partition={fv.partition}'] if fv.partition else []
-  lines += [
-      '',
-      f'# One run on {nodes} node(s) x {gpus_per_node} GPU(s): one process '
-      'per GPU. Written by',
-      '# launch/slurm.py; submit with `sbatch` on this file. Exit 75 '
-      '(stopped by SIGTERM,',
-      '# checkpointed) requeues the job, which resumes.',
-      'set -u',
-      f'cd {shlex.quote(REPO)}',
-      '',
-      f'srun {shlex.join(argv)}',
-      'status=$?',
-      'if [ "$status" -eq 75 ]; then',
-      '  echo "Stopped at a checkpoint (SIGTERM): requeueing job '
-      '${SLURM_JOB_ID}."',
-      '  scontrol requeue "${SLURM_JOB_ID}"',
-      '  exit 0',
-      'fi',
-      'exit $status',
-      '']
-  return write_script(workdir, rundir.RUN_SCRIPT, '\n'.join(lines))
+  directives = [f'job-name={fv.job_name or job_name}', f'nodes={nodes}',
+                f'ntasks-per-node={gpus_per_node}',
+                f'gres=gpu:{gpus_per_node}',
+                f'cpus-per-task={fv.cpus_per_task}', f'mem={fv.mem}',
+                f'time={fv.time}',
+                f'output={workdir}/{rundir.SLURM_DIR}/%j.out',
+                'open-mode=append', 'requeue',
+                # Without B: the signal goes to every task of the job's steps.
+                f'signal=TERM@{_GRACE_SECONDS}']
+  directives += [f'partition={fv.partition}'] if fv.partition else []
+  text = _script(REPO, directives, [
+      f'One run on {nodes} node(s) x {gpus_per_node} GPU(s): one process per '
+      'GPU. Written by',
+      'launch/slurm.py; submit with `sbatch` on this file. Exit 75 (stopped '
+      'by SIGTERM,',
+      'checkpointed) requeues the job, which resumes.'], [
+          f'srun {shlex.join(argv)}',
+          'status=$?',
+          'if [ "$status" -eq 75 ]; then',
+          '  echo "Stopped at a checkpoint (SIGTERM): requeueing job '
+          '${SLURM_JOB_ID}."',
+          '  scontrol requeue "${SLURM_JOB_ID}"',
+          '  exit 0',
+          'fi',
+          'exit $status'])
+  return write_script(workdir, rundir.RUN_SCRIPT, text)
 
 
 def write_script(workdir: str, name: str, text: str) -> str:

@@ -63,6 +63,10 @@ def _why_not_averaged(run_dir: str, results: dict | None) -> str | None:
     return ('its linear probe did not reach its optimum ('
             + ', '.join(unconverged) + '; see probe_fits in results.json): '
             'evaluate again with a larger eval.probe_steps')
+  if not isinstance(evaluated, dict):
+    return (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
+            'records the config that made these results, so their row '
+            'cannot be told')
   return None
 
 
@@ -118,11 +122,8 @@ def collect_results(workdir: str,
     try:
       results = rundir.read_results(run_dir)
       if results is not None:
-        try:
-          aggregate.check_result(results)
-        except ValueError as e:
-          raise ValueError(
-              f'{os.path.join(run_dir, rundir.RESULTS_FILE)} {e}') from None
+        aggregate.check_result(results,
+                               os.path.join(run_dir, rundir.RESULTS_FILE))
     except rundir.IncompleteEvaluationError as e:
       collected.excluded.append((run_dir, f'incomplete evaluation: {e}'))
       continue
@@ -132,29 +133,20 @@ def collect_results(workdir: str,
       continue
     if results is not None:
       results = _with_config(run_dir, results)
-    why = _why_not_averaged(run_dir, results)
-    if why is None:
-      if not isinstance(results.get('config'), dict):
-        why = (f'neither {rundir.RESULTS_FILE} nor {rundir.EVAL_CONFIG_FILE} '
-               'records the config that made these results, so their row '
-               'cannot be told')
-    if why is None and stale is not None:
-      why = stale(run_dir)
+    why = _why_not_averaged(run_dir, results) or (stale and stale(run_dir))
     if why is None:
       collected.results.append(results)
       finished.append(run_dir)
     else:
       collected.excluded.append((run_dir, why))
-  repeated = aggregate.repeated_seeds(collected.results)
-  for index, counted in repeated:
-    collected.excluded.append((finished[index], (
-        f'seed {collected.results[index].get("seed")} of its row is counted '
-        f'from {os.path.basename(finished[counted])} (a seed counts once; '
-        'these runs differ only in evaluation settings that no row tells '
-        'apart, e.g. eval.datasets)')))
-  dropped = {index for index, _ in repeated}
+  repeated = dict(aggregate.repeated_seeds(collected.results))
+  collected.excluded += [(finished[index], (
+      f'seed {collected.results[index].get("seed")} of its row is counted '
+      f'from {os.path.basename(finished[counted])} (a seed counts once; '
+      'these runs differ only in evaluation settings that no row tells '
+      'apart, e.g. eval.datasets)')) for index, counted in repeated.items()]
   collected.results = [r for i, r in enumerate(collected.results)
-                       if i not in dropped]
+                       if i not in repeated]
   considered = len(names) + sum(n not in set(names) for n in present)
   # Every run is in a table or in "Not averaged", with its reason.
   assert len(collected.results) + len(collected.excluded) == considered, (
@@ -193,7 +185,7 @@ def aggregate_dir(workdir: str,
               'No finished run yet.\n') + _excluded_text(excluded, 'markdown')
   latex = (tables.render_report(results, 'latex') if results else
            '% No finished run yet.\n') + _excluded_text(excluded, 'latex')
-  rows = aggregate.aggregate(results) if results else []
+  rows = aggregate.aggregate(results)
   for row in rows:
     del row['setting']  # the grouping key; `settings` and `label` say it
   # Everything is rendered before the first file is replaced.

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import os
 import re
+import runpy
 import shlex
 import signal
 import sys
@@ -138,19 +139,15 @@ def load_sweep(path: str, cli_flags: Sequence[str] = (),
     ValueError: one line naming the file and run.
   """
   path = os.path.abspath(os.path.expanduser(path))
-  module = types.ModuleType('_sweep')
-  module.__file__ = path
   if REPO not in sys.path:  # Sweep files import `configs.X`.
     sys.path.insert(0, REPO)
   try:
-    with open(path) as f:
-      code = compile(f.read(), path, 'exec')
-    exec(code, module.__dict__)  # pylint: disable=exec-used
-    if not hasattr(module, 'get_hyper') or not hasattr(module, 'get_config'):
+    module = runpy.run_path(path)
+    if 'get_hyper' not in module or 'get_config' not in module:
       raise ValueError('it defines no get_config() and get_hyper(hyper)')
     if config is None:
-      config = config_files.apply_overrides(module.get_config(), cli_flags)
-    hypers = tuple(dict(h) for h in module.get_hyper(HYPER))
+      config = config_files.apply_overrides(module['get_config'](), cli_flags)
+    hypers = tuple(dict(h) for h in module['get_hyper'](HYPER))
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'{path}: {type(e).__name__}: {e}') from None
   for key, value in ((k, v) for h in hypers for k, v in h.items()):
@@ -191,33 +188,29 @@ def command(sweep: Sweep, run: Run, mode: str) -> list[str]:
   return argv + ['--config.mode=eval'] if mode == 'eval' else argv
 
 
-@dataclasses.dataclass
-class Outcome:
-  """One run's `status` ('finished', 'done', 'failed', 'interrupted',
-  'stopped', 'dry_run') and a `detail` for the user."""
-  run: Run
-  status: str
-  detail: str = ''
-
-
 def run_one(sweep: Sweep, run: Run, launcher: Launcher, *, total: int,
-            dry_run: bool = False, stop=lambda: None) -> Outcome:
-  """Trains and evaluates one unfinished run; `stop()` is a signal or None."""
+            dry_run: bool = False, stop=lambda: None) -> tuple[str, str]:
+  """Trains and evaluates one unfinished run; `stop()` is a signal or None.
+
+  Returns:
+    The run's status ('finished', 'done', 'failed', 'interrupted', 'stopped'
+    or 'dry_run') and a detail for the user.
+  """
   config, wd = sweep.run_config(run), run.workdir
   head = f'[{run.index + 1}/{total}] {run.name}'
 
-  def report(status: str, detail: str = '') -> Outcome:
+  def report(status: str, detail: str = '') -> tuple[str, str]:
     shown = 'FAILED' if status == 'failed' else status
     print(f'{head}: {shown} {detail}'.rstrip(), flush=True)
-    return Outcome(run, status, detail)
+    return status, detail
 
   if run_state.is_finished(config, wd):
     print(f'{head}: finished, skipped', flush=True)
-    return Outcome(run, 'finished')
+    return 'finished', ''
   if dry_run:
     print(f'{head}:\n  {shlex.join(command(sweep, run, "train"))}\n  '
           f'{shlex.join(command(sweep, run, "eval"))}', flush=True)
-    return Outcome(run, 'dry_run')
+    return 'dry_run', ''
   start = time.time()
   elapsed = lambda: 'in ' + time.strftime('%H:%M:%S',
                                           time.gmtime(time.time() - start))
@@ -336,39 +329,38 @@ def run_sweep(sweep: Sweep, workdir: str, *,
 def _run_all(sweep: Sweep, selected: Sequence[Run], total: int,
              launcher: Launcher, stop_on_error: bool) -> int:
   stop = lambda: getattr(launcher, 'stop_signal', None)
-  outcomes = []
-  start, worked = time.time(), 0
+  statuses, failed = [], []
+  start = time.time()
   for run in selected:
     if stop() is None:
-      outcomes.append(run_one(sweep, run, launcher, total=total, stop=stop))
-      worked += outcomes[-1].status == 'done'
-      left = len(selected) - len(outcomes)
+      status, detail = run_one(sweep, run, launcher, total=total, stop=stop)
+      statuses.append(status)
+      failed += [(run.name, detail)] if status == 'failed' else []
+      # From the runs this invocation trained or evaluated.
+      worked, left = statuses.count('done'), len(selected) - len(statuses)
       if worked and left:
-        # From the runs this invocation trained or evaluated.
         eta = (time.time() - start) / worked * left
-        print(f'Sweep {sweep.name}: {len(outcomes)} of {len(selected)} runs '
+        print(f'Sweep {sweep.name}: {len(statuses)} of {len(selected)} runs '
               f'through, about {time.strftime("%H:%M:%S", time.gmtime(eta))} '
               'left.', flush=True)
-    if stop() is not None or outcomes[-1].status == 'interrupted':
-      name = signal.Signals(stop() or signal.SIGTERM).name
-      print(f'Sweep {sweep.name} stopped by {name}; rerun the same command '
-            'to resume.', file=sys.stderr, flush=True)
+    # A run ends 'interrupted' only once the signal is set.
+    if stop() is not None:
+      print(f'Sweep {sweep.name} stopped by {signal.Signals(stop()).name}; '
+            'rerun the same command to resume.', file=sys.stderr, flush=True)
       return cli.EXIT_STOPPED
-    if outcomes[-1].status == 'stopped':
-      print(f'Sweep {sweep.name} stopped: {outcomes[-1].run.name} was stopped '
-            f'before its final step (exit {cli.EXIT_STOPPED}); rerun the '
-            'same command to resume.', flush=True)
+    if statuses[-1] == 'stopped':
+      print(f'Sweep {sweep.name} stopped: {run.name} was stopped before its '
+            f'final step (exit {cli.EXIT_STOPPED}); rerun the same command '
+            'to resume.', flush=True)
       return cli.EXIT_STOPPED
-    if outcomes[-1].status == 'failed' and stop_on_error:
+    if statuses[-1] == 'failed' and stop_on_error:
       break
-  failed = [o for o in outcomes if o.status == 'failed']
-  count = lambda s: sum(o.status == s for o in outcomes)
-  print(f'Sweep {sweep.name}: {count("done")} done, {count("finished")} '
-        f'already finished, {len(failed)} failed, '
-        f'{len(selected) - len(outcomes)} not started.', flush=True)
-  for outcome in failed:
-    print(f'  FAILED {outcome.run.name}: {outcome.detail}', flush=True)
-  return (cli.EXIT_FAILED if failed or len(outcomes) < len(selected)
+  print(f'Sweep {sweep.name}: {statuses.count("done")} done, '
+        f'{statuses.count("finished")} already finished, {len(failed)} '
+        f'failed, {len(selected) - len(statuses)} not started.', flush=True)
+  for name, detail in failed:
+    print(f'  FAILED {name}: {detail}', flush=True)
+  return (cli.EXIT_FAILED if failed or len(statuses) < len(selected)
           else cli.EXIT_OK)
 
 

@@ -29,17 +29,13 @@ SECTIONS = ('linear', 'random_init', 'clusters', 'views', 'linear_clean_bn')
 def stat(values: Iterable[float]) -> dict[str, Any]:
   """{'mean', 'std', 'n'} of numbers; std has ddof = 1 and is None for n = 1."""
   values = [float(v) for v in values]
-  if not values:
-    raise ValueError('stat needs at least one value.')
   std = statistics.stdev(values) if len(values) > 1 else None
   return {'mean': statistics.fmean(values), 'std': std, 'n': len(values)}
 
 
-def check_result(result: Any) -> None:
-  """Raises ValueError naming the fields unless `result` is shaped like an
-  evaluation's results.json, as far as the tables read it."""
-  if not isinstance(result, dict):
-    raise ValueError(f'holds {type(result).__name__}, not a results object')
+def check_result(result: dict[str, Any], path: str) -> None:
+  """Raises ValueError naming `path` and the fields unless `result` is shaped
+  like an evaluation's results.json, as far as the tables read it."""
   kinds = {'pretrain_dataset': str, 'method': str, 'batch_size': int,
            'seed': (int, type(None))}
   problems = [f'{k}={result.get(k)!r}' for k, kind in kinds.items()
@@ -56,7 +52,7 @@ def check_result(result: Any) -> None:
                  for m in ('top1', 'top5', 'knn_top1')
                  if row.get(m) is not None and not _is_number(row[m])]
   if problems:
-    raise ValueError('not the results of an evaluation: '
+    raise ValueError(f'{path} not the results of an evaluation: '
                      + ', '.join(problems))
 
 
@@ -357,8 +353,7 @@ def paired_differences(results: Sequence[dict[str, Any]]
   metrics = [m for m, _ in PAIRED_METRICS]
   # Per setting: view comparisons before the floor's, datasets in paper order.
   rows.sort(key=lambda r: (
-      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
-      r['label'],
+      r['pretrain_dataset'], -r['batch_size'], r['label'],
       r['baseline'] == 'random_init', method_rank(r['method']),
       _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
   return rows

@@ -3,7 +3,8 @@
 Tables take results dicts of `otclr_jax.evaluation.evaluate` (one
 `<workdir>/eval/results.json` per run) and `fmt`, 'markdown' or 'latex'. The
 seeds of a run are one row (`aggregate.aggregate`): `46.90 ± 0.40 (n=3)`,
-std with ddof = 1. Bold marks each column's best within a block of comparable rows.
+std with ddof = 1. Bold marks each column's best within a block of comparable
+rows.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ NOT_RANKED = ('pixel_l2', 'pixel_rms')
 LINEAR_METRICS = {'top1': 'Top-1', 'top5': 'Top-5', 'knn_top1': 'kNN'}
 FORMATS = ('markdown', 'latex')
 FLOOR_LABEL = 'Random init'
-# Rows of `linear_clean_bn` runs: checkpoint vs clean-image BatchNorm stats.
-BN_STORED_LABEL = ' (BN: stored)'
-BN_CLEAN_LABEL = ' (BN: clean train)'
 # `protocol.embedding` of evaluate; absent means 'h'.
 EMBEDDING_NAMES = {'z': 'z, l2-normalised projection output',
                    'h': 'h, l2-normalised backbone features'}
@@ -95,11 +93,16 @@ class _Row(NamedTuple):
   section: Any = None  # a LaTeX \midrule separates sections.
 
 
+class _Column(NamedTuple):
+  header: str  # equal neighbours share one LaTeX header cell
+  sub: str = ''  # sub-header
+  direction: int = 1  # +1: higher is better; -1: lower; 0: never bold.
+  digits: int = 2
+
+
 class _Spec(NamedTuple):
   label_headers: tuple[str, ...]
-  columns: tuple[tuple[str, str], ...]  # (group header, sub-header)
-  directions: tuple[int, ...]
-  digits: tuple[int, ...]
+  columns: tuple[_Column, ...]
   merge_labels: int = 0  # leading label columns merged with \multirow.
   raw_headers: bool = False  # column headers are already LaTeX.
 
@@ -113,8 +116,7 @@ def _best_flags(rows: Sequence[_Row], spec: _Spec) -> list[list[list[bool]]]:
   for members in blocks.values():
     if len(members) < 2:
       continue
-    for col, (direction, digits) in enumerate(zip(spec.directions,
-                                                  spec.digits)):
+    for col, (_, _, direction, digits) in enumerate(spec.columns):
       for pos in range(len(rows[members[0]].cells[col])):
         # Compare as displayed, so equal printed values are both bold.
         shown = {i: round(rows[i].cells[col][pos]['mean'], max(digits, 0))
@@ -144,11 +146,13 @@ def _cell_text(cell, bold, digits, fmt) -> str:
   return text
 
 
-def _render(spec: _Spec, rows: Sequence[_Row], fmt: str) -> str:
-  flags = _best_flags(rows, spec)
-  body = [[_cell_text(cell, flag, digits, fmt)
-           for cell, flag, digits in zip(row.cells, row_flags, spec.digits)]
-          for row, row_flags in zip(rows, flags)]
+def _render(spec: _Spec, rows: Sequence[_Row], fmt: str,
+            body: Sequence[Sequence[str]] | None = None) -> str:
+  """The table of `rows`; `body` gives their cells as text instead."""
+  if body is None:
+    body = [[_cell_text(cell, flag, column.digits, fmt) for cell, flag, column
+             in zip(row.cells, row_flags, spec.columns)]
+            for row, row_flags in zip(rows, _best_flags(rows, spec))]
   if fmt == 'markdown':
     return _render_markdown(spec, rows, body)
   return _render_latex(spec, rows, body)
@@ -156,7 +160,7 @@ def _render(spec: _Spec, rows: Sequence[_Row], fmt: str) -> str:
 
 def _render_markdown(spec, rows, body) -> str:
   header = list(spec.label_headers) + [
-      f'{g} {s}'.strip() for g, s in spec.columns]
+      f'{c.header} {c.sub}'.strip() for c in spec.columns]
   align = [':--'] * len(spec.label_headers) + ['--:'] * len(spec.columns)
   lines = ['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join(align) + ' |']
   for row, cells in zip(rows, body):
@@ -170,8 +174,8 @@ def _latex_header(spec: _Spec) -> list[str]:
     return _bold(text if raw else _escape(text, 'latex'), 'latex')
 
   groups = [(group, len(list(members))) for group, members
-            in itertools.groupby(g for g, _ in spec.columns)]
-  if not any(sub for _, sub in spec.columns):
+            in itertools.groupby(c.header for c in spec.columns)]
+  if not any(c.sub for c in spec.columns):
     return [' & '.join([bold(h) for h in spec.label_headers] +
                        [bold(g, spec.raw_headers) for g, _ in groups])
             + r' \\']
@@ -183,7 +187,7 @@ def _latex_header(spec: _Spec) -> list[str]:
     rules.append(rf'\cmidrule(lr){{{col}-{col + width - 1}}}')
     col += width
   second = '& ' * len(spec.label_headers) + ' & '.join(
-      bold(s) for _, s in spec.columns)
+      bold(c.sub) for c in spec.columns)
   return [' & '.join(first) + r' \\', ' '.join(rules), second + r' \\']
 
 
@@ -262,10 +266,8 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
   groups, several = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Method',),
-               columns=tuple((dataset_name(d), LINEAR_METRICS[m])
-                             for d in datasets for m in metrics),
-               directions=(1,) * len(datasets) * len(metrics),
-               digits=(2,) * len(datasets) * len(metrics))
+               columns=tuple(_Column(dataset_name(d), LINEAR_METRICS[m])
+                             for d in datasets for m in metrics))
 
   def cells(section):
     return tuple((section.get(d, {}).get(m),) for d in datasets
@@ -278,8 +280,9 @@ def linear_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown', *,
       suffix = _suffix(g, several)
       probes = [('', g['linear'])]
       if g['linear_clean_bn']:
-        probes = [(BN_STORED_LABEL, g['linear']),
-                  (BN_CLEAN_LABEL, g['linear_clean_bn'])]
+        # Checkpoint against clean-image BatchNorm statistics.
+        probes = [(' (BN: stored)', g['linear']),
+                  (' (BN: clean train)', g['linear_clean_bn'])]
       for bn_label, probe in probes:
         rows.append(_Row((g['title'] + bn_label + suffix,), cells(probe),
                          block=setting, highlight=g['method'] == 'otclr',
@@ -298,10 +301,8 @@ def ablation_table(results: Sequence[dict[str, Any]], fmt: str = 'markdown',
   groups, _ = _groups(results, fmt)
   datasets = list(datasets) if datasets else _datasets(groups, 'linear')
   spec = _Spec(label_headers=('Pretraining Dataset', 'Batch Size', 'Method'),
-               columns=tuple((dataset_name(d), 'Top-1 / Top-5')
-                             for d in datasets),
-               directions=(1,) * len(datasets), digits=(2,) * len(datasets),
-               merge_labels=2)
+               columns=tuple(_Column(dataset_name(d), 'Top-1 / Top-5')
+                             for d in datasets), merge_labels=2)
   floors = aggregate.floors(results) if include_random_init else {}
 
   def cells(section):
@@ -329,10 +330,10 @@ def augmentation_table(results: Sequence[dict[str, Any]],
   arrows = {1: ' ↑', -1: ' ↓'} if fmt == 'markdown' else {
       1: r' $\uparrow$', -1: r' $\downarrow$'}
   spec = _Spec(label_headers=('Encoder', 'Views'),
-               columns=tuple((h + arrows[d], '') for _, h, d in keys),
-               directions=tuple(0 if k in NOT_RANKED else d
-                                for k, _, d in keys),
-               digits=(4,) * len(keys), merge_labels=1, raw_headers=True)
+               columns=tuple(_Column(h + arrows[d], '',
+                                     0 if k in NOT_RANKED else d, 4)
+                             for k, h, d in keys),
+               merge_labels=1, raw_headers=True)
   rows = []
   for g in groups:
     encoder = g['title'] + _suffix(g, several)
@@ -350,9 +351,8 @@ def cluster_table(results: Sequence[dict[str, Any]],
   """K-means cluster metrics of the test features, rows dataset x method."""
   groups, several = _groups(results, fmt)
   spec = _Spec(label_headers=('Dataset', 'Method'),
-               columns=tuple((h, '') for _, h, _ in CLUSTER_METRICS),
-               directions=tuple(d for _, _, d in CLUSTER_METRICS),
-               digits=(4,) * len(CLUSTER_METRICS), merge_labels=1)
+               columns=tuple(_Column(h, '', d, 4)
+                             for _, h, d in CLUSTER_METRICS), merge_labels=1)
   rows = []
   for dataset in _datasets(groups, 'clusters'):
     for g in groups:
@@ -390,10 +390,8 @@ def complexity_table(rows: Sequence[dict[str, Any]],
       raise ValueError(f'complexity rows need stage and method, got {row}.')
     grouped.setdefault((str(row['stage']), str(row['method'])), []).append(row)
   spec = _Spec(label_headers=('Stage', 'Method'),
-               columns=tuple((h, '') for _, h, _ in COMPLEXITY_COLUMNS),
-               directions=(1,) * len(COMPLEXITY_COLUMNS),
-               digits=tuple(d for _, _, d in COMPLEXITY_COLUMNS),
-               merge_labels=1)
+               columns=tuple(_Column(h, digits=d)
+                             for _, h, d in COMPLEXITY_COLUMNS), merge_labels=1)
   out = []
   for (stage, method), members in grouped.items():
     values = aggregate.aggregate_tree(members)
@@ -411,11 +409,13 @@ def paired_table(results: Sequence[dict[str, Any]],
   if not rows:
     return ''
   titles = {g['method']: g['title'] for g in aggregate.aggregate(results)}
-  headers = ('Dataset', 'Comparison', 'Metric', 'Per seed',
-             'Mean ± std', 't', 'p', 'Positive')
+  spec = _Spec(label_headers=('Dataset', 'Comparison', 'Metric'),
+               columns=tuple(map(_Column, ('Per seed', f'Mean{_PM[fmt]}std',
+                                           't', 'p', 'Positive'))),
+               raw_headers=True)
   names = dict(aggregate.PAIRED_METRICS)
   several = len({(r['pretrain_dataset'], r['batch_size']) for r in rows}) > 1
-  body = []
+  labels, body = [], []
   for r in rows:
     base = (FLOOR_LABEL if r['baseline'] == 'random_init'
             else titles.get(r['baseline'],
@@ -427,59 +427,38 @@ def paired_table(results: Sequence[dict[str, Any]],
     if r.get('unpaired'):
       per_seed += ('; without a pair: seed '
                    + ', '.join(str(s) for s in r['unpaired']))
-    labels = (dataset_name(r['dataset']), comparison, names[r['metric']],
-              per_seed)
-    # Only the labels are text to escape: the rest are numbers or, in LaTeX,
-    # already markup (the mean's $\pm$).
-    body.append([_escape(c, fmt) for c in labels] + [
-        _value_text(r, 2, fmt),
+    labels.append(_Row((dataset_name(r['dataset']), comparison,
+                        names[r['metric']]), ()))
+    body.append([
+        _escape(per_seed, fmt), _value_text(r, 2, fmt),
         _EMPTY[fmt] if math.isnan(r['t']) else f'{r["t"]:.2f}',
         _EMPTY[fmt] if math.isnan(r['p']) else f'{r["p"]:.3f}',
         f'{r["wins"]}/{r["n"]}'])
-  if fmt == 'markdown':
-    align = [':--'] * 3 + ['--:'] * 5
-    lines = ['| ' + ' | '.join(row) + ' |' for row in [headers, align, *body]]
-    return '\n'.join(lines) + '\n'
-  header = ' & '.join(
-      _bold(_escape(h, fmt).replace('±', _PM[fmt].strip()), fmt)
-      for h in headers)
-  lines = [r'\begin{tabular}{lllccccc}', r'\toprule', header + r' \\',
-           r'\midrule']
-  lines += [' & '.join(row).replace('−', '$-$') + r' \\' for row in body]
-  lines += [r'\bottomrule', r'\end{tabular}']
-  return '\n'.join(lines) + '\n'
-
-
-def embedding_label(results: Sequence[dict[str, Any]]) -> str:
-  """Which embedding the runs' cluster and view metrics used, in words."""
-  used = sorted({(r.get('protocol') or {}).get('embedding', 'h')
-                 for r in results})
-  return '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in used)
-
-
-def _unconverged_warning(results: Sequence[dict[str, Any]]) -> str | None:
-  """A line naming every run whose probe stopped before its optimum."""
-  runs = [f'{r.get("title") or aggregate.method_name(aggregate.run_id(r))} '
-          f'seed {r.get("seed")} ({", ".join(where)})' for r in results
-          if (where := aggregate.unconverged_probes(r))]
-  if not runs:
-    return None
-  return ('Not at their optimum: the linear probes of ' + '; '.join(runs)
-          + ' stopped at eval.probe_steps (probe_fits in results.json); '
-          "their probe numbers are not the protocol's.")
+  table = _render(spec, labels, fmt, body)
+  return table.replace('−', '$-$') if fmt == 'latex' else table
 
 
 def render_report(results: Sequence[dict[str, Any]],
                   fmt: str = 'markdown') -> str:
   """All results tables, each under a heading (a comment in LaTeX)."""
-  _check_fmt(fmt)
-  embedding = embedding_label(results)
   parts = [
       ('Linear probe and kNN (%, complete test splits)',
        linear_table(results, fmt, metrics=('top1', 'top5', 'knn_top1'))),
       ('Linear probe by pretraining dataset and batch size',
        ablation_table(results, fmt)),
   ]
+  unconverged = [
+      f'{r.get("title") or aggregate.method_name(aggregate.run_id(r))} '
+      f'seed {r.get("seed")} ({", ".join(where)})' for r in results
+      if (where := aggregate.unconverged_probes(r))]
+  if unconverged:
+    parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '')
+                     + 'Not at their optimum: the linear probes of '
+                     + '; '.join(unconverged) + ' stopped at '
+                     'eval.probe_steps (probe_fits in results.json); their '
+                     "probe numbers are not the protocol's.\n"))
+  embedding = '; '.join(EMBEDDING_NAMES.get(e, str(e)) for e in sorted(
+      {(r.get('protocol') or {}).get('embedding', 'h') for r in results}))
   # The sections of evaluators that ran (eval.evaluators).
   if any('views' in r for r in results):
     parts.append((f'View quality (same encoder, two view generators; '
@@ -488,10 +467,6 @@ def render_report(results: Sequence[dict[str, Any]],
     parts.append((f'Cluster metrics of the test embeddings (K-means, K = '
                   f'classes; embedding {embedding})',
                   cluster_table(results, fmt)))
-  warning = _unconverged_warning(results)
-  if warning:
-    parts.insert(0, ('Warning', ('% ' if fmt == 'latex' else '') + warning
-                     + '\n'))
   paired = paired_table(results, fmt)
   if paired:
     parts.append(('Paired differences over seeds (percentage points; '

@@ -6,9 +6,7 @@
 
 from configs import cifar10
 
-
-def get_config():
-  return cifar10.get_config()
+get_config = cifar10.get_config
 
 
 def get_hyper(hyper):

@@ -6,9 +6,7 @@
 
 from configs import digits
 
-
-def get_config():
-  return digits.get_config()
+get_config = digits.get_config
 
 
 def get_hyper(hyper):
