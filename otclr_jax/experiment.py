@@ -166,11 +166,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              c.moco.queue_size)
 
 
-def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the kNN monitor (otclr_jax/evaluation/monitor.py) runs."""
-  return config.monitor.every_steps > 0
-
-
 def title_of(config: ml_collections.ConfigDict) -> str:
   """The run's row name as the paper writes it ('MoCo + OT views', 'OTCLR')."""
   return views_lib.recipe(config).title
@@ -293,7 +288,10 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
                      overridden: Iterable[str] = ()) -> None:
-  """Gives `config` the result-changing settings of `workdir`'s run, if any.
+  """Gives `config` the result-changing settings and length of `workdir`'s run.
+
+  A field missing on either side keeps this invocation's value, and no field
+  is added (`config` may be locked).
 
   Raises:
     ConfigError: an override in `overridden` (dotted names) contradicts it,
@@ -303,10 +301,22 @@ def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
   if found is None:
     return
   stored, source = found
-  try:
-    names = rundir.adopt_stored(config, stored, overridden, source)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
+  new = config.to_dict()
+  flat_stored = config_files.flatten(stored)
+  flat_new = config_files.flatten(new)
+  names = [n for n in rundir.result_changing_diff(stored, new, length=True)
+           if n in flat_stored and n in flat_new]
+  clashes = [n for n in names if n in set(overridden)]
+  if clashes:
+    raise ConfigError(
+        f'{", ".join(f"--config.{n}" for n in clashes)} contradicts the run '
+        f'in {source} ({rundir.describe_diff(stored, new, clashes)}, stored '
+        '-> flag); a trained run is evaluated with its own settings. Drop the '
+        'flag, or point --workdir at a run trained that way.')
+  for name in names:
+    parent, _, leaf = name.rpartition('.')
+    block = _field(config, parent) if parent else config
+    block[leaf] = config_files.tuples(flat_stored[name])
   if names:
     logging.info('Using the settings of the run in %s for: %s.', source,
                  ', '.join(names))
