@@ -28,7 +28,7 @@ from otclr_jax.methods import base
 
 
 class ConfigError(cli.UsageError):
-  """A config field is invalid, or conflicts with the run stored in the workdir."""
+  """A config field is invalid, or conflicts with the workdir's stored run."""
 
 
 def _require(ok: bool, field: str, rule: str, value: Any) -> None:
@@ -186,7 +186,7 @@ def make_mesh(devices=None) -> Mesh:
 
 
 def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
-  """This process's rows of the global host batch, as one global device array."""
+  """This process's rows of the global host batch, as one global array."""
   n = jax.process_count()
   if batch.shape[0] % n or (batch.shape[0] // n) % (mesh.size // n or 1):
     raise ValueError(f'Global batch {batch.shape[0]} must split evenly over '
@@ -198,7 +198,7 @@ def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
 
 
 def init_key(config: ml_collections.ConfigDict) -> jax.Array:
-  """The key the network is initialised from (the first of `config.seed`'s split)."""
+  """The key the network is initialised from."""
   return jax.random.split(jax.random.key(config.seed))[0]
 
 
@@ -214,7 +214,7 @@ def _compiled_init(model) -> Callable[..., Any]:
 
 
 def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The untrained network's `{'params', 'batch_stats'}`, as training starts it."""
+  """The untrained network's `{'params', 'batch_stats'}`, as training has."""
   model = create_model(config)
   dummy = np.zeros((1, config.image_size, config.image_size, 3), np.float32)
   variables = _compiled_init(model)({'params': init_key(config)}, dummy)
@@ -224,7 +224,7 @@ def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def restore_variables(config: ml_collections.ConfigDict, workdir: str,
                       step: int) -> dict[str, Any]:
-  """The network's `{'params', 'batch_stats'}` of checkpoint `step` in `workdir`.
+  """The network's `{'params', 'batch_stats'}` of checkpoint `step`.
 
   Nothing else is read; a learnt logit comes back under `'alpha_logit'`.
 
@@ -241,11 +241,9 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
   if config.ot.learn_alpha:
     item['params']['alpha_logit'] = np.zeros((), np.float32)
   restored = checkpoint.restore_part(workdir, step, item)
-  out = {'params': restored['params']['net'],
-         'batch_stats': restored['batch_stats']}
-  if config.ot.learn_alpha:
-    out['alpha_logit'] = restored['params']['alpha_logit']
-  return out
+  params = dict(restored['params'])  # 'net', and 'alpha_logit' if learnt
+  return {'params': params.pop('net'),
+          'batch_stats': restored['batch_stats'], **params}
 
 
 def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:

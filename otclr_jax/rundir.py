@@ -12,7 +12,6 @@ import fcntl
 import hashlib
 import json
 import os
-import threading
 from typing import Any, Iterator, Sequence
 
 from absl import logging
@@ -228,7 +227,7 @@ def _unread_blocks(*methods: Any) -> tuple[str, ...]:
   return tuple(f'{block}.' for block in METHOD_BLOCKS if block not in methods)
 
 
-def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
+def identity(config: dict[str, Any]) -> dict[str, Any]:
   """The settings that decide a run's result, as {dotted name: value}.
 
   Leaves out `IGNORED_FIELDS`, `eval.*`, `monitor.*` and other methods' blocks.
@@ -236,11 +235,10 @@ def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
   Args:
     config: a config dict (`to_dict()` or config.json); JSON round-tripped,
       so a tuple equals the list it was stored as.
-    length: whether `total_steps` and `num_epochs` count.
   """
   flat = _run_settings(config)
   unread = _unread_blocks(config.get('method'))
-  return {n: v for n, v in flat.items() if not _ignored(n, unread, length)}
+  return {n: v for n, v in flat.items() if not _ignored(n, unread, length=True)}
 
 
 def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
@@ -371,18 +369,16 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   except IsADirectoryError as e:
     raise CorruptFileError(f'{path} is a directory, not the metrics file.') \
         from e
-  last = max((n for n, l in enumerate(lines, 1) if l.strip()), default=0)
+  numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
   records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
+  for number, line in numbered:
     try:
       record = json.loads(line)
       if not isinstance(record, dict) or not isinstance(
           record.get('step'), int):
         raise ValueError('not a record with an integer "step"')
     except ValueError as e:
-      if number == last:
+      if number == numbered[-1][0]:
         logging.warning('Dropping the torn last line %d of %s (%s): %r',
                         number, path, e, line[:80])
         continue
@@ -404,9 +400,9 @@ def latest_checkpoint_step(workdir: str) -> int | None:
   return max(steps) if steps else None
 
 
-# Held locks: flock conflicts within a process too, so nested users re-enter.
-_held: dict[str, int] = {}
-_held_guard = threading.Lock()
+# Paths of the locks this process holds: flock conflicts within a process
+# too, so nested users re-enter.
+_held: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -441,16 +437,8 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
     cli.WorkdirLockedError: another process holds it (named if readable).
   """
   path = os.path.realpath(os.path.join(workdir, name))
-  with _held_guard:
-    reentered = path in _held
-    if reentered:
-      _held[path] += 1
-  if reentered:
-    try:
-      yield
-    finally:
-      with _held_guard:
-        _held[path] -= 1
+  if path in _held:
+    yield
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -469,13 +457,11 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
     # Written once the lock is ours, so a waiting reader sees the holder.
     os.ftruncate(fd, 0)
     os.write(fd, f'{os.getpid()}\n'.encode())
-    with _held_guard:
-      _held[path] = 1
+    _held.add(path)
     try:
       yield
     finally:
-      with _held_guard:
-        del _held[path]
+      _held.discard(path)
       os.ftruncate(fd, 0)
   finally:
     os.close(fd)  # closing the last descriptor releases the flock

@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 
@@ -45,27 +45,25 @@ _CONSOLE_METRICS = (('loss', 'loss'), ('top1', 'top1'),
 
 
 class MetricLogger:
-  """Console progress line, TensorBoard events and `metrics.jsonl` (process 0)."""
+  """Console progress line, TensorBoard events and `metrics.jsonl`."""
 
   def __init__(self, workdir: str, total_steps: int, start_step: int,
                steps_per_epoch: int, batch_size: int):
     self.total_steps = total_steps
     self.steps_per_epoch = steps_per_epoch
     self.batch_size = batch_size
-    self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, rundir.METRICS_FILE)
-    self._tb = None
-    if self.enabled and os.path.exists(self.path):
+    if os.path.exists(self.path):
       # Steps past the restored one are about to be redone.
       kept = [r for r in rundir.read_metrics(workdir)
               if r['step'] <= start_step]
       fileio.write_text(self.path,
                         ''.join(json.dumps(r) + '\n' for r in kept))
-    if self.enabled:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      # TensorBoard drops the events past the restored step, as above.
-      self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR),
-                               purge_step=start_step + 1)
+    # pylint: disable-next=g-import-not-at-top
+    from tensorboardX import SummaryWriter
+    # TensorBoard drops the events past the restored step, as above.
+    self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR),
+                             purge_step=start_step + 1)
     self._t0 = time.perf_counter()
     self._last_time, self._last_step = self._t0, start_step
     self._start_step = start_step
@@ -84,8 +82,6 @@ class MetricLogger:
     eta = (self.total_steps - step) / done if done > 0 else float('nan')
     record = {'step': step, 'epoch': step / self.steps_per_epoch,
               **metrics, 'images_per_sec': rate, 'steps_averaged': steps}
-    if not self.enabled:
-      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(record) + '\n')
     for name, value in record.items():
@@ -103,8 +99,7 @@ class MetricLogger:
                  eta_text)
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    self._tb.close()
 
 
 def _any_process(flag: bool) -> bool:
@@ -260,7 +255,7 @@ class RunResult(NamedTuple):
 
 def train(config: ml_collections.ConfigDict, workdir: str, *,
           stop_after_steps: int | None = None,
-          mesh: Mesh | None = None, make_monitor=None) -> RunResult:
+          make_monitor=None) -> RunResult:
   """Pretrains, resuming from the newest finite checkpoint in `workdir`.
 
   Args:
@@ -269,7 +264,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     workdir: the run directory (docs/operations.md, "A run directory").
     stop_after_steps: stop, checkpointed, after this many steps of this
       invocation; None runs to the end.
-    mesh: device mesh with a 'data' axis; default all devices.
     make_monitor: `(config, model, train_split) -> callable(state) -> float`,
       the kNN monitor (handed in: training does not import evaluation).
 
@@ -286,7 +280,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
         'config.monitor.every_steps=%d but no make_monitor was given: no kNN '
         'monitor in this run (`python -m otclr_jax.main` passes '
         '`main.make_monitor`).', config.monitor.every_steps)
-  mesh = experiment.make_mesh() if mesh is None else mesh
+  mesh = experiment.make_mesh()
   if config.batch_size % mesh.size:
     raise experiment.ConfigError(
         f'config.batch_size {config.batch_size} must be divisible by the '
@@ -375,37 +369,13 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
   run_config = config.to_dict()
   ckpt = checkpoint.Checkpointer(workdir, config.keep_checkpoints)
-  try:
-    state, restored = ckpt.restore_newest(state, _state_problem)
-  except BaseException:
-    ckpt.close()
-    raise
-  if restored is not None:
-    logging.info('Resumed from step %d in %s', restored, workdir)
-  start = int(state.step)
-  if main:
-    rundir.write_config(workdir, run_config)
-    rundir.write_json(os.path.join(workdir, rundir.DATA_FILE), trained_on)
-    rundir.write_status(workdir, 'running', start, total)
-  progress.update(step=start, total=total, started=True)
-  logging.info(
-      '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
-      'batch %d over %d device(s); %.2fM pretraining parameters (network and '
-      'its targets).', run.recipe.title, run.method.name, run.recipe.views,
-      config.dataset, len(train_data.images), spe, total, config.batch_size,
-      mesh.size, step_lib.pretraining_params(state) / 1e6)
-
-  batches: Iterator[np.ndarray] = data.train_batches(
-      train_data.images, config.batch_size, config.seed, start_step=start)
-  logger = None
+  batches = logger = knn_monitor = None
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   window: list[dict[str, float]] = []
 
   def flush() -> None:
-    records = []
-    for s, m in jax.device_get(pending):
-      finite = np.asarray(m.pop(_FINITE))
-      records.append((s, {k: float(v) for k, v in m.items()}, finite))
+    records = [(s, {k: float(v) for k, v in m.items() if k != _FINITE},
+                m[_FINITE]) for s, m in jax.device_get(pending)]
     pending.clear()
     _check_finite(records, ckpt, config)
     window.extend(m for _, m, _ in records)
@@ -413,15 +383,15 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   def log(step: int) -> None:
     flush()
     if window:
-      means = {}
-      for key in window[0]:
-        values = [m[key] for m in window if not math.isnan(m[key])]
-        if values:  # diagnostics evaluated on logging steps only
-          means[key] = float(np.mean(values))
+      # Diagnostics evaluated on logging steps only are NaN on the others.
+      kept = {k: [m[k] for m in window if not math.isnan(m[k])]
+              for k in window[0]}
+      means = {k: float(np.mean(v)) for k, v in kept.items() if v}
       if knn_monitor is not None and step % config.monitor.every_steps == 0:
         # After flush(): the state it reads is known to be finite.
         means[MONITOR_METRIC] = knn_monitor(state)
-      logger.write(step, means, len(window))
+      if logger is not None:  # process 0 only
+        logger.write(step, means, len(window))
       window.clear()
 
   def save(step: int) -> None:
@@ -430,15 +400,31 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
     if main:
       rundir.write_status(workdir, 'running', step, total)
 
-  step = start
-  knn_monitor = None
   # Processes may see a signal at different steps: they agree when logging.
   several = jax.process_count() > 1
   agreed_stop = False
   try:
+    state, restored = ckpt.restore_newest(state, _state_problem)
+    if restored is not None:
+      logging.info('Resumed from step %d in %s', restored, workdir)
+    step = start = int(state.step)
+    if main:
+      rundir.write_config(workdir, run_config)
+      rundir.write_json(os.path.join(workdir, rundir.DATA_FILE), trained_on)
+      rundir.write_status(workdir, 'running', start, total)
+    progress.update(step=start, total=total, started=True)
+    logging.info(
+        '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
+        'batch %d over %d device(s); %.2fM pretraining parameters (network '
+        'and its targets).', run.recipe.title, run.method.name,
+        run.recipe.views, config.dataset, len(train_data.images), spe, total,
+        config.batch_size, mesh.size, step_lib.pretraining_params(state) / 1e6)
+    batches = data.train_batches(train_data.images, config.batch_size,
+                                 config.seed, start_step=start)
     if config.monitor.every_steps > 0 and make_monitor is not None:
       knn_monitor = make_monitor(config, run.model, train_data)
-    logger = MetricLogger(workdir, total, start, spe, config.batch_size)
+    if main:
+      logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with cli.StopFlag() as stop:
       while step < total:
         stopping = agreed_stop if several else stop.signal is not None
@@ -463,20 +449,18 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
         logging.info('Stopped at step %d of %d; rerun the same command to '
                      'resume.', step, total)
   except BaseException:
-    _close_quietly(ckpt, logger, batches)
+    _close(ckpt, logger, batches)
     raise
-  _close_quietly(ckpt, logger, batches, quiet=False)
+  _close(ckpt, logger, batches, quiet=False)
   return RunResult(state, 'finished' if step >= total else 'stopped')
 
 
-def _close_quietly(ckpt, logger, batches, quiet: bool = True) -> None:
-  """Closes the writers; `quiet` logs their errors (not to bury the first)."""
-  close = getattr(batches, 'close', None)
-  for closer in (ckpt.close, logger.close if logger else None, close):
-    if closer is None:
-      continue
+def _close(*closables, quiet: bool = True) -> None:
+  """Closes the non-None `closables`; `quiet` logs their errors (not to bury
+  the first)."""
+  for closable in (c for c in closables if c is not None):
     try:
-      closer()
+      closable.close()
     except Exception as e:  # pylint: disable=broad-except
       if not quiet:
         raise
