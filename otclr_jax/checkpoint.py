@@ -37,20 +37,21 @@ class _DropOrbaxInfo(logging.Filter):
             and not str(record.msg).startswith(_DELIBERATE))
 
 
-def _orbax_read_leftover(unraisable) -> bool:
-  """A coroutine of an Orbax read that failed, raising as it is collected:
-  the failure itself was already reported (a skipped checkpoint)."""
-  code = getattr(unraisable.object, 'cr_code', None)
-  return (code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
-          and isinstance(unraisable.exc_value, Exception))
-
-
 def quiet_logs() -> None:
   """Silences Orbax below WARNING on absl's handler, and the leftovers of
   its failed reads (call from entry points: it sets sys.unraisablehook)."""
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
   default = sys.unraisablehook
-  sys.unraisablehook = lambda u: None if _orbax_read_leftover(u) else default(u)
+
+  def hook(unraisable):
+    # A coroutine of a failed Orbax read raising as it is collected: the
+    # failure itself was reported already (a skipped checkpoint).
+    code = getattr(unraisable.object, 'cr_code', None)
+    if not (code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+            and isinstance(unraisable.exc_value, Exception)):
+      default(unraisable)
+
+  sys.unraisablehook = hook
 
 
 # A checkpoint's items; `restore_part` reads `<step>/default` directly.
@@ -65,25 +66,15 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
                                             active_processes={index})
 
 
-def _read(workdir: str, read: Callable[[Checkpointer], Any]) -> Any:
-  """`read` of a read-only Checkpointer of `workdir`; None without one."""
+def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
+  """`Checkpointer.stored_config` of `workdir`; creates nothing."""
   if not os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS_DIR)):
     return None
   ckpt = Checkpointer(workdir, read_only=True)
   try:
-    return read(ckpt)
+    return ckpt.stored_config()
   finally:
     ckpt.close()
-
-
-def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
-  """`Checkpointer.stored_config` of `workdir`; creates nothing."""
-  return _read(workdir, Checkpointer.stored_config)
-
-
-def has_checkpoint(workdir: str) -> bool:
-  """Whether `workdir` holds a complete checkpoint; creates nothing."""
-  return _read(workdir, Checkpointer.latest_step) is not None
 
 
 class Checkpointer:

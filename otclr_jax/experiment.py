@@ -262,7 +262,8 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
   from_json = rundir.read_config(workdir)
   found = checkpoint.stored_config(workdir)
   if found is None:
-    if from_json is None and checkpoint.has_checkpoint(workdir):
+    if (from_json is None
+        and rundir.latest_checkpoint_step(workdir) is not None):
       raise ConfigError(
           f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
           'checkpoint holds its config: the settings it was trained with are '

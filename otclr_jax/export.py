@@ -84,9 +84,6 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
   }
   if step is not None:
     meta['step'] = int(step)
-  if meta['dtype'] not in _DTYPES:
-    raise ValueError(f'config.dtype must be one of {tuple(_DTYPES)}, got '
-                     f'{meta["dtype"]!r}.')
   payload = {'format': FORMAT, 'version': VERSION,
              'config': json.dumps(meta, sort_keys=True),
              'variables': _encoder_tree(variables)}

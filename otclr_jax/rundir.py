@@ -124,10 +124,6 @@ class CorruptFileError(cli.UsageError):
   """A stored file of the workdir is not the JSON object it should be."""
 
 
-class PathError(cli.UsageError):
-  """A path the user named is of the wrong kind (a file for a directory)."""
-
-
 def check_directory(path: str, what: str) -> None:
   """Refuses `path` if it or a parent exists and is not a directory.
 
@@ -136,7 +132,7 @@ def check_directory(path: str, what: str) -> None:
     what: how the user gave it, for the message (e.g. '--workdir').
 
   Raises:
-    PathError: `path` or a parent is not a directory.
+    cli.UsageError: `path` or a parent is not a directory.
   """
   probe = os.path.abspath(os.path.expanduser(path))
   # The nearest part of the path that exists decides.
@@ -145,8 +141,8 @@ def check_directory(path: str, what: str) -> None:
   if os.path.lexists(probe) and not os.path.isdir(probe):
     kind = ('a dangling symlink' if os.path.islink(probe)
             and not os.path.exists(probe) else 'not a directory')
-    raise PathError(f'{what} {path}: {probe} is {kind}; give a '
-                    'directory (or a path that does not exist yet).')
+    raise cli.UsageError(f'{what} {path}: {probe} is {kind}; give a '
+                         'directory (or a path that does not exist yet).')
 
 
 class IncompleteEvaluationError(cli.UsageError):
@@ -323,7 +319,6 @@ def write_evaluation(workdir: str, results: dict[str, Any],
     `results` as written, with `files`.
   """
   out_dir = os.path.join(workdir, EVAL_DIR)
-  os.makedirs(out_dir, exist_ok=True)
   digests = {name: digest for name in written
              if (digest := _digest(os.path.join(out_dir, name)))}
   for name, text in files.items():

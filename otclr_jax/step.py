@@ -102,7 +102,6 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     `(new_state, metrics)`: scalars ``'loss'``, the method's terms,
     ``'sinkhorn'`` and ``'alpha'`` (OT views), ``'grad_norm'``, ``'lr'``.
   """
-  view_kind = views.recipe(config).views
   images = batch.astype(jnp.float32) / 255.0
   step_key = jax.random.fold_in(key, state.step)
   progress = base.Progress(state.step, total_steps, steps_per_epoch)
@@ -113,7 +112,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     loss, metrics, batch_stats, extra = method.loss(
         config, model, params['net'], state.batch_stats, state.extra, v1, v2,
         progress)
-    if view_kind == 'ot':
+    if views.recipe(config).views == 'ot':
       regulariser = functools.partial(
           losses.sinkhorn_regulariser, images, xs1, xs2, v1, v2,
           grid_size=config.ot.grid_size, epsilon=config.ot.epsilon,
@@ -139,10 +138,9 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
                              progress)
   metrics['grad_norm'] = optax.tree.norm(grads)
   metrics['lr'] = schedule(state.step)
-  new_state = state.replace(step=state.step + 1, params=params,
-                            batch_stats=batch_stats, opt_state=opt_state,
-                            extra=extra)
-  return new_state, metrics
+  return state.replace(step=state.step + 1, params=params,
+                       batch_stats=batch_stats, opt_state=opt_state,
+                       extra=extra), metrics
 
 
 def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,

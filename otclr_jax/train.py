@@ -119,11 +119,8 @@ def _share_text(text: str, size: int = 1024) -> str:
 
 @contextlib.contextmanager
 def _workdir_lock(workdir: str) -> Iterator[None]:
-  """The run's lock on `workdir`, taken by process 0 for all processes.
-
-  Raises:
-    cli.WorkdirLockedError: on every process if process 0 could not.
-  """
+  """The run's lock on `workdir`, taken by process 0 for all processes; each
+  raises cli.WorkdirLockedError if process 0 could not take it."""
   with contextlib.ExitStack() as stack:
     error = None
     if jax.process_index() == 0:
@@ -183,7 +180,7 @@ def _stored_config(config: ml_collections.ConfigDict,
       (each named, stored -> new), or checkpoints whose config is unknown.
     rundir.CorruptFileError: config.json is not a JSON object.
   """
-  if not checkpoint.has_checkpoint(workdir):
+  if rundir.latest_checkpoint_step(workdir) is None:
     if rundir.read_config(workdir) is not None:
       # E.g. it diverged before its first checkpoint.
       logging.info('%s has no checkpoint: starting afresh; this config '
@@ -266,9 +263,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
       invocation; None runs to the end.
     make_monitor: `(config, model, train_split) -> callable(state) -> float`,
       the kNN monitor (handed in: training does not import evaluation).
-
-  Returns:
-    A RunResult.
 
   Raises:
     ConfigError: a bad config field, or one that conflicts with the run.
