@@ -218,7 +218,7 @@ def _check_total(stored: dict[str, Any], total: int, steps_per_epoch: int,
 
 
 def _check_data(workdir: str, now: dict[str, Any]) -> None:
-  """Refuses to resume on other data than the run began on (`DATA_FILE`)."""
+  """Refuses to resume on other data than the run began on (data.json)."""
   path = os.path.join(workdir, rundir.DATA_FILE)
   stored = rundir.read_json_file(path)
   if stored is None:
@@ -343,7 +343,6 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   spe = data.steps_per_epoch(len(train_data.images), config.batch_size,
                              f'{config.dataset}/train')
   total = optim.run_steps(config.total_steps, config.num_epochs, spe)
-  # The run's dataset, source digest, image count and class count.
   trained_on = {'dataset': config.dataset,
                 'images': int(len(train_data.images)),
                 'classes': int(train_data.num_classes),
