@@ -37,20 +37,21 @@ class _DropOrbaxInfo(logging.Filter):
             and not str(record.msg).startswith(_DELIBERATE))
 
 
-def _orbax_read_leftover(unraisable) -> bool:
-  """A coroutine of an Orbax read that failed, raising as it is collected:
-  the failure itself was already reported (a skipped checkpoint)."""
-  code = getattr(unraisable.object, 'cr_code', None)
-  return (code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
-          and isinstance(unraisable.exc_value, Exception))
-
-
 def quiet_logs() -> None:
   """Silences Orbax below WARNING on absl's handler, and the leftovers of
   its failed reads (call from entry points: it sets sys.unraisablehook)."""
   absl_logging.get_absl_handler().addFilter(_DropOrbaxInfo())
   default = sys.unraisablehook
-  sys.unraisablehook = lambda u: None if _orbax_read_leftover(u) else default(u)
+
+  def hook(unraisable):
+    # A coroutine of a failed Orbax read raising as it is collected: the
+    # failure itself was reported already (a skipped checkpoint).
+    code = getattr(unraisable.object, 'cr_code', None)
+    if not (code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+            and isinstance(unraisable.exc_value, Exception)):
+      default(unraisable)
+
+  sys.unraisablehook = hook
 
 
 # A checkpoint's items; `restore_part` reads `<step>/default` directly.
@@ -66,7 +67,7 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
 
 
 def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
-  """`Checkpointer.stored_config` of `workdir`, read-only; None if no checkpoint."""
+  """`Checkpointer.stored_config` of `workdir`; creates nothing."""
   if not os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS_DIR)):
     return None
   ckpt = Checkpointer(workdir, read_only=True)
@@ -76,19 +77,8 @@ def stored_config(workdir: str) -> tuple[dict[str, Any], int] | None:
     ckpt.close()
 
 
-def has_checkpoint(workdir: str) -> bool:
-  """Whether `workdir/checkpoints` holds a complete checkpoint; creates nothing."""
-  if not os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS_DIR)):
-    return False
-  ckpt = Checkpointer(workdir, read_only=True)
-  try:
-    return ckpt.latest_step() is not None
-  finally:
-    ckpt.close()
-
-
 class Checkpointer:
-  """Keeps the last `keep` checkpoints of a state pytree under `workdir/checkpoints`.
+  """Keeps the last `keep` checkpoints of a state pytree in a workdir.
 
   Saves are asynchronous: `wait()` before exiting. All processes save the
   same global state; a `read_only` one is this process's alone. An
@@ -103,8 +93,6 @@ class Checkpointer:
       keep: how many of the newest checkpoints to keep.
       read_only: create and clean up nothing (a run training there saves on).
     """
-    if keep < 1:
-      raise ValueError(f'keep_checkpoints must be >= 1, got {keep}.')
     self.directory = os.path.join(os.path.abspath(workdir),
                                   rundir.CHECKPOINTS_DIR)
     self._read_only = read_only
@@ -138,7 +126,8 @@ class Checkpointer:
       return
     # Orbax reports a full disk from a dozen writer threads, each with its
     # traceback; a save that cannot fit fails here, in one line, instead.
-    need = sum(getattr(x, 'nbytes', 0) for x in jax.tree_util.tree_leaves(state))
+    need = sum(getattr(x, 'nbytes', 0)
+               for x in jax.tree_util.tree_leaves(state))
     free = shutil.disk_usage(self.directory).free
     if free < need:
       raise OSError(errno.ENOSPC, f'No space left on device ({need / 1e6:.0f} '
@@ -149,19 +138,8 @@ class Checkpointer:
       items[_CONFIG] = ocp.args.JsonSave(json.loads(json.dumps(config)))
     self._manager.save(step, args=ocp.args.Composite(**items))
 
-  def restore(self, target: Any, step: int | None = None) -> Any:
-    """Restores checkpoint `step` (default: latest) into the structure of `target`.
-
-    Args:
-      target: a pytree like the saved state (e.g. a freshly initialised one).
-      step: which checkpoint; None for the latest.
-
-    Returns:
-      The restored pytree, placed like `target`.
-    """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f'No checkpoint under {self.directory}.')
+  def restore(self, target: Any, step: int) -> Any:
+    """Checkpoint `step` in the structure of `target`, placed like it."""
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     return self._manager.restore(step, args=ocp.args.Composite(
         **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
@@ -178,20 +156,21 @@ class Checkpointer:
         return config, step
     return None
 
-  def restore_newest(
-      self, target: Any,
-      check: Callable[[Any], str | None] | None = None) -> tuple[Any, int | None]:
+  def restore_newest(self, target: Any,
+                     check: Callable[[Any], str | None] | None = None
+                     ) -> tuple[Any, int | None]:
     """Restores the newest checkpoint that loads and passes `check`.
 
     Others are skipped with a warning; once an older one restores, the
     skipped newer ones move to `workdir/checkpoints_skipped/<step>`.
 
     Args:
-      target: as for `restore`.
+      target: a pytree like the saved state (e.g. a freshly initialised one).
       check: returns None to accept a restored state, or why to skip it.
 
     Returns:
-      `(state, step)`, or `(target, None)` when there is no checkpoint.
+      `(state, step)`, the state placed like `target`, or `(target, None)`
+      when there is no checkpoint.
 
     Raises:
       cli.BrokenRunError: no checkpoint restores (each step and why).
@@ -298,4 +277,5 @@ def describe_error(error: BaseException) -> str:
   while error.__cause__ is not None:
     error = error.__cause__
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  return f'{type(error).__name__}: {lines[0][:300] if lines else "(no message)"}'
+  first = lines[0][:300] if lines else '(no message)'
+  return f'{type(error).__name__}: {first}'

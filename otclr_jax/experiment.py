@@ -28,7 +28,7 @@ from otclr_jax.methods import base
 
 
 class ConfigError(cli.UsageError):
-  """A config field is invalid, or conflicts with the run stored in the workdir."""
+  """A config field is invalid, or conflicts with the workdir's stored run."""
 
 
 def _require(ok: bool, field: str, rule: str, value: Any) -> None:
@@ -166,11 +166,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              c.moco.queue_size)
 
 
-def monitor_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the kNN monitor (otclr_jax/evaluation/monitor.py) runs."""
-  return config.monitor.every_steps > 0
-
-
 def title_of(config: ml_collections.ConfigDict) -> str:
   """The run's row name as the paper writes it ('MoCo + OT views', 'OTCLR')."""
   return views_lib.recipe(config).title
@@ -191,7 +186,7 @@ def make_mesh(devices=None) -> Mesh:
 
 
 def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
-  """This process's rows of the global host batch, as one global device array."""
+  """This process's rows of the global host batch, as one global array."""
   n = jax.process_count()
   if batch.shape[0] % n or (batch.shape[0] // n) % (mesh.size // n or 1):
     raise ValueError(f'Global batch {batch.shape[0]} must split evenly over '
@@ -203,7 +198,7 @@ def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
 
 
 def init_key(config: ml_collections.ConfigDict) -> jax.Array:
-  """The key the network is initialised from (the first of `config.seed`'s split)."""
+  """The key the network is initialised from."""
   return jax.random.split(jax.random.key(config.seed))[0]
 
 
@@ -219,7 +214,7 @@ def _compiled_init(model) -> Callable[..., Any]:
 
 
 def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The untrained network's `{'params', 'batch_stats'}`, as training starts it."""
+  """The untrained network's `{'params', 'batch_stats'}`, as training has."""
   model = create_model(config)
   dummy = np.zeros((1, config.image_size, config.image_size, 3), np.float32)
   variables = _compiled_init(model)({'params': init_key(config)}, dummy)
@@ -229,7 +224,7 @@ def initial_variables(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def restore_variables(config: ml_collections.ConfigDict, workdir: str,
                       step: int) -> dict[str, Any]:
-  """The network's `{'params', 'batch_stats'}` of checkpoint `step` in `workdir`.
+  """The network's `{'params', 'batch_stats'}` of checkpoint `step`.
 
   Nothing else is read; a learnt logit comes back under `'alpha_logit'`.
 
@@ -246,11 +241,9 @@ def restore_variables(config: ml_collections.ConfigDict, workdir: str,
   if config.ot.learn_alpha:
     item['params']['alpha_logit'] = np.zeros((), np.float32)
   restored = checkpoint.restore_part(workdir, step, item)
-  out = {'params': restored['params']['net'],
-         'batch_stats': restored['batch_stats']}
-  if config.ot.learn_alpha:
-    out['alpha_logit'] = restored['params']['alpha_logit']
-  return out
+  params = dict(restored['params'])  # 'net', and 'alpha_logit' if learnt
+  return {'params': params.pop('net'),
+          'batch_stats': restored['batch_stats'], **params}
 
 
 def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
@@ -269,7 +262,8 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
   from_json = rundir.read_config(workdir)
   found = checkpoint.stored_config(workdir)
   if found is None:
-    if from_json is None and checkpoint.has_checkpoint(workdir):
+    if (from_json is None
+        and rundir.latest_checkpoint_step(workdir) is not None):
       raise ConfigError(
           f'{workdir} has checkpoints but no {rundir.CONFIG_FILE}, and no '
           'checkpoint holds its config: the settings it was trained with are '
@@ -293,7 +287,10 @@ def run_config(workdir: str) -> tuple[dict[str, Any], str] | None:
 
 def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
                      overridden: Iterable[str] = ()) -> None:
-  """Gives `config` the result-changing settings of `workdir`'s run, if any.
+  """Gives `config` the result-changing settings and length of `workdir`'s run.
+
+  A field missing on either side keeps this invocation's value, and no field
+  is added (`config` may be locked).
 
   Raises:
     ConfigError: an override in `overridden` (dotted names) contradicts it,
@@ -303,10 +300,22 @@ def adopt_run_config(config: ml_collections.ConfigDict, workdir: str,
   if found is None:
     return
   stored, source = found
-  try:
-    names = rundir.adopt_stored(config, stored, overridden, source)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
+  new = config.to_dict()
+  flat_stored = config_files.flatten(stored)
+  flat_new = config_files.flatten(new)
+  names = [n for n in rundir.result_changing_diff(stored, new, length=True)
+           if n in flat_stored and n in flat_new]
+  clashes = [n for n in names if n in set(overridden)]
+  if clashes:
+    raise ConfigError(
+        f'{", ".join(f"--config.{n}" for n in clashes)} contradicts the run '
+        f'in {source} ({rundir.describe_diff(stored, new, clashes)}, stored '
+        '-> flag); a trained run is evaluated with its own settings. Drop the '
+        'flag, or point --workdir at a run trained that way.')
+  for name in names:
+    parent, _, leaf = name.rpartition('.')
+    block = _field(config, parent) if parent else config
+    block[leaf] = config_files.tuples(flat_stored[name])
   if names:
     logging.info('Using the settings of the run in %s for: %s.', source,
                  ', '.join(names))

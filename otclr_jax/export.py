@@ -68,26 +68,22 @@ def export_encoder(path: str, variables: Mapping[str, Any], config, *,
     config: the run's ConfigDict or dict; model settings and provenance are
       stored, with `step` when given.
   """
-  get = lambda c, k: c[k] if isinstance(c, Mapping) else getattr(c, k)
-  model = get(config, 'model')
+  model = config['model']
   meta = {
-      'stem': get(model, 'stem'),
+      'stem': model['stem'],
       # Runs stored before model.stage_sizes existed trained ResNet-18.
       'stage_sizes': list(model.get('stage_sizes', models.RESNET18)),
-      'dtype': get(config, 'dtype'),
-      'image_size': int(get(config, 'image_size')),
+      'dtype': config['dtype'],
+      'image_size': int(config['image_size']),
       'feature_dim': FEATURE_DIM,
-      'method': get(config, 'method'),
+      'method': config['method'],
       # SimCLR with OT views (OTCLR) differs from SimCLR only here.
       'views': config.get('views', ''),
-      'dataset': get(config, 'dataset'),
-      'seed': int(get(config, 'seed')),
+      'dataset': config['dataset'],
+      'seed': int(config['seed']),
   }
   if step is not None:
     meta['step'] = int(step)
-  if meta['dtype'] not in _DTYPES:
-    raise ValueError(f'config.dtype must be one of {tuple(_DTYPES)}, got '
-                     f'{meta["dtype"]!r}.')
   payload = {'format': FORMAT, 'version': VERSION,
              'config': json.dumps(meta, sort_keys=True),
              'variables': _encoder_tree(variables)}

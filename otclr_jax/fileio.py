@@ -1,4 +1,4 @@
-"""Crash-safe file writes shared by the data cache and the evaluation outputs."""
+"""Crash-safe file writes: a crash never leaves a truncated file behind."""
 
 from __future__ import annotations
 

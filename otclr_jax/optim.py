@@ -22,19 +22,15 @@ OPTIMIZERS = ('sgd', 'lars')
 def optim_settings(config: ml_collections.ConfigDict
                    ) -> ml_collections.ConfigDict:
   """The run's optimiser: a method block's ``optim``, else `config.optim`."""
-  method = views_lib.recipe(config).method.name
-  block = config.get(method, None)
-  if block is not None and 'optim' in block:
-    return block.optim
-  return config.optim
+  block = config.get(views_lib.recipe(config).method.name) or {}
+  return block.get('optim', config.optim)
 
 
 def run_steps(total_steps: int, num_epochs: float, steps_per_epoch: int
               ) -> int:
   """The run length: `total_steps` if > 0, else `num_epochs` in steps."""
-  if total_steps > 0:
-    return int(total_steps)
-  return epoch_steps(num_epochs, steps_per_epoch)
+  return (int(total_steps) if total_steps > 0
+          else epoch_steps(num_epochs, steps_per_epoch))
 
 
 def epoch_steps(epochs: float, steps_per_epoch: int) -> int:

@@ -12,8 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
-import threading
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from absl import logging
 
@@ -29,7 +28,8 @@ SWEEP_LOCK_FILE = '.sweep.lock'
 # eval/'s own lock: a run can be evaluated while it trains, by one writer.
 EVAL_LOCK_FILE = '.eval.lock'
 METRICS_FILE = 'metrics.jsonl'
-# What the run trains on (`train.data_identity`); a resume must match it.
+# What the run trains on (dataset, images, classes, source digest); a resume
+# must match it.
 DATA_FILE = 'data.json'
 CHECKPOINTS_DIR = 'checkpoints'
 # Evaluation outputs; results.json binds the others (`write_evaluation`).
@@ -124,10 +124,6 @@ class CorruptFileError(cli.UsageError):
   """A stored file of the workdir is not the JSON object it should be."""
 
 
-class PathError(cli.UsageError):
-  """A path the user named is of the wrong kind (a file for a directory)."""
-
-
 def check_directory(path: str, what: str) -> None:
   """Refuses `path` if it or a parent exists and is not a directory.
 
@@ -136,21 +132,17 @@ def check_directory(path: str, what: str) -> None:
     what: how the user gave it, for the message (e.g. '--workdir').
 
   Raises:
-    PathError: `path` or a parent is not a directory.
+    cli.UsageError: `path` or a parent is not a directory.
   """
   probe = os.path.abspath(os.path.expanduser(path))
-  while True:
-    if os.path.lexists(probe):
-      if not os.path.isdir(probe):
-        kind = ('a dangling symlink' if os.path.islink(probe)
-                and not os.path.exists(probe) else 'not a directory')
-        raise PathError(f'{what} {path}: {probe} is {kind}; give a '
-                        'directory (or a path that does not exist yet).')
-      return
-    parent = os.path.dirname(probe)
-    if parent == probe:
-      return
-    probe = parent
+  # The nearest part of the path that exists decides.
+  while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+    probe = os.path.dirname(probe)
+  if os.path.lexists(probe) and not os.path.isdir(probe):
+    kind = ('a dangling symlink' if os.path.islink(probe)
+            and not os.path.exists(probe) else 'not a directory')
+    raise cli.UsageError(f'{what} {path}: {probe} is {kind}; give a '
+                         'directory (or a path that does not exist yet).')
 
 
 class IncompleteEvaluationError(cli.UsageError):
@@ -185,7 +177,7 @@ def read_status(workdir: str) -> dict[str, Any] | None:
 
 def write_status(workdir: str, state: str, step: int,
                  total_steps: int) -> None:
-  """Atomically writes `workdir/status.json`; `step` is the optimiser steps done."""
+  """Atomically writes `workdir/status.json`; `step`: optimiser steps done."""
   if state not in STATES:
     raise ValueError(f'status state must be one of {STATES}, got {state!r}.')
   status = {'state': state, 'step': int(step), 'total_steps': int(total_steps),
@@ -202,8 +194,7 @@ def read_config(workdir: str) -> dict[str, Any] | None:
 
 def write_config(workdir: str, config: dict[str, Any]) -> None:
   """Atomically writes `config` (e.g. `ConfigDict.to_dict()`) as config.json."""
-  fileio.write_text(os.path.join(workdir, CONFIG_FILE),
-                    json.dumps(config, indent=1, sort_keys=True) + '\n')
+  write_json(os.path.join(workdir, CONFIG_FILE), config)
 
 
 # Fields added after runs were stored, with what their absence meant: a
@@ -213,8 +204,7 @@ ADDED_FIELDS = {'ot.source': 'image', 'ot.detail': 'none',
 
 
 def _run_settings(config: dict[str, Any]) -> dict[str, Any]:
-  """`config_files.flatten(config)` with `ADDED_FIELDS` filled in where
-  their block is."""
+  """`config_files.flatten(config)`, `ADDED_FIELDS` filled in their blocks."""
   flat = config_files.flatten(config)
   for name, value in ADDED_FIELDS.items():
     block = name.rsplit('.', 1)[0] + '.'
@@ -233,7 +223,7 @@ def _unread_blocks(*methods: Any) -> tuple[str, ...]:
   return tuple(f'{block}.' for block in METHOD_BLOCKS if block not in methods)
 
 
-def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
+def identity(config: dict[str, Any]) -> dict[str, Any]:
   """The settings that decide a run's result, as {dotted name: value}.
 
   Leaves out `IGNORED_FIELDS`, `eval.*`, `monitor.*` and other methods' blocks.
@@ -241,11 +231,10 @@ def identity(config: dict[str, Any], *, length: bool = True) -> dict[str, Any]:
   Args:
     config: a config dict (`to_dict()` or config.json); JSON round-tripped,
       so a tuple equals the list it was stored as.
-    length: whether `total_steps` and `num_epochs` count.
   """
   flat = _run_settings(config)
   unread = _unread_blocks(config.get('method'))
-  return {n: v for n, v in flat.items() if not _ignored(n, unread, length)}
+  return {n: v for n, v in flat.items() if not _ignored(n, unread, length=True)}
 
 
 def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
@@ -261,13 +250,14 @@ def result_changing_diff(stored: dict[str, Any], new: dict[str, Any], *,
     length: whether the run length counts.
   """
   unread = _unread_blocks(stored.get('method'), new.get('method'))
-  stored = _run_settings(stored)
-  new = _run_settings(new)
+  return sorted(n for n in _differing(_run_settings(stored), _run_settings(new))
+                if not _ignored(n, unread, length))
+
+
+def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+  """The keys whose values differ, a key in one dict only included."""
   missing = object()
-  return sorted(
-      name for name in set(stored) | set(new)
-      if not _ignored(name, unread, length)
-      and stored.get(name, missing) != new.get(name, missing))
+  return [n for n in set(a) | set(b) if a.get(n, missing) != b.get(n, missing)]
 
 
 def _eval_fields(config: dict[str, Any], keep) -> dict[str, Any]:
@@ -286,10 +276,8 @@ def evaluation_diff(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
   """`result_changing_diff` with the length and every `eval.*` field but
   `EVAL_UNUSED_FIELDS`: why results made by `stored` are not `new`'s."""
   used = lambda n: n not in EVAL_UNUSED_FIELDS
-  a, b = _eval_fields(stored, used), _eval_fields(new, used)
-  missing = object()
-  return sorted(result_changing_diff(stored, new, length=True) + [
-      n for n in set(a) | set(b) if a.get(n, missing) != b.get(n, missing)])
+  return sorted(result_changing_diff(stored, new, length=True) + _differing(
+      _eval_fields(stored, used), _eval_fields(new, used)))
 
 
 def describe_diff(stored: dict[str, Any], new: dict[str, Any],
@@ -301,51 +289,8 @@ def describe_diff(stored: dict[str, Any], new: dict[str, Any],
   return '; '.join(f'{n}: {show(stored, n)} -> {show(new, n)}' for n in names)
 
 
-def _set(config: Any, name: str, value: Any) -> None:
-  """Sets the dotted field `name` of a ConfigDict-like `config` to `value`."""
-  *parents, leaf = name.split('.')
-  for part in parents:
-    config = config[part]
-  config[leaf] = config_files.tuples(value)
-
-
-def adopt_stored(config: Any, stored: dict[str, Any],
-                 overridden: Iterable[str], source: str) -> list[str]:
-  """Gives `config` the stored run's result-changing settings and length.
-
-  Args:
-    config: this invocation's ConfigDict (may be locked: no field is added).
-    stored: the run's stored config (config.json or a checkpoint's copy).
-    overridden: dotted names given on the command line.
-    source: where `stored` came from, for messages.
-
-  Returns:
-    The dotted names whose value was taken from `stored`.
-
-  Raises:
-    ValueError: a command-line override contradicts the stored run.
-  """
-  new = config.to_dict()
-  flat_stored = config_files.flatten(stored)
-  flat_new = config_files.flatten(new)
-  # A field missing on either side keeps this invocation's value.
-  names = sorted(
-      n for n in result_changing_diff(stored, new) + list(LENGTH_FIELDS)
-      if n in flat_stored and n in flat_new and flat_stored[n] != flat_new[n])
-  clashes = [n for n in names if n in set(overridden)]
-  if clashes:
-    raise ValueError(
-        f'{", ".join(f"--config.{n}" for n in clashes)} contradicts the run '
-        f'in {source} ({describe_diff(stored, new, clashes)}, stored -> '
-        'flag); a trained run is evaluated with its own settings. Drop the '
-        'flag, or point --workdir at a run trained that way.')
-  for name in names:
-    _set(config, name, flat_stored[name])
-  return names
-
-
 def write_json(path: str, value: Any) -> None:
-  """Atomically writes `value` as indented JSON (every JSON the project writes)."""
+  """Atomically writes `value` as indented JSON (every JSON file we write)."""
   fileio.write_text(path, json.dumps(value, indent=1, sort_keys=True,
                                      allow_nan=False) + '\n')
 
@@ -374,7 +319,6 @@ def write_evaluation(workdir: str, results: dict[str, Any],
     `results` as written, with `files`.
   """
   out_dir = os.path.join(workdir, EVAL_DIR)
-  os.makedirs(out_dir, exist_ok=True)
   digests = {name: digest for name in written
              if (digest := _digest(os.path.join(out_dir, name)))}
   for name, text in files.items():
@@ -420,18 +364,16 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   except IsADirectoryError as e:
     raise CorruptFileError(f'{path} is a directory, not the metrics file.') \
         from e
-  last = max((n for n, l in enumerate(lines, 1) if l.strip()), default=0)
+  numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
   records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
+  for number, line in numbered:
     try:
       record = json.loads(line)
       if not isinstance(record, dict) or not isinstance(
           record.get('step'), int):
         raise ValueError('not a record with an integer "step"')
     except ValueError as e:
-      if number == last:
+      if number == numbered[-1][0]:
         logging.warning('Dropping the torn last line %d of %s (%s): %r',
                         number, path, e, line[:80])
         continue
@@ -453,9 +395,9 @@ def latest_checkpoint_step(workdir: str) -> int | None:
   return max(steps) if steps else None
 
 
-# Held locks: flock conflicts within a process too, so nested users re-enter.
-_held: dict[str, int] = {}
-_held_guard = threading.Lock()
+# Paths of the locks this process holds: flock conflicts within a process
+# too, so nested users re-enter.
+_held: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -487,21 +429,11 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
     name: the lock file, `LOCK_FILE` (training) or `EVAL_LOCK_FILE`.
 
   Raises:
-    cli.WorkdirLockedError: another process holds it (its pid named if readable).
+    cli.WorkdirLockedError: another process holds it (named if readable).
   """
   path = os.path.realpath(os.path.join(workdir, name))
-  with _held_guard:
-    if path in _held:
-      _held[path] += 1
-      reentered = True
-    else:
-      reentered = False
-  if reentered:
-    try:
-      yield
-    finally:
-      with _held_guard:
-        _held[path] -= 1
+  if path in _held:
+    yield
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -520,13 +452,11 @@ def lock(workdir: str, name: str = LOCK_FILE) -> Iterator[None]:
     # Written once the lock is ours, so a waiting reader sees the holder.
     os.ftruncate(fd, 0)
     os.write(fd, f'{os.getpid()}\n'.encode())
-    with _held_guard:
-      _held[path] = 1
+    _held.add(path)
     try:
       yield
     finally:
-      with _held_guard:
-        del _held[path]
+      _held.discard(path)
       os.ftruncate(fd, 0)
   finally:
     os.close(fd)  # closing the last descriptor releases the flock

@@ -52,9 +52,6 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
     tx: the optimiser.
     key: the run's init key.
     variables: `{'params', 'batch_stats'}` drawn from `key`, or None.
-
-  Returns:
-    TrainState.
   """
   if variables is None:
     dummy = jnp.zeros((1, config.image_size, config.image_size, 3),
@@ -74,16 +71,13 @@ def init_state(config: ml_collections.ConfigDict, method: base.Method,
 STATE_PARTS = ('params', 'batch_stats', 'opt_state', 'extra')
 
 
-def all_finite(tree) -> jax.Array:
-  """True iff every element of every inexact array leaf of `tree` is finite."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
-
-
 def state_finite(state: TrainState) -> jax.Array:
   """Bool [4]: whether each of `STATE_PARTS` holds only finite values."""
-  return jnp.stack([all_finite(getattr(state, part)) for part in STATE_PARTS])
+  def finite(tree):
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+  return jnp.stack([finite(getattr(state, part)) for part in STATE_PARTS])
 
 
 def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
@@ -108,7 +102,6 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     `(new_state, metrics)`: scalars ``'loss'``, the method's terms,
     ``'sinkhorn'`` and ``'alpha'`` (OT views), ``'grad_norm'``, ``'lr'``.
   """
-  view_kind = views.recipe(config).views
   images = batch.astype(jnp.float32) / 255.0
   step_key = jax.random.fold_in(key, state.step)
   progress = base.Progress(state.step, total_steps, steps_per_epoch)
@@ -119,7 +112,7 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
     loss, metrics, batch_stats, extra = method.loss(
         config, model, params['net'], state.batch_stats, state.extra, v1, v2,
         progress)
-    if view_kind == 'ot':
+    if views.recipe(config).views == 'ot':
       regulariser = functools.partial(
           losses.sinkhorn_regulariser, images, xs1, xs2, v1, v2,
           grid_size=config.ot.grid_size, epsilon=config.ot.epsilon,
@@ -145,10 +138,9 @@ def train_step(state: TrainState, batch: jax.Array, key: jax.Array, *,
                              progress)
   metrics['grad_norm'] = optax.tree.norm(grads)
   metrics['lr'] = schedule(state.step)
-  new_state = state.replace(step=state.step + 1, params=params,
-                            batch_stats=batch_stats, opt_state=opt_state,
-                            extra=extra)
-  return new_state, metrics
+  return state.replace(step=state.step + 1, params=params,
+                       batch_stats=batch_stats, opt_state=opt_state,
+                       extra=extra), metrics
 
 
 def jit_train_step(method: base.Method, config: ml_collections.ConfigDict,
@@ -204,16 +196,15 @@ def setup(config: ml_collections.ConfigDict, steps_per_epoch: int) -> Setup:
     steps_per_epoch: updates per epoch (`data.steps_per_epoch`).
   """
   recipe = views.recipe(config)
-  method_name = recipe.method.name
   total = optim.run_steps(config.total_steps, config.num_epochs,
                           steps_per_epoch)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch, total)
   opt = optim.optim_settings(config)
   logging.info('Optimiser: %s', ', '.join(
       f'{k}={v}' for k, v in sorted(opt.items())))
-  block = config.get(method_name, None)
+  block = config.get(recipe.method.name, None)
   if block is not None and 'base_tau' in block:
-    base.report_horizon(method_name, block, total)
+    base.report_horizon(recipe.method.name, block, total)
   return Setup(recipe=recipe, model=recipe.method.create_model(config),
                schedule=schedule,
                tx=optim.create_optimizer(config, schedule),
@@ -225,11 +216,9 @@ def initial_state(config: ml_collections.ConfigDict, run: Setup,
   """The state at step 0 from `experiment.initial_variables`, on `mesh`."""
   init = functools.partial(init_state, config, run.method, run.model,
                            run.tx)
-  variables = experiment.initial_variables(config)
-  if mesh is None:
-    return jax.jit(init)(experiment.init_key(config), variables)
-  return jax.jit(init, out_shardings=NamedSharding(mesh, P()))(
-      experiment.init_key(config), variables)
+  placed = {} if mesh is None else {'out_shardings': NamedSharding(mesh, P())}
+  return jax.jit(init, **placed)(experiment.init_key(config),
+                                 experiment.initial_variables(config))
 
 
 # Jitted steps by config: tracing and lowering one costs seconds even when

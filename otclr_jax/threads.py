@@ -1,9 +1,7 @@
 """How many threads a host computation (BLAS, OpenMP) may use.
 
 OpenBLAS's and OpenMP's threads spin while they wait for one another, so one
-on a busy core stalls the rest: on 2 cores beside another busy process the
-digits probe took 35.7-70.3 s with two threads and 6.0-6.6 s with one, and a
-1,000-point t-SNE 24.6 s with two and 4.0 s with one.
+on a busy core stalls the rest (docs/results.md times the digits probe).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import glob
 import json
@@ -11,12 +10,12 @@ import math
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 
@@ -35,6 +34,7 @@ _FINITE = 'state_finite'
 # Logged by the kNN monitor (otclr_jax/evaluation/monitor.py) on its steps.
 MONITOR_METRIC = 'monitor_knn_top1'
 
+
 class DivergedError(FloatingPointError, cli.DivergedRunError):
   """The loss, a gradient or the training state became non-finite."""
 
@@ -45,34 +45,28 @@ _CONSOLE_METRICS = (('loss', 'loss'), ('top1', 'top1'),
 
 
 class MetricLogger:
-  """Console progress line, TensorBoard events and `metrics.jsonl` (process 0)."""
+  """Console progress line, TensorBoard events and `metrics.jsonl`."""
 
   def __init__(self, workdir: str, total_steps: int, start_step: int,
                steps_per_epoch: int, batch_size: int):
     self.total_steps = total_steps
     self.steps_per_epoch = steps_per_epoch
     self.batch_size = batch_size
-    self.enabled = jax.process_index() == 0
-    self.workdir = workdir
     self.path = os.path.join(workdir, rundir.METRICS_FILE)
-    self._tb = None
-    if self.enabled:
-      self._truncate_after(start_step)
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      # TensorBoard drops the events past the restored step, as above.
-      self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR),
-                               purge_step=start_step + 1)
+    if os.path.exists(self.path):
+      # Steps past the restored one are about to be redone.
+      kept = [r for r in rundir.read_metrics(workdir)
+              if r['step'] <= start_step]
+      fileio.write_text(self.path,
+                        ''.join(json.dumps(r) + '\n' for r in kept))
+    # pylint: disable-next=g-import-not-at-top
+    from tensorboardX import SummaryWriter
+    # TensorBoard drops the events past the restored step, as above.
+    self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR),
+                             purge_step=start_step + 1)
     self._t0 = time.perf_counter()
     self._last_time, self._last_step = self._t0, start_step
     self._start_step = start_step
-
-  def _truncate_after(self, step: int) -> None:
-    # Steps past the restored one are about to be redone.
-    if not os.path.exists(self.path):
-      return
-    kept = [r for r in rundir.read_metrics(self.workdir) if r['step'] <= step]
-    fileio.write_text(self.path,
-                      ''.join(json.dumps(r) + '\n' for r in kept))
 
   def write(self, step: int, metrics: dict[str, float], steps: int) -> None:
     """Logs the means of `metrics` over the last `steps` steps.
@@ -88,8 +82,6 @@ class MetricLogger:
     eta = (self.total_steps - step) / done if done > 0 else float('nan')
     record = {'step': step, 'epoch': step / self.steps_per_epoch,
               **metrics, 'images_per_sec': rate, 'steps_averaged': steps}
-    if not self.enabled:
-      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(record) + '\n')
     for name, value in record.items():
@@ -107,42 +99,28 @@ class MetricLogger:
                  eta_text)
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    self._tb.close()
 
 
-# Bytes of a lock message process 0 shares with the others.
-_MESSAGE_BYTES = 1024
-
-
-def any_process(flag: bool) -> bool:
+def _any_process(flag: bool) -> bool:
   """Whether `flag` is set on any process; every process must call it."""
-  if jax.process_count() == 1:
-    return flag
   flags_ = multihost_utils.process_allgather(np.asarray([flag], np.int32))
   return bool(np.max(flags_))
 
 
-def _share_text(text: str) -> str:
-  """Process 0's `text` (at most `_MESSAGE_BYTES` bytes) on every process."""
-  buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
-  encoded = text.encode()[:_MESSAGE_BYTES]
+def _share_text(text: str, size: int = 1024) -> str:
+  """Process 0's `text` (its first `size` bytes) on every process."""
+  buffer = np.zeros(size, np.uint8)
+  encoded = text.encode()[:size]
   buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
   shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
   return shared.tobytes().rstrip(b'\0').decode(errors='replace')
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: str) -> Iterator[None]:
-  """The run's lock on `workdir`, taken by process 0 for all processes.
-
-  Raises:
-    cli.WorkdirLockedError: on every process if process 0 could not.
-  """
-  if jax.process_count() == 1:
-    with rundir.lock(workdir):
-      yield
-    return
+def _workdir_lock(workdir: str) -> Iterator[None]:
+  """The run's lock on `workdir`, taken by process 0 for all processes; each
+  raises cli.WorkdirLockedError if process 0 could not take it."""
   with contextlib.ExitStack() as stack:
     error = None
     if jax.process_index() == 0:
@@ -159,68 +137,56 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     yield
 
 
-def _newest_checkpoint_text(ckpt: checkpoint.Checkpointer,
-                            config: ml_collections.ConfigDict) -> str:
-  ckpt.wait()  # an in-flight save of an earlier, finite step counts
-  latest = ckpt.latest_step()
-  if latest is None:
-    return ('No checkpoint was saved yet (the first is due at step '
-            f'{config.checkpoint_every_steps}, config.checkpoint_every_steps).')
-  return (f'The newest checkpoint, step {latest} in {ckpt.directory}, is '
-          'finite (no non-finite state is ever saved).')
+def _non_finite(finite) -> str | None:
+  """'non-finite <parts>' for the false entries of `step.state_finite`."""
+  bad = [part for part, ok in zip(step_lib.STATE_PARTS, finite) if not ok]
+  return f'non-finite {", ".join(bad)}' if bad else None
+
+
+def _state_problem(state: step_lib.TrainState) -> str | None:
+  """Why a restored state cannot be resumed from (None if it can)."""
+  return _non_finite(jax.device_get(jax.jit(step_lib.state_finite)(state)))
 
 
 def _check_finite(records, ckpt: checkpoint.Checkpointer,
                   config: ml_collections.ConfigDict) -> None:
   """Raises DivergedError at the first non-finite `(step, metrics, finite)`."""
   for step, metrics, finite in records:
-    bad_state = [part for part, ok in zip(step_lib.STATE_PARTS, finite)
-                 if not ok]
+    bad_state = _non_finite(finite)
     if (math.isfinite(metrics['loss']) and math.isfinite(metrics['grad_norm'])
         and not bad_state):
       continue
-    what = (f'non-finite {", ".join(bad_state)} after the update'
-            if bad_state else 'non-finite loss or gradient')
+    ckpt.wait()  # an in-flight save of an earlier, finite step counts
+    latest = ckpt.latest_step()
+    newest = ('No checkpoint was saved yet (the first is due at step '
+              f'{config.checkpoint_every_steps}, '
+              'config.checkpoint_every_steps).' if latest is None else
+              f'The newest checkpoint, step {latest} in {ckpt.directory}, '
+              'is finite (no non-finite state is ever saved).')
+    what = (f'{bad_state} after the update' if bad_state
+            else 'non-finite loss or gradient')
     raise DivergedError(
         f'Diverged at step {step}: {what} (loss {metrics["loss"]:.4g}, '
-        f'grad_norm {metrics["grad_norm"]:.4g}); stopping. '
-        f'{_newest_checkpoint_text(ckpt, config)} Lower '
+        f'grad_norm {metrics["grad_norm"]:.4g}); stopping. {newest} Lower '
         'config.optim.base_lr or lengthen config.optim.warmup_epochs.')
 
 
-def _state_problem(state: step_lib.TrainState) -> str | None:
-  """Why a restored state cannot be resumed from (None if it can)."""
-  finite = np.asarray(jax.device_get(jax.jit(step_lib.state_finite)(state)))
-  bad = [part for part, ok in zip(step_lib.STATE_PARTS, finite) if not ok]
-  return f'non-finite {", ".join(bad)}' if bad else None
-
-
-def stored_run_config(workdir: str) -> dict[str, Any] | None:
-  """The config a resume must match (config.json or a checkpoint's), or None.
+def _stored_config(config: ml_collections.ConfigDict,
+                   workdir: str) -> dict[str, Any] | None:
+  """The stored config a resume must match, or None: the run starts afresh.
 
   Raises:
-    ConfigError: the workdir has checkpoints but no config anywhere.
+    ConfigError: a result-changing setting differs from the stored run's
+      (each named, stored -> new), or checkpoints whose config is unknown.
     rundir.CorruptFileError: config.json is not a JSON object.
   """
-  if not checkpoint.has_checkpoint(workdir):
+  if rundir.latest_checkpoint_step(workdir) is None:
     if rundir.read_config(workdir) is not None:
       # E.g. it diverged before its first checkpoint.
       logging.info('%s has no checkpoint: starting afresh; this config '
                    'replaces its %s.', workdir, rundir.CONFIG_FILE)
     return None
-  # Checkpoints exist: a config is found, or run_config raises.
-  return experiment.run_config(workdir)[0]
-
-
-def check_resume(stored: dict[str, Any] | None,
-                 config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuses a config whose result-changing settings differ from `stored`.
-
-  Raises:
-    ConfigError: naming each differing field with its stored and new value.
-  """
-  if stored is None:
-    return
+  stored = experiment.run_config(workdir)[0]
   new = config.to_dict()
   names = rundir.result_changing_diff(stored, new)
   if names:
@@ -229,19 +195,17 @@ def check_resume(stored: dict[str, Any] | None,
         f'would mix two runs. Differences (stored -> '
         f'new): {rundir.describe_diff(stored, new, names)}. Use another '
         '--workdir, or rerun with the stored values.')
+  return stored
 
 
-def check_total(stored: dict[str, Any] | None, total: int,
-                steps_per_epoch: int, workdir: str) -> None:
+def _check_total(stored: dict[str, Any], total: int, steps_per_epoch: int,
+                 workdir: str) -> None:
   """Refuses a resume of another length: another length is another run.
 
   A stretched or cut schedule would be neither run, while config.json and
   the checkpoints would record the new length only.
-
-  Raises:
-    ConfigError: the resolved total differs from the stored one.
   """
-  if stored is None or not {'total_steps', 'num_epochs'} <= stored.keys():
+  if not {'total_steps', 'num_epochs'} <= stored.keys():
     return
   old = optim.run_steps(stored['total_steps'], stored['num_epochs'],
                         steps_per_epoch)
@@ -253,23 +217,8 @@ def check_total(stored: dict[str, Any] | None, total: int,
         'total); use another --workdir.')
 
 
-def data_identity(config: ml_collections.ConfigDict,
-                  split: data.Split) -> dict[str, Any]:
-  """The run's dataset, source digest, image count and class count."""
-  return {'dataset': config.dataset, 'images': int(len(split.images)),
-          'classes': int(split.num_classes),
-          'source': data.describe_source(config.dataset, 'train')}
-
-
-def check_data(workdir: str, now: dict[str, Any], resuming: bool) -> None:
-  """Refuses to resume on other data than the run began on (`rundir.DATA_FILE`).
-
-  Raises:
-    ConfigError: the stored data identity differs (what changed is named).
-    rundir.CorruptFileError: the stored file is torn.
-  """
-  if not resuming:
-    return
+def _check_data(workdir: str, now: dict[str, Any]) -> None:
+  """Refuses to resume on other data than the run began on (data.json)."""
   path = os.path.join(workdir, rundir.DATA_FILE)
   stored = rundir.read_json_file(path)
   if stored is None:
@@ -277,15 +226,13 @@ def check_data(workdir: str, now: dict[str, Any], resuming: bool) -> None:
                     'its data cannot be compared; recording this data.',
                     workdir, rundir.DATA_FILE)
     return
-  stored = json.loads(json.dumps(stored))
   now = json.loads(json.dumps(now))
-  changes = [f'{stored.get(k)} -> {now.get(k)} {k}' for k in ('images',
-                                                              'classes')
-             if stored.get(k) != now.get(k)]
-  if stored.get('dataset') != now.get('dataset'):
+  changes = [f'{stored.get(k)} -> {now[k]} {k}' for k in ('images', 'classes')
+             if stored.get(k) != now[k]]
+  if stored.get('dataset') != now['dataset']:
     changes.insert(0, f'dataset {stored.get("dataset")!r} -> '
-                   f'{now.get("dataset")!r}')
-  if stored.get('source') != now.get('source'):
+                   f'{now["dataset"]!r}')
+  if stored.get('source') != now['source']:
     changes.append('the source files changed (digest of '
                    f'{(stored.get("source") or {}).get("kind", "source")} '
                    'differs)')
@@ -296,21 +243,16 @@ def check_data(workdir: str, now: dict[str, Any], resuming: bool) -> None:
         'trained on, or start the run in another --workdir.')
 
 
-@dataclasses.dataclass
-class RunResult:
-  """What `train` returns.
-
-  Attributes:
-    state: the final TrainState.
-    status: 'finished', or 'stopped' (a signal or stop_after_steps).
-  """
+class RunResult(NamedTuple):
+  """What `train` returns: the final TrainState, and its status: 'finished',
+  or 'stopped' (a signal or stop_after_steps)."""
   state: step_lib.TrainState
   status: str
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, *,
           stop_after_steps: int | None = None,
-          mesh: Mesh | None = None, make_monitor=None) -> RunResult:
+          make_monitor=None) -> RunResult:
   """Pretrains, resuming from the newest finite checkpoint in `workdir`.
 
   Args:
@@ -319,24 +261,20 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
     workdir: the run directory (docs/operations.md, "A run directory").
     stop_after_steps: stop, checkpointed, after this many steps of this
       invocation; None runs to the end.
-    mesh: device mesh with a 'data' axis; default all devices.
     make_monitor: `(config, model, train_split) -> callable(state) -> float`,
       the kNN monitor (handed in: training does not import evaluation).
-
-  Returns:
-    A RunResult.
 
   Raises:
     ConfigError: a bad config field, or one that conflicts with the run.
     cli.WorkdirLockedError: another process is training in `workdir`.
     DivergedError: non-finite loss, gradient or state (status 'diverged').
   """
-  if experiment.monitor_enabled(config) and make_monitor is None:
+  if config.monitor.every_steps > 0 and make_monitor is None:
     logging.warning(
         'config.monitor.every_steps=%d but no make_monitor was given: no kNN '
         'monitor in this run (`python -m otclr_jax.main` passes '
         '`main.make_monitor`).', config.monitor.every_steps)
-  mesh = experiment.make_mesh() if mesh is None else mesh
+  mesh = experiment.make_mesh()
   if config.batch_size % mesh.size:
     raise experiment.ConfigError(
         f'config.batch_size {config.batch_size} must be divisible by the '
@@ -350,9 +288,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
   signals = (cli.stop_on_signals()
              if threading.current_thread() is threading.main_thread()
              else contextlib.nullcontext())
-  with workdir_lock(workdir), signals:
-    stored = stored_run_config(workdir)
-    check_resume(stored, config, workdir)
+  with _workdir_lock(workdir), signals:
+    stored = _stored_config(config, workdir)
     progress = {'step': 0, 'total': 0, 'started': False}
     try:
       result = _train(config, workdir, stored, progress, stop_after_steps,
@@ -385,8 +322,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _export_encoder(config: ml_collections.ConfigDict, workdir: str,
-                    state: step_lib.TrainState) -> str:
-  """Writes the encoder to workdir/encoder/encoder.msgpack; returns the path."""
+                    state: step_lib.TrainState) -> None:
+  """Writes the encoder to workdir/encoder/encoder.msgpack."""
   path = export.encoder_path(workdir)
   # A killed export's leftovers: only the run's lock holder writes here.
   for stale in glob.glob(f'{glob.escape(path)}.*.tmp'):
@@ -395,7 +332,6 @@ def _export_encoder(config: ml_collections.ConfigDict, workdir: str,
       path, {'params': state.params['net'], 'batch_stats': state.batch_stats},
       config, step=int(state.step))
   logging.info('Encoder exported to %s', path)
-  return path
 
 
 def _train(config, workdir, stored, progress, stop_after_steps, mesh,
@@ -407,9 +343,13 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   spe = data.steps_per_epoch(len(train_data.images), config.batch_size,
                              f'{config.dataset}/train')
   total = optim.run_steps(config.total_steps, config.num_epochs, spe)
-  check_total(stored, total, spe, workdir)
-  trained_on = data_identity(config, train_data)
-  check_data(workdir, trained_on, resuming=stored is not None)
+  trained_on = {'dataset': config.dataset,
+                'images': int(len(train_data.images)),
+                'classes': int(train_data.num_classes),
+                'source': data.describe_source(config.dataset, 'train')}
+  if stored is not None:
+    _check_total(stored, total, spe, workdir)
+    _check_data(workdir, trained_on)
   if main:
     # Read before config.json and status.json are written: a damaged line
     # refuses the run and leaves the directory as it was.
@@ -422,37 +362,13 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
 
   run_config = config.to_dict()
   ckpt = checkpoint.Checkpointer(workdir, config.keep_checkpoints)
-  try:
-    state, restored = ckpt.restore_newest(state, _state_problem)
-  except BaseException:
-    ckpt.close()
-    raise
-  if restored is not None:
-    logging.info('Resumed from step %d in %s', restored, workdir)
-  start = int(state.step)
-  if main:
-    rundir.write_config(workdir, config.to_dict())
-    rundir.write_json(os.path.join(workdir, rundir.DATA_FILE), trained_on)
-    rundir.write_status(workdir, 'running', start, total)
-  progress.update(step=start, total=total, started=True)
-  logging.info(
-      '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
-      'batch %d over %d device(s); %.2fM pretraining parameters (network and '
-      'its targets).', run.recipe.title, run.method.name, run.recipe.views, config.dataset,
-      len(train_data.images), spe, total, config.batch_size, mesh.size,
-      step_lib.pretraining_params(state) / 1e6)
-
-  batches: Iterator[np.ndarray] = data.train_batches(
-      train_data.images, config.batch_size, config.seed, start_step=start)
-  logger = None
+  batches = logger = knn_monitor = None
   pending: list[tuple[int, dict[str, jax.Array]]] = []
   window: list[dict[str, float]] = []
 
   def flush() -> None:
-    records = []
-    for s, m in jax.device_get(pending):
-      finite = np.asarray(m.pop(_FINITE))
-      records.append((s, {k: float(v) for k, v in m.items()}, finite))
+    records = [(s, {k: float(v) for k, v in m.items() if k != _FINITE},
+                m[_FINITE]) for s, m in jax.device_get(pending)]
     pending.clear()
     _check_finite(records, ckpt, config)
     window.extend(m for _, m, _ in records)
@@ -460,15 +376,15 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
   def log(step: int) -> None:
     flush()
     if window:
-      means = {}
-      for key in window[0]:
-        values = [m[key] for m in window if not math.isnan(m[key])]
-        if values:  # diagnostics evaluated on logging steps only
-          means[key] = float(np.mean(values))
+      # Diagnostics evaluated on logging steps only are NaN on the others.
+      kept = {k: [m[k] for m in window if not math.isnan(m[k])]
+              for k in window[0]}
+      means = {k: float(np.mean(v)) for k, v in kept.items() if v}
       if knn_monitor is not None and step % config.monitor.every_steps == 0:
         # After flush(): the state it reads is known to be finite.
         means[MONITOR_METRIC] = knn_monitor(state)
-      logger.write(step, means, len(window))
+      if logger is not None:  # process 0 only
+        logger.write(step, means, len(window))
       window.clear()
 
   def save(step: int) -> None:
@@ -477,15 +393,31 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
     if main:
       rundir.write_status(workdir, 'running', step, total)
 
-  step = start
-  knn_monitor = None
   # Processes may see a signal at different steps: they agree when logging.
   several = jax.process_count() > 1
   agreed_stop = False
   try:
-    if experiment.monitor_enabled(config) and make_monitor is not None:
+    state, restored = ckpt.restore_newest(state, _state_problem)
+    if restored is not None:
+      logging.info('Resumed from step %d in %s', restored, workdir)
+    step = start = int(state.step)
+    if main:
+      rundir.write_config(workdir, run_config)
+      rundir.write_json(os.path.join(workdir, rundir.DATA_FILE), trained_on)
+      rundir.write_status(workdir, 'running', start, total)
+    progress.update(step=start, total=total, started=True)
+    logging.info(
+        '%s (method %s, views %s) on %s: %d images, %d steps/epoch, %d steps, '
+        'batch %d over %d device(s); %.2fM pretraining parameters (network '
+        'and its targets).', run.recipe.title, run.method.name,
+        run.recipe.views, config.dataset, len(train_data.images), spe, total,
+        config.batch_size, mesh.size, step_lib.pretraining_params(state) / 1e6)
+    batches = data.train_batches(train_data.images, config.batch_size,
+                                 config.seed, start_step=start)
+    if config.monitor.every_steps > 0 and make_monitor is not None:
       knn_monitor = make_monitor(config, run.model, train_data)
-    logger = MetricLogger(workdir, total, start, spe, config.batch_size)
+    if main:
+      logger = MetricLogger(workdir, total, start, spe, config.batch_size)
     with cli.StopFlag() as stop:
       while step < total:
         stopping = agreed_stop if several else stop.signal is not None
@@ -500,7 +432,7 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
         if step % config.log_every_steps == 0 or step == total:
           log(step)
           if several:
-            agreed_stop = any_process(stop.signal is not None)
+            agreed_stop = _any_process(stop.signal is not None)
         if step % config.checkpoint_every_steps == 0:
           save(step)
       log(step)
@@ -510,20 +442,18 @@ def _train(config, workdir, stored, progress, stop_after_steps, mesh,
         logging.info('Stopped at step %d of %d; rerun the same command to '
                      'resume.', step, total)
   except BaseException:
-    _close_quietly(ckpt, logger, batches)
+    _close(ckpt, logger, batches)
     raise
-  _close_quietly(ckpt, logger, batches, quiet=False)
+  _close(ckpt, logger, batches, quiet=False)
   return RunResult(state, 'finished' if step >= total else 'stopped')
 
 
-def _close_quietly(ckpt, logger, batches, quiet: bool = True) -> None:
-  """Closes the writers; `quiet` logs their errors (not to bury the first)."""
-  close = getattr(batches, 'close', None)
-  for closer in (ckpt.close, logger.close if logger else None, close):
-    if closer is None:
-      continue
+def _close(*closables, quiet: bool = True) -> None:
+  """Closes the non-None `closables`; `quiet` logs their errors (not to bury
+  the first)."""
+  for closable in (c for c in closables if c is not None):
     try:
-      closer()
+      closable.close()
     except Exception as e:  # pylint: disable=broad-except
       if not quiet:
         raise
