@@ -19,9 +19,9 @@ def _check_positive_scalar(name: str, value) -> None:
     raise ValueError(f'{name} must be > 0, got {value}.')
 
 
-def l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
-  """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
-  sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
+def l2_normalise(z: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
+  """`z` scaled to unit norm along `axis` (an all-zero vector stays zero)."""
+  sq_norm = jnp.sum(jnp.square(z), axis=axis, keepdims=True)
   return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
 
 

@@ -4,6 +4,7 @@ torchvision's layout, symmetric padding and BatchNorm settings; computations
 run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -15,14 +16,26 @@ STEMS = ('imagenet', 'cifar')
 # BasicBlocks per stage: ResNet-18's; (3, 4, 6, 3) is ResNet-34's.
 RESNET18 = (2, 2, 2, 2)
 
-# He-normal with fan-out, as torchvision initialises ResNet convolutions.
-_conv_init = nn.initializers.variance_scaling(2.0, 'fan_out', 'normal')
+
+def _conv(features: int, kernel: int, stride: int, dtype: Any, conv_impl: str,
+          name: str) -> nn.Conv:
+  """A bias-free k x k convolution padded by k // 2 on every side."""
+  pad = kernel // 2
+  return nn.Conv(
+      features, (kernel, kernel), strides=(stride, stride),
+      padding=((pad, pad), (pad, pad)), use_bias=False,
+      # He-normal with fan-out, as torchvision initialises ResNet convolutions.
+      kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
+      dtype=dtype, param_dtype=jnp.float32,
+      conv_general_dilated=conv_lib.conv_function(conv_impl), name=name)
 
 
-def _check_images(x: jnp.ndarray) -> None:
-  if x.ndim != 4:
-    raise ValueError(
-        f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
+def batch_norm(train: bool, dtype: Any, name: str,
+               scale_init=nn.initializers.ones) -> nn.BatchNorm:
+  """torchvision's BatchNorm (momentum 0.1, eps 1e-5), parameters float32."""
+  return nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                      epsilon=1e-5, scale_init=scale_init, dtype=dtype,
+                      param_dtype=jnp.float32, name=name)
 
 
 class BasicBlock(nn.Module):
@@ -52,26 +65,17 @@ class BasicBlock(nn.Module):
     Returns:
       Activations [B, H / strides, W / strides, features].
     """
-    conv = lambda f, k, s, p, name: nn.Conv(
-        f, (k, k), strides=(s, s), padding=((p, p), (p, p)), use_bias=False,
-        kernel_init=_conv_init, dtype=self.dtype, param_dtype=jnp.float32,
-        conv_general_dilated=conv_lib.conv_function(self.conv_impl),
-        name=name)
-    norm = lambda name, scale_init=nn.initializers.ones: nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, epsilon=1e-5,
-        scale_init=scale_init, dtype=self.dtype, param_dtype=jnp.float32,
-        name=name)
-
+    conv = lambda k, s, name: _conv(self.features, k, s, self.dtype,
+                                    self.conv_impl, name)
+    norm = functools.partial(batch_norm, train, self.dtype)
     residual = x
-    y = conv(self.features, 3, self.strides, 1, 'conv1')(x)
-    y = nn.relu(norm('bn1')(y))
-    y = conv(self.features, 3, 1, 1, 'conv2')(y)
-    last_scale_init = (nn.initializers.zeros if self.zero_init_residual
-                       else nn.initializers.ones)
-    y = norm('bn2', last_scale_init)(y)
+    y = nn.relu(norm('bn1')(conv(3, self.strides, 'conv1')(x)))
+    y = conv(3, 1, 'conv2')(y)
+    y = norm('bn2', nn.initializers.zeros if self.zero_init_residual
+             else nn.initializers.ones)(y)
     if self.strides != 1 or x.shape[-1] != self.features:
-      residual = conv(self.features, 1, self.strides, 0, 'shortcut_conv')(x)
-      residual = norm('shortcut_bn')(residual)
+      residual = norm('shortcut_bn')(
+          conv(1, self.strides, 'shortcut_conv')(x))
     return nn.relu(y + residual)
 
 
@@ -112,22 +116,13 @@ class ResNet(nn.Module):
     Returns:
       Globally average-pooled features [B, 512], float32.
     """
-    _check_images(x)
-    x = x.astype(self.dtype)
-    if self.stem == 'imagenet':
-      kernel, stride, pad = 7, 2, 3
-    else:
-      kernel, stride, pad = 3, 1, 1
-    x = nn.Conv(64, (kernel, kernel), strides=(stride, stride),
-                padding=((pad, pad), (pad, pad)), use_bias=False,
-                kernel_init=_conv_init, dtype=self.dtype,
-                param_dtype=jnp.float32,
-                conv_general_dilated=conv_lib.conv_function(self.conv_impl),
-                name='stem_conv')(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, param_dtype=jnp.float32,
-                     name='stem_bn')(x)
-    x = nn.relu(x)
+    if x.ndim != 4:
+      raise ValueError(
+          f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
+    kernel, stride = (7, 2) if self.stem == 'imagenet' else (3, 1)
+    x = _conv(64, kernel, stride, self.dtype, self.conv_impl, 'stem_conv')(
+        x.astype(self.dtype))
+    x = nn.relu(batch_norm(train, self.dtype, 'stem_bn')(x))
     if self.stem == 'imagenet':
       x = conv_lib.max_pool_function(self.conv_impl)(x, (3, 3), (2, 2),
                                             ((1, 1), (1, 1)))
@@ -171,9 +166,7 @@ class ProjectionHead(nn.Module):
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
     y = nn.Dense(self.hidden_dim, use_bias=False, dtype=self.dtype,
                  param_dtype=jnp.float32, name='hidden')(h)
-    y = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, param_dtype=jnp.float32, name='bn')(y)
-    y = nn.relu(y)
+    y = nn.relu(batch_norm(train, self.dtype, 'bn')(y))
     y = nn.Dense(self.out_dim, dtype=self.dtype, param_dtype=jnp.float32,
                  name='out')(y)
     return y.astype(jnp.float32)

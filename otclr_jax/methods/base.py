@@ -92,10 +92,7 @@ def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
 
   Args:
     model: a network returning a tuple of [B, ...] arrays.
-    params: its parameters.
-    batch_stats: its BatchNorm statistics.
-    v1: first views [B, H, W, 3].
-    v2: second views [B, H, W, 3].
+    v1, v2: the two view batches [B, H, W, 3].
 
   Returns:
     `(outputs, batch_stats)`: outputs [view 1; view 2] ([2B, ...] each) and
@@ -112,16 +109,7 @@ def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
 
 
 def ema(target, online, tau: jax.Array | float):
-  """Exponential moving average ``tau * target + (1 - tau) * online``, leafwise.
-
-  Args:
-    target: pytree of float arrays (the slow copy).
-    online: pytree of the same structure (the trained copy).
-    tau: momentum in [0, 1]; 1 keeps the target.
-
-  Returns:
-    The updated target pytree.
-  """
+  """``tau * target + (1 - tau) * online`` per leaf; tau = 1 keeps `target`."""
   return jax.tree_util.tree_map(
       lambda t, o: tau * t + (1.0 - tau) * o, target, online)
 
@@ -134,10 +122,8 @@ def cosine_momentum(step: jax.Array | int, total_steps: int, base: float,
   section 3.2; solo-learn ``solo/utils/momentum.py``).
 
   Args:
-    step: updates done (int, may be traced).
+    step: updates done k (int, may be traced).
     total_steps: K > 0.
-    base: momentum at step 0.
-    final: momentum at step K.
 
   Returns:
     float32 scalar.
@@ -152,16 +138,8 @@ WARN_INIT_SHARE = 0.1
 
 
 def init_share(base: float, final: float, total_steps: int) -> float:
-  """Share of a target's initial value left after the run's EMA updates.
-
-  Args:
-    base: momentum at step 0.
-    final: momentum at step K.
-    total_steps: K.
-
-  Returns:
-    ``prod_{k=0}^{K-1} tau(k)`` in [0, 1], computed in float64.
-  """
+  """``prod_{k<K} tau(k)`` (float64): the share of a target's initial value
+  left after K = `total_steps` EMA updates of `cosine_momentum`."""
   k = np.arange(total_steps, dtype=np.float64)
   tau = final - (final - base) * (np.cos(np.pi * k / max(total_steps, 1))
                                   + 1.0) / 2.0
@@ -173,14 +151,7 @@ def horizon_base_tau(base: float, final: float, total_steps: int,
                      max_init_share: float) -> float:
   """The largest start momentum <= `base` leaving <= `max_init_share` (BYOL).
 
-  Args:
-    base: the configured momentum at step 0.
-    final: momentum at the last step.
-    total_steps: K.
-    max_init_share: in (0, 1]; 1 keeps `base`.
-
-  Returns:
-    float, `base` when it already meets the share.
+  `base` itself when it meets the share; `max_init_share` lies in (0, 1].
   """
   if init_share(base, final, total_steps) <= max_init_share:
     return float(base)
@@ -265,15 +236,11 @@ BLOCK_RULES = (
 )
 
 
-def dtype_of(config: ml_collections.ConfigDict):
-  if config.dtype not in DTYPES:
-    raise ValueError(f'config.dtype must be one of {tuple(DTYPES)}, got '
-                     f'{config.dtype!r}.')
-  return DTYPES[config.dtype]
-
-
 def encoder(config: ml_collections.ConfigDict) -> models.ResNet:
-  """The run's ResNet (`config.model`), computing in `config.dtype`."""
+  """The run's ResNet (`config.model`), computing in `config.dtype`.
+
+  `experiment.validate_config` has checked `config.dtype` against `DTYPES`.
+  """
   return models.ResNet(
       stage_sizes=config.model.stage_sizes, stem=config.model.stem,
-      dtype=dtype_of(config), conv_impl=config.model.conv_impl)
+      dtype=DTYPES[config.dtype], conv_impl=config.model.conv_impl)

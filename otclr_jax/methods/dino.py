@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax.methods import base
 
@@ -64,20 +65,16 @@ class DINOHead(nn.Module):
     def hidden(y, name):
       y = dense(self.hidden_dim, name)(y)
       if self.use_bn:
-        y = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                         epsilon=1e-5, dtype=self.dtype,
-                         param_dtype=jnp.float32, name=f'{name}_bn')(y)
+        y = models.batch_norm(train, self.dtype, f'{name}_bn')(y)
       return nn.gelu(y, approximate=False)
     y = hidden(hidden(h, 'hidden1'), 'hidden2')
     y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
-    u = y * jax.lax.rsqrt(
-        jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
+    u = losses.l2_normalise(y)
     # torch.nn.Linear's default init, as DINO (created after its trunc-normal).
     v = self.param('prototypes',
                    nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform'),
                    (self.bottleneck_dim, self.num_prototypes), jnp.float32)
-    w = v * jax.lax.rsqrt(
-        jnp.maximum(jnp.sum(jnp.square(v), 0, keepdims=True), 1e-24))
+    w = losses.l2_normalise(v, axis=0)
     logits = jnp.dot(u.astype(self.dtype), w.astype(self.dtype))
     return y, logits.astype(jnp.float32)
 

@@ -36,10 +36,6 @@ def default_config() -> ml_collections.ConfigDict:
   return config
 
 
-def create_model(config: ml_collections.ConfigDict):
-  return simclr.create_model(config)
-
-
 def infonce(q: jax.Array, k: jax.Array, queue: jax.Array,
             temperature: float) -> tuple[jax.Array, jax.Array]:
   """MoCo's InfoNCE: each query against its key and the queued negatives.
@@ -122,7 +118,7 @@ post_update = base.ema_targets('moco')
 
 
 METHOD = base.Method(
-    name='moco', title='MoCo', create_model=create_model,
+    name='moco', title='MoCo', create_model=simclr.create_model,
     init_extra=init_extra, loss=loss, post_update=post_update,
     default_config=default_config, network=models.SimCLRNet,
     embed=simclr.embed)
