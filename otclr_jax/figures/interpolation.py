@@ -28,8 +28,6 @@ def load_image(path: str | None, size: int) -> np.ndarray:
   Returns:
     float32 [size, size, 3] RGB in [0, 1].
   """
-  if size < 2:
-    raise ValueError(f'size must be >= 2 pixels, got {size}.')
   if path is None:
     image = Image.fromarray(datasets.load_sample_image(DEFAULT_SAMPLE_IMAGE))
   else:
@@ -57,12 +55,8 @@ def strong_view(image: np.ndarray, seed: int, kind: str = 'geometric'
   Returns:
     [H, W, 3] float32 in [0, 1].
   """
-  if kind == 'geometric':
-    overrides = dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
-  elif kind == 'simclr':
-    overrides = {}
-  else:
-    raise ValueError(f"kind must be 'geometric' or 'simclr', got {kind!r}.")
+  overrides = (dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
+               if kind == 'geometric' else {})
   out = augment.simclr_augment(jax.random.key(seed), jnp.asarray(image)[None],
                                **overrides)
   return np.asarray(out[0])
@@ -84,13 +78,7 @@ def interpolation_rows(x: np.ndarray, x_strong: np.ndarray,
   """
   x = jnp.asarray(x, jnp.float32)
   x_strong = jnp.asarray(x_strong, jnp.float32)
-  if x.ndim != 3 or x.shape != x_strong.shape:
-    raise ValueError(
-        f'x and x_strong must be [H, W, C] of equal shape, got {x.shape} and '
-        f'{x_strong.shape}.')
   alphas = jnp.asarray(alphas, jnp.float32)
-  if alphas.ndim != 1 or alphas.size == 0:
-    raise ValueError(f'alphas must be a non-empty list, got {alphas}.')
   linear = ((1.0 - alphas[:, None, None, None]) * x
             + alphas[:, None, None, None] * x_strong)
   displaced = jax.vmap(
@@ -140,6 +128,8 @@ def draw(out: str | os.PathLike[str], *, image: str | None = None,
     strong: 'geometric' (the default: only OT can move objects) or 'simclr'.
   """
   out = common.png_path(out)
+  if not alphas:
+    raise ValueError('alphas must be a non-empty list, got [].')
   if not all(0.0 <= a <= 1.0 for a in alphas):
     raise ValueError(f'--alphas must lie in [0, 1], got {list(alphas)}.')
   if not 2 <= grid_size <= size:

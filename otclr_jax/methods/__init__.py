@@ -28,9 +28,9 @@ def get(name: str) -> base.Method:
 
 
 def for_model(model) -> base.Method:
-  """The first registered method whose online network class `model` is."""
+  """The first registered method whose online network's class is `model`'s."""
   for method in _REGISTRY.values():
-    if isinstance(model, method.network):
+    if type(model) is method.network:  # pylint: disable=unidiomatic-typecheck
       return method
   raise ValueError(f'No method builds a {type(model).__name__}.')
 

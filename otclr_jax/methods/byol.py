@@ -24,19 +24,15 @@ from otclr_jax.methods import base
 from otclr_jax.methods import simclr
 
 
-class BYOLNet(nn.Module):
-  """BYOL's online network: encoder f, projector g and predictor q.
+class BYOLNet(models.SimCLRNet):
+  """BYOL's online network: `SimCLRNet` (f, projector g) and a predictor q.
 
-  Predictor shaped as the projector (BYOL section 3.3); the ``{'encoder',
-  'head'}`` params form the target's ``SimCLRNet`` tree.
+  q is shaped as g (BYOL section 3.3); the ``{'encoder', 'head'}`` params form
+  the target's ``SimCLRNet`` tree.
 
   Attributes:
-    encoder: the ``models.ResNet`` f; g and q compute in its ``dtype`` too.
-    proj_hidden_dim: hidden width of the projector.
-    proj_dim: output dimension of the projector (and of the predictor).
     pred_hidden_dim: hidden width of the predictor.
   """
-  encoder: models.ResNet = models.ResNet()
   proj_hidden_dim: int = 4096
   proj_dim: int = 256
   pred_hidden_dim: int = 4096
@@ -44,21 +40,8 @@ class BYOLNet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Encodes, projects and predicts a batch of views.
-
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: projections [B, proj_dim], float32, not normalised.
-      p: predictions [B, proj_dim], float32, not normalised.
-    """
-    h = self.encoder(x, train)
-    z = models.ProjectionHead(hidden_dim=self.proj_hidden_dim,
-                              out_dim=self.proj_dim, dtype=self.encoder.dtype,
-                              name='head')(h, train)
+    """`SimCLRNet`'s ``(h, z)`` and predictions p [B, proj_dim], float32."""
+    h, z = super().__call__(x, train)
     p = models.ProjectionHead(hidden_dim=self.pred_hidden_dim,
                               out_dim=self.proj_dim, dtype=self.encoder.dtype,
                               name='predictor')(z, train)

@@ -80,20 +80,9 @@ class DINOHead(nn.Module):
 
 
 class DINONet(nn.Module):
-  """DINO's student (and teacher) network: ResNet encoder and DINO head.
-
-  Attributes:
-    encoder: the ``models.ResNet``; the head computes in its ``dtype`` too.
-    hidden_dim: DINOHead hidden width.
-    bottleneck_dim: DINOHead bottleneck dimension.
-    num_prototypes: DINOHead output dimension.
-    use_bn_in_head: DINOHead's ``use_bn``.
-  """
+  """DINO's student (and teacher) network: ResNet encoder and DINO head."""
   encoder: models.ResNet = models.ResNet()
-  hidden_dim: int = 2048
-  bottleneck_dim: int = 256
-  num_prototypes: int = 4096
-  use_bn_in_head: bool = False
+  head: DINOHead = DINOHead()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
@@ -110,11 +99,7 @@ class DINONet(nn.Module):
       logits: prototype scores [B, num_prototypes], float32.
     """
     h = self.encoder(x, train)
-    z, logits = DINOHead(hidden_dim=self.hidden_dim,
-                         bottleneck_dim=self.bottleneck_dim,
-                         num_prototypes=self.num_prototypes,
-                         use_bn=self.use_bn_in_head,
-                         dtype=self.encoder.dtype, name='head')(h, train)
+    z, logits = self.head(h, train)
     return h, z, logits
 
 
@@ -149,23 +134,20 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def create_model(config: ml_collections.ConfigDict) -> DINONet:
-  return DINONet(
-      encoder=base.encoder(config), hidden_dim=config.dino.hidden_dim,
-      bottleneck_dim=config.dino.bottleneck_dim,
-      num_prototypes=config.dino.num_prototypes,
-      use_bn_in_head=config.dino.use_bn_in_head)
+  encoder = base.encoder(config)
+  settings = config.dino
+  return DINONet(encoder=encoder, head=DINOHead(
+      hidden_dim=settings.hidden_dim, bottleneck_dim=settings.bottleneck_dim,
+      num_prototypes=settings.num_prototypes, use_bn=settings.use_bn_in_head,
+      dtype=encoder.dtype))
 
 
 def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
   """The head's bottleneck [N, bottleneck_dim] of features h [N, 512]."""
-  head = DINOHead(hidden_dim=model.hidden_dim,
-                  bottleneck_dim=model.bottleneck_dim,
-                  num_prototypes=model.num_prototypes,
-                  use_bn=model.use_bn_in_head, dtype=model.encoder.dtype)
   head_variables = {'params': variables['params']['head']}
-  if model.use_bn_in_head:
+  if model.head.use_bn:
     head_variables['batch_stats'] = variables['batch_stats']['head']
-  return head.apply(head_variables, h)[0]
+  return model.head.apply(head_variables, h)[0]
 
 
 def freeze_prototypes(config: ml_collections.ConfigDict, params,
