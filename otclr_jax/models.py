@@ -2,6 +2,7 @@
 
 torchvision's layout, symmetric padding and BatchNorm settings; computations
 run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
+``train=True`` uses batch statistics and updates the running averages.
 """
 
 import functools
@@ -56,15 +57,7 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Applies the block.
-
-    Args:
-      x: activations [B, H, W, C_in].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Activations [B, H / strides, W / strides, features].
-    """
+    """[B, H, W, C_in] -> [B, H / strides, W / strides, features]."""
     conv = lambda k, s, name: _conv(self.features, k, s, self.dtype,
                                     self.conv_impl, name)
     norm = functools.partial(batch_norm, train, self.dtype)
@@ -107,15 +100,7 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Computes pooled features.
-
-    Args:
-      x: images [B, H, W, C] (float, any range the input pipeline chooses).
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Globally average-pooled features [B, 512], float32.
-    """
+    """Images [B, H, W, C] (any range) -> pooled features [B, 512] float32."""
     if x.ndim != 4:
       raise ValueError(
           f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
@@ -153,15 +138,7 @@ class ProjectionHead(nn.Module):
 
   @nn.compact
   def __call__(self, h: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Projects features.
-
-    Args:
-      h: features [B, D].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Projections [B, out_dim], float32, not normalised.
-    """
+    """Features [B, D] -> projections [B, out_dim], float32, not normalised."""
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
     y = nn.Dense(self.hidden_dim, use_bias=False, dtype=self.dtype,
@@ -187,15 +164,9 @@ class SimCLRNet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray,
                train: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Encodes and projects a batch of views.
+    """Images [B, H, W, C] -> features h [B, 512], projections z [B, proj_dim].
 
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: projections [B, proj_dim], float32, not normalised.
+    Both float32; z is not normalised.
     """
     h = self.encoder(x, train)
     z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,

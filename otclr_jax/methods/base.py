@@ -44,41 +44,30 @@ class Method:
     name: the `config.method` value.
     title: the name tables print (the paper's spelling), e.g. ``'MoCo'``.
     create_model: ``config -> flax Module`` (the online network).
-    init_extra: ``(config, variables, key) -> extra`` from initial variables.
     loss: ``(config, model, params, batch_stats, extra, v1, v2, progress) ->
       (loss, metrics, batch_stats, extra)``; ``v1, v2`` [B, H, W, 3] float32,
       ``metrics`` a dict of scalars (the step adds ``'loss'``).
-    post_update: ``(config, extra, params, batch_stats, progress) -> extra``.
-    default_config: ``() -> ConfigDict`` for ``config.<name>``, or None; an
-      ``optim`` sub-block replaces ``config.optim`` (`optim.optim_settings`).
     network: the class of the online network `create_model` builds.
     embed: ``(model, variables, h [N, 512]) -> z [N, D]``, BatchNorm frozen.
+    init_extra: ``(config, variables, key) -> extra`` from initial variables;
+      by default no extra state.
+    post_update: ``(config, extra, params, batch_stats, progress) -> extra``;
+      by default `extra` unchanged.
+    default_config: ``() -> ConfigDict`` for ``config.<name>``, or None (the
+      default); an ``optim`` sub-block replaces ``config.optim``
+      (`optim.optim_settings`).
   """
   name: str
   title: str
   create_model: Callable[[ml_collections.ConfigDict], nn.Module]
-  init_extra: Callable[..., Any]
   loss: Callable[..., tuple[jax.Array, dict[str, jax.Array], Any, Any]]
-  post_update: Callable[..., Any]
-  default_config: Callable[[], Optional[ml_collections.ConfigDict]]
   network: type
   embed: Callable[..., jax.Array]
-
-
-def no_extra(config, variables, key):
-  """`init_extra` of a method without extra state."""
-  del config, variables, key
-  return {}
-
-
-def keep_extra(config, extra, params, batch_stats, progress):
-  """`post_update` of a method whose extra state does not follow the params."""
-  del config, params, batch_stats, progress
-  return extra
-
-
-def no_config() -> None:
-  return None
+  init_extra: Callable[..., Any] = lambda config, variables, key: {}
+  post_update: Callable[..., Any] = (
+      lambda config, extra, params, batch_stats, progress: extra)
+  default_config: Callable[[], Optional[ml_collections.ConfigDict]] = (
+      lambda: None)
 
 
 def copy_tree(tree):

@@ -46,15 +46,11 @@ class DINOHead(nn.Module):
   @nn.compact
   def __call__(self, h: jnp.ndarray, train: bool = False
                ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Maps features to prototype scores.
+    """Features [B, D] -> ``(y, logits)``, float32.
 
-    Args:
-      h: features [B, D].
-      train: BatchNorm (``use_bn`` only) uses batch statistics.
-
-    Returns:
-      y: bottleneck [B, bottleneck_dim], float32, before normalisation.
-      logits: prototype cosines [B, num_prototypes], float32, in [-1, 1].
+    y [B, bottleneck_dim] is the bottleneck before normalisation, logits
+    [B, num_prototypes] the prototype cosines, in [-1, 1]; `train` matters
+    only with `use_bn`.
     """
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
@@ -87,20 +83,9 @@ class DINONet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Encodes a batch of views.
-
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: head bottleneck [B, bottleneck_dim], float32, not normalised.
-      logits: prototype scores [B, num_prototypes], float32.
-    """
+    """Images [B, H, W, C] -> ``(h [B, 512],) + head(h)``, all float32."""
     h = self.encoder(x, train)
-    z, logits = self.head(h, train)
-    return h, z, logits
+    return (h, *self.head(h, train))
 
 
 def default_config() -> ml_collections.ConfigDict:
