@@ -41,11 +41,8 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
-def train_batches(images: np.ndarray,
-                  batch_size: int,
-                  seed: int,
-                  start_step: int = 0,
-                  *,
+def train_batches(images: np.ndarray, batch_size: int, seed: int,
+                  start_step: int = 0, *,
                   prefetch: int = 2) -> Iterator[np.ndarray]:
   """Endless training batches, deterministic given the seed.
 
@@ -73,8 +70,7 @@ def train_batches(images: np.ndarray,
   return batches
 
 
-def eval_batches(images: np.ndarray,
-                 batch_size: int) -> Iterator[np.ndarray]:
+def eval_batches(images: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
   """All examples once, in order, in batches of B; the last is not padded.
 
   Args:

@@ -34,11 +34,8 @@ def cache_path(name: str, split: str, image_size: int, data_dir: str) -> str:
       f'{_CACHE_VERSION}.npz')
 
 
-def load_split(name: str,
-               split: str,
-               image_size: int,
-               data_dir: str | os.PathLike[str] | None = None,
-               *,
+def load_split(name: str, split: str, image_size: int,
+               data_dir: str | os.PathLike[str] | None = None, *,
                download: bool = True) -> types.Split:
   """Loads one split as uint8 arrays, preparing and caching it on first use.
 
@@ -90,11 +87,8 @@ def load_split(name: str,
   return result
 
 
-def load_splits(name: str,
-                splits: Sequence[str],
-                image_size: int,
-                data_dir: str | os.PathLike[str] | None = None,
-                *,
+def load_splits(name: str, splits: Sequence[str], image_size: int,
+                data_dir: str | os.PathLike[str] | None = None, *,
                 download: bool = True) -> dict[str, types.Split]:
   """{split: Split} of one dataset's `splits`, checked to share one class list.
 

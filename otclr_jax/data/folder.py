@@ -78,10 +78,7 @@ def describe(root: str, tree: Tree) -> dict[str, Any]:
           'files': len(tree.files), 'digest': tree.digest}
 
 
-def prepare(root: str,
-            split: str,
-            image_size: int,
-            backend: str = 'pillow',
+def prepare(root: str, split: str, image_size: int, backend: str = 'pillow',
             tree: Tree | None = None) -> types.Split:
   """Decodes a folder split with Pillow ('pillow') or ImageFolder ('tfds').
 

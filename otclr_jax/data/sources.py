@@ -42,11 +42,6 @@ def folder_root(name: str) -> str:
 
 def dataset_key(name: str, split: str) -> str:
   """The cache key's dataset part; DataError for an unknown name or split."""
-  if not isinstance(name, str):
-    raise types.DataError(f'dataset name must be a string, got {name!r}.')
-  if not isinstance(split, str) or not split:
-    raise types.DataError(
-        f'split of {name} must be a non-empty string, got {split!r}.')
   if name.startswith(FOLDER_PREFIX):
     root = folder_root(name)
     if os.sep in split or split in ('.', '..'):

@@ -149,10 +149,8 @@ def prepare(name: str, split: str, image_size: int, data_dir: str,
                      class_names)
 
 
-def select_per_class(labels: Sequence[int] | np.ndarray,
-                     keys: Sequence[str],
-                     per_class: int,
-                     salt: str) -> np.ndarray:
+def select_per_class(labels: Sequence[int] | np.ndarray, keys: Sequence[str],
+                     per_class: int, salt: str) -> np.ndarray:
   """Per class, the `per_class` records lowest by `sha256(salt + '/' + key)`.
 
   Args:

@@ -17,7 +17,6 @@ from otclr_jax import augment
 from otclr_jax import ot
 from otclr_jax.figures import common
 
-DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Bundled with scikit-learn, so the figure needs no download.
 DEFAULT_SAMPLE_IMAGE = 'flower.jpg'
 
@@ -115,17 +114,17 @@ def plot_interpolation(linear: np.ndarray, displaced: np.ndarray,
   return fig
 
 
-def draw(out: str | os.PathLike[str], *, image: str | None = None,
-         size: int = 128, grid_size: int = 16, epsilon: float = 0.05,
-         num_iters: int = 20, alphas: Sequence[float] = DEFAULT_ALPHAS,
-         strong: str = 'geometric', seed: int = 1) -> list[str]:
+def draw(out: str | os.PathLike[str], *, image: str | None, size: int,
+         grid_size: int, epsilon: float, num_iters: int,
+         alphas: Sequence[float], strong: str, seed: int) -> list[str]:
   """Writes the figure to the PNG `out` and a PDF; returns their paths.
 
   Args:
     image, size: image file (None: scikit-learn's flower.jpg), crop side.
-    grid_size: OT grid side m, in [2, size].
+    grid_size, epsilon, num_iters: the `ot.ot_views` settings, m in [2, size].
     alphas: interpolation coefficients in [0, 1].
-    strong: 'geometric' (the default: only OT can move objects) or 'simclr'.
+    strong: 'geometric' (only OT can move objects) or 'simclr'.
+    seed: of the strong view.
   """
   out = common.png_path(out)
   if not alphas:

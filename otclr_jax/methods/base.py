@@ -209,6 +209,15 @@ def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
   return post_update
 
 
+def lars(base_lr: float, weight_decay: float,
+         clip_grad: float) -> ml_collections.ConfigDict:
+  """An ``optim`` sub-block: LARS as solo-learn's CIFAR recipes set it
+  (momentum 0.9, eta 0.02, clipped adaptive rates)."""
+  return ml_collections.ConfigDict(dict(
+      name='lars', base_lr=base_lr, momentum=0.9, weight_decay=weight_decay,
+      eta=0.02, clip_lr=True, clip_grad=clip_grad))
+
+
 # The rules of the method blocks' fields (config.<method>.<name>), by name;
 # `experiment.validate_config` applies them to the run's block.
 BLOCK_RULES = (

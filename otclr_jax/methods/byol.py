@@ -58,14 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.final_tau = 1.0
   # Largest share of the target's initialisation left at the end.
   config.max_init_share = 0.01
-  config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'lars'  # solo-learn cifar/byol.yaml.
-  config.optim.base_lr = 1.0
-  config.optim.momentum = 0.9
-  config.optim.weight_decay = 1e-5
-  config.optim.eta = 0.02
-  config.optim.clip_lr = True
-  config.optim.clip_grad = 0.0
+  # solo-learn cifar/byol.yaml.
+  config.optim = base.lars(base_lr=1.0, weight_decay=1e-5, clip_grad=0.0)
   return config
 
 
