@@ -44,10 +44,8 @@ def scan(root: str, split: str) -> Tree:
     raise types.SplitNotFoundError(
         f'unknown split {split!r} for folder dataset {root}; its splits '
         f'(subdirectories) are {splits}.')
-  classes = set()
-  for s in splits:
-    classes.update(_subdirs(os.path.join(root, s)))
-  class_names = sorted(classes)
+  class_names = sorted({c for s in splits
+                        for c in _subdirs(os.path.join(root, s))})
   label_of = {c: i for i, c in enumerate(class_names)}
   split_dir = os.path.join(root, split)
   files = []

@@ -159,8 +159,8 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   if points['anchor'].shape != (n, 2) or points['simclr'].shape != (2 * n, 2):
     raise ValueError(f'points do not match {n} labels: '
                      f'{ {k: v.shape for k, v in points.items()} }.')
-  classes = [c for c in range(len(class_names)) if np.any(labels == c)]
-  classes = classes[:max_classes]
+  classes = [c for c in range(len(class_names))
+             if np.any(labels == c)][:max_classes]
   num_extra = sum(x is not None for x in (view_rows, silhouettes))
   total = len(classes) + num_extra
   ncols = 4 if total <= 16 else int(np.ceil(np.sqrt(total)))

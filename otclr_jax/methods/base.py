@@ -70,9 +70,11 @@ class Method:
       lambda: None)
 
 
-def copy_tree(tree):
-  """A copy of every array of `tree` (the step donates; no shared buffers)."""
-  return jax.tree_util.tree_map(jnp.copy, tree)
+def copy_targets(variables, select: Callable[[Any], Any] = lambda t: t):
+  """``target_params`` and ``target_batch_stats``: copies of `select` of the
+  online variables (the step donates the state; no shared buffers)."""
+  return {f'target_{k}': jax.tree_util.tree_map(jnp.copy, select(variables[k]))
+          for k in ('params', 'batch_stats')}
 
 
 def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,

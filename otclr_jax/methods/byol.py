@@ -1,14 +1,8 @@
 """BYOL (Grill et al. 2020): an online network predicts an EMA target's output.
 
-Recipe (docs/methods.md has the sources with file and line):
-
-* Projector and predictor 4096 -> 256, BYOL's own (no paper row to match).
-* BatchNorm per view (`base.apply_per_view`), as BYOL and solo-learn.
-* Target: encoder + projector, EMA of the online ones, own BatchNorm stats.
-* Momentum: cosine 0.99 -> 1.0 (solo-learn cifar/byol.yaml).
-* Optimiser: LARS, lr 1.0 x B/256, wd 1e-5, eta 0.02 (cifar/byol.yaml).
-* Loss: ``mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))``, in
-  [0, 8] (BYOL eq. 2; solo-learn ``solo/losses/byol.py``).
+The target is an EMA of the online encoder and projector with its own
+BatchNorm statistics; BatchNorm per view (`base.apply_per_view`), as BYOL and
+solo-learn. The recipe and its sources, with file and line: docs/methods.md.
 """
 
 from __future__ import annotations
@@ -98,11 +92,8 @@ def regression_loss(p: jax.Array, z: jax.Array) -> jax.Array:
 
 def init_extra(config, variables, key):
   """Target = copy of the online encoder and projector."""
-  del key
-  return {'target_params': base.copy_tree(
-              _without_predictor(variables['params'])),
-          'target_batch_stats': base.copy_tree(
-              _without_predictor(variables['batch_stats']))}
+  del config, key
+  return base.copy_targets(variables, _without_predictor)
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):

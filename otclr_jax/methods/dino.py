@@ -1,16 +1,10 @@
 """DINO (Caron et al. 2021) with a ResNet-18 and two global views.
 
-Recipe (docs/methods.md has the sources with file and line):
-
-* Head 512-2048-2048-256, 4096 prototypes (solo-learn cifar/dino.yaml); both
-  views in one forward pass, as DINO's multi-crop wrapper.
-* Teacher: EMA of the student, cosine 0.9995 -> 1.0 (DINO's advice at batch
-  256), start lowered for short runs; own BatchNorm stats, as DINO's code.
-* Loss: ``1/2 [H(P_t(x2), P_s(x1)) + H(P_t(x1), P_s(x2))]`` (DINO Algorithm
-  1, two crops), temperatures 0.1 (student) and 0.04 (teacher).
-* Centre: ``c <- 0.9 c + 0.1 mean(teacher logits)`` after the loss.
-* Prototypes frozen for 1 epoch; per-parameter gradient clipping at 3.0 (DINO).
-* Optimiser: LARS, lr 0.3 x B/256, wd 1e-6 (solo-learn cifar/dino.yaml).
+DINO's own code for everything DINO-specific (head, teacher EMA with its own
+BatchNorm statistics, centring, frozen prototypes, clipping), solo-learn's
+CIFAR recipe for the optimiser; both views in one forward pass, as DINO's
+multi-crop wrapper. The recipe and its sources, with file and line:
+docs/methods.md.
 """
 
 from __future__ import annotations
@@ -196,8 +190,7 @@ def update_centre(centre: jax.Array, teacher: jax.Array,
 def init_extra(config, variables, key):
   """Teacher = copy of the student; centre 0 (as DINO)."""
   del key
-  return {'target_params': base.copy_tree(variables['params']),
-          'target_batch_stats': base.copy_tree(variables['batch_stats']),
+  return {**base.copy_targets(variables),
           'centre': jnp.zeros((config.dino.num_prototypes,), jnp.float32)}
 
 
