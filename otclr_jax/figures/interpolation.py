@@ -78,6 +78,8 @@ def interpolation_rows(x: np.ndarray, x_strong: np.ndarray,
   x = jnp.asarray(x, jnp.float32)
   x_strong = jnp.asarray(x_strong, jnp.float32)
   alphas = jnp.asarray(alphas, jnp.float32)
+  if alphas.ndim != 1 or alphas.size == 0:
+    raise ValueError(f'alphas must be a non-empty list, got {alphas}.')
   linear = ((1.0 - alphas[:, None, None, None]) * x
             + alphas[:, None, None, None] * x_strong)
   displaced = jax.vmap(
@@ -127,8 +129,6 @@ def draw(out: str | os.PathLike[str], *, image: str | None, size: int,
     seed: of the strong view.
   """
   out = common.png_path(out)
-  if not alphas:
-    raise ValueError('alphas must be a non-empty list, got [].')
   if not all(0.0 <= a <= 1.0 for a in alphas):
     raise ValueError(f'--alphas must lie in [0, 1], got {list(alphas)}.')
   if not 2 <= grid_size <= size:

@@ -237,10 +237,10 @@ BLOCK_RULES = (
 
 
 def encoder(config: ml_collections.ConfigDict) -> models.ResNet:
-  """The run's ResNet (`config.model`), computing in `config.dtype`.
-
-  `experiment.validate_config` has checked `config.dtype` against `DTYPES`.
-  """
+  """The run's ResNet (`config.model`), computing in `config.dtype`."""
+  if config.dtype not in DTYPES:
+    raise ValueError(f'config.dtype must be one of {tuple(DTYPES)}, got '
+                     f'{config.dtype!r}.')
   return models.ResNet(
       stage_sizes=config.model.stage_sizes, stem=config.model.stem,
       dtype=DTYPES[config.dtype], conv_impl=config.model.conv_impl)
