@@ -14,14 +14,9 @@ from otclr_jax import ot
 _MASK_VALUE = -1e9
 
 
-def _check_positive_scalar(name: str, value) -> None:
-  if isinstance(value, (int, float)) and not value > 0:
-    raise ValueError(f'{name} must be > 0, got {value}.')
-
-
-def l2_normalise(z: jnp.ndarray) -> jnp.ndarray:
-  """Rows of `z` [..., D] scaled to unit norm (an all-zero row stays zero)."""
-  sq_norm = jnp.sum(jnp.square(z), axis=-1, keepdims=True)
+def l2_normalise(z: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
+  """`z` scaled to unit norm along `axis` (an all-zero vector stays zero)."""
+  sq_norm = jnp.sum(jnp.square(z), axis=axis, keepdims=True)
   return z * jax.lax.rsqrt(jnp.maximum(sq_norm, 1e-24))
 
 
@@ -48,7 +43,8 @@ def nt_xent(z1: jnp.ndarray, z2: jnp.ndarray,
     raise ValueError(
         f'z1 and z2 must both be [B, D] with equal shapes, got {z1.shape} and '
         f'{z2.shape}.')
-  _check_positive_scalar('temperature', temperature)
+  if isinstance(temperature, (int, float)) and not temperature > 0:
+    raise ValueError(f'temperature must be > 0, got {temperature}.')
   batch = z1.shape[0]
   dtype = jnp.promote_types(jnp.result_type(z1, z2), jnp.float32)
   z = l2_normalise(jnp.concatenate([z1, z2], axis=0).astype(dtype))
@@ -79,13 +75,10 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
 
   Args:
     x: source images [B, H, W, C] in [0, 1].
-    xs1: first strong views [B, H, W, C].
-    xs2: second strong views [B, H, W, C].
-    xh1: generated views ``D(x, xs1)`` [B, H, W, C].
-    xh2: generated views ``D(x, xs2)`` [B, H, W, C].
-    grid_size: OT grid side m.
-    epsilon: entropic regularisation.
-    num_iters: exact number of Sinkhorn iterations.
+    xs1, xs2: the strong views [B, H, W, C].
+    xh1, xh2: the generated views ``D(x, xs1)``, ``D(x, xs2)`` [B, H, W, C].
+    grid_size, epsilon, num_iters: OT grid side m, entropic regularisation,
+      exact number of Sinkhorn iterations.
 
   Returns:
     Scalar float32, differentiable in all images.
@@ -108,26 +101,13 @@ def sinkhorn_regulariser(x: jnp.ndarray, xs1: jnp.ndarray, xs2: jnp.ndarray,
 
 
 def alpha_from_logit(logit: jnp.ndarray) -> jnp.ndarray:
-  """Learnable interpolation coefficient ``alpha = sigmoid(logit)``.
-
-  Args:
-    logit: unconstrained scalar (a trainable parameter).
-
-  Returns:
-    ``alpha`` in (0, 1), differentiable in ``logit``.
-  """
+  """The learnt interpolation coefficient ``alpha = sigmoid(logit)``."""
   return jax.nn.sigmoid(logit)
 
 
 def alpha_to_logit(alpha: float) -> float:
-  """Inverse of ``alpha_from_logit``, to initialise the logit from a config.
-
-  Args:
-    alpha: initial coefficient, strictly inside (0, 1).
-
-  Returns:
-    ``log(alpha / (1 - alpha))`` as a Python float.
-  """
+  """``log(alpha / (1 - alpha))``: the logit of an initial `alpha` in (0, 1),
+  as a Python float (the inverse of `alpha_from_logit`)."""
   if not 0.0 < alpha < 1.0:
     raise ValueError(
         f'A learnt alpha is a sigmoid: its initial value must lie strictly in '

@@ -2,8 +2,10 @@
 
 torchvision's layout, symmetric padding and BatchNorm settings; computations
 run in ``dtype``, parameters, BatchNorm reductions and outputs in float32.
+``train=True`` uses batch statistics and updates the running averages.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -15,14 +17,26 @@ STEMS = ('imagenet', 'cifar')
 # BasicBlocks per stage: ResNet-18's; (3, 4, 6, 3) is ResNet-34's.
 RESNET18 = (2, 2, 2, 2)
 
-# He-normal with fan-out, as torchvision initialises ResNet convolutions.
-_conv_init = nn.initializers.variance_scaling(2.0, 'fan_out', 'normal')
+
+def _conv(features: int, kernel: int, stride: int, dtype: Any, conv_impl: str,
+          name: str) -> nn.Conv:
+  """A bias-free k x k convolution padded by k // 2 on every side."""
+  pad = kernel // 2
+  return nn.Conv(
+      features, (kernel, kernel), strides=(stride, stride),
+      padding=((pad, pad), (pad, pad)), use_bias=False,
+      # He-normal with fan-out, as torchvision initialises ResNet convolutions.
+      kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
+      dtype=dtype, param_dtype=jnp.float32,
+      conv_general_dilated=conv_lib.conv_function(conv_impl), name=name)
 
 
-def _check_images(x: jnp.ndarray) -> None:
-  if x.ndim != 4:
-    raise ValueError(
-        f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
+def batch_norm(train: bool, dtype: Any, name: str,
+               scale_init=nn.initializers.ones) -> nn.BatchNorm:
+  """torchvision's BatchNorm (momentum 0.1, eps 1e-5), parameters float32."""
+  return nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                      epsilon=1e-5, scale_init=scale_init, dtype=dtype,
+                      param_dtype=jnp.float32, name=name)
 
 
 class BasicBlock(nn.Module):
@@ -43,35 +57,18 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Applies the block.
-
-    Args:
-      x: activations [B, H, W, C_in].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Activations [B, H / strides, W / strides, features].
-    """
-    conv = lambda f, k, s, p, name: nn.Conv(
-        f, (k, k), strides=(s, s), padding=((p, p), (p, p)), use_bias=False,
-        kernel_init=_conv_init, dtype=self.dtype, param_dtype=jnp.float32,
-        conv_general_dilated=conv_lib.conv_function(self.conv_impl),
-        name=name)
-    norm = lambda name, scale_init=nn.initializers.ones: nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, epsilon=1e-5,
-        scale_init=scale_init, dtype=self.dtype, param_dtype=jnp.float32,
-        name=name)
-
+    """[B, H, W, C_in] -> [B, H / strides, W / strides, features]."""
+    conv = lambda k, s, name: _conv(self.features, k, s, self.dtype,
+                                    self.conv_impl, name)
+    norm = functools.partial(batch_norm, train, self.dtype)
     residual = x
-    y = conv(self.features, 3, self.strides, 1, 'conv1')(x)
-    y = nn.relu(norm('bn1')(y))
-    y = conv(self.features, 3, 1, 1, 'conv2')(y)
-    last_scale_init = (nn.initializers.zeros if self.zero_init_residual
-                       else nn.initializers.ones)
-    y = norm('bn2', last_scale_init)(y)
+    y = nn.relu(norm('bn1')(conv(3, self.strides, 'conv1')(x)))
+    y = conv(3, 1, 'conv2')(y)
+    y = norm('bn2', nn.initializers.zeros if self.zero_init_residual
+             else nn.initializers.ones)(y)
     if self.strides != 1 or x.shape[-1] != self.features:
-      residual = conv(self.features, 1, self.strides, 0, 'shortcut_conv')(x)
-      residual = norm('shortcut_bn')(residual)
+      residual = norm('shortcut_bn')(
+          conv(1, self.strides, 'shortcut_conv')(x))
     return nn.relu(y + residual)
 
 
@@ -103,31 +100,14 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Computes pooled features.
-
-    Args:
-      x: images [B, H, W, C] (float, any range the input pipeline chooses).
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Globally average-pooled features [B, 512], float32.
-    """
-    _check_images(x)
-    x = x.astype(self.dtype)
-    if self.stem == 'imagenet':
-      kernel, stride, pad = 7, 2, 3
-    else:
-      kernel, stride, pad = 3, 1, 1
-    x = nn.Conv(64, (kernel, kernel), strides=(stride, stride),
-                padding=((pad, pad), (pad, pad)), use_bias=False,
-                kernel_init=_conv_init, dtype=self.dtype,
-                param_dtype=jnp.float32,
-                conv_general_dilated=conv_lib.conv_function(self.conv_impl),
-                name='stem_conv')(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, param_dtype=jnp.float32,
-                     name='stem_bn')(x)
-    x = nn.relu(x)
+    """Images [B, H, W, C] (any range) -> pooled features [B, 512] float32."""
+    if x.ndim != 4:
+      raise ValueError(
+          f'Expected images of shape [B, H, W, C], got shape {x.shape}.')
+    kernel, stride = (7, 2) if self.stem == 'imagenet' else (3, 1)
+    x = _conv(64, kernel, stride, self.dtype, self.conv_impl, 'stem_conv')(
+        x.astype(self.dtype))
+    x = nn.relu(batch_norm(train, self.dtype, 'stem_bn')(x))
     if self.stem == 'imagenet':
       x = conv_lib.max_pool_function(self.conv_impl)(x, (3, 3), (2, 2),
                                             ((1, 1), (1, 1)))
@@ -158,22 +138,12 @@ class ProjectionHead(nn.Module):
 
   @nn.compact
   def __call__(self, h: jnp.ndarray, train: bool) -> jnp.ndarray:
-    """Projects features.
-
-    Args:
-      h: features [B, D].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      Projections [B, out_dim], float32, not normalised.
-    """
+    """Features [B, D] -> projections [B, out_dim], float32, not normalised."""
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
     y = nn.Dense(self.hidden_dim, use_bias=False, dtype=self.dtype,
                  param_dtype=jnp.float32, name='hidden')(h)
-    y = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                     dtype=self.dtype, param_dtype=jnp.float32, name='bn')(y)
-    y = nn.relu(y)
+    y = nn.relu(batch_norm(train, self.dtype, 'bn')(y))
     y = nn.Dense(self.out_dim, dtype=self.dtype, param_dtype=jnp.float32,
                  name='out')(y)
     return y.astype(jnp.float32)
@@ -194,15 +164,9 @@ class SimCLRNet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray,
                train: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Encodes and projects a batch of views.
+    """Images [B, H, W, C] -> features h [B, 512], projections z [B, proj_dim].
 
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: projections [B, proj_dim], float32, not normalised.
+    Both float32; z is not normalised.
     """
     h = self.encoder(x, train)
     z = ProjectionHead(hidden_dim=self.proj_hidden_dim, out_dim=self.proj_dim,

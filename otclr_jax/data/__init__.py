@@ -1,6 +1,5 @@
 """Host input pipeline: whole splits as cached uint8 arrays, batched on host."""
 
-from otclr_jax.data.batches import epoch_permutation
 from otclr_jax.data.batches import eval_batches
 from otclr_jax.data.batches import steps_per_epoch
 from otclr_jax.data.batches import train_batches

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
 
 from otclr_jax.data import types
+
+# Ends the prefetch queue.
+_DONE = object()
 
 
 def steps_per_epoch(num_examples: int, batch_size: int,
@@ -37,11 +41,8 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
-def train_batches(images: np.ndarray,
-                  batch_size: int,
-                  seed: int,
-                  start_step: int = 0,
-                  *,
+def train_batches(images: np.ndarray, batch_size: int, seed: int,
+                  start_step: int = 0, *,
                   prefetch: int = 2) -> Iterator[np.ndarray]:
   """Endless training batches, deterministic given the seed.
 
@@ -65,12 +66,11 @@ def train_batches(images: np.ndarray,
   prefetch = _check_int(prefetch, 'prefetch', 0)
   batches = _train_batch_generator(images, batch_size, seed, start_step, spe)
   if prefetch:
-    return _Prefetcher(batches, prefetch)
+    return _prefetch(batches, prefetch)
   return batches
 
 
-def eval_batches(images: np.ndarray,
-                 batch_size: int) -> Iterator[np.ndarray]:
+def eval_batches(images: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
   """All examples once, in order, in batches of B; the last is not padded.
 
   Args:
@@ -112,53 +112,37 @@ def _train_batch_generator(images: np.ndarray, batch_size: int, seed: int,
     epoch += 1
 
 
-class _Prefetcher:
-  """Iterates in a daemon thread, `size` items ahead; dropping it stops that."""
+def _prefetch(iterator: Iterator[Any], size: int) -> Iterator[Any]:
+  """`iterator` run `size` items ahead in a daemon thread, which stops once
+  the returned iterator is dropped."""
+  q = queue.Queue(maxsize=size)
+  stop = threading.Event()
 
-  _DONE = object()
+  def put(entry) -> bool:
+    while not stop.is_set():
+      try:
+        q.put(entry, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
 
-  def __init__(self, iterator: Iterator[Any], size: int):
-    self._queue = queue.Queue(maxsize=size)
-    self._stop = threading.Event()
-    self._thread = threading.Thread(
-        target=_Prefetcher._fill, args=(iterator, self._queue, self._stop),
-        daemon=True)
-    self._thread.start()
-
-  @staticmethod
-  def _fill(iterator: Iterator[Any], q: queue.Queue,
-            stop: threading.Event) -> None:
-    def put(entry) -> bool:
-      while not stop.is_set():
-        try:
-          q.put(entry, timeout=0.1)
-          return True
-        except queue.Full:
-          continue
-      return False
-
+  def fill() -> None:
     try:
       for item in iterator:
         if not put((item, None)):
           return
-      put((_Prefetcher._DONE, None))
+      put((_DONE, None))
     except Exception as e:  # pylint: disable=broad-except
-      put((_Prefetcher._DONE, e))
+      put((_DONE, e))
 
-  def __iter__(self) -> '_Prefetcher':
-    return self
+  def drain() -> Iterator[Any]:
+    while (entry := q.get())[0] is not _DONE:
+      yield entry[0]
+    if entry[1] is not None:
+      raise entry[1]
 
-  def __next__(self) -> Any:
-    item, error = self._queue.get()
-    if item is _Prefetcher._DONE:
-      self._stop.set()
-      if error is not None:
-        raise error
-      raise StopIteration
-    return item
-
-  def close(self) -> None:
-    self._stop.set()
-
-  def __del__(self):
-    self._stop.set()
+  threading.Thread(target=fill, daemon=True).start()
+  items = drain()
+  weakref.finalize(items, stop.set)
+  return items

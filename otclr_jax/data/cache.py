@@ -26,13 +26,6 @@ _CACHE_VERSION = 'v1'
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> str:
-  """Absolute data dir; None: $TFDS_DATA_DIR or ~/tensorflow_datasets."""
-  if data_dir is None:
-    data_dir = os.environ.get('TFDS_DATA_DIR', '~/tensorflow_datasets')
-  return os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
-
-
 def cache_path(name: str, split: str, image_size: int, data_dir: str) -> str:
   """The cache file of one split at one image size."""
   return os.path.join(
@@ -41,11 +34,8 @@ def cache_path(name: str, split: str, image_size: int, data_dir: str) -> str:
       f'{_CACHE_VERSION}.npz')
 
 
-def load_split(name: str,
-               split: str,
-               image_size: int,
-               data_dir: str | os.PathLike[str] | None = None,
-               *,
+def load_split(name: str, split: str, image_size: int,
+               data_dir: str | os.PathLike[str] | None = None, *,
                download: bool = True) -> types.Split:
   """Loads one split as uint8 arrays, preparing and caching it on first use.
 
@@ -67,7 +57,9 @@ def load_split(name: str,
     ImportError: preparing a tfds dataset without TensorFlow.
   """
   image_size = images_lib.check_image_size(image_size)
-  data_dir = resolve_data_dir(data_dir)
+  if data_dir is None:
+    data_dir = os.environ.get('TFDS_DATA_DIR', '~/tensorflow_datasets')
+  data_dir = os.path.abspath(os.path.expanduser(os.fspath(data_dir)))
   path = cache_path(name, split, image_size, data_dir)
   source = sources.describe(name, split)
   if os.path.exists(path):
@@ -95,11 +87,8 @@ def load_split(name: str,
   return result
 
 
-def load_splits(name: str,
-                splits: Sequence[str],
-                image_size: int,
-                data_dir: str | os.PathLike[str] | None = None,
-                *,
+def load_splits(name: str, splits: Sequence[str], image_size: int,
+                data_dir: str | os.PathLike[str] | None = None, *,
                 download: bool = True) -> dict[str, types.Split]:
   """{split: Split} of one dataset's `splits`, checked to share one class list.
 

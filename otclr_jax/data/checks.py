@@ -22,10 +22,8 @@ class Evaluable(NamedTuple):
   train_counts: tuple[int, ...] = ()
 
 
-def check_evaluable(name: str,
-                    image_size: int,
-                    data_dir: str | os.PathLike[str] | None = None,
-                    *,
+def check_evaluable(name: str, image_size: int,
+                    data_dir: str | os.PathLike[str] | None = None, *,
                     download: bool = True) -> Evaluable:
   """Checks that evaluation (a probe and kNN on train, scored on test) can run.
 

@@ -100,11 +100,8 @@ def pillow_rgb(path: str) -> np.ndarray:
     return np.asarray(image.convert('RGB'))
 
 
-def map_images(fn: Callable[[Any], np.ndarray],
-               items: Iterable[Any],
-               num_items: int | None,
-               image_size: int,
-               what: str) -> np.ndarray:
+def map_images(fn: Callable[[Any], np.ndarray], items: Iterable[Any],
+               num_items: int | None, image_size: int, what: str) -> np.ndarray:
   """Applies `fn` (-> uint8 [S, S, 3]) to items in a thread pool, in order.
 
   Args:

@@ -21,6 +21,8 @@ FOLDER_PREFIX = 'folder:'
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 _DIGITS_SPLITS = ('train', 'test')
+_DIGITS_SOURCE = {'kind': 'digits', 'test_fraction': DIGITS_TEST_FRACTION,
+                  'split_seed': DIGITS_SPLIT_SEED}
 
 
 def known_datasets() -> list[str]:
@@ -40,11 +42,6 @@ def folder_root(name: str) -> str:
 
 def dataset_key(name: str, split: str) -> str:
   """The cache key's dataset part; DataError for an unknown name or split."""
-  if not isinstance(name, str):
-    raise types.DataError(f'dataset name must be a string, got {name!r}.')
-  if not isinstance(split, str) or not split:
-    raise types.DataError(
-        f'split of {name} must be a non-empty string, got {split!r}.')
   if name.startswith(FOLDER_PREFIX):
     root = folder_root(name)
     if os.sep in split or split in ('.', '..'):
@@ -71,7 +68,7 @@ def describe(name: str, split: str) -> dict[str, Any]:
   """What the split is made from now (a cache storing another is stale)."""
   dataset_key(name, split)
   if name == 'digits':
-    return _describe_digits()
+    return _DIGITS_SOURCE
   if name.startswith(FOLDER_PREFIX):
     root = folder_root(name)
     return folder.describe(root, folder.scan(root, split))
@@ -82,7 +79,7 @@ def prepare(name: str, split: str, image_size: int, data_dir: str,
             download: bool) -> tuple[types.Split, dict[str, Any]]:
   """Decodes one split; returns it and what it was made from (`describe`)."""
   if name == 'digits':
-    return _prepare_digits(split, image_size), _describe_digits()
+    return _prepare_digits(split, image_size), _DIGITS_SOURCE
   if name.startswith(FOLDER_PREFIX):
     root = folder_root(name)
     tree = folder.scan(root, split)
@@ -90,11 +87,6 @@ def prepare(name: str, split: str, image_size: int, data_dir: str,
             folder.describe(root, tree))
   return (tfds_sources.prepare(name, split, image_size, data_dir, download),
           tfds_sources.describe(name, split))
-
-
-def _describe_digits() -> dict[str, Any]:
-  return {'kind': 'digits', 'test_fraction': DIGITS_TEST_FRACTION,
-          'split_seed': DIGITS_SPLIT_SEED}
 
 
 def _digits_test_mask(targets: np.ndarray) -> np.ndarray:

@@ -149,33 +149,22 @@ def prepare(name: str, split: str, image_size: int, data_dir: str,
                      class_names)
 
 
-def select_per_class(labels: Sequence[int] | np.ndarray,
-                     keys: Sequence[str],
-                     per_class: int,
-                     salt: str) -> np.ndarray:
+def select_per_class(labels: Sequence[int] | np.ndarray, keys: Sequence[str],
+                     per_class: int, salt: str) -> np.ndarray:
   """Per class, the `per_class` records lowest by `sha256(salt + '/' + key)`.
 
   Args:
     labels: [M] integer class of each record.
     keys: [M] unique string key of each record (imagenet2012: file_name).
-    per_class, salt: records kept per class; string mixed into the hash.
+    per_class, salt: records kept per class (>= 1); string mixed into the hash.
 
   Returns:
     int64 [num_present_classes * per_class], sorted indices into the records.
 
   Raises:
-    ValueError: lengths differ, keys repeat, or a class is too small.
+    ValueError: keys repeat, or a class is too small.
   """
   labels = np.asarray(labels)
-  if labels.ndim != 1 or len(labels) != len(keys):
-    raise ValueError(
-        f'labels {labels.shape} and keys ({len(keys)}) must be 1-D of equal '
-        'length.')
-  if isinstance(per_class, bool) or not isinstance(per_class,
-                                                   (int, np.integer)):
-    raise ValueError(f'per_class must be an integer, got {per_class!r}.')
-  if per_class < 1:
-    raise ValueError(f'per_class must be >= 1, got {per_class}.')
   if len(set(keys)) != len(keys):
     raise ValueError('keys must be unique for the selection to be well '
                      'defined.')

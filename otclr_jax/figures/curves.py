@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Sequence
 
 from matplotlib import figure as mpl_figure
 from matplotlib import lines
@@ -42,12 +42,8 @@ def read_metrics(workdir: str) -> dict[str, np.ndarray]:
     raise ValueError(f'{path} holds no records yet.')
   steps = sorted(records)
   keys = sorted({k for r in records.values() for k in r})
-  return {k: np.array([_float(records[s].get(k)) for s in steps])
+  return {k: np.array([records[s].get(k) for s in steps], dtype=float)
           for k in keys}
-
-
-def _float(value: Any) -> float:
-  return np.nan if value is None else float(value)
 
 
 def plot_curves(runs: dict[str, dict[str, np.ndarray]],
@@ -100,8 +96,6 @@ def plot_curves(runs: dict[str, dict[str, np.ndarray]],
 def curves_for_runs(workdirs: Sequence[str],
                     out: str | os.PathLike[str]) -> list[str]:
   """Training-curve figure of runs, labelled by their directory names."""
-  if not workdirs:
-    raise ValueError('curves needs at least one --workdir run.')
   runs = {}
   for workdir in workdirs:
     path = pathlib.Path(workdir).resolve()

@@ -17,7 +17,6 @@ from otclr_jax import augment
 from otclr_jax import ot
 from otclr_jax.figures import common
 
-DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Bundled with scikit-learn, so the figure needs no download.
 DEFAULT_SAMPLE_IMAGE = 'flower.jpg'
 
@@ -28,8 +27,6 @@ def load_image(path: str | None, size: int) -> np.ndarray:
   Returns:
     float32 [size, size, 3] RGB in [0, 1].
   """
-  if size < 2:
-    raise ValueError(f'size must be >= 2 pixels, got {size}.')
   if path is None:
     image = Image.fromarray(datasets.load_sample_image(DEFAULT_SAMPLE_IMAGE))
   else:
@@ -57,12 +54,8 @@ def strong_view(image: np.ndarray, seed: int, kind: str = 'geometric'
   Returns:
     [H, W, 3] float32 in [0, 1].
   """
-  if kind == 'geometric':
-    overrides = dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
-  elif kind == 'simclr':
-    overrides = {}
-  else:
-    raise ValueError(f"kind must be 'geometric' or 'simclr', got {kind!r}.")
+  overrides = (dict(jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
+               if kind == 'geometric' else {})
   out = augment.simclr_augment(jax.random.key(seed), jnp.asarray(image)[None],
                                **overrides)
   return np.asarray(out[0])
@@ -84,10 +77,6 @@ def interpolation_rows(x: np.ndarray, x_strong: np.ndarray,
   """
   x = jnp.asarray(x, jnp.float32)
   x_strong = jnp.asarray(x_strong, jnp.float32)
-  if x.ndim != 3 or x.shape != x_strong.shape:
-    raise ValueError(
-        f'x and x_strong must be [H, W, C] of equal shape, got {x.shape} and '
-        f'{x_strong.shape}.')
   alphas = jnp.asarray(alphas, jnp.float32)
   if alphas.ndim != 1 or alphas.size == 0:
     raise ValueError(f'alphas must be a non-empty list, got {alphas}.')
@@ -127,17 +116,17 @@ def plot_interpolation(linear: np.ndarray, displaced: np.ndarray,
   return fig
 
 
-def draw(out: str | os.PathLike[str], *, image: str | None = None,
-         size: int = 128, grid_size: int = 16, epsilon: float = 0.05,
-         num_iters: int = 20, alphas: Sequence[float] = DEFAULT_ALPHAS,
-         strong: str = 'geometric', seed: int = 1) -> list[str]:
+def draw(out: str | os.PathLike[str], *, image: str | None, size: int,
+         grid_size: int, epsilon: float, num_iters: int,
+         alphas: Sequence[float], strong: str, seed: int) -> list[str]:
   """Writes the figure to the PNG `out` and a PDF; returns their paths.
 
   Args:
     image, size: image file (None: scikit-learn's flower.jpg), crop side.
-    grid_size: OT grid side m, in [2, size].
+    grid_size, epsilon, num_iters: the `ot.ot_views` settings, m in [2, size].
     alphas: interpolation coefficients in [0, 1].
-    strong: 'geometric' (the default: only OT can move objects) or 'simclr'.
+    strong: 'geometric' (only OT can move objects) or 'simclr'.
+    seed: of the strong view.
   """
   out = common.png_path(out)
   if not all(0.0 <= a <= 1.0 for a in alphas):

@@ -124,8 +124,6 @@ def top5_for_runs(workdirs: Sequence[str], out: str | os.PathLike[str], *,
     FileNotFoundError: a run is not evaluated (no results, probe or features).
     ValueError: the runs were evaluated on different test sets.
   """
-  if not workdirs:
-    raise ValueError('top5 needs at least one --workdir run.')
   runs = []
   for workdir in workdirs:
     results = rundir.read_results(workdir)

@@ -89,15 +89,16 @@ def density_level(density_at_points: np.ndarray, mass: float) -> float:
 
 
 def _shade_coverage(ax, xy: np.ndarray, colour: str, lo: np.ndarray,
-                    hi: np.ndarray, mass: float = COVERAGE_MASS) -> None:
-  """Fills the KDE highest-density region of `xy` [N, 2] holding `mass`."""
+                    hi: np.ndarray) -> None:
+  """Fills the KDE highest-density region of `xy` [N, 2] holding
+  `COVERAGE_MASS`."""
   if len(xy) < 4:
     return
   try:
     kde = stats.gaussian_kde(xy.T)
   except np.linalg.LinAlgError:  # Collinear points: no 2-d density.
     return
-  level = density_level(kde(xy.T), mass)
+  level = density_level(kde(xy.T), COVERAGE_MASS)
   gx, gy = np.meshgrid(np.linspace(lo[0], hi[0], 120),
                        np.linspace(lo[1], hi[1], 120))
   density = kde(np.stack([gx.ravel(), gy.ravel()])).reshape(gx.shape)
@@ -149,8 +150,7 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
 
   Args:
     points, silhouettes: `tsne_points`, `classwise_silhouette` outputs.
-    labels: int [n], the anchors' classes.
-    class_names: [K] names.
+    labels, class_names: int [n], the anchors' classes; their [K] names.
     thumbnails: {class: uint8 [S, S, 3]} for the corner insets.
     view_rows: the results' 'views' section, {'simclr': ..., 'otclr': ...}.
   """
@@ -159,8 +159,8 @@ def plot_tsne(points: dict[str, np.ndarray], labels: np.ndarray,
   if points['anchor'].shape != (n, 2) or points['simclr'].shape != (2 * n, 2):
     raise ValueError(f'points do not match {n} labels: '
                      f'{ {k: v.shape for k, v in points.items()} }.')
-  classes = [c for c in range(len(class_names)) if np.any(labels == c)]
-  classes = classes[:max_classes]
+  classes = [c for c in range(len(class_names))
+             if np.any(labels == c)][:max_classes]
   num_extra = sum(x is not None for x in (view_rows, silhouettes))
   total = len(classes) + num_extra
   ncols = 4 if total <= 16 else int(np.ceil(np.sqrt(total)))
@@ -297,9 +297,6 @@ def tsne_for_run(workdir: str, config: ml_collections.ConfigDict,
     step: checkpoint step; None for the latest.
     dataset: test split; default the run's views dataset.
     num_images: n; default `config.eval.num_view_images` (the evaluation's).
-
-  Returns:
-    The paths written (PNG `out` and a PDF).
   """
   dataset = dataset or views_dataset(config)
   n = int(num_images or config.eval.num_view_images)

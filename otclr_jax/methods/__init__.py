@@ -14,9 +14,6 @@ from otclr_jax.methods import dino
 from otclr_jax.methods import moco
 from otclr_jax.methods import simclr
 
-Method = base.Method
-Progress = base.Progress
-
 _MODULES = (simclr, moco, byol, dino)
 _REGISTRY = {module.METHOD.name: module.METHOD for module in _MODULES}
 NAMES = tuple(_REGISTRY)
@@ -31,22 +28,16 @@ def get(name: str) -> base.Method:
 
 
 def for_model(model) -> base.Method:
-  """The first registered method whose online network class `model` is."""
+  """The first registered method whose online network's class is `model`'s."""
   for method in _REGISTRY.values():
-    if isinstance(model, method.network):
+    if type(model) is method.network:  # pylint: disable=unidiomatic-typecheck
       return method
   raise ValueError(f'No method builds a {type(model).__name__}.')
 
 
 def add_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Adds the missing method blocks and ``config.views = ''`` (in place).
-
-  Args:
-    config: an unlocked ConfigDict.
-
-  Returns:
-    The same config.
-  """
+  """Adds the missing method blocks and ``config.views = ''`` to the unlocked
+  `config`, in place; returns it."""
   if 'views' not in config:
     config.views = ''
   for method in _REGISTRY.values():
@@ -62,9 +53,6 @@ def title(method: str, views: str) -> str:
   Args:
     method: a `config.method` value, or the alias 'otclr'.
     views: 'augment' or 'ot' (ignored for the alias).
-
-  Returns:
-    The display name; SimCLR with OT views is the paper's OTCLR.
   """
   if method == 'otclr' or (method == 'simclr' and views == 'ot'):
     return 'OTCLR'

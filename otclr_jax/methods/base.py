@@ -44,46 +44,37 @@ class Method:
     name: the `config.method` value.
     title: the name tables print (the paper's spelling), e.g. ``'MoCo'``.
     create_model: ``config -> flax Module`` (the online network).
-    init_extra: ``(config, variables, key) -> extra`` from initial variables.
     loss: ``(config, model, params, batch_stats, extra, v1, v2, progress) ->
       (loss, metrics, batch_stats, extra)``; ``v1, v2`` [B, H, W, 3] float32,
       ``metrics`` a dict of scalars (the step adds ``'loss'``).
-    post_update: ``(config, extra, params, batch_stats, progress) -> extra``.
-    default_config: ``() -> ConfigDict`` for ``config.<name>``, or None; an
-      ``optim`` sub-block replaces ``config.optim`` (`optim.optim_settings`).
     network: the class of the online network `create_model` builds.
     embed: ``(model, variables, h [N, 512]) -> z [N, D]``, BatchNorm frozen.
+    init_extra: ``(config, variables, key) -> extra`` from initial variables;
+      by default no extra state.
+    post_update: ``(config, extra, params, batch_stats, progress) -> extra``;
+      by default `extra` unchanged.
+    default_config: ``() -> ConfigDict`` for ``config.<name>``, or None (the
+      default); an ``optim`` sub-block replaces ``config.optim``
+      (`optim.optim_settings`).
   """
   name: str
   title: str
   create_model: Callable[[ml_collections.ConfigDict], nn.Module]
-  init_extra: Callable[..., Any]
   loss: Callable[..., tuple[jax.Array, dict[str, jax.Array], Any, Any]]
-  post_update: Callable[..., Any]
-  default_config: Callable[[], Optional[ml_collections.ConfigDict]]
   network: type
   embed: Callable[..., jax.Array]
+  init_extra: Callable[..., Any] = lambda config, variables, key: {}
+  post_update: Callable[..., Any] = (
+      lambda config, extra, params, batch_stats, progress: extra)
+  default_config: Callable[[], Optional[ml_collections.ConfigDict]] = (
+      lambda: None)
 
 
-def no_extra(config, variables, key):
-  """`init_extra` of a method without extra state."""
-  del config, variables, key
-  return {}
-
-
-def keep_extra(config, extra, params, batch_stats, progress):
-  """`post_update` of a method whose extra state does not follow the params."""
-  del config, params, batch_stats, progress
-  return extra
-
-
-def no_config() -> None:
-  return None
-
-
-def copy_tree(tree):
-  """A copy of every array of `tree` (the step donates; no shared buffers)."""
-  return jax.tree_util.tree_map(jnp.copy, tree)
+def copy_targets(variables, select: Callable[[Any], Any] = lambda t: t):
+  """``target_params`` and ``target_batch_stats``: copies of `select` of the
+  online variables (the step donates the state; no shared buffers)."""
+  return {f'target_{k}': jax.tree_util.tree_map(jnp.copy, select(variables[k]))
+          for k in ('params', 'batch_stats')}
 
 
 def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
@@ -92,10 +83,7 @@ def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
 
   Args:
     model: a network returning a tuple of [B, ...] arrays.
-    params: its parameters.
-    batch_stats: its BatchNorm statistics.
-    v1: first views [B, H, W, 3].
-    v2: second views [B, H, W, 3].
+    v1, v2: the two view batches [B, H, W, 3].
 
   Returns:
     `(outputs, batch_stats)`: outputs [view 1; view 2] ([2B, ...] each) and
@@ -112,16 +100,7 @@ def apply_per_view(model: nn.Module, params, batch_stats, v1: jax.Array,
 
 
 def ema(target, online, tau: jax.Array | float):
-  """Exponential moving average ``tau * target + (1 - tau) * online``, leafwise.
-
-  Args:
-    target: pytree of float arrays (the slow copy).
-    online: pytree of the same structure (the trained copy).
-    tau: momentum in [0, 1]; 1 keeps the target.
-
-  Returns:
-    The updated target pytree.
-  """
+  """``tau * target + (1 - tau) * online`` per leaf; tau = 1 keeps `target`."""
   return jax.tree_util.tree_map(
       lambda t, o: tau * t + (1.0 - tau) * o, target, online)
 
@@ -134,10 +113,8 @@ def cosine_momentum(step: jax.Array | int, total_steps: int, base: float,
   section 3.2; solo-learn ``solo/utils/momentum.py``).
 
   Args:
-    step: updates done (int, may be traced).
+    step: updates done k (int, may be traced).
     total_steps: K > 0.
-    base: momentum at step 0.
-    final: momentum at step K.
 
   Returns:
     float32 scalar.
@@ -152,16 +129,8 @@ WARN_INIT_SHARE = 0.1
 
 
 def init_share(base: float, final: float, total_steps: int) -> float:
-  """Share of a target's initial value left after the run's EMA updates.
-
-  Args:
-    base: momentum at step 0.
-    final: momentum at step K.
-    total_steps: K.
-
-  Returns:
-    ``prod_{k=0}^{K-1} tau(k)`` in [0, 1], computed in float64.
-  """
+  """``prod_{k<K} tau(k)`` (float64): the share of a target's initial value
+  left after K = `total_steps` EMA updates of `cosine_momentum`."""
   k = np.arange(total_steps, dtype=np.float64)
   tau = final - (final - base) * (np.cos(np.pi * k / max(total_steps, 1))
                                   + 1.0) / 2.0
@@ -173,14 +142,7 @@ def horizon_base_tau(base: float, final: float, total_steps: int,
                      max_init_share: float) -> float:
   """The largest start momentum <= `base` leaving <= `max_init_share` (BYOL).
 
-  Args:
-    base: the configured momentum at step 0.
-    final: momentum at the last step.
-    total_steps: K.
-    max_init_share: in (0, 1]; 1 keeps `base`.
-
-  Returns:
-    float, `base` when it already meets the share.
+  `base` itself when it meets the share; `max_init_share` lies in (0, 1].
   """
   if init_share(base, final, total_steps) <= max_init_share:
     return float(base)
@@ -249,6 +211,15 @@ def ema_targets(block: str, online: Callable[[Any], Any] = lambda p: p):
   return post_update
 
 
+def lars(base_lr: float, weight_decay: float,
+         clip_grad: float) -> ml_collections.ConfigDict:
+  """An ``optim`` sub-block: LARS as solo-learn's CIFAR recipes set it
+  (momentum 0.9, eta 0.02, clipped adaptive rates)."""
+  return ml_collections.ConfigDict(dict(
+      name='lars', base_lr=base_lr, momentum=0.9, weight_decay=weight_decay,
+      eta=0.02, clip_lr=True, clip_grad=clip_grad))
+
+
 # The rules of the method blocks' fields (config.<method>.<name>), by name;
 # `experiment.validate_config` applies them to the run's block.
 BLOCK_RULES = (
@@ -265,15 +236,11 @@ BLOCK_RULES = (
 )
 
 
-def dtype_of(config: ml_collections.ConfigDict):
+def encoder(config: ml_collections.ConfigDict) -> models.ResNet:
+  """The run's ResNet (`config.model`), computing in `config.dtype`."""
   if config.dtype not in DTYPES:
     raise ValueError(f'config.dtype must be one of {tuple(DTYPES)}, got '
                      f'{config.dtype!r}.')
-  return DTYPES[config.dtype]
-
-
-def encoder(config: ml_collections.ConfigDict) -> models.ResNet:
-  """The run's ResNet (`config.model`), computing in `config.dtype`."""
   return models.ResNet(
       stage_sizes=config.model.stage_sizes, stem=config.model.stem,
-      dtype=dtype_of(config), conv_impl=config.model.conv_impl)
+      dtype=DTYPES[config.dtype], conv_impl=config.model.conv_impl)

@@ -1,14 +1,8 @@
 """BYOL (Grill et al. 2020): an online network predicts an EMA target's output.
 
-Recipe (docs/methods.md has the sources with file and line):
-
-* Projector and predictor 4096 -> 256, BYOL's own (no paper row to match).
-* BatchNorm per view (`base.apply_per_view`), as BYOL and solo-learn.
-* Target: encoder + projector, EMA of the online ones, own BatchNorm stats.
-* Momentum: cosine 0.99 -> 1.0 (solo-learn cifar/byol.yaml).
-* Optimiser: LARS, lr 1.0 x B/256, wd 1e-5, eta 0.02 (cifar/byol.yaml).
-* Loss: ``mean_b (2 - 2 cos(p1, z'2)) + mean_b (2 - 2 cos(p2, z'1))``, in
-  [0, 8] (BYOL eq. 2; solo-learn ``solo/losses/byol.py``).
+The target is an EMA of the online encoder and projector with its own
+BatchNorm statistics; BatchNorm per view (`base.apply_per_view`), as BYOL and
+solo-learn. The recipe and its sources, with file and line: docs/methods.md.
 """
 
 from __future__ import annotations
@@ -24,19 +18,15 @@ from otclr_jax.methods import base
 from otclr_jax.methods import simclr
 
 
-class BYOLNet(nn.Module):
-  """BYOL's online network: encoder f, projector g and predictor q.
+class BYOLNet(models.SimCLRNet):
+  """BYOL's online network: `SimCLRNet` (f, projector g) and a predictor q.
 
-  Predictor shaped as the projector (BYOL section 3.3); the ``{'encoder',
-  'head'}`` params form the target's ``SimCLRNet`` tree.
+  q is shaped as g (BYOL section 3.3); the ``{'encoder', 'head'}`` params form
+  the target's ``SimCLRNet`` tree.
 
   Attributes:
-    encoder: the ``models.ResNet`` f; g and q compute in its ``dtype`` too.
-    proj_hidden_dim: hidden width of the projector.
-    proj_dim: output dimension of the projector (and of the predictor).
     pred_hidden_dim: hidden width of the predictor.
   """
-  encoder: models.ResNet = models.ResNet()
   proj_hidden_dim: int = 4096
   proj_dim: int = 256
   pred_hidden_dim: int = 4096
@@ -44,21 +34,8 @@ class BYOLNet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Encodes, projects and predicts a batch of views.
-
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: projections [B, proj_dim], float32, not normalised.
-      p: predictions [B, proj_dim], float32, not normalised.
-    """
-    h = self.encoder(x, train)
-    z = models.ProjectionHead(hidden_dim=self.proj_hidden_dim,
-                              out_dim=self.proj_dim, dtype=self.encoder.dtype,
-                              name='head')(h, train)
+    """`SimCLRNet`'s ``(h, z)`` and predictions p [B, proj_dim], float32."""
+    h, z = super().__call__(x, train)
     p = models.ProjectionHead(hidden_dim=self.pred_hidden_dim,
                               out_dim=self.proj_dim, dtype=self.encoder.dtype,
                               name='predictor')(z, train)
@@ -75,14 +52,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.final_tau = 1.0
   # Largest share of the target's initialisation left at the end.
   config.max_init_share = 0.01
-  config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'lars'  # solo-learn cifar/byol.yaml.
-  config.optim.base_lr = 1.0
-  config.optim.momentum = 0.9
-  config.optim.weight_decay = 1e-5
-  config.optim.eta = 0.02
-  config.optim.clip_lr = True
-  config.optim.clip_grad = 0.0
+  # solo-learn cifar/byol.yaml.
+  config.optim = base.lars(base_lr=1.0, weight_decay=1e-5, clip_grad=0.0)
   return config
 
 
@@ -121,11 +92,8 @@ def regression_loss(p: jax.Array, z: jax.Array) -> jax.Array:
 
 def init_extra(config, variables, key):
   """Target = copy of the online encoder and projector."""
-  del key
-  return {'target_params': base.copy_tree(
-              _without_predictor(variables['params'])),
-          'target_batch_stats': base.copy_tree(
-              _without_predictor(variables['batch_stats']))}
+  del config, key
+  return base.copy_targets(variables, _without_predictor)
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):

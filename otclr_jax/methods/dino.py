@@ -1,16 +1,10 @@
 """DINO (Caron et al. 2021) with a ResNet-18 and two global views.
 
-Recipe (docs/methods.md has the sources with file and line):
-
-* Head 512-2048-2048-256, 4096 prototypes (solo-learn cifar/dino.yaml); both
-  views in one forward pass, as DINO's multi-crop wrapper.
-* Teacher: EMA of the student, cosine 0.9995 -> 1.0 (DINO's advice at batch
-  256), start lowered for short runs; own BatchNorm stats, as DINO's code.
-* Loss: ``1/2 [H(P_t(x2), P_s(x1)) + H(P_t(x1), P_s(x2))]`` (DINO Algorithm
-  1, two crops), temperatures 0.1 (student) and 0.04 (teacher).
-* Centre: ``c <- 0.9 c + 0.1 mean(teacher logits)`` after the loss.
-* Prototypes frozen for 1 epoch; per-parameter gradient clipping at 3.0 (DINO).
-* Optimiser: LARS, lr 0.3 x B/256, wd 1e-6 (solo-learn cifar/dino.yaml).
+DINO's own code for everything DINO-specific (head, teacher EMA with its own
+BatchNorm statistics, centring, frozen prototypes, clipping), solo-learn's
+CIFAR recipe for the optimiser; both views in one forward pass, as DINO's
+multi-crop wrapper. The recipe and its sources, with file and line:
+docs/methods.md.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from otclr_jax import losses
 from otclr_jax import models
 from otclr_jax.methods import base
 
@@ -45,15 +40,11 @@ class DINOHead(nn.Module):
   @nn.compact
   def __call__(self, h: jnp.ndarray, train: bool = False
                ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Maps features to prototype scores.
+    """Features [B, D] -> ``(y, logits)``, float32.
 
-    Args:
-      h: features [B, D].
-      train: BatchNorm (``use_bn`` only) uses batch statistics.
-
-    Returns:
-      y: bottleneck [B, bottleneck_dim], float32, before normalisation.
-      logits: prototype cosines [B, num_prototypes], float32, in [-1, 1].
+    y [B, bottleneck_dim] is the bottleneck before normalisation, logits
+    [B, num_prototypes] the prototype cosines, in [-1, 1]; `train` matters
+    only with `use_bn`.
     """
     if h.ndim != 2:
       raise ValueError(f'Expected features of shape [B, D], got {h.shape}.')
@@ -64,61 +55,31 @@ class DINOHead(nn.Module):
     def hidden(y, name):
       y = dense(self.hidden_dim, name)(y)
       if self.use_bn:
-        y = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                         epsilon=1e-5, dtype=self.dtype,
-                         param_dtype=jnp.float32, name=f'{name}_bn')(y)
+        y = models.batch_norm(train, self.dtype, f'{name}_bn')(y)
       return nn.gelu(y, approximate=False)
     y = hidden(hidden(h, 'hidden1'), 'hidden2')
     y = dense(self.bottleneck_dim, 'bottleneck')(y).astype(jnp.float32)
-    u = y * jax.lax.rsqrt(
-        jnp.maximum(jnp.sum(jnp.square(y), -1, keepdims=True), 1e-24))
+    u = losses.l2_normalise(y)
     # torch.nn.Linear's default init, as DINO (created after its trunc-normal).
     v = self.param('prototypes',
                    nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform'),
                    (self.bottleneck_dim, self.num_prototypes), jnp.float32)
-    w = v * jax.lax.rsqrt(
-        jnp.maximum(jnp.sum(jnp.square(v), 0, keepdims=True), 1e-24))
+    w = losses.l2_normalise(v, axis=0)
     logits = jnp.dot(u.astype(self.dtype), w.astype(self.dtype))
     return y, logits.astype(jnp.float32)
 
 
 class DINONet(nn.Module):
-  """DINO's student (and teacher) network: ResNet encoder and DINO head.
-
-  Attributes:
-    encoder: the ``models.ResNet``; the head computes in its ``dtype`` too.
-    hidden_dim: DINOHead hidden width.
-    bottleneck_dim: DINOHead bottleneck dimension.
-    num_prototypes: DINOHead output dimension.
-    use_bn_in_head: DINOHead's ``use_bn``.
-  """
+  """DINO's student (and teacher) network: ResNet encoder and DINO head."""
   encoder: models.ResNet = models.ResNet()
-  hidden_dim: int = 2048
-  bottleneck_dim: int = 256
-  num_prototypes: int = 4096
-  use_bn_in_head: bool = False
+  head: DINOHead = DINOHead()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool
                ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """Encodes a batch of views.
-
-    Args:
-      x: images [B, H, W, C].
-      train: use batch statistics and update the running averages.
-
-    Returns:
-      h: encoder features [B, 512], float32.
-      z: head bottleneck [B, bottleneck_dim], float32, not normalised.
-      logits: prototype scores [B, num_prototypes], float32.
-    """
+    """Images [B, H, W, C] -> ``(h [B, 512],) + head(h)``, all float32."""
     h = self.encoder(x, train)
-    z, logits = DINOHead(hidden_dim=self.hidden_dim,
-                         bottleneck_dim=self.bottleneck_dim,
-                         num_prototypes=self.num_prototypes,
-                         use_bn=self.use_bn_in_head,
-                         dtype=self.encoder.dtype, name='head')(h, train)
-    return h, z, logits
+    return (h, *self.head(h, train))
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -140,35 +101,26 @@ def default_config() -> ml_collections.ConfigDict:
   config.final_tau = 1.0
   # Largest share of the teacher's initialisation left at the end.
   config.max_init_share = 0.01
-  config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'lars'  # solo-learn cifar/dino.yaml.
-  config.optim.base_lr = 0.3
-  config.optim.momentum = 0.9
-  config.optim.weight_decay = 1e-6
-  config.optim.eta = 0.02
-  config.optim.clip_lr = True
-  config.optim.clip_grad = 3.0  # per parameter, DINO.
+  # solo-learn cifar/dino.yaml; gradients clipped per parameter, as DINO.
+  config.optim = base.lars(base_lr=0.3, weight_decay=1e-6, clip_grad=3.0)
   return config
 
 
 def create_model(config: ml_collections.ConfigDict) -> DINONet:
-  return DINONet(
-      encoder=base.encoder(config), hidden_dim=config.dino.hidden_dim,
-      bottleneck_dim=config.dino.bottleneck_dim,
-      num_prototypes=config.dino.num_prototypes,
-      use_bn_in_head=config.dino.use_bn_in_head)
+  encoder = base.encoder(config)
+  settings = config.dino
+  return DINONet(encoder=encoder, head=DINOHead(
+      hidden_dim=settings.hidden_dim, bottleneck_dim=settings.bottleneck_dim,
+      num_prototypes=settings.num_prototypes, use_bn=settings.use_bn_in_head,
+      dtype=encoder.dtype))
 
 
 def embed(model: DINONet, variables, h: jax.Array) -> jax.Array:
   """The head's bottleneck [N, bottleneck_dim] of features h [N, 512]."""
-  head = DINOHead(hidden_dim=model.hidden_dim,
-                  bottleneck_dim=model.bottleneck_dim,
-                  num_prototypes=model.num_prototypes,
-                  use_bn=model.use_bn_in_head, dtype=model.encoder.dtype)
   head_variables = {'params': variables['params']['head']}
-  if model.use_bn_in_head:
+  if model.head.use_bn:
     head_variables['batch_stats'] = variables['batch_stats']['head']
-  return head.apply(head_variables, h)[0]
+  return model.head.apply(head_variables, h)[0]
 
 
 def freeze_prototypes(config: ml_collections.ConfigDict, params,
@@ -238,8 +190,7 @@ def update_centre(centre: jax.Array, teacher: jax.Array,
 def init_extra(config, variables, key):
   """Teacher = copy of the student; centre 0 (as DINO)."""
   del key
-  return {'target_params': base.copy_tree(variables['params']),
-          'target_batch_stats': base.copy_tree(variables['batch_stats']),
+  return {**base.copy_targets(variables),
           'centre': jnp.zeros((config.dino.num_prototypes,), jnp.float32)}
 
 

@@ -1,16 +1,9 @@
 """MoCo v2 (He et al. 2020; Chen et al. 2020, "Improved baselines"), symmetric.
 
-Recipe (docs/methods.md has the sources with file and line):
-
-* Key encoder: EMA copy of the SimCLR query network (23.01M, the paper's).
-* BatchNorm per view (`base.apply_per_view`), in place of MoCo's shuffled
-  BatchNorm: a query and its key never share batch statistics.
-* Loss: ``(L(q1, k2, queue_2) + L(q2, k1, queue_1)) / 2``, temperature 0.2
-  (solo-learn ``solo/methods/mocov2plus.py``; MoCo v2 is asymmetric).
-* Queue: 32768 random unit keys per view, FIFO (solo-learn
-  ``scripts/pretrain/cifar/mocov2plus.yaml``).
-* Momentum: cosine 0.99 -> 0.999 (solo-learn CIFAR; MoCo v2: 0.999 fixed).
-* Optimiser: the paper's ``config.optim``.
+The key encoder is an EMA copy of the SimCLR query network; BatchNorm per view
+(`base.apply_per_view`), in place of MoCo's shuffled BatchNorm, so a query and
+its key never share batch statistics. The recipe and its sources, with file
+and line: docs/methods.md.
 """
 
 from __future__ import annotations
@@ -34,10 +27,6 @@ def default_config() -> ml_collections.ConfigDict:
   # Largest share of the key encoder's initialisation left at the end.
   config.max_init_share = 0.01
   return config
-
-
-def create_model(config: ml_collections.ConfigDict):
-  return simclr.create_model(config)
 
 
 def infonce(q: jax.Array, k: jax.Array, queue: jax.Array,
@@ -90,9 +79,8 @@ def init_extra(config, variables, key):
   settings = config.moco
   queue = losses.l2_normalise(jax.random.normal(
       key, (2, settings.queue_size, config.model.proj_dim), jnp.float32))
-  return {'target_params': base.copy_tree(variables['params']),
-          'target_batch_stats': base.copy_tree(variables['batch_stats']),
-          'queue': queue, 'queue_ptr': jnp.zeros((), jnp.int32)}
+  return {**base.copy_targets(variables), 'queue': queue,
+          'queue_ptr': jnp.zeros((), jnp.int32)}
 
 
 def loss(config, model, params, batch_stats, extra, v1, v2, progress):
@@ -122,7 +110,7 @@ post_update = base.ema_targets('moco')
 
 
 METHOD = base.Method(
-    name='moco', title='MoCo', create_model=create_model,
+    name='moco', title='MoCo', create_model=simclr.create_model,
     init_extra=init_extra, loss=loss, post_update=post_update,
     default_config=default_config, network=models.SimCLRNet,
     embed=simclr.embed)

@@ -45,6 +45,5 @@ def loss(config, model, params, batch_stats, extra, v1, v2, progress):
 
 
 METHOD = base.Method(
-    name='simclr', title='SimCLR', create_model=create_model,
-    init_extra=base.no_extra, loss=loss, post_update=base.keep_extra,
-    default_config=base.no_config, network=models.SimCLRNet, embed=embed)
+    name='simclr', title='SimCLR', create_model=create_model, loss=loss,
+    network=models.SimCLRNet, embed=embed)
