@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -22,6 +23,8 @@ from otclr_jax import rundir
 from otclr_jax.figures import __main__ as figures_cli
 from tests.helpers import SignalsInAFinaliser
 from tests.helpers import tiny_config
+from tests.helpers import tiny_grid
+from tests.helpers import write_sweep
 from tests.folder_trees import save_image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -261,6 +264,51 @@ def test_disk_full_path_from_a_tensorstore_error():
   except RuntimeError as e:
     assert cli.disk_full_path(e, '/w') == '/w/checkpoints/2.tmp/d/4457ef'
   assert cli.disk_full_path(ValueError('other'), '/w') is None
+
+
+# Each tool in a child whose work is replaced by a signal to itself; the
+# sweep's training child signals the sweep, which waits for it.
+_SIGNALLED = textwrap.dedent("""
+    import os, sys, time
+    tool, signum = sys.argv[1], int(sys.argv[2])
+    def stop(*_):
+      os.kill(os.getpid(), signum)
+      time.sleep(30)
+    if tool == 'export':
+      from otclr_jax import export as module
+      module.export_checkpoint = stop
+    elif tool == 'figures':
+      from otclr_jax.figures import __main__ as module, curves
+      curves.curves_for_runs = stop
+    else:
+      from launch import sweep as module
+      module.command = lambda *_: [sys.executable, '-c', 'import os, time; '
+                                   f'os.kill(os.getppid(), {signum}); '
+                                   'time.sleep(60)']
+    sys.exit(module.main([tool, *sys.argv[3:]]))
+""")
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('tool, argv, line', [
+    ('export', ['--workdir=/nonexistent'], 'Export stopped by {}; nothing '
+     'was written.'),
+    ('figures', ['curves', '--workdir=/nonexistent'], 'Figures stopped by {};'
+     ' rerun to draw them.'),
+    ('sweep', ['--config={tmp}/s.py', '--workdir={tmp}/out'], 'Sweep s '
+     'stopped by {}; rerun the same command to resume.'),
+])
+def test_a_signal_ends_a_tool_with_75_and_one_line(tmp_path, tool, argv, line,
+                                                   signum):
+  write_sweep(tmp_path / 's.py', tiny_grid())
+  done = subprocess.run(
+      [sys.executable, '-c', _SIGNALLED, tool, str(signum),
+       *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
+  assert done.returncode == cli.EXIT_STOPPED, done.stderr
+  assert done.stderr.strip().splitlines() == [
+      line.format(signal.Signals(signum).name)]
+  assert 'FAILED' not in done.stdout
 
 
 # ----------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from otclr_jax.data import cache
 from otclr_jax.data import folder
 from otclr_jax.data import sources
 from tests.folder_trees import make_tree
+from tests.folder_trees import random_tree
 from tests.folder_trees import S
-from tests.folder_trees import save_image
 
 
 @pytest.fixture
@@ -118,12 +118,8 @@ def test_folder_load_split_caches_by_path(tmp_path, monkeypatch):
 
 
 def _two_class_tree(root):
-  rng = np.random.default_rng(3)
-  for split, per_class in (('train', 3), ('test', 2)):
-    for cls in ('bee', 'cow'):
-      for i in range(per_class):
-        save_image(root, split, cls, f'{i}.png',
-                   rng.integers(0, 256, (S, S, 3), dtype=np.uint8))
+  random_tree(root, {'train': {'bee': 3, 'cow': 3},
+                     'test': {'bee': 2, 'cow': 2}}, seed=3)
 
 
 def _assert_fresh(split, root, name):
@@ -141,10 +137,7 @@ def test_class_added_after_train_was_cached_keeps_labels_consistent(
   before = data.load_split(name, 'train', S, data_dir)
   assert before.class_names == ['bee', 'cow']
   # 'ant' sorts first: every existing class id shifts by one.
-  rng = np.random.default_rng(4)
-  for split in ('train', 'test'):
-    save_image(root, split, 'ant', '0.png',
-               rng.integers(0, 256, (S, S, 3), dtype=np.uint8))
+  random_tree(root, {'train': {'ant': 1}, 'test': {'ant': 1}}, seed=4)
   train = data.load_split(name, 'train', S, data_dir)
   test = data.load_split(name, 'test', S, data_dir)
   assert train.class_names == test.class_names == ['ant', 'bee', 'cow']

@@ -1,10 +1,6 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +18,6 @@ from otclr_jax import models
 from otclr_jax import rundir
 from tests.helpers import copy_run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
@@ -204,26 +199,6 @@ def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
   assert code == cli.EXIT_CANT_CREATE, err
   assert err.count('\n') == 1 and out in err
   assert 'Traceback' not in err and os.listdir(locked) == []
-
-
-_SIGNALLED_EXPORT = textwrap.dedent("""
-    import os, signal, sys, time
-    from otclr_jax import export
-    def export_checkpoint(*_):
-      os.kill(os.getpid(), int(sys.argv[1]))
-      time.sleep(30)
-    export.export_checkpoint = export_checkpoint
-    sys.exit(export.main(['export', '--workdir=/nonexistent']))
-""")
-
-
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_the_export_with_75_and_one_line(signum):
-  done = subprocess.run([sys.executable, '-c', _SIGNALLED_EXPORT, str(signum)],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert done.returncode == cli.EXIT_STOPPED, done.stderr
-  assert done.stderr.strip().splitlines() == [
-      f'Export stopped by {signal.Signals(signum).name}; nothing was written.']
 
 
 # ----------------------------------------------------------------------------

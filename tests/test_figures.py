@@ -4,10 +4,6 @@ curves and report on tiny evaluated digits runs."""
 import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -40,7 +36,6 @@ from tests.helpers import rounding_tol
 from tests.helpers import SMALL_DIGITS
 from tests.helpers import small_digits
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -438,28 +433,6 @@ def test_cli_overrides_refuse_typos(tmp_path, capsys):
   assert 'Did you mean "epsilon"' in err and 'Traceback' not in err
   assert figures_cli.main(['figures', 'nosuch', f'--workdir={tmp_path}']) == 2
   assert figures_cli.main(['figures', 'tsne']) == 2
-
-
-_SIGNALLED_FIGURES = textwrap.dedent("""
-    import os, signal, sys, time
-    from otclr_jax.figures import __main__ as cli
-    from otclr_jax.figures import curves
-    def curves_for_runs(*_):
-      os.kill(os.getpid(), int(sys.argv[1]))
-      time.sleep(30)
-    curves.curves_for_runs = curves_for_runs
-    sys.exit(cli.main(['figures', 'curves', '--workdir=/nonexistent']))
-""")
-
-
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_the_figures_with_75_and_one_line(signum):
-  done = subprocess.run([sys.executable, '-c', _SIGNALLED_FIGURES,
-                         str(signum)], cwd=REPO, capture_output=True,
-                        text=True, timeout=120)
-  assert done.returncode == cli.EXIT_STOPPED, done.stderr
-  assert done.stderr.strip().splitlines() == [
-      f'Figures stopped by {signal.Signals(signum).name}; rerun to draw them.']
 
 
 def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):

@@ -58,7 +58,11 @@ def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def _results_run(root, name, top1, status, config=True, converged=True):
+FINISHED = {'state': 'finished', 'step': 100, 'total_steps': 100}
+
+
+def _results_run(root, name, top1, status=FINISHED, config=True,
+                 converged=True):
   os.makedirs(root / name / 'eval')
   results = {
       'step': status['step'], 'method': 'otclr', 'seed': 0, 'batch_size': 16,
@@ -72,8 +76,7 @@ def _results_run(root, name, top1, status, config=True, converged=True):
 
 
 def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
-  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
-               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7)
   _results_run(tmp_path, 'digits_otclr_b16_s1', 10.0,
                {'state': 'diverged', 'step': 6, 'total_steps': 100})
   _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
@@ -92,8 +95,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
 
 def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
   for name, top1 in (('seed=0,method=otclr', 84.7), ('old_name_s0', 10.0)):
-    _results_run(tmp_path, name, top1,
-                 {'state': 'finished', 'step': 100, 'total_steps': 100})
+    _results_run(tmp_path, name, top1)
   (tmp_path / 'runs.json').write_text(json.dumps(
       {'runs': [{'name': 'seed=0,method=otclr'}]}))
   assert aggregate_only(tmp_path) == 0
@@ -106,12 +108,11 @@ def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
 
 def test_results_that_cannot_be_told_apart_or_did_not_converge_are_listed(
     tmp_path):
-  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
-  _results_run(tmp_path, 's0', 84.7, finished)
+  _results_run(tmp_path, 's0', 84.7)
   # Without a stored config its row is unknown (it might be any setting).
-  _results_run(tmp_path, 's1', 10.0, finished, config=False)
+  _results_run(tmp_path, 's1', 10.0, config=False)
   # A probe stopped by eval.probe_steps is not the protocol's number.
-  _results_run(tmp_path, 's2', 30.0, finished, converged=False)
+  _results_run(tmp_path, 's2', 30.0, converged=False)
   assert aggregate_only(tmp_path) == 0
   summary = json.load(open(tmp_path / 'summary.json'))
   (row,) = summary['rows']
@@ -128,19 +129,27 @@ def test_results_that_cannot_be_told_apart_or_did_not_converge_are_listed(
     ('seed', float('nan'), 'seed=nan'),
     ('linear', [1, 2], 'linear is not'),
     ('linear', {'digits': {'top1': '84.7'}}, "linear.digits.top1='84.7'"),
+    (None, None, ''),  # torn: its first 40 characters
 ])
-def test_a_results_file_of_the_wrong_shape_is_named_and_left_out(
-    tmp_path, capsys, field, value, named):
-  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
-  _results_run(tmp_path, 's0', 84.7, finished)
-  _results_run(tmp_path, 's1', 80.0, finished)
+def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys, field,
+                                                     value, named):
+  _results_run(tmp_path, 's0', 84.7)
+  _results_run(tmp_path, 's1', 80.0)
   path = tmp_path / 's1' / 'eval' / 'results.json'
-  path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+  if field is None:
+    path.write_text(path.read_text()[:40])
+  else:
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                field: value}))
   assert aggregate_only(tmp_path) == 1
   err = capsys.readouterr().err
-  assert f'{path} not the results of an evaluation' in err and named in err
+  assert str(path) in err and named in err, err
+  if field is not None:
+    assert f'{path} not the results of an evaluation' in err
   (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
+  assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
+  assert str(path) in open(tmp_path / 'summary.md').read()
 
 
 @pytest.mark.parametrize('in_results', [True, False])
@@ -148,9 +157,8 @@ def test_results_of_an_earlier_run_in_the_directory_are_not_averaged(
     tmp_path, in_results):
   # The directory was trained afresh with seed 1; eval/ is still seed 0's,
   # whose config is in results.json or only in eval/config.json.
-  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
-  _results_run(tmp_path, 's0', 84.7, finished)
-  _results_run(tmp_path, 's1', 80.0, finished, config=in_results)
+  _results_run(tmp_path, 's0', 84.7)
+  _results_run(tmp_path, 's1', 80.0, config=in_results)
   (tmp_path / 's1' / 'eval' / 'config.json').write_text(json.dumps(
       stored_config('otclr', 0, 16, 'digits')))
   (tmp_path / 's1' / 'config.json').write_text(json.dumps(
@@ -168,21 +176,6 @@ def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
   assert aggregate_only(missing) == 2
   assert f'{missing} does not exist' in capsys.readouterr().err
   assert not os.path.exists(missing)
-
-
-def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys):
-  _results_run(tmp_path, 'digits_otclr_b16_s0', 84.7,
-               {'state': 'finished', 'step': 100, 'total_steps': 100})
-  _results_run(tmp_path, 'digits_otclr_b16_s1', 80.0,
-               {'state': 'finished', 'step': 100, 'total_steps': 100})
-  broken = tmp_path / 'digits_otclr_b16_s1' / 'eval' / 'results.json'
-  broken.write_text(broken.read_text()[:40])
-  assert aggregate_only(tmp_path) == 1
-  err = capsys.readouterr().err
-  assert str(broken) in err
-  (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
-  assert row['linear']['digits']['top1']['n'] == 1
-  assert str(broken) in open(tmp_path / 'summary.md').read()
 
 
 def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
@@ -210,8 +203,7 @@ def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
   names = ['seed=0', 'seed=1', 'seed=2', 'seed=3']
   (tmp_path / 'runs.json').write_text(json.dumps(
       {'runs': [{'name': n} for n in names]}))
-  _results_run(tmp_path, names[0], 84.7,
-               {'state': 'finished', 'step': 100, 'total_steps': 100})
+  _results_run(tmp_path, names[0], 84.7)
   # Diverged before any evaluation; failed at start; never started.
   os.makedirs(tmp_path / names[1])
   (tmp_path / names[1] / 'status.json').write_text(json.dumps(
@@ -243,10 +235,9 @@ def test_a_seed_counted_twice_in_a_row_is_listed_not_dropped(tmp_path,
                                                              capsys):
   # Two finished runs of one seed, evaluated on other eval.datasets: one row
   # counts the seed once; the other run is listed with its reason.
-  finished = {'state': 'finished', 'step': 100, 'total_steps': 100}
   for name, top1, datasets in (('b', 80.0, ['digits']),
                                ('a', 70.0, ['digits', 'cifar10'])):
-    _results_run(tmp_path, name, top1, finished)
+    _results_run(tmp_path, name, top1)
     path = tmp_path / name / 'eval' / 'results.json'
     results = json.loads(path.read_text())
     results['config']['eval']['datasets'] = datasets
