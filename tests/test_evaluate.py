@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -54,23 +55,26 @@ def test_dataset_keys_are_file_names():
     features.dataset_key('mnist')
 
 
-def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
-  base, trained, _ = finished_run
+def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
+  config, evaluated = evaluated_run
   empty = str(tmp_path / 'empty')
-  config = eval_config(base.data_dir, **{
-      'eval.num_view_images': 40, 'eval.probe_steps': 30,
-      'eval.recompute_bn': True})
-
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     _evaluate(config, empty)
   assert not os.path.exists(os.path.join(empty, 'checkpoints'))
-
-  workdir = copy_run(trained, tmp_path)
+  workdir = copy_run(evaluated, tmp_path)
   with pytest.raises(ValueError, match=r'available steps: \[2, 4\]'):
     _evaluate(config, workdir, step=3)
-  small_digits(monkeypatch)
-  results = _evaluate(config, workdir)
+  first = rundir.read_results(workdir)  # the fixture's evaluation
 
+  def fail(*args, **kwargs):
+    raise AssertionError('features were recomputed instead of read')
+
+  small_digits(monkeypatch)
+  monkeypatch.setattr(features, 'extract_features', fail)
+  results = _evaluate(config, workdir)
+  for section in ('linear', 'random_init', 'clusters', 'views',
+                  'linear_clean_bn'):
+    assert results[section] == first[section]
   with open(os.path.join(workdir, 'eval', 'results.json')) as f:
     assert json.load(f) == results
   assert os.path.exists(os.path.join(workdir, 'eval', 'results_step4.json'))
@@ -126,15 +130,6 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(os.path.join(feature_dir, tag))) == [
         'digits_test.npz', 'digits_train.npz']
 
-  def fail(*args, **kwargs):
-    raise AssertionError('features were recomputed instead of read')
-
-  monkeypatch.setattr(features, 'extract_features', fail)
-  again = _evaluate(config, workdir)
-  for section in ('linear', 'random_init', 'clusters', 'views',
-                  'linear_clean_bn'):
-    assert again[section] == results[section]
-
 
 def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
   config = tiny_config(data_dir)
@@ -155,23 +150,26 @@ def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
 _TINY_STAGES = (1, 1, 1, 1)
 
 
-def _tiny_net(seed=0, num_images=50):
-  """A cifar-stem SimCLRNet of `_TINY_STAGES` with a small head, its
-  variables and 8 px images.
+def _float(images):
+  return images.astype(np.float32) / 255.0
 
-  The BatchNorm statistics are perturbed away from (0, 1) so that a result
-  that ignored the recomputation (or kept the stored values) would show.
-  """
+
+@pytest.fixture(scope='module')
+def net():
+  """A cifar-stem SimCLRNet of `_TINY_STAGES` with a small head, 50 images of
+  8 px, its jitted eval-mode `apply`, and its `initial` variables and
+  `shifted` ones: BatchNorm statistics moved off (0, 1), so that a result
+  that ignored the recomputation (or kept the stored values) would show."""
   model = models.SimCLRNet(models.ResNet(_TINY_STAGES, stem='cifar'),
                            proj_hidden_dim=8, proj_dim=4)
-  rng = np.random.default_rng(seed)
-  images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(seed), jnp.zeros((2, 8, 8, 3)))
-  variables = {'params': variables['params'],
-               'batch_stats': jax.tree.map(
-                   lambda x: x + 0.5, variables['batch_stats'])}
-  return model, variables, images
+  images = np.random.default_rng(0).integers(0, 256, (50, 8, 8, 3), np.uint8)
+  initial = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(0), np.zeros((2, 8, 8, 3), np.float32))
+  shifted = {'params': initial['params'], 'batch_stats': jax.tree.map(
+      lambda x: np.asarray(x) + 0.5, initial['batch_stats'])}
+  return types.SimpleNamespace(
+      model=model, images=images, initial=initial, shifted=shifted,
+      apply=jax.jit(functools.partial(model.apply, train=False)))
 
 
 def _head_atol(variables, h):
@@ -220,7 +218,7 @@ def _bn_inputs(model, variables, images):
       model.apply(variables, x, train=True, mutable=['batch_stats'])
     return seen
 
-  inputs = forward(variables, jnp.asarray(images, jnp.float32) / 255.0)
+  inputs = forward(variables, _float(images))
   return {path: np.asarray(x, np.float64) for path, x in inputs.items()}
 
 
@@ -230,8 +228,8 @@ def _stats_at(tree, path):
   return tree
 
 
-def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
-  model, variables, images = _tiny_net()
+def test_recomputed_batch_stats_are_exact_moments_of_clean_activations(net):
+  model, variables, images = net.model, net.shifted, net.images
   inputs = _bn_inputs(model, variables, images)
   # Stem 1 + 4 blocks x 2 + 3 shortcuts = 12; the head 1.
   assert len(inputs) == 13
@@ -250,9 +248,9 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
   _, updated = jax.jit(functools.partial(
       model.apply, train=True, mutable=['batch_stats']))(
           {'params': variables['params'],
-           'batch_stats': jax.tree.map(jnp.zeros_like,
+           'batch_stats': jax.tree.map(np.zeros_like,
                                        variables['batch_stats'])},
-          jnp.asarray(images, jnp.float32) / 255.0)
+          _float(images))
   jax.tree.map(
       lambda ours, flax_new: np.testing.assert_allclose(
           ours, np.asarray(flax_new) / 0.1, rtol=1e-3, atol=1e-4),
@@ -269,15 +267,13 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
                              rtol=1e-4, atol=1e-5)
 
 
-def test_project_equals_the_networks_z():
-  model, variables, images = _tiny_net(seed=1, num_images=12)
-  h, z = model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
-                     train=False)
-  # Two programs (jitted batches of 5 against the eager network) of the
-  # head on the same h.
+def test_project_equals_the_networks_z(net):
+  h, z = net.apply(net.shifted, _float(net.images))
+  # Two programs (batches of 5 against the whole network) of the head on the
+  # same h.
   np.testing.assert_allclose(
-      clusters.project(model, variables, np.asarray(h), batch_size=5),
-      np.asarray(z), rtol=0, atol=_head_atol(variables, h))
+      clusters.project(net.model, net.shifted, np.asarray(h), batch_size=5),
+      np.asarray(z), rtol=0, atol=_head_atol(net.shifted, h))
 
 
 def test_embedding_config_is_checked():
@@ -306,22 +302,21 @@ def test_evaluation_fields_are_checked_as_config_errors(field, value, match):
 # Results that cannot be silently wrong.
 
 
-def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
+def test_retrained_workdir_recomputes_cached_features(evaluated_run,
+                                                      simclr_run, tmp_path,
                                                       monkeypatch):
   # Run A is evaluated; its training is then thrown away (as after deleting a
   # diverged run's checkpoints) and run B, another seed and method, is trained
-  # into the same workdir to the same step. B's numbers must be B's.
-  config_a, evaluated = evaluated_run
-  workdir = copy_run(evaluated, tmp_path)
+  # into the same workdir to the same step: `simclr_run`'s files beside A's
+  # eval/. B's numbers must be B's.
+  config_b, trained_b = simclr_run
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(trained_b, workdir, ignore=shutil.ignore_patterns('eval'))
+  shutil.copytree(os.path.join(evaluated_run[1], 'eval'),
+                  os.path.join(workdir, 'eval'))
   small_digits(monkeypatch)
   first = rundir.read_results(workdir)
   features_a = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
-  for entry in os.listdir(workdir):
-    if entry != 'eval':
-      path = os.path.join(workdir, entry)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  config_b = eval_config(config_a.data_dir, seed=1, method='simclr')
-  train.train(config_b, workdir)
   warnings = []
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
@@ -577,41 +572,32 @@ def test_checkpoint_without_extra_state_still_evaluates(finished_run,
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
-def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
-  model, variables, images = _tiny_net(seed=2, num_images=12)
+def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
   # The compiled encoder is shared per network and process: start this
   # test's from nothing, whatever other tests compiled.
   features._compiled_apply.cache_clear()
-  encoder = features.Encoder(model)
-  h = np.asarray(model.apply(variables, jnp.asarray(images, jnp.float32)
-                             / 255.0, train=False)[0])
+  encoder = features.Encoder(net.model)
+  h = np.asarray(net.apply(net.shifted, _float(net.images))[0])
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
   # is [8, ...] (the smaller splits padded), the features those of the
-  # unpadded network. Two programs (jitted and padded against eager) of the
-  # encoder, whose chain resnet_chain counts, on features of the scale of
-  # the largest.
+  # unpadded network. Two programs (padded batches of 8 against one of 50)
+  # of the encoder, whose chain resnet_chain counts, on features of the
+  # scale of the largest.
   rtol = rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES))
   atol = rtol * float(np.max(np.abs(h)))
   with traces() as traced:
-    for split in (images, images[:5], images[7:10]):
-      np.testing.assert_allclose(
-          features.extract_features(encoder, variables, split, 8,
-                                    log_progress=False),
-          model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
-                      train=False)[0], rtol=rtol, atol=atol)
-    np.testing.assert_allclose(h[7:10], features.extract_features(
-        encoder, variables, images[7:10], 8, log_progress=False),
-                               rtol=rtol, atol=atol)
+    for rows in (slice(0, 12), slice(0, 5), slice(7, 10)):
+      np.testing.assert_allclose(features.extract_features(
+          encoder, net.shifted, net.images[rows], 8, log_progress=False),
+                                 h[rows], rtol=rtol, atol=atol)
   assert traced.count('apply') == 1, traced
 
 
-def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
+def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
                                                            monkeypatch):
   config = tiny_config(data_dir, **{'model.stem': 'cifar'})
-  model, _, images = _tiny_net(seed=3, num_images=12)
-  # Initial statistics: _tiny_net's shifted means silence this tiny network.
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
+  # Initial statistics: shifted means silence this tiny network.
+  model, variables, images = net.model, net.initial, net.images
   features._compiled_apply.cache_clear()
   encoder = features.Encoder(model)
   features.extract_features(encoder, variables, images, 8, log_progress=False)
@@ -625,9 +611,8 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
                                          num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
   assert 'apply' not in traced, traced
-  apply = jax.jit(functools.partial(model.apply, train=False))
-  h, z = (np.asarray(t, np.float64) for t in apply(
-      variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0)[:2])
+  h, z = (np.asarray(t, np.float64)[views.indices]
+          for t in net.apply(variables, _float(images))[:2])
   # Two programs (the compiled, padded encoder against the whole network):
   # the encoder's chain relative to z, the head's bound, then normalising
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
@@ -645,6 +630,15 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
       np.testing.assert_allclose(np.linalg.norm(z_view, axis=1), 1.0,
                                  rtol=rounding_tol(12))
   assert not np.allclose(views.simclr[0], views.otclr[0])
+  # The view metrics do not depend on the evaluation batch size, a
+  # throughput setting: the same views, embedded in other row counts.
+  large = view_quality.view_embeddings(config, model, variables, images,
+                                       num_images=10, batch_size=16)
+  np.testing.assert_allclose(views.pixel_l2, large.pixel_l2, rtol=1e-5)
+  np.testing.assert_allclose(views.pixel_rms, large.pixel_rms, rtol=1e-5)
+  for a, b in ((views.simclr, large.simclr), (views.otclr, large.otclr)):
+    for za, zb in zip(a, b):
+      np.testing.assert_allclose(za, zb, rtol=1e-4, atol=1e-5)
 
 
 def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
@@ -655,19 +649,3 @@ def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
   assert (monitor_._encoder._apply
           is features.Encoder(experiment.create_model(config))._apply)
   assert monitor_._batch_size == config.eval.batch_size
-
-
-def test_view_metrics_do_not_depend_on_the_evaluation_batch_size(data_dir):
-  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
-  model, _, images = _tiny_net(seed=3, num_images=12)
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
-  small, large = (view_quality.view_embeddings(
-      config, model, variables, images, num_images=10, batch_size=b)
-                  for b in (8, 16))
-  # A throughput setting: the same views, embedded in other row counts.
-  np.testing.assert_allclose(small.pixel_l2, large.pixel_l2, rtol=1e-5)
-  np.testing.assert_allclose(small.pixel_rms, large.pixel_rms, rtol=1e-5)
-  for a, b in ((small.simclr, large.simclr), (small.otclr, large.otclr)):
-    for za, zb in zip(a, b):
-      np.testing.assert_allclose(za, zb, rtol=1e-4, atol=1e-5)

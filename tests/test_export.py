@@ -1,5 +1,6 @@
 """Tests of otclr_jax.export: the encoder alone round-trips exactly."""
 
+import functools
 import os
 
 import jax
@@ -19,7 +20,6 @@ from otclr_jax import rundir
 from tests.helpers import copy_run
 
 
-
 @pytest.fixture(scope='module')
 def trained():
   """A tiny SimCLRNet (one block per stage) whose BatchNorm statistics moved
@@ -31,10 +31,12 @@ def trained():
   config.dataset = 'digits'
   model = models.SimCLRNet(base.encoder(config), proj_hidden_dim=32,
                            proj_dim=16)
-  x = jax.random.uniform(jax.random.key(0), (4, 8, 8, 3))
-  variables = model.init(jax.random.key(1), x, train=False)
-  _, updates = model.apply(variables, x * 0.5 + 0.2, train=True,
-                           mutable=['batch_stats'])
+  x = np.random.default_rng(0).random((4, 8, 8, 3), np.float32)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(1), x)
+  _, updates = jax.jit(functools.partial(
+      model.apply, train=True, mutable=['batch_stats']))(variables,
+                                                          x * 0.5 + 0.2)
   variables = {'params': variables['params'],
                'batch_stats': updates['batch_stats']}
   return config, model, variables, x
@@ -45,7 +47,8 @@ def test_round_trip_equals_full_model_features(tmp_path, trained):
   path = str(tmp_path / 'encoder.msgpack')
   export.export_encoder(path, variables, config)
   apply_fn, loaded = export.load_encoder(path)
-  expected, _ = model.apply(variables, x, train=False)
+  expected, _ = jax.jit(functools.partial(model.apply, train=False))(
+      variables, x)
   got = apply_fn(loaded, x)
   assert got.shape == (4, 512) and got.dtype == jnp.float32
   np.testing.assert_allclose(got, expected, rtol=0, atol=0)

@@ -28,14 +28,11 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import report
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
-from otclr_jax import train
 from tests.helpers import copy_run
 from tests.helpers import EPS64
-from tests.helpers import eval_config
 from tests.helpers import rounding_tol
 from tests.helpers import SMALL_DIGITS
 from tests.helpers import small_digits
-
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -127,23 +124,12 @@ def test_load_default_image_and_strong_view():
 
 
 @pytest.fixture(scope='module')
-def runs(evaluated_run, tmp_path_factory):
-  """Two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}.
-
-  The OTCLR run is a copy of `evaluated_run`, whose evaluation drew its
-  figures (the default); the SimCLR run's evaluation does not
-  (`config.eval.figures = False`).
-  """
-  config, evaluated = evaluated_run
-  out = {'otclr': copy_run(evaluated, tmp_path_factory.mktemp('otclr'))}
-  config = eval_config(config.data_dir, method='simclr')
-  config.eval.figures = False
-  out['simclr'] = str(tmp_path_factory.mktemp('simclr') / 'run')
-  train.train(config, out['simclr'])
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    small_digits(monkeypatch)
-    main.evaluate_and_draw(config, out['simclr'])
-  return out
+def runs(evaluated_run, simclr_run, tmp_path_factory):
+  """Copies of two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}:
+  `evaluated_run`, whose evaluation drew its figures, and `simclr_run`, whose
+  evaluation did not."""
+  return {name: copy_run(run[1], tmp_path_factory.mktemp(name))
+          for name, run in (('otclr', evaluated_run), ('simclr', simclr_run))}
 
 
 def _assert_png_and_pdf(png):
@@ -171,8 +157,7 @@ def test_figure_failure_does_not_fail_evaluation(runs, evaluated_run,
 
   monkeypatch.setattr(figures, 'report_single', broken)
   small_digits(monkeypatch)
-  config = eval_config(evaluated_run[0].data_dir)
-  results = main.evaluate_and_draw(config, runs['otclr'])
+  results = main.evaluate_and_draw(evaluated_run[0], runs['otclr'])
   assert results['step'] == 4
   assert 'Drawing the figures failed' in caplog.text
 

@@ -4,17 +4,16 @@ The written script is checked line by line and then run by bash with fake
 `srun` and `scontrol` on the PATH that record what they were asked.
 """
 
+import json
 import os
 import shlex
+import signal
 import stat
 import subprocess
 import sys
 
 from launch import slurm
 from launch import sweep as sweep_lib
-import json
-import signal
-
 from tests.helpers import REPO
 from tests.helpers import STOPPABLE_CHILD
 from tests.helpers import sweep_file
@@ -117,13 +116,9 @@ def test_a_stopped_run_requeues_the_job_and_a_failure_does_not(tmp_path):
   assert (proc.returncode, len(calls)) == (1, 1)
 
 
-def _prepare(path):
-  path.mkdir(parents=True, exist_ok=True)
-  return path
-
-
-def test_sweep_slurm_writes_a_multinode_job_for_a_one_run_sweep(tmp_path):
-  path = write_sweep(_prepare(tmp_path / 'files') / 's.py', tiny_grid())
+def test_sweep_slurm_writes_a_multinode_job_for_a_one_run_sweep(tmp_path,
+                                                                capsys):
+  path = write_sweep(tmp_path / 's.py', tiny_grid())
   workdir = tmp_path / 'sweep'
   assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
                          '--slurm', '--nodes=4', '--gpus_per_node=8']) == 0
@@ -134,17 +129,13 @@ def test_sweep_slurm_writes_a_multinode_job_for_a_one_run_sweep(tmp_path):
   (run,) = sweep_lib.load_sweep(path).runs(str(workdir))
   assert f'--workdir={run.workdir}' in argv and '--distributed' in argv
   assert not (workdir / 'sweep.sbatch').exists()
-
-
-def test_sweep_slurm_refuses_a_multinode_job_for_several_runs(tmp_path,
-                                                              capsys):
-  path = write_sweep(_prepare(tmp_path / 'files') / 's.py',
-                     tiny_grid(seeds=(0, 1)))
-  workdir = tmp_path / 'sweep'
-  assert sweep_lib.main(['sweep', f'--config={path}', f'--workdir={workdir}',
-                         '--slurm', '--nodes=2']) == 2
+  # A sweep of several runs gets none.
+  path = write_sweep(tmp_path / 's.py', tiny_grid(seeds=(0, 1)))
+  assert sweep_lib.main(['sweep', f'--config={path}',
+                         f'--workdir={tmp_path / "other"}', '--slurm',
+                         '--nodes=2']) == 2
   assert 'expands to 2 runs' in capsys.readouterr().err
-  assert not (workdir / 'run.sbatch').exists()
+  assert not (tmp_path / 'other' / 'run.sbatch').exists()
 
 
 def test_slurm_script_has_one_task_per_run(tmp_path):

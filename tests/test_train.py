@@ -55,16 +55,15 @@ def test_end_to_end_writes_logs_and_checkpoints(finished_run):
 
 
 def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
-                                          tmp_path, data_dir):
+                                          tmp_path):
   _, _, straight = finished_run
   config, stopped = stopped_run
   workdir = copy_run(stopped, tmp_path)
   assert checkpoint.Checkpointer(workdir).all_steps() == [2]
-  # Logging is free to change: every 3 steps, the resume logs steps 3 and 4
-  # alone, and says so (their means are not an uninterrupted run's).
-  resumed = train.train(tiny_config(data_dir, log_every_steps=3,
-                                    **{'monitor.every_steps': 0}),
-                        workdir).state
+  # Stopped again after step 3, then resumed to the end: steps 3 and 4 are
+  # logged alone, and say so (their means are not an uninterrupted run's).
+  assert train.train(config, workdir, stop_after_steps=1).status == 'stopped'
+  resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
   for a, b in zip(_params(straight), _params(resumed)):
     np.testing.assert_array_equal(a, b)
@@ -72,10 +71,10 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
              for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [(r['step'], r['steps_averaged']) for r in records] == [
       (2, 2), (3, 1), (4, 1)]
-  # TensorBoard hides the abandoned run's events from step 3 on.
+  # TensorBoard hides an abandoned run's events past the resumed step.
   events = _tensorboard_events(os.path.join(workdir, 'tensorboard'))
   starts = [e.step for e in events if e.session_log.status == 1]  # START
-  assert starts == [1, 3]
+  assert starts == [1, 3, 4]
 
 
 def _tensorboard_events(logdir):
@@ -126,14 +125,6 @@ def _sigterm_after_two_batches(monkeypatch):
       yield batch
 
   monkeypatch.setattr(data, 'train_batches', batches_then_sigterm)
-
-
-def test_sigterm_saves_and_stops(tmp_path, data_dir, monkeypatch):
-  _sigterm_after_two_batches(monkeypatch)
-  config = tiny_config(data_dir, checkpoint_every_steps=100)
-  state = train.train(config, str(tmp_path)).state
-  assert int(state.step) == 2
-  assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
 @pytest.mark.usefixtures('fresh_steps')
@@ -252,39 +243,6 @@ def test_weight_decay_only_on_kernels(data_dir):
   assert float(updates['alpha_logit']) == 0
 
 
-def test_learned_alpha_moves(tmp_path, data_dir):
-  config = tiny_config(data_dir, total_steps=2,
-                       **{'ot.learn_alpha': True, 'ot.beta': 1.0})
-  state = train.train(config, str(tmp_path)).state
-  assert float(state.params['alpha_logit']) != 0.0
-
-
-@pytest.mark.parametrize('bad, match', [
-    ({'method': 'swav'}, 'method'),
-    ({'views': 'mixup'}, 'views'),
-    ({'method': 'otclr', 'views': 'augment'}, 'otclr'),
-    ({'dtype': 'float16'}, 'dtype'),
-    ({'ot.grid_size': 16}, 'grid_size'),
-    ({'ot.alpha': 1.5}, 'alpha'),
-    ({'optim.name': 'adam'}, 'optim'),
-    ({'monitor.every_steps': -1}, 'monitor.every_steps'),
-    ({'monitor.every_steps': 3}, 'multiple of config.log_every_steps'),
-    ({'monitor.num_train': 0}, 'monitor.num_train'),
-    ({'monitor.num_test': 0}, 'monitor.num_test'),
-    # The run's method block and the convolution: negative temperatures had
-    # trained to exit 0, the rest failed as tracebacks after the lock.
-    ({'method': 'moco', 'moco.temperature': -0.2}, 'moco.temperature'),
-    ({'method': 'dino', 'dino.student_temp': -0.1}, 'dino.student_temp'),
-    ({'method': 'dino', 'dino.num_prototypes': 0}, 'dino.num_prototypes'),
-    ({'method': 'byol', 'byol.base_tau': 1.5}, r'byol.base_tau must lie in'),
-    ({'method': 'byol', 'byol.max_init_share': 0.0}, 'byol.max_init_share'),
-    ({'model.conv_impl': 'bogus'}, 'model.conv_impl'),
-])
-def test_bad_config_is_rejected(data_dir, bad, match):
-  with pytest.raises(ValueError, match=match):
-    experiment.validate_config(tiny_config(data_dir, **bad))
-
-
 def test_knn_monitor_is_logged_and_leaves_training_unchanged(
     finished_run, tmp_path, data_dir, caplog):
   monitored = tiny_config(data_dir, **{
@@ -314,11 +272,13 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
   assert len(progress[0]) <= 95, progress[0]
 
 
-def test_bfloat16_trains(tmp_path, data_dir):
+def test_bfloat16_trains_and_alpha_is_learned(tmp_path, data_dir):
   config = tiny_config(data_dir, dtype='bfloat16', total_steps=16,
-                       log_every_steps=1, checkpoint_every_steps=100,
-                       **{'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0})
+                       log_every_steps=1, checkpoint_every_steps=100, **{
+                           'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0,
+                           'ot.learn_alpha': True, 'ot.beta': 1.0})
   state = train.train(config, str(tmp_path)).state
+  assert float(state.params['alpha_logit']) != 0.0
   # Parameters and optimiser state stay float32; only activations are bf16.
   assert all(x.dtype == jnp.float32 for x in _params(state))
   losses_ = [json.loads(l)['loss'] for l in open(tmp_path / 'metrics.jsonl')]
@@ -437,10 +397,9 @@ def test_resume_with_other_settings_is_refused(stopped_run, tmp_path,
     with pytest.raises(experiment.ConfigError,
                        match=f'4-step run.*asks for {total}'):
       train.train(tiny_config(data_dir, total_steps=total), workdir)
-  # Settings that do not change the result are allowed; logging every 3
-  # steps, the step is `test_resume_matches_uninterrupted_run`'s.
-  same = tiny_config(data_dir, log_every_steps=3, **{
-      'monitor.every_steps': 0, 'eval.batch_size': 7})
+  # Settings that do not change the result are allowed.
+  same = tiny_config(data_dir, **{'monitor.every_steps': 0,
+                                  'eval.batch_size': 7})
   result = train.train(same, workdir, stop_after_steps=1)
   assert int(result.state.step) == 3
   assert rundir.read_config(workdir)['eval']['batch_size'] == 7
@@ -561,17 +520,37 @@ def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
   assert rundir.read_status(str(tmp_path))['state'] == 'failed'
 
 
-def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
-                                               monkeypatch):
+def test_sigterm_saves_stops_and_exits_with_the_stopped_status(
+    tmp_path, data_dir, monkeypatch):
   _sigterm_after_two_batches(monkeypatch)
   config = tiny_config(data_dir, checkpoint_every_steps=100)
   assert main.run(config, str(tmp_path)) == cli.EXIT_STOPPED == 75
+  assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
   status = rundir.read_status(str(tmp_path))
   assert (status['state'], status['step'], status['total_steps']) == (
       'stopped', 2, 4)
 
 
 @pytest.mark.parametrize('bad, match', [
+    ({'method': 'swav'}, 'method'),
+    ({'views': 'mixup'}, 'views'),
+    ({'method': 'otclr', 'views': 'augment'}, 'otclr'),
+    ({'dtype': 'float16'}, 'dtype'),
+    ({'ot.grid_size': 16}, 'grid_size'),
+    ({'ot.alpha': 1.5}, 'alpha'),
+    ({'optim.name': 'adam'}, 'optim'),
+    ({'monitor.every_steps': -1}, 'monitor.every_steps'),
+    ({'monitor.every_steps': 3}, 'multiple of config.log_every_steps'),
+    ({'monitor.num_train': 0}, 'monitor.num_train'),
+    ({'monitor.num_test': 0}, 'monitor.num_test'),
+    # The run's method block and the convolution: negative temperatures had
+    # trained to exit 0, the rest failed as tracebacks after the lock.
+    ({'method': 'moco', 'moco.temperature': -0.2}, 'moco.temperature'),
+    ({'method': 'dino', 'dino.student_temp': -0.1}, 'dino.student_temp'),
+    ({'method': 'dino', 'dino.num_prototypes': 0}, 'dino.num_prototypes'),
+    ({'method': 'byol', 'byol.base_tau': 1.5}, r'byol.base_tau must lie in'),
+    ({'method': 'byol', 'byol.max_init_share': 0.0}, 'byol.max_init_share'),
+    ({'model.conv_impl': 'bogus'}, 'model.conv_impl'),
     ({'ot.epsilon': 0.0}, 'ot.epsilon must be > 0'),
     ({'ot.epsilon': 1e-5}, r'ot.epsilon=1e-05 is below 0.01145'),
     ({'ot.num_iters': 0}, 'ot.num_iters'),
@@ -594,9 +573,11 @@ def test_sigterm_exits_with_the_stopped_status(tmp_path, data_dir,
     ({'dino.optim.base_lr': float('nan')}, 'dino.optim.base_lr must be finite'),
 ])
 def test_whole_config_is_checked_before_anything_is_created(
-    tmp_path, data_dir, bad, match, caplog):
+    tmp_path, bad, match, caplog):
   workdir = str(tmp_path / 'run')
   config = tiny_config(str(tmp_path / 'data'), **bad)
+  with pytest.raises(experiment.ConfigError, match=match):
+    experiment.validate_config(config)
   with pytest.raises(experiment.ConfigError, match=match):
     evaluate.validate(config)
   assert_usage_error(caplog, match,
