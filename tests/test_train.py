@@ -349,7 +349,7 @@ def test_resume_skips_a_non_finite_checkpoint(finished_run, stopped_run,
   config, stopped = stopped_run
   workdir = copy_run(stopped, tmp_path)
   bad = state.replace(step=3, batch_stats=jax.tree_util.tree_map(
-      lambda v: v * jnp.inf, state.batch_stats))
+      lambda v: np.asarray(v) * np.inf, state.batch_stats))
   ckpt = checkpoint.Checkpointer(workdir)
   ckpt.save(3, bad)
   ckpt.close()
