@@ -25,7 +25,7 @@ from tests.helpers import SignalsInAFinaliser
 from tests.helpers import tiny_config
 from tests.helpers import tiny_grid
 from tests.helpers import write_sweep
-from tests.folder_trees import save_image
+from tests.folder_trees import random_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = ['--config=configs/digits.py', '--config.total_steps=2',
@@ -44,11 +44,12 @@ def _check_one_line(err, status, expected, match):
             if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm'))]
   assert len(errors) == 1, err
   assert match in errors[0], errors[0]
+  return errors[0]
 
 
 # ----------------------------------------------------------------------------
 # python -m otclr_jax.main and python -m otclr_jax.bench: one process each,
-# started together (each start imports JAX).
+# six started together (each start imports JAX).
 
 
 def _main_cases(root, data_dir):
@@ -60,13 +61,12 @@ def _main_cases(root, data_dir):
   (diverged / rundir.STATUS_FILE).write_text(json.dumps(
       {'state': 'diverged', 'step': 3, 'total_steps': 10}))
   tree = root / 'tree'
-  for cls in ('a', 'b'):
-    for i in range(3):
-      save_image(str(tree), 'train', cls, f'{i}.png',
-                 __import__('numpy').zeros((8, 8, 3), 'uint8'))
+  random_tree(str(tree), {'train': {'a': 3, 'b': 3}}, size=8)
   os.symlink(str(root / 'gone.png'), str(tree / 'train' / 'a' / 'x.png'))
+  (root / 'locked').mkdir()
   main = [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
           f'--config.data_dir={data_dir}']
+  bench = [sys.executable, '-m', 'otclr_jax.bench']
   return [
       ('negative seed', main + ['--config.seed=-1', f'--workdir={root}/w1'],
        2, 'config.seed', [root / 'w1']),
@@ -75,9 +75,8 @@ def _main_cases(root, data_dir):
        2, 'config.seed', [root / 'w2']),
       ('workdir is a file', main + [f'--workdir={afile}/run'], 2,
        'not a directory', []),
-      ('data_dir is a file', [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
-                              f'--config.data_dir={afile}',
-                              f'--workdir={root}/w3'],
+      ('data_dir is a file', main + [f'--config.data_dir={afile}',
+                                     f'--workdir={root}/w3'],
        2, 'data_dir', [root / 'w3']),
       ('moco queue below the batch', main + [
           '--config.method=moco', '--config.moco.queue_size=8',
@@ -97,25 +96,60 @@ def _main_cases(root, data_dir):
           "--config.eval.evaluators=('probe', 'nope')",
           '--config.eval.at_end=False', f'--workdir={root}/w7'], 2,
        'eval.evaluators', [root / 'w7']),
-      ('bench without a subcommand', [sys.executable, '-m', 'otclr_jax.bench'],
-       2, 'subcommand', []),
+      ('a typo in an override', main + [
+          '--config.ot.epsilo=0.1', f'--workdir={root}/w8'], 2,
+       'Did you mean "epsilon"', [root / 'w8']),
+      ('an epsilon too small', main + [
+          '--config.ot.epsilon=1e-5', f'--workdir={root}/w9'], 2,
+       'below 0.01145', [root / 'w9']),
+      ('a missing config file', main + [
+          '--config=configs/nope.py', f'--workdir={root}/w10'], 2,
+       'cannot load --config=configs/nope.py', [root / 'w10']),
+      ('a batch larger than the data', main + [
+          '--config.batch_size=4096', f'--workdir={root}/w11'], 2,
+       'batch_size=4096 is larger than digits/train', []),
+      ('half the distributed settings', main + [
+          '--num_processes=2', f'--workdir={root}/w12'], 2,
+       '--coordinator_address', [root / 'w12']),
+      ('evaluating a workdir another evaluation holds', main + [
+          '--config.mode=eval', f'--workdir={root}/locked'], cli.EXIT_LOCKED,
+       f'{root}/locked is in use by process {os.getpid()}',
+       [root / 'locked' / 'eval']),
+      ('bench without a subcommand', bench, 2, 'subcommand', []),
+      ('bench flags out of range', bench + ['ot', '--repeats=0'], 2,
+       'error: --repeats must be >= 1, got 0.', []),
+      ('bench config typo', bench + [
+          'train', '--config=configs/digits.py', '--config.optim.baselr=1'],
+       2, "FATAL Flags parsing error: unknown config field 'baselr'", []),
   ]
 
 
 def test_the_command_lines_refuse_bad_inputs_in_one_line(tmp_path, data_dir):
   cases = _main_cases(tmp_path, data_dir)
-  procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-           for _, argv, *_ in cases]
+  # Not the user's: JAX's cluster variables, were they set here.
+  env = {k: v for k, v in os.environ.items() if k not in (
+      'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')}
   failures = []
-  for (name, _, status, match, absent), proc in zip(cases, procs):
-    _, err = proc.communicate(timeout=600)
-    try:
-      _check_one_line(err, proc.returncode, status, match)
-      for path in absent:
-        assert not os.path.exists(path), f'{path} was created'
-    except AssertionError as e:
-      failures.append(f'{name}: {e}')
+  with rundir.lock(str(tmp_path / 'locked'), rundir.EVAL_LOCK_FILE):
+    for start in range(0, len(cases), 6):
+      batch = cases[start:start + 6]
+      procs = [subprocess.Popen(argv, cwd=REPO, env=env, text=True,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+               for _, argv, *_ in batch]
+      for (name, argv, status, match, absent), proc in zip(batch, procs):
+        _, err = proc.communicate(timeout=600)
+        try:
+          line = _check_one_line(err, proc.returncode, status, match)
+          lines = err.strip().splitlines()
+          # The error is what the user sees first (bench's flags) or last,
+          # not buried above a traceback; no usage text, no JAX probe.
+          assert line in (lines[:1] if 'bench' in argv[2] else lines[-2:])
+          assert 'flags:' not in err and "backend 'tpu'" not in err, err
+          for path in absent:
+            assert not os.path.exists(path), f'{path} was created'
+        except AssertionError as e:
+          failures.append(f'{name}: {e}')
   assert not failures, '\n\n'.join(failures)
 
 

@@ -5,8 +5,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import types
 
 import flax.linen as nn
@@ -516,20 +514,6 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   # An explicit step that is gone stays an error.
   with pytest.raises(ValueError, match=r'available steps: \[4\]'):
     evaluate.restore(config, str(workdir), step=2)
-
-
-def test_command_line_takes_the_eval_lock(tmp_path):
-  workdir = str(tmp_path / 'run')
-  os.makedirs(workdir)
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with rundir.lock(workdir, rundir.EVAL_LOCK_FILE):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
-         f'--workdir={workdir}', '--config.mode=eval'],
-        cwd=repo, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == cli.EXIT_LOCKED, proc.stderr[-2000:]
-  assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
-  assert not os.path.exists(os.path.join(workdir, 'eval'))
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def test_round_trip_equals_full_model_features(tmp_path, trained):
 
 
 def test_bad_inputs(tmp_path, trained):
+  from otclr_jax import ot  # pylint: disable=g-import-not-at-top
   config, _, variables, x = trained
   path = str(tmp_path / 'encoder.msgpack')
   export.export_encoder(path, variables, config.to_dict())
@@ -71,6 +72,22 @@ def test_bad_inputs(tmp_path, trained):
     apply_fn(loaded, np.zeros((1, 8, 8, 3), np.uint8))
   with pytest.raises(ValueError, match=r'\[B, H, W, 3\]'):
     apply_fn(loaded, x[0])
+  with pytest.raises(ValueError, match='image_size 8'):
+    apply_fn(loaded, np.zeros((2, 16, 16, 3), np.float32))
+  # One input contract with the OT functions: images in [0, 1].
+  bytes_as_float = x * 255
+  with pytest.raises(ValueError, match=r'\[0, 1\]'):
+    ot.ot_views(bytes_as_float, bytes_as_float, grid_size=4)
+  with pytest.raises(ValueError, match=r'\[0, 1\]'):
+    apply_fn(loaded, bytes_as_float)
+  with pytest.raises(ValueError, match='NaN'):
+    apply_fn(loaded, np.full((1, 8, 8, 3), np.nan, np.float32))
+  # Traced images cannot raise: out-of-range ones give NaN features, as OT
+  # views give NaN views.
+  poisoned = jax.jit(apply_fn)(loaded, bytes_as_float)
+  assert np.isnan(np.asarray(poisoned)).all()
+  np.testing.assert_array_equal(jax.jit(apply_fn)(loaded, x),
+                                apply_fn(loaded, x))
   with pytest.raises(ValueError, match="need 'batch_stats'"):
     export.export_encoder(path, {'params': variables['params']}, config)
   junk = tmp_path / 'junk.msgpack'
@@ -105,7 +122,8 @@ def _as_float(images):
   return images.astype(jnp.float32) / 255.0
 
 
-def test_finished_run_exports_its_encoder(finished_run):
+def test_a_finished_run_exports_its_encoder(finished_run, stopped_run):
+  assert not os.path.exists(export.encoder_path(stopped_run[1]))
   config, workdir, _ = finished_run
   path = export.encoder_path(workdir)
   assert path == os.path.join(workdir, 'encoder', 'encoder.msgpack')
@@ -120,11 +138,6 @@ def test_finished_run_exports_its_encoder(finished_run):
   spelled = dict(config.to_dict(), method='simclr', views='ot')
   export.export_encoder(path + '.ot', variables, spelled)
   assert export.load_encoder_config(path + '.ot')['views'] == 'ot'
-
-
-def test_stopped_run_exports_nothing(stopped_run):
-  _, workdir = stopped_run
-  assert not os.path.exists(export.encoder_path(workdir))
 
 
 def test_command_line_exports_an_older_step(finished_run, tmp_path, capsys):
@@ -202,40 +215,6 @@ def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
   assert code == cli.EXIT_CANT_CREATE, err
   assert err.count('\n') == 1 and out in err
   assert 'Traceback' not in err and os.listdir(locked) == []
-
-
-# ----------------------------------------------------------------------------
-# One input contract with the OT functions; architecture checked at load.
-
-
-def test_apply_fn_refuses_images_outside_0_1_like_ot_views(tmp_path, trained):
-  from otclr_jax import ot  # pylint: disable=g-import-not-at-top
-  config, _, variables, x = trained
-  path = str(tmp_path / 'encoder.msgpack')
-  export.export_encoder(path, variables, config)
-  apply_fn, loaded = export.load_encoder(path)
-  bytes_as_float = np.asarray(x) * 255
-  with pytest.raises(ValueError, match=r'\[0, 1\]'):
-    ot.ot_views(bytes_as_float, bytes_as_float, grid_size=4)
-  with pytest.raises(ValueError, match=r'\[0, 1\]'):
-    apply_fn(loaded, bytes_as_float)
-  with pytest.raises(ValueError, match='NaN'):
-    apply_fn(loaded, np.full((1, 8, 8, 3), np.nan, np.float32))
-  # Traced images cannot raise: out-of-range ones give NaN features, as OT
-  # views give NaN views.
-  poisoned = jax.jit(apply_fn)(loaded, bytes_as_float)
-  assert np.isnan(np.asarray(poisoned)).all()
-  np.testing.assert_array_equal(jax.jit(apply_fn)(loaded, x),
-                                apply_fn(loaded, x))
-
-
-def test_apply_fn_refuses_another_image_size(tmp_path, trained):
-  config, _, variables, _ = trained
-  path = str(tmp_path / 'encoder.msgpack')
-  export.export_encoder(path, variables, config)
-  apply_fn, loaded = export.load_encoder(path)
-  with pytest.raises(ValueError, match='image_size 8'):
-    apply_fn(loaded, np.zeros((2, 16, 16, 3), np.float32))
 
 
 def test_an_architecture_that_does_not_match_the_weights_fails_at_load(
