@@ -41,7 +41,8 @@ def _check_one_line(err, status, expected, match):
   assert status == expected, err
   assert 'Traceback' not in err, err
   errors = [line for line in err.splitlines()
-            if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm'))]
+            if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm',
+                                'Usage', '--aggregate_only'))]
   assert len(errors) == 1, err
   assert match in errors[0], errors[0]
   return errors[0]
@@ -210,6 +211,9 @@ def _in_process_cases(root, data_dir):
   outdir.mkdir()
   bad_png = root / 'bad.png'
   bad_png.write_bytes(b'\x89PNG\r\n\x1a\n' + b'\0' * 20)
+  slurm = ['slurm', '--config=configs/digits.py']
+  sweep = ['sweep', f'--config={write_sweep(root / "s.py", tiny_grid())}',
+           f'--workdir={root}/out']
   metrics = root / 'metrics_run'
   metrics.mkdir()
   (metrics / rundir.METRICS_FILE).write_text(
@@ -241,6 +245,54 @@ def _in_process_cases(root, data_dir):
       ('slurm into a file', slurm_lib.main,
        ['slurm', '--config=configs/digits.py', f'--workdir={afile}/x',
         '--nodes=2', '--gpus_per_node=1'], 2, 'not a directory', []),
+      ('slurm of a bad config', slurm_lib.main, slurm + [
+          f'--workdir={root}/j1', '--nodes=2', '--config.batch_size=1'], 2,
+       'batch_size', [root / 'j1']),
+      ('slurm on no nodes', slurm_lib.main, slurm + [
+          f'--workdir={root}/j2', '--nodes=0'], 2, '>= 1 node',
+       [root / 'j2']),
+      # absl's other spellings pass the check but a job would drop or misread
+      # them (--noconfig.x vanished; --config.x v took the next flag as v).
+      *(('slurm with another override spelling', slurm_lib.main, slurm + [
+          f'--workdir={root}/j3', '--nodes=2', *flags], 2,
+         'give config overrides as --config.a.b=v', [root / 'j3'])
+        for flags in (['--noconfig.optim.clip_lr'],
+                      ['--config.data_dir', '/data'])),
+      ('sweep with an override typo', sweep_lib.main, sweep + [
+          '--config.ot.epsilonn=0.1'], 2, 'Did you mean "epsilon"', []),
+      *(('sweep with another override spelling', sweep_lib.main,
+         sweep + [flag], 2, '', []) for flag in (
+             '--override=ot.epsilon=0.1', '--config.ot.epsilon')),
+      # A swept key set on the command line too would be ambiguous.
+      ('sweep setting a swept key', sweep_lib.main,
+       sweep + ['--config.seed=3'], 2, 'sweeps config.seed', []),
+      # One array task's index means nothing to a job or a summary of them.
+      *(('one index of a sweep job or summary', sweep_lib.main,
+         sweep + ['--only_index=0', mode], 2, 'Usage', [])
+        for mode in ('--slurm', '--aggregate_only')),
+      ('summary of no directory', sweep_lib.main, [
+          'sweep', f'--workdir={root}/typo', '--aggregate_only'], 2,
+       f'{root}/typo does not exist', [root / 'typo']),
+      ('interpolation into a JPEG', figures_cli.main, [
+          'figures', 'interpolation', f'--out={root}/fig.jpg', '--size=16'],
+       2, '.png', []),
+      # It had printed "0 figure(s)" with status 0.
+      ('report of nothing', figures_cli.main, [
+          'figures', 'report', f'--workdir={outdir}'], 2, 'no figure drawn',
+       []),
+      *(('report of no run', figures_cli.main, [
+          'figures', 'report', *flags, f'{flag}={root}/no'], 2,
+         f'{flag}={root}/no is not a run directory', [])
+        for flag, flags in (('--workdir', []),
+                            ('--compare', [f'--workdir={outdir}']))),
+      # One parser with main: a typo fails with a suggestion instead of
+      # adding a field and leaving epsilon unchanged.
+      ('figures with an override typo', figures_cli.main, [
+          'figures', 'tsne', f'--workdir={run}', '--config=configs/digits.py',
+          '--config.ot.epsilonn=0.1'], 2, 'Did you mean "epsilon"', []),
+      ('figures of no kind', figures_cli.main, [
+          'figures', 'nosuch', f'--workdir={run}'], 2, '', []),
+      ('figures of no run', figures_cli.main, ['figures', 'tsne'], 2, '', []),
   ]
 
 

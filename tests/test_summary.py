@@ -171,13 +171,6 @@ def test_results_of_an_earlier_run_in_the_directory_are_not_averaged(
   assert 'seed: 0 -> 1' in excluded['why']
 
 
-def test_aggregate_only_refuses_a_missing_directory(tmp_path, capsys):
-  missing = str(tmp_path / 'typo')
-  assert aggregate_only(missing) == 2
-  assert f'{missing} does not exist' in capsys.readouterr().err
-  assert not os.path.exists(missing)
-
-
 def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
   # The example of launch/sweep.py's docstring: seeds x ot.epsilon. Results
   # written before they carried their config are identified by

@@ -209,8 +209,8 @@ def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
 def test_learning_rate_schedule(data_dir):
   config = tiny_config(data_dir, batch_size=512)
   config.optim.warmup_epochs = 2
-  schedule = optim.learning_rate_schedule(config, steps_per_epoch=10,
-                                               total_steps=100)
+  schedule = jax.jit(optim.learning_rate_schedule(
+      config, steps_per_epoch=10, total_steps=100))
   peak = config.optim.base_lr * 2
   assert float(schedule(0)) == 0.0
   # optax in float32. The warm-up: the peak (1), the fraction 10 / 20 and
@@ -228,16 +228,13 @@ def test_learning_rate_schedule(data_dir):
 
 def test_weight_decay_only_on_kernels(data_dir):
   config = tiny_config(data_dir, **{'ot.learn_alpha': True})
-  params = {'net': {'conv': {'kernel': jnp.ones((3, 3, 1, 1)),
-                             'bias': jnp.ones((1,))}},
-            'alpha_logit': jnp.zeros(())}
-  tx = optim.create_optimizer(config, optax.constant_schedule(0.0))
-  updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params),
-                         tx.init(params), params)
-  # With lr = 0 nothing moves; with lr = 1 only the decayed kernel would.
-  tx1 = optim.create_optimizer(config, optax.constant_schedule(1.0))
-  updates, _ = tx1.update(jax.tree_util.tree_map(jnp.zeros_like, params),
-                          tx1.init(params), params)
+  params = {'net': {'conv': {'kernel': np.ones((3, 3, 1, 1), np.float32),
+                             'bias': np.ones((1,), np.float32)}},
+            'alpha_logit': np.zeros((), np.float32)}
+  tx = optim.create_optimizer(config, optax.constant_schedule(1.0))
+  # With lr = 1 and zero gradients only the decayed kernel moves.
+  updates = jax.jit(lambda p: tx.update(
+      jax.tree_util.tree_map(jnp.zeros_like, p), tx.init(p), p)[0])(params)
   assert float(jnp.abs(updates['net']['conv']['kernel']).sum()) > 0
   assert float(jnp.abs(updates['net']['conv']['bias']).sum()) == 0
   assert float(updates['alpha_logit']) == 0
@@ -313,32 +310,26 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
                                                 monkeypatch):
   _poison_batch_stats_at(monkeypatch, 4)
   config = tiny_config(data_dir, method='simclr')
+  workdir = str(tmp_path / 'a')
   with pytest.raises(train.DivergedError,
                      match=r'step 4: non-finite batch_stats.*step 2 in'):
-    train.train(config, str(tmp_path))
-  assert checkpoint.Checkpointer(str(tmp_path)).all_steps() == [2]
-  assert rundir.read_status(str(tmp_path))['state'] == 'diverged'
-
-
-@pytest.mark.usefixtures('fresh_steps')
-def test_divergence_before_any_checkpoint_says_so(tmp_path, data_dir,
-                                                  monkeypatch):
-  # The poisoned step of test_non_finite_state_is_never_checkpointed, its
-  # program compiled once for both; no checkpoint before the run's end.
-  _poison_batch_stats_at(monkeypatch, 4)
-  config = tiny_config(data_dir, method='simclr', checkpoint_every_steps=100)
+    train.train(config, workdir)
+  assert checkpoint.Checkpointer(workdir).all_steps() == [2]
+  assert rundir.read_status(workdir)['state'] == 'diverged'
+  # A divergence before any checkpoint says so.
+  config.checkpoint_every_steps = 100
+  workdir = str(tmp_path / 'b')
   with pytest.raises(train.DivergedError,
                      match='step 4: .*No checkpoint was saved yet'):
-    train.train(config, str(tmp_path))
-  assert main.run(config, str(tmp_path)) == cli.EXIT_DIVERGED
+    train.train(config, workdir)
+  assert main.run(config, workdir) == cli.EXIT_DIVERGED
   # Nothing to resume: a retry with other settings starts afresh, with the
   # real step again.
   monkeypatch.undo()
   step_lib.clear_compiled_steps()
   retry = tiny_config(data_dir, seed=1)
-  assert train.train(retry, str(tmp_path), stop_after_steps=1).status == (
-      'stopped')
-  assert rundir.read_config(str(tmp_path))['seed'] == 1
+  assert train.train(retry, workdir, stop_after_steps=1).status == 'stopped'
+  assert rundir.read_config(workdir)['seed'] == 1
 
 
 def test_resume_skips_a_non_finite_checkpoint(finished_run, stopped_run,
@@ -488,36 +479,31 @@ def test_a_damaged_metrics_file_refuses_the_resume_before_any_write(
   assert {name: (workdir / name).read_bytes() for name in before} == before
 
 
-def test_a_checkpoint_that_cannot_fit_fails_before_orbax_writes(
-    tmp_path, data_dir, monkeypatch, caplog):
-  usage = checkpoint.shutil.disk_usage
-  monkeypatch.setattr(checkpoint.shutil, 'disk_usage',
-                      lambda path: usage(path)._replace(free=1000))
-  caplog.set_level('INFO')
+@pytest.mark.parametrize('full', ['checkpoint', 'metrics'])
+def test_a_full_disk_ends_with_one_line_naming_the_path(
+    tmp_path, data_dir, monkeypatch, caplog, full):
   workdir = str(tmp_path / 'run')
-  assert main.run(tiny_config(data_dir), workdir) == 1
-  errors = [r for r in caplog.records if r.levelname == 'ERROR']
-  assert len(errors) == 1, [r.getMessage() for r in errors]
-  assert errors[0].getMessage().startswith(
-      f'Disk full: could not write {workdir}/checkpoints/2 (No space left')
-  assert not os.listdir(os.path.join(workdir, 'checkpoints'))
-  assert rundir.read_status(workdir)['state'] == 'failed'
+  if full == 'checkpoint':  # found before Orbax writes
+    usage = checkpoint.shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, 'disk_usage',
+                        lambda path: usage(path)._replace(free=1000))
+    path = f'{workdir}/checkpoints/2'
+  else:
+    path = os.path.join(workdir, 'metrics.jsonl')
 
+    def write(*_):
+      raise OSError(errno.ENOSPC, 'No space left on device', path)
 
-def test_disk_full_ends_with_one_line_naming_the_path(tmp_path, data_dir,
-                                                      monkeypatch, caplog):
-  path = str(tmp_path / 'metrics.jsonl')
-
-  def full(self, step, metrics, steps):
-    raise OSError(errno.ENOSPC, 'No space left on device', path)
-
-  monkeypatch.setattr(train.MetricLogger, 'write', full)
+    monkeypatch.setattr(train.MetricLogger, 'write', write)
   caplog.set_level('INFO')
-  assert main.run(tiny_config(data_dir), str(tmp_path)) == 1
-  last = caplog.records[-1]
-  assert last.levelname == 'ERROR'
-  assert f'Disk full: could not write {path}' in last.getMessage()
-  assert rundir.read_status(str(tmp_path))['state'] == 'failed'
+  assert main.run(tiny_config(data_dir), workdir) == 1
+  errors = [r.getMessage() for r in caplog.records if r.levelname == 'ERROR']
+  assert len(errors) == 1 and caplog.records[-1].levelname == 'ERROR', errors
+  assert errors[0].startswith(
+      f'Disk full: could not write {path} (No space left'), errors
+  if full == 'checkpoint':
+    assert not os.listdir(os.path.join(workdir, 'checkpoints'))
+  assert rundir.read_status(workdir)['state'] == 'failed'
 
 
 def test_sigterm_saves_stops_and_exits_with_the_stopped_status(
