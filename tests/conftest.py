@@ -192,14 +192,14 @@ def evaluated_run(finished_run, shared_dir):
 def simclr_run(shared_dir, data_dir):
   """(config, workdir) of `eval_config` SimCLR, seed 1, trained and evaluated.
 
-  Another method and seed than `finished_run`'s, and a setting of another
-  method (MoCo's queue of 32) that no config file has; evaluated on
-  `small_digits` without figures. Tests copy it to change it.
+  Another method, seed and temperature than `finished_run`'s and the config
+  files'; evaluated on `small_digits` without figures. Tests copy it to
+  change it.
   """
   from otclr_jax import main, train  # pylint: disable=g-import-not-at-top
   from tests import helpers  # pylint: disable=g-import-not-at-top
   config = helpers.eval_config(data_dir, method='simclr', seed=1, **{
-      'moco.queue_size': 32, 'eval.figures': False})
+      'loss.temperature': 0.2, 'eval.figures': False})
 
   def build(folder):
     workdir = str(folder / 'run')

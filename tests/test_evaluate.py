@@ -25,6 +25,7 @@ from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
 from tests.folder_trees import save_image
+from tests.helpers import assert_trees_equal
 from tests.helpers import copy_run
 from tests.helpers import eval_config
 from tests.helpers import resnet_chain
@@ -33,6 +34,7 @@ from tests.helpers import SMALL_DIGITS
 from tests.helpers import small_digits
 from tests.helpers import tiny_config
 from tests.helpers import traces
+from tests.helpers import truncate_checkpoint
 
 
 def _evaluate(config, workdir, step=None):
@@ -462,17 +464,11 @@ def test_restore_falls_back_past_a_truncated_newest_checkpoint(
   config, finished, _ = finished_run
   workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
-  # What a crash mid-write leaves: the newest checkpoint's data cut short.
-  data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
-  for path in data.iterdir():
-    with open(path, 'r+b') as f:
-      f.truncate(10)
+  truncate_checkpoint(workdir, 4)  # as a crash mid-write leaves it
   caplog.set_level('WARNING')
   _, state, step = evaluate.restore(config, str(workdir))
   assert step == 2
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
-                  jax.tree_util.tree_leaves(jax.device_get(state))):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(expected, state)
   skipped = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith('Skipping checkpoint')]
   assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]
@@ -506,9 +502,7 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   caplog.set_level('INFO')
   _, restored, step = evaluate.restore(config, str(workdir))
   assert (step, calls) == (4, [2, 4])
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
-                  jax.tree_util.tree_leaves(jax.device_get(restored))):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(expected, restored)
   assert any('deleted while being read' in r.getMessage()
              for r in caplog.records)
   # An explicit step that is gone stays an error.
@@ -550,9 +544,7 @@ def test_checkpoint_without_extra_state_still_evaluates(finished_run,
   ckpt.close()
   _, restored, step = evaluate.restore(config, workdir)
   assert step == 5
-  for a, b in zip(jax.tree_util.tree_leaves(expected),
-                  jax.tree_util.tree_leaves(restored)):
-    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  assert_trees_equal(expected, restored)
 
 
 def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):

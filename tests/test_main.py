@@ -30,7 +30,7 @@ from tests.helpers import tiny_config
 
 
 # `simclr_run`'s settings.
-RUN = {'method': 'simclr', 'seed': 1, 'moco.queue_size': 32}
+RUN = {'method': 'simclr', 'seed': 1, 'loss.temperature': 0.2}
 
 
 def _config(data_dir, **overrides):
@@ -60,8 +60,8 @@ def test_evaluation_uses_the_runs_own_settings(workdir, data_dir,
       'simclr', 'SimCLR', 1)
   with open(os.path.join(workdir, 'eval', 'config.json')) as f:
     stored = json.load(f)
-  assert (stored['method'], stored['seed'], stored['moco']['queue_size']) == (
-      'simclr', 1, 32)
+  assert (stored['method'], stored['seed'], stored['loss']['temperature']) == (
+      'simclr', 1, 0.2)
   with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
     assert '| SimCLR' in f.read()
 
@@ -82,8 +82,7 @@ def test_evaluation_refuses_a_flag_that_contradicts_the_run(workdir,
 
 def test_deleted_config_json_still_guards_the_resume(workdir, data_dir):
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
-  other = _config(data_dir, method='simclr', seed=4, **{'moco.queue_size': 32,
-                                                      'ot.epsilon': 0.1})
+  other = _config(data_dir, **{**RUN, 'seed': 4, 'ot.epsilon': 0.1})
   with pytest.raises(experiment.ConfigError,
                      match=r'ot.epsilon: 0.05 -> 0.1; seed: 1 -> 4'):
     train.train(other, workdir)

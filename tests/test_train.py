@@ -29,17 +29,15 @@ from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
 from otclr_jax.evaluation import evaluate
+from tests.helpers import assert_trees_equal
 from tests.helpers import assert_usage_error
 from tests.helpers import copy_run
 from tests.helpers import rounding_tol
 from tests.helpers import tiny_config
 from tests.helpers import traces
+from tests.helpers import truncate_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _params(state):
-  return jax.tree_util.tree_leaves(jax.device_get(state.params))
 
 
 def test_end_to_end_writes_logs_and_checkpoints(finished_run):
@@ -65,8 +63,7 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
   assert train.train(config, workdir, stop_after_steps=1).status == 'stopped'
   resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
-  for a, b in zip(_params(straight), _params(resumed)):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(straight.params, resumed.params)
   records = [json.loads(l)
              for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [(r['step'], r['steps_averaged']) for r in records] == [
@@ -107,11 +104,8 @@ def test_checkpointed_resume_keeps_every_method_state(tmp_path, data_dir,
   first = train.train(config, str(tmp_path / 'b'), stop_after_steps=2).state
   assert int(first.step) == 2
   resumed = train.train(config, str(tmp_path / 'b')).state
-  a, b = jax.device_get(straight), jax.device_get(resumed)
-  assert a.extra and (jax.tree_util.tree_structure(a)
-                      == jax.tree_util.tree_structure(b))
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    np.testing.assert_array_equal(x, y)
+  assert straight.extra
+  assert_trees_equal(straight, resumed)
 
 
 def _sigterm_after_two_batches(monkeypatch):
@@ -188,22 +182,17 @@ def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
   reference = jax.jit(functools.partial(
       step_lib.init_state, config, run.method, run.model, run.tx))(
           experiment.init_key(config))
-  leaves = jax.tree_util.tree_leaves(state)
-  for got, want in zip(leaves, jax.tree_util.tree_leaves(reference),
-                       strict=True):
-    np.testing.assert_array_equal(got, want)
+  assert_trees_equal(state, reference)
   # No two leaves share a buffer (a train step donates the state).
-  pointers = [x.unsafe_buffer_pointer() for x in leaves]
+  pointers = [x.unsafe_buffer_pointer()
+              for x in jax.tree_util.tree_leaves(state)]
   assert len(set(pointers)) == len(pointers)
   with traces() as traced:
     floor = experiment.initial_variables(config)
   # The floor reuses the init training compiled.
   assert 'init' not in traced, traced
-  for got, want in zip(jax.tree_util.tree_leaves(floor),
-                       jax.tree_util.tree_leaves(
-                           {'params': state.params['net'],
-                            'batch_stats': state.batch_stats}), strict=True):
-    np.testing.assert_array_equal(got, want)
+  assert_trees_equal(floor, {'params': state.params['net'],
+                             'batch_stats': state.batch_stats})
 
 
 def test_learning_rate_schedule(data_dir):
@@ -250,12 +239,8 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
                              make_monitor=main.make_monitor).state
   lines = [r.getMessage() for r in caplog.records]
   _, plain_workdir, without = finished_run  # no make_monitor: no monitor
-  for a, b in zip(_params(with_monitor), _params(without)):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(
-      jax.tree_util.tree_leaves(jax.device_get(with_monitor.batch_stats)),
-      jax.tree_util.tree_leaves(jax.device_get(without.batch_stats))):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal((with_monitor.params, with_monitor.batch_stats),
+                     (without.params, without.batch_stats))
   read = lambda run: [json.loads(l) for l in open(os.path.join(
       run, 'metrics.jsonl'))]
   records = read(tmp_path / 'a')
@@ -277,7 +262,8 @@ def test_bfloat16_trains_and_alpha_is_learned(tmp_path, data_dir):
   state = train.train(config, str(tmp_path)).state
   assert float(state.params['alpha_logit']) != 0.0
   # Parameters and optimiser state stay float32; only activations are bf16.
-  assert all(x.dtype == jnp.float32 for x in _params(state))
+  assert all(x.dtype == jnp.float32
+             for x in jax.tree_util.tree_leaves(state.params))
   losses_ = [json.loads(l)['loss'] for l in open(tmp_path / 'metrics.jsonl')]
   assert len(losses_) == 16 and all(np.isfinite(losses_))
   assert np.mean(losses_[-4:]) < np.mean(losses_[:4]) - 0.1
@@ -403,12 +389,8 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
   workdir = pathlib.Path(copy_run(straight_workdir, tmp_path))
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
   # half-written metrics line.
-  data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
-  truncated = sorted(path.name for path in data.iterdir())
+  truncated = truncate_checkpoint(workdir, 4)
   assert truncated
-  for name in truncated:
-    with open(data / name, 'r+b') as f:
-      f.truncate(10)
   with open(workdir / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 5, "lo')
   caplog.set_level('INFO')
@@ -431,8 +413,7 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
   assert any('torn last line 3 of' in m and 'metrics.jsonl' in m
              for m in messages)
   assert int(resumed.step) == 4
-  for a, b in zip(_params(straight), _params(resumed)):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(straight.params, resumed.params)
   steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
   assert steps == [2, 4]
   assert checkpoint.Checkpointer(str(workdir)).all_steps() == [2, 4]
@@ -442,18 +423,14 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
   finally:
     reader.close()
   assert step == 4
-  for a, b in zip(_params(straight), _params(restored)):
-    np.testing.assert_array_equal(a, b)
+  assert_trees_equal(straight.params, restored.params)
 
 
 def test_no_checkpoint_that_restores_ends_with_one_line(stopped_run, tmp_path,
                                                         caplog):
   config, stopped = stopped_run
   workdir = pathlib.Path(copy_run(stopped, tmp_path))
-  data = workdir / 'checkpoints' / '2' / 'default' / 'ocdbt.process_0' / 'd'
-  for path in data.iterdir():
-    with open(path, 'r+b') as f:
-      f.truncate(10)
+  truncate_checkpoint(workdir, 2)
   for mode in ('train', 'eval'):
     caplog.clear()
     run_config = config.copy_and_resolve_references()
