@@ -14,9 +14,7 @@ from otclr_jax.bench import common
 from otclr_jax.bench import ot_views
 from otclr_jax import ot
 from otclr_jax.evaluation.probe import linear_probe
-from tests.helpers import copy_run
-from tests.helpers import EPS64
-from tests.helpers import rounding_tol
+from tests import helpers
 
 TINY = ['ot', '--batch_sizes=2,3', '--repeats=1', '--image_size=8',
         '--grid_size=4', '--num_iters=3', '--min_time_s=0']
@@ -105,11 +103,12 @@ def test_numpy_splat_tables_match_dense_displace():
   # product (1), and up to all 25 x 25 x 4 packets scattered into one
   # vertex (tests/test_ot.py's dense splat).
   np.testing.assert_allclose(got.reshape(m, m), expected,
-                             rtol=rounding_tol(1 + 8 + 1 + 2500, k=4), atol=0)
+                             rtol=helpers.rounding_tol(1 + 8 + 1 + 2500, k=4),
+                             atol=0)
   # A packet's four weights: 1 - t and t per axis (2), their four products
   # (4) and sum (3), the fractions (3): float64, relative to 1.
   np.testing.assert_allclose(weight.sum(0), 1.0, rtol=0,
-                             atol=rounding_tol(12, eps=EPS64))
+                             atol=helpers.rounding_tol(12, eps=helpers.EPS64))
 
 
 @pytest.mark.parametrize('flag, value', [('--repeats', '0'),
@@ -257,7 +256,7 @@ def test_probe_bench_fits_an_evaluations_feature_cache(evaluated_run, capsys):
 
 
 def test_probe_bench_runs_the_jax_solver_to_the_same_probe(evaluated_run,
-                                                          capsys):
+                                                           capsys):
   _, workdir = evaluated_run
   outs = []
   for backend in ('numpy', 'jax'):
@@ -280,11 +279,11 @@ def test_probe_bench_expands_tilde(evaluated_run, monkeypatch, capsys):
 
 
 def test_probe_bench_names_a_missing_or_foreign_cache(evaluated_run,
-                                                     tmp_path):
+                                                      tmp_path):
   with pytest.raises(app.UsageError, match='--workdir'):
     _bench(['probe', '--tag=init'])
   _, evaluated = evaluated_run
-  workdir = copy_run(evaluated, tmp_path)
+  workdir = helpers.copy_run(evaluated, tmp_path)
   missing = os.path.join(workdir, 'eval', 'features', 'step2', 'digits_train')
   with pytest.raises(FileNotFoundError, match=f'digits/train .* {missing}'):
     _bench(['probe', f'--workdir={workdir}', '--tag=step2'])

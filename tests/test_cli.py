@@ -21,10 +21,7 @@ from otclr_jax import cli
 from otclr_jax import export
 from otclr_jax import rundir
 from otclr_jax.figures import __main__ as figures_cli
-from tests.helpers import SignalsInAFinaliser
-from tests.helpers import tiny_config
-from tests.helpers import tiny_grid
-from tests.helpers import write_sweep
+from tests import helpers
 from tests.folder_trees import random_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,13 +203,14 @@ def _in_process_cases(root, data_dir):
   (torn / 'runs.json').write_text('{"runs": [{"name": "a"')
   run = root / 'run'
   run.mkdir()
-  rundir.write_config(str(run), tiny_config(data_dir).to_dict())
+  rundir.write_config(str(run), helpers.tiny_config(data_dir).to_dict())
   outdir = root / 'outdir'
   outdir.mkdir()
   bad_png = root / 'bad.png'
   bad_png.write_bytes(b'\x89PNG\r\n\x1a\n' + b'\0' * 20)
   slurm = ['slurm', '--config=configs/digits.py']
-  sweep = ['sweep', f'--config={write_sweep(root / "s.py", tiny_grid())}',
+  sweep_file = helpers.write_sweep(root / 's.py', helpers.tiny_grid())
+  sweep = ['sweep', f'--config={sweep_file}',
            f'--workdir={root}/out']
   metrics = root / 'metrics_run'
   metrics.mkdir()
@@ -386,7 +384,7 @@ _SIGNALLED = textwrap.dedent("""
 ])
 def test_a_signal_ends_a_tool_with_75_and_one_line(tmp_path, tool, argv, line,
                                                    signum):
-  write_sweep(tmp_path / 's.py', tiny_grid())
+  helpers.write_sweep(tmp_path / 's.py', helpers.tiny_grid())
   done = subprocess.run(
       [sys.executable, '-c', _SIGNALLED, tool, str(signum),
        *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
@@ -419,7 +417,7 @@ def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
   ran_on = []
   with pytest.raises(cli.StopRequested) as stopped:
     with cli.stop_on_signals():
-      SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
+      helpers.SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
       ran_on.append('after the finaliser')
       cli.check_stop()
       ran_on.append('after check_stop')
@@ -431,7 +429,7 @@ def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
 
 def test_work_that_ends_before_a_check_has_ended():
   with cli.stop_on_signals():
-    SignalsInAFinaliser(signal.SIGINT)
+    helpers.SignalsInAFinaliser(signal.SIGINT)
   cli.check_stop()  # the next block starts with nothing pending
   with cli.stop_on_signals():
     cli.check_stop()

@@ -24,17 +24,8 @@ from otclr_jax.evaluation import view_quality
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
+from tests import helpers
 from tests.folder_trees import save_image
-from tests.helpers import assert_trees_equal
-from tests.helpers import copy_run
-from tests.helpers import eval_config
-from tests.helpers import resnet_chain
-from tests.helpers import rounding_tol
-from tests.helpers import SMALL_DIGITS
-from tests.helpers import small_digits
-from tests.helpers import tiny_config
-from tests.helpers import traces
-from tests.helpers import truncate_checkpoint
 
 
 def _evaluate(config, workdir, step=None):
@@ -60,7 +51,7 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     _evaluate(config, empty)
   assert not os.path.exists(os.path.join(empty, 'checkpoints'))
-  workdir = copy_run(evaluated, tmp_path)
+  workdir = helpers.copy_run(evaluated, tmp_path)
   with pytest.raises(ValueError, match=r'available steps: \[2, 4\]'):
     _evaluate(config, workdir, step=3)
   first = rundir.read_results(workdir)  # the fixture's evaluation
@@ -68,7 +59,7 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
   def fail(*args, **kwargs):
     raise AssertionError('features were recomputed instead of read')
 
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   monkeypatch.setattr(features, 'extract_features', fail)
   results = _evaluate(config, workdir)
   for section in ('linear', 'random_init', 'clusters', 'views',
@@ -92,13 +83,14 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
       assert 0.0 <= row[key] <= 100.0
     assert row['top5'] >= row['top1']
     assert (row['num_train'], row['num_test']) == tuple(
-        10 * n for n in SMALL_DIGITS)
+        10 * n for n in helpers.SMALL_DIGITS)
     # Fewer train images than the protocol's k = 200: all of them vote.
-    assert row['knn_k'] == 10 * SMALL_DIGITS[0]
+    assert row['knn_k'] == 10 * helpers.SMALL_DIGITS[0]
   assert results['random_init']['digits'] != results['linear']['digits']
   protocol = results['protocol']
   assert (protocol['embedding'], protocol['recompute_bn'],
-          protocol['bn_images']) == ('z', True, 10 * SMALL_DIGITS[0])
+          protocol['bn_images']) == ('z', True,
+                                     10 * helpers.SMALL_DIGITS[0])
   cluster_keys = {'silhouette', 'compactness', 'centroid_margin',
                   'inter_intra_ratio'}
   assert set(results['clusters']['digits']) >= cluster_keys
@@ -131,7 +123,7 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
 
 
 def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   config.eval.datasets = ('digits', 'mnist')
   # Checked once per command, before evaluating (`main.run` calls it).
   with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
@@ -189,10 +181,10 @@ def _head_atol(variables, h):
   g = head['bn']['scale'] / np.sqrt(stats['var'] + 1e-5)
   pre = h @ w1
   a = np.maximum(0.0, (pre - stats['mean']) * g + head['bn']['bias'])
-  err_a = rounding_tol(512 + 6) * (
+  err_a = helpers.rounding_tol(512 + 6) * (
       np.abs(g) * (np.abs(h) @ np.abs(w1) + np.abs(stats['mean']))
       + np.abs(head['bn']['bias']))
-  err_z = err_a @ np.abs(w2) + rounding_tol(w1.shape[1] + 1) * (
+  err_z = err_a @ np.abs(w2) + helpers.rounding_tol(w1.shape[1] + 1) * (
       a @ np.abs(w2) + np.abs(head['out']['bias']))
   return float(np.max(err_z))
 
@@ -276,7 +268,7 @@ def test_project_equals_the_networks_z(net):
 
 
 def test_embedding_config_is_checked():
-  config = tiny_config('/nonexistent')
+  config = helpers.tiny_config('/nonexistent')
   assert clusters.embedding_of(config) == 'z'  # the paper's default
   config.eval.embedding = 'x'
   with pytest.raises(ValueError, match='config.eval.embedding'):
@@ -291,7 +283,7 @@ def test_embedding_config_is_checked():
     ('views_dataset', 'mnist', "unknown evaluation dataset 'mnist'"),
 ])
 def test_evaluation_fields_are_checked_as_config_errors(field, value, match):
-  config = tiny_config('/nonexistent')
+  config = helpers.tiny_config('/nonexistent')
   config.eval[field] = value
   with pytest.raises(experiment.ConfigError, match=match):
     evaluate.validate(config)
@@ -313,7 +305,7 @@ def test_retrained_workdir_recomputes_cached_features(evaluated_run,
   shutil.copytree(trained_b, workdir, ignore=shutil.ignore_patterns('eval'))
   shutil.copytree(os.path.join(evaluated_run[1], 'eval'),
                   os.path.join(workdir, 'eval'))
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   first = rundir.read_results(workdir)
   features_a = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
   warnings = []
@@ -335,8 +327,8 @@ def test_retrained_workdir_recomputes_cached_features(evaluated_run,
 def test_changed_settings_or_damaged_feature_cache_is_recomputed(
     evaluated_run, tmp_path, monkeypatch):
   config, evaluated = evaluated_run
-  workdir = copy_run(evaluated, tmp_path)
-  small_digits(monkeypatch)
+  workdir = helpers.copy_run(evaluated, tmp_path)
+  helpers.small_digits(monkeypatch)
   first = rundir.read_results(workdir)
   feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
@@ -364,7 +356,7 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
   for section in ('linear', 'random_init'):
     assert again[section] == first[section]
   with np.load(torn) as f:
-    assert f['features'].shape == (10 * SMALL_DIGITS[0], 512)
+    assert f['features'].shape == (10 * helpers.SMALL_DIGITS[0], 512)
 
 
 def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
@@ -373,16 +365,16 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
   for split in ('train', 'test'):
     for cls in ('bee', 'cow'):
       save_image(root, split, cls, '0.png', pixels)
-  config = eval_config(str(tmp_path / 'data'))
+  config = helpers.eval_config(str(tmp_path / 'data'))
   before = features.cache_settings(config, 'folder:' + root, 1)
   assert features.cache_settings(config, 'folder:' + root, 1) == before
   # Another extraction batch or device count rounds the features otherwise.
-  other = eval_config(str(tmp_path / 'data'), **{
+  other = helpers.eval_config(str(tmp_path / 'data'), **{
       'eval.batch_size': config.eval.batch_size + 1})
   assert features.cache_settings(other, 'folder:' + root, 1) != before
   assert features.cache_settings(config, 'folder:' + root, 2) != before
   # bfloat16 activations give other features from the same weights.
-  bf16 = eval_config(str(tmp_path / 'data'), dtype='bfloat16')
+  bf16 = helpers.eval_config(str(tmp_path / 'data'), dtype='bfloat16')
   assert features.cache_settings(bf16, 'folder:' + root, 1) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
@@ -418,9 +410,9 @@ def test_a_checkpoint_never_restores_into_another_network(finished_run):
 
 
 def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):
-  workdir = copy_run(finished_run[1], tmp_path)
+  workdir = helpers.copy_run(finished_run[1], tmp_path)
   data_dir = finished_run[0].data_dir
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   restore = checkpoint.restore_part
 
   def poisoned(workdir, step, item):
@@ -432,18 +424,18 @@ def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: checkpoint step 4 .*non-finite'):
-    _evaluate(eval_config(data_dir), workdir)
+    _evaluate(helpers.eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
   # The command line ends in one error line and the data-error status.
-  config = eval_config(data_dir)
+  config = helpers.eval_config(data_dir)
   config.mode = 'eval'
   assert main.run(config, workdir) == cli.EXIT_DIVERGED
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
 def test_non_finite_features_are_refused(finished_run, tmp_path, monkeypatch):
-  workdir = copy_run(finished_run[1], tmp_path)
-  small_digits(monkeypatch)
+  workdir = helpers.copy_run(finished_run[1], tmp_path)
+  helpers.small_digits(monkeypatch)
   extract = features.extract_features
 
   def nan_features(*args, **kwargs):
@@ -455,20 +447,21 @@ def test_non_finite_features_are_refused(finished_run, tmp_path, monkeypatch):
   monkeypatch.setattr(features, 'extract_features', nan_features)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: the step4 encoder .* on digits/train'):
-    _evaluate(eval_config(finished_run[0].data_dir), workdir)
+    _evaluate(helpers.eval_config(finished_run[0].data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
 def test_restore_falls_back_past_a_truncated_newest_checkpoint(
     finished_run, tmp_path, caplog):
   config, finished, _ = finished_run
-  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
+  # Checkpoints 2 and 4.
+  workdir = pathlib.Path(helpers.copy_run(finished, tmp_path))
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
-  truncate_checkpoint(workdir, 4)  # as a crash mid-write leaves it
+  helpers.truncate_checkpoint(workdir, 4)  # as a crash mid-write leaves it
   caplog.set_level('WARNING')
   _, state, step = evaluate.restore(config, str(workdir))
   assert step == 2
-  assert_trees_equal(expected, state)
+  helpers.assert_trees_equal(expected, state)
   skipped = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith('Skipping checkpoint')]
   assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]
@@ -484,7 +477,8 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   # A run still training with keep_checkpoints=1: evaluation lists [2], and
   # while it reads 2 the run saves 4 and deletes 2.
   config, finished, _ = finished_run
-  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
+  # Checkpoints 2 and 4.
+  workdir = pathlib.Path(helpers.copy_run(finished, tmp_path))
   _, expected, _ = evaluate.restore(config, str(workdir), step=4)
   aside = tmp_path / 'newer'
   (workdir / 'checkpoints' / '4').rename(aside)
@@ -502,7 +496,7 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   caplog.set_level('INFO')
   _, restored, step = evaluate.restore(config, str(workdir))
   assert (step, calls) == (4, [2, 4])
-  assert_trees_equal(expected, restored)
+  helpers.assert_trees_equal(expected, restored)
   assert any('deleted while being read' in r.getMessage()
              for r in caplog.records)
   # An explicit step that is gone stays an error.
@@ -514,8 +508,9 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
 @pytest.mark.parametrize('method', ['moco', 'byol', 'dino'])
 def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
                                               method):
-  small_digits(monkeypatch)
-  config = eval_config(data_dir, method=method, views='ot', total_steps=2,
+  helpers.small_digits(monkeypatch)
+  config = helpers.eval_config(
+      data_dir, method=method, views='ot', total_steps=2,
                         **{'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
                            'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
                            'dino.num_prototypes': 32})
@@ -530,12 +525,12 @@ def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
 
 
 def test_checkpoint_without_extra_state_still_evaluates(finished_run,
-                                                         tmp_path):
+                                                        tmp_path):
   # Evaluation reads params and batch_stats only: a checkpoint whose other
   # parts (here: no `extra`, as before methods were plug-ins, and another
   # optimiser's state) differ from today's TrainState still restores.
   config, finished, _ = finished_run
-  workdir = copy_run(finished, tmp_path)
+  workdir = helpers.copy_run(finished, tmp_path)
   _, expected, step = evaluate.restore(config, workdir)
   ckpt = checkpoint.Checkpointer(workdir)
   ckpt.save(5, {'step': np.int32(5), 'params': {'net': expected['params']},
@@ -544,7 +539,7 @@ def test_checkpoint_without_extra_state_still_evaluates(finished_run,
   ckpt.close()
   _, restored, step = evaluate.restore(config, workdir)
   assert step == 5
-  assert_trees_equal(expected, restored)
+  helpers.assert_trees_equal(expected, restored)
 
 
 def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
@@ -558,9 +553,9 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
   # unpadded network. Two programs (padded batches of 8 against one of 50)
   # of the encoder, whose chain resnet_chain counts, on features of the
   # scale of the largest.
-  rtol = rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES))
+  rtol = helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8, _TINY_STAGES))
   atol = rtol * float(np.max(np.abs(h)))
-  with traces() as traced:
+  with helpers.traces() as traced:
     for rows in (slice(0, 12), slice(0, 5), slice(7, 10)):
       np.testing.assert_allclose(features.extract_features(
           encoder, net.shifted, net.images[rows], 8, log_progress=False),
@@ -570,7 +565,7 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
 
 def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
                                                            monkeypatch):
-  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
+  config = helpers.tiny_config(data_dir, **{'model.stem': 'cifar'})
   # Initial statistics: shifted means silence this tiny network.
   model, variables, images = net.model, net.initial, net.images
   features._compiled_apply.cache_clear()
@@ -581,7 +576,7 @@ def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
   monkeypatch.setattr(features.Encoder, 'embed', lambda self, v, x: (
       calls.append(x.shape), embed(self, v, x))[1])
   # 10 images in batches of 8 and 2, every set padded to the features' 8 rows.
-  with traces() as traced:
+  with helpers.traces() as traced:
     views = view_quality.view_embeddings(config, model, variables, images,
                                          num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
@@ -593,17 +588,18 @@ def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
   # one of the unit rows at most twice as large relative to |z|.
   z_norm = np.linalg.norm(z, axis=1, keepdims=True)
-  err = (rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES)) * np.abs(z)
+  err = (helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8,
+                                                   _TINY_STAGES)) * np.abs(z)
          + _head_atol(variables, h))
   np.testing.assert_allclose(
       views.anchors, z / z_norm, rtol=0,
-      atol=float(np.max(2 * err / z_norm)) + rounding_tol(7))
+      atol=float(np.max(2 * err / z_norm)) + helpers.rounding_tol(7))
   for pair in (views.simclr, views.otclr):
     for z_view in pair:
       assert z_view.shape == (10, 4)
       # Unit rows in float32 (7), whose norm NumPy takes in float32 (5).
       np.testing.assert_allclose(np.linalg.norm(z_view, axis=1), 1.0,
-                                 rtol=rounding_tol(12))
+                                 rtol=helpers.rounding_tol(12))
   assert not np.allclose(views.simclr[0], views.otclr[0])
   # The view metrics do not depend on the evaluation batch size, a
   # throughput setting: the same views, embedded in other row counts.
@@ -617,7 +613,7 @@ def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
 
 
 def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   monitor_ = monitor.KnnMonitor(config, experiment.create_model(config))
   # Equal networks built apart (training's and evaluation's) share one jit,
   # and the monitor calls it at the evaluation's batch size.

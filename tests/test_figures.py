@@ -27,11 +27,7 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import report
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
-from tests.helpers import copy_run
-from tests.helpers import EPS64
-from tests.helpers import rounding_tol
-from tests.helpers import SMALL_DIGITS
-from tests.helpers import small_digits
+from tests import helpers
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -121,7 +117,7 @@ def runs(evaluated_run, simclr_run, tmp_path_factory):
   """Copies of two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}:
   `evaluated_run`, whose evaluation drew its figures, and `simclr_run`, whose
   evaluation did not."""
-  return {name: copy_run(run[1], tmp_path_factory.mktemp(name))
+  return {name: helpers.copy_run(run[1], tmp_path_factory.mktemp(name))
           for name, run in (('otclr', evaluated_run), ('simclr', simclr_run))}
 
 
@@ -144,12 +140,12 @@ def test_evaluate_draws_tsne_and_curves(runs):
 
 
 def test_figure_failure_does_not_fail_evaluation(runs, evaluated_run,
-                                                monkeypatch, caplog):
+                                                 monkeypatch, caplog):
   def broken(*args, **kwargs):
     raise RuntimeError('no figures today')
 
   monkeypatch.setattr(figures, 'report_single', broken)
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   results = main.evaluate_and_draw(evaluated_run[0], runs['otclr'])
   assert results['step'] == 4
   assert 'Drawing the figures failed' in caplog.text
@@ -166,12 +162,13 @@ def test_probe_file_reproduces_reported_top1(runs, method):
   assert fitted.w.shape == (512, 10) and fitted.b.shape == (10,)
   assert fitted.weight_decay == results['linear']['digits']['weight_decay']
   feats, labels = features.load_features(workdir, 4, 'digits', 'test', 8)
-  assert len(labels) == 10 * SMALL_DIGITS[1]
+  assert len(labels) == 10 * helpers.SMALL_DIGITS[1]
   top1 = 100.0 * np.mean(fitted.logits(feats).argmax(axis=1) == labels)
   # The same correct predictions: 100 k / 60 in float64 both ways, up to
   # the order of the division, the mean and the product (3 roundings).
   assert top1 == pytest.approx(results['linear']['digits']['top1'], rel=0,
-                               abs=rounding_tol(3, eps=EPS64) * 100)
+                               abs=100 * helpers.rounding_tol(
+                                   3, eps=helpers.EPS64))
   # The same probe written out in NumPy, float64.
   logits = ((feats - fitted.mean) / fitted.std) @ fitted.w + fitted.b
   np.testing.assert_allclose(fitted.logits(feats), logits, rtol=1e-4,
@@ -186,7 +183,7 @@ def test_missing_probe_says_to_evaluate(tmp_path):
 
 
 def test_tsne_command(runs, tmp_path, monkeypatch):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   out = tmp_path / 'tsne.png'
   assert figures_cli.main(['figures', 'tsne', '--workdir', runs['simclr'],
                            '--n', '12', '--perplexity', '5', '--out',
@@ -202,8 +199,9 @@ def test_tsne_points_and_classwise_silhouette():
   anchors = unit(centres[labels] + rng.normal(size=(n, 16)))
   pair = lambda s: tuple(unit(centres[labels] + s * rng.normal(size=(n, 16)))
                          for _ in range(2))
-  views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
-                                  0.1)
+  views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0),
+                                      pair(0.5),
+                                      0.1)
   points = tsne.tsne_points(views, perplexity=5)
   assert points['anchor'].shape == (n, 2)
   assert points['simclr'].shape == points['otclr'].shape == (2 * n, 2)
@@ -249,7 +247,7 @@ def test_the_tsne_map_shows_a_seeded_sample_and_the_panels_all(
 
 
 def test_top5_command(runs, tmp_path, monkeypatch, capsys):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   out = tmp_path / 'top5.png'
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['simclr'],
                            '--workdir', runs['otclr'], '--index', '3',
@@ -262,7 +260,7 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
   # the sum checked here (10).
   for p in preds:
     np.testing.assert_allclose(p.probs.sum(axis=1), 1.0,
-                               rtol=rounding_tol(21, eps=EPS64))
+                               rtol=helpers.rounding_tol(21, eps=helpers.EPS64))
   capsys.readouterr()
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['otclr'],
                            '--index', '60', '--out', str(out)]) == 2
@@ -271,8 +269,8 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
 
 def test_top5_draws_only_the_probe_its_results_were_made_with(
     runs, tmp_path, monkeypatch, capsys):
-  small_digits(monkeypatch)
-  workdir = pathlib.Path(copy_run(runs['otclr'], tmp_path))
+  helpers.small_digits(monkeypatch)
+  workdir = pathlib.Path(helpers.copy_run(runs['otclr'], tmp_path))
   (probe_file,) = (workdir / 'eval').glob('probe_step*_digits*.npz')
   results_file = workdir / 'eval' / 'results.json'
   results = json.loads(results_file.read_text())
@@ -346,7 +344,7 @@ def test_curves_command(tmp_path, capsys):
 
 
 def test_report_draws_every_figure(runs, monkeypatch, capsys):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   figs = pathlib.Path(runs['simclr']) / 'eval' / 'figures'
   assert figures_cli.main(['figures', 'report', '--workdir', runs['simclr'],
                            '--compare', runs['otclr'], '--n', '12',
@@ -414,7 +412,7 @@ def test_density_level_matches_gaussian_hdr():
   xy = np.random.default_rng(0).normal(size=(20000, 2))
   pdf = np.exp(-0.5 * np.sum(xy**2, axis=1)) / (2 * np.pi)
   assert tsne.density_level(pdf, 0.5) == pytest.approx(1 / (4 * np.pi),
-                                                          rel=0.02)
+                                                       rel=0.02)
   assert np.mean(pdf >= tsne.density_level(pdf, 0.8)) == pytest.approx(
       0.8, abs=1e-3)
   with pytest.raises(ValueError, match='mass'):
@@ -434,7 +432,7 @@ def test_plot_tsne_panels(num_classes):
   sil = {'simclr': np.zeros(num_classes), 'otclr': np.full(num_classes, 0.1)}
   names = [f'kind{c}' for c in range(num_classes)]
   fig = tsne.plot_tsne(points, labels, names, view_rows=rows,
-                          silhouettes=sil, max_classes=4)
+                       silhouettes=sil, max_classes=4)
   titles = [ax.get_title() for ax in fig.axes]
   shown = min(num_classes, 4)
   assert [t for t in titles if t.startswith('kind')] == [

@@ -20,13 +20,8 @@ from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import features
-from tests.folder_trees import run_python
-from tests.folder_trees import random_tree
-from tests.helpers import SignalsInAFinaliser
-from tests.helpers import assert_usage_error
-from tests.helpers import eval_config
-from tests.helpers import small_digits
-from tests.helpers import tiny_config
+from tests import folder_trees
+from tests import helpers
 
 
 # `simclr_run`'s settings.
@@ -34,7 +29,7 @@ RUN = {'method': 'simclr', 'seed': 1, 'loss.temperature': 0.2}
 
 
 def _config(data_dir, **overrides):
-  config = eval_config(data_dir, **overrides)
+  config = helpers.eval_config(data_dir, **overrides)
   config.eval.figures = False
   return config
 
@@ -50,7 +45,7 @@ def workdir(simclr_run, tmp_path):
 
 def test_evaluation_uses_the_runs_own_settings(workdir, data_dir,
                                                monkeypatch):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   # The config file's defaults (OTCLR, seed 0) differ from the run's.
   config = _config(data_dir, mode='eval')
   assert main.run(config, workdir) == 0
@@ -69,7 +64,7 @@ def test_evaluation_uses_the_runs_own_settings(workdir, data_dir,
 def test_evaluation_refuses_a_flag_that_contradicts_the_run(workdir,
                                                             data_dir, caplog):
   config = _config(data_dir, mode='eval', method='moco')
-  assert_usage_error(
+  helpers.assert_usage_error(
       caplog, r"--config.method contradicts the run in .*checkpoints.4 "
       r"\(method: 'simclr' -> 'moco'",
       lambda: main.run(config, workdir, overridden=['mode', 'method']))
@@ -108,8 +103,8 @@ def test_checkpoints_without_any_config_are_not_resumed_or_evaluated(
     train.train(config, workdir)
   # Evaluating it with this command's settings would report another run.
   config = _config(data_dir, mode='eval', method='moco', seed=7)
-  assert_usage_error(caplog, 'no checkpoint holds its config',
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, 'no checkpoint holds its config',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
@@ -130,7 +125,8 @@ def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
   rundir.write_json(path, stored)
   message = 'disagrees with the config stored in checkpoint'
   config = _config(data_dir, mode='eval')
-  assert_usage_error(caplog, re.escape(message) + '.*' + re.escape(shown),
+  helpers.assert_usage_error(
+      caplog, re.escape(message) + '.*' + re.escape(shown),
                      lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, 'eval'))
   same = _config(data_dir, **RUN)
@@ -143,7 +139,7 @@ def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
 
 def test_a_train_and_evaluate_command_validates_its_config_once(
     tmp_path, data_dir, monkeypatch):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   calls = []
   real = experiment.validate_config
   monkeypatch.setattr(experiment, 'validate_config',
@@ -160,8 +156,8 @@ def test_corrupt_config_json_is_a_usage_error(workdir, data_dir, caplog):
     f.write('{"seed": 3,')
   for mode in ('train', 'eval'):
     config = _config(data_dir, mode=mode, **RUN)
-    assert_usage_error(caplog, 'config.json is corrupt',
-                       lambda: main.run(config, workdir))
+    helpers.assert_usage_error(caplog, 'config.json is corrupt',
+                               lambda: main.run(config, workdir))
 
 
 def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
@@ -192,12 +188,13 @@ def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
 
 
 def _one_class_tree(root):
-  random_tree(root, {'train': {'only': 3}, 'test': {'only': 3}}, size=8)
+  folder_trees.random_tree(root, {'train': {'only': 3}, 'test': {'only': 3}},
+                           size=8)
 
 
 def _one_image_per_class_tree(root):
   layout = {'a': 1, 'b': 1, 'c': 1}
-  random_tree(root, {'train': layout, 'test': layout}, size=8)
+  folder_trees.random_tree(root, {'train': layout, 'test': layout}, size=8)
 
 
 @pytest.mark.parametrize('name, message', [
@@ -214,8 +211,8 @@ def test_evaluation_datasets_are_checked_before_training(tmp_path, data_dir,
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.datasets = ('digits', name.format(tmp=tmp_path))
-  assert_usage_error(caplog, message,
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, message,
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)  # nothing was trained
 
 
@@ -224,20 +221,21 @@ def test_a_dataset_the_probe_cannot_use_is_refused_before_evaluating(
   _one_image_per_class_tree(str(tmp_path / 'one_each'))
   config = _config(data_dir, mode='eval')
   config.eval.datasets = (f'folder:{tmp_path}/one_each',)
-  assert_usage_error(caplog, 'at most one train image per class',
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, 'at most one train image per class',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
 def test_data_errors_are_usage_errors(tmp_path, data_dir, caplog):
-  assert_usage_error(caplog, r'batch_size=2048 is larger than digits/train',
+  helpers.assert_usage_error(
+      caplog, r'batch_size=2048 is larger than digits/train',
                      lambda: main.run(_config(data_dir, batch_size=2048),
                                       str(tmp_path / 'a')))
   _one_class_tree(str(tmp_path / 'tree'))
   shutil.rmtree(tmp_path / 'tree' / 'train')
   config = _config(data_dir, dataset=f'folder:{tmp_path}/tree')
-  assert_usage_error(caplog, 'train',
-                     lambda: main.run(config, str(tmp_path / 'b')))
+  helpers.assert_usage_error(caplog, 'train',
+                             lambda: main.run(config, str(tmp_path / 'b')))
 
 
 @pytest.mark.parametrize('signal_name, dropped', [
@@ -252,7 +250,7 @@ def test_a_signal_during_evaluation_stops_with_75(workdir, data_dir,
 
   def interrupted(*args, **kwargs):
     if dropped:
-      SignalsInAFinaliser(signal.Signals[signal_name])
+      helpers.SignalsInAFinaliser(signal.Signals[signal_name])
     else:
       os.kill(os.getpid(), signal.Signals[signal_name])
     return real(*args, **kwargs)
@@ -300,8 +298,8 @@ def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir,
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.evaluators = ('probe', 'knnn')
-  assert_usage_error(caplog, 'evaluators',
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, 'evaluators',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)
 
 
@@ -335,7 +333,7 @@ def test_the_command_line_stops_evaluation_with_75(workdir, data_dir):
 
 def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
   cache = tmp_path / 'xla'
-  out = run_python(f"""
+  out = folder_trees.run_python(f"""
       import jax
       from configs import default
       from otclr_jax import main
@@ -356,7 +354,7 @@ def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
 
 
 def test_compilation_cache_leaves_jax_alone_when_told(monkeypatch):
-  config = tiny_config('unused')
+  config = helpers.tiny_config('unused')
   config.compilation_cache_dir = '/never/used'
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', '/set/by/the/user')
   assert main.use_compilation_cache(config) is None

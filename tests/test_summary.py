@@ -8,11 +8,7 @@ import numpy as np
 import pytest
 
 from launch import sweep as sweep_lib
-from tests.helpers import aggregate_only
-from tests.helpers import fake_results
-from tests.helpers import mean_std_rtol
-from tests.helpers import stored_config
-from tests.helpers import write_sweep
+from tests import helpers
 
 
 def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
@@ -23,7 +19,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
       name = f'method={method},batch_size={batch},seed={seed}'
       fake = {'step': 10, 'method': method, 'seed': seed, 'batch_size': batch,
               'pretrain_dataset': 'cifar10',
-              'config': stored_config(method, seed, batch, 'cifar10'),
+              'config': helpers.stored_config(method, seed, batch, 'cifar10'),
               'linear': {'cifar10': {'top1': value, 'top5': 90.0 + seed}},
               'random_init': {'cifar10': {'top1': 20.0 + seed,
                                           'top5': 50.0}}}
@@ -33,7 +29,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
           {'state': 'finished', 'step': 10, 'total_steps': 10}))
   # Not a run: no eval/results.json.
   os.makedirs(tmp_path / 'slurm')
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
 
   rows = json.load(open(tmp_path / 'summary.json'))['rows']
   by_key = {(r['method'], r['batch_size']): r for r in rows}
@@ -41,7 +37,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
   for key, values in top1.items():
     got = by_key[key]['linear']['cifar10']['top1']
     assert got['n'] == len(values)
-    rtol_mean, rtol_std = mean_std_rtol(values)
+    rtol_mean, rtol_std = helpers.mean_std_rtol(values)
     np.testing.assert_allclose(got['mean'], np.mean(values), rtol=rtol_mean)
     if len(values) > 1:
       np.testing.assert_allclose(got['std'], np.std(values, ddof=1),
@@ -54,7 +50,7 @@ def test_aggregation_gives_mean_and_std_over_seeds(tmp_path, capsys):
 
 
 def test_aggregation_of_an_empty_sweep_writes_nothing(tmp_path):
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   assert os.listdir(tmp_path) == []
 
 
@@ -70,7 +66,7 @@ def _results_run(root, name, top1, status=FINISHED, config=True,
       'linear': {'digits': {'top1': top1, 'top5': 99.0,
                             'converged': converged}}}
   if config:
-    results['config'] = stored_config('otclr', 0, 16, 'digits')
+    results['config'] = helpers.stored_config('otclr', 0, 16, 'digits')
   (root / name / 'eval' / 'results.json').write_text(json.dumps(results))
   (root / name / 'status.json').write_text(json.dumps(status))
 
@@ -81,7 +77,7 @@ def test_diverged_and_unfinished_runs_are_never_averaged(tmp_path, capsys):
                {'state': 'diverged', 'step': 6, 'total_steps': 100})
   _results_run(tmp_path, 'digits_otclr_b16_s2', 30.0,
                {'state': 'stopped', 'step': 50, 'total_steps': 100})
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
@@ -98,7 +94,7 @@ def test_only_the_sweeps_own_runs_are_averaged(tmp_path):
     _results_run(tmp_path, name, top1)
   (tmp_path / 'runs.json').write_text(json.dumps(
       {'runs': [{'name': 'seed=0,method=otclr'}]}))
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   (row,) = json.load(open(tmp_path / 'summary.json'))['rows']
   assert row['linear']['digits']['top1']['n'] == 1
   assert row['linear']['digits']['top1']['mean'] == 84.7
@@ -113,7 +109,7 @@ def test_results_that_cannot_be_told_apart_or_did_not_converge_are_listed(
   _results_run(tmp_path, 's1', 10.0, config=False)
   # A probe stopped by eval.probe_steps is not the protocol's number.
   _results_run(tmp_path, 's2', 30.0, converged=False)
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   summary = json.load(open(tmp_path / 'summary.json'))
   (row,) = summary['rows']
   assert row['linear']['digits']['top1'] == {'mean': 84.7, 'std': None,
@@ -141,7 +137,7 @@ def test_a_broken_results_file_is_named_and_left_out(tmp_path, capsys, field,
   else:
     path.write_text(json.dumps({**json.loads(path.read_text()),
                                 field: value}))
-  assert aggregate_only(tmp_path) == 1
+  assert helpers.aggregate_only(tmp_path) == 1
   err = capsys.readouterr().err
   assert str(path) in err and named in err, err
   if field is not None:
@@ -160,10 +156,10 @@ def test_results_of_an_earlier_run_in_the_directory_are_not_averaged(
   _results_run(tmp_path, 's0', 84.7)
   _results_run(tmp_path, 's1', 80.0, config=in_results)
   (tmp_path / 's1' / 'eval' / 'config.json').write_text(json.dumps(
-      stored_config('otclr', 0, 16, 'digits')))
+      helpers.stored_config('otclr', 0, 16, 'digits')))
   (tmp_path / 's1' / 'config.json').write_text(json.dumps(
-      stored_config('otclr', 1, 16, 'digits')))
-  assert aggregate_only(tmp_path) == 0
+      helpers.stored_config('otclr', 1, 16, 'digits')))
+  assert helpers.aggregate_only(tmp_path) == 0
   summary = json.load(open(tmp_path / 'summary.json'))
   (excluded,) = summary['not_averaged']
   assert excluded['run'] == 's1'
@@ -175,16 +171,16 @@ def test_a_sweep_over_a_setting_tabulates_one_row_per_value(tmp_path):
   # The example of launch/sweep.py's docstring: seeds x ot.epsilon. Results
   # written before they carried their config are identified by
   # eval/config.json.
-  path = write_sweep(tmp_path / 's.py', {'ot.epsilon': [0.05, 0.5]})
+  path = helpers.write_sweep(tmp_path / 's.py', {'ot.epsilon': [0.05, 0.5]})
   sweep = sweep_lib.load_sweep(path)
   workdir = tmp_path / 'out'
   for run, top1 in zip(sweep.runs(str(workdir)), (94.7, 97.5)):
     config = sweep.run_config(run)
     _results_run(workdir, run.name, top1, {'state': 'finished', 'step': 2,
-                                          'total_steps': 2}, config=False)
+                                           'total_steps': 2}, config=False)
     (workdir / run.name / 'eval' / 'config.json').write_text(
         json.dumps({**config.to_dict(), 'mode': 'eval'}))
-  assert aggregate_only(workdir) == 0
+  assert helpers.aggregate_only(workdir) == 0
   rows = json.load(open(workdir / 'summary.json'))['rows']
   assert [r['n'] for r in rows] == [1, 1]
   assert [r['label'] for r in rows] == ['ot.epsilon=0.05', 'ot.epsilon=0.5']
@@ -204,7 +200,7 @@ def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
   os.makedirs(tmp_path / names[2])
   (tmp_path / names[2] / 'status.json').write_text(json.dumps(
       {'state': 'failed', 'step': 0, 'total_steps': 100}))
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   summary = json.load(open(tmp_path / 'summary.json'))
   assert [r['n'] for r in summary['rows']] == [1]
   why = {e['run']: e['why'] for e in summary['not_averaged']}
@@ -219,8 +215,8 @@ def test_every_run_of_the_sweep_that_is_not_averaged_is_listed(tmp_path):
 
 def test_aggregate_only_on_one_run_says_it_is_one(tmp_path, capsys):
   # It had said only "nothing to tabulate", as for an empty directory.
-  fake_results(str(tmp_path), 4)
-  assert aggregate_only(tmp_path) == 0
+  helpers.fake_results(str(tmp_path), 4)
+  assert helpers.aggregate_only(tmp_path) == 0
   assert f'{tmp_path} is itself a run' in capsys.readouterr().out
 
 
@@ -235,7 +231,7 @@ def test_a_seed_counted_twice_in_a_row_is_listed_not_dropped(tmp_path,
     results = json.loads(path.read_text())
     results['config']['eval']['datasets'] = datasets
     path.write_text(json.dumps(results))
-  assert aggregate_only(tmp_path) == 0
+  assert helpers.aggregate_only(tmp_path) == 0
   summary = json.load(open(tmp_path / 'summary.json'))
   assert [r['n'] for r in summary['rows']] == [1]
   (listed,) = summary['not_averaged']

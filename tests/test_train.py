@@ -29,13 +29,8 @@ from otclr_jax import rundir
 from otclr_jax import step as step_lib
 from otclr_jax import train
 from otclr_jax.evaluation import evaluate
-from tests.helpers import assert_trees_equal
-from tests.helpers import assert_usage_error
-from tests.helpers import copy_run
-from tests.helpers import rounding_tol
-from tests.helpers import tiny_config
-from tests.helpers import traces
-from tests.helpers import truncate_checkpoint
+from tests import folder_trees
+from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_end_to_end_writes_logs_and_checkpoints(finished_run):
   _, workdir, state = finished_run
   assert int(state.step) == 4
-  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  records = rundir.read_metrics(workdir)
   assert [r['step'] for r in records] == [2, 4]
   for key in ('loss', 'nce', 'sinkhorn', 'top1', 'lr', 'images_per_sec'):
     assert np.isfinite(records[-1][key]), key
@@ -56,14 +51,14 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
                                           tmp_path):
   _, _, straight = finished_run
   config, stopped = stopped_run
-  workdir = copy_run(stopped, tmp_path)
+  workdir = helpers.copy_run(stopped, tmp_path)
   assert checkpoint.Checkpointer(workdir).all_steps() == [2]
   # Stopped again after step 3, then resumed to the end: steps 3 and 4 are
   # logged alone, and say so (their means are not an uninterrupted run's).
   assert train.train(config, workdir, stop_after_steps=1).status == 'stopped'
   resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
-  assert_trees_equal(straight.params, resumed.params)
+  helpers.assert_trees_equal(straight.params, resumed.params)
   records = [json.loads(l)
              for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [(r['step'], r['steps_averaged']) for r in records] == [
@@ -96,7 +91,7 @@ def test_checkpointed_resume_keeps_every_method_state(tmp_path, data_dir,
   # Through Orbax, not a serialised round trip (tests/test_step.py): the key
   # encoder, queues and pointer, targets and DINO's centre come back bit for
   # bit, so the resumed run ends where the straight one does.
-  config = tiny_config(data_dir, method=method, views='ot', **{
+  config = helpers.tiny_config(data_dir, method=method, views='ot', **{
       'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
       'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
       'dino.num_prototypes': 32})
@@ -105,11 +100,11 @@ def test_checkpointed_resume_keeps_every_method_state(tmp_path, data_dir,
   assert int(first.step) == 2
   resumed = train.train(config, str(tmp_path / 'b')).state
   assert straight.extra
-  assert_trees_equal(straight, resumed)
+  helpers.assert_trees_equal(straight, resumed)
 
 
 def _sigterm_after_two_batches(monkeypatch):
-  """Makes the input pipeline send this process SIGTERM while yielding batch 2."""
+  """Makes the input pipeline send SIGTERM while yielding batch 2."""
   real = data.train_batches
 
   def batches_then_sigterm(*args, **kwargs):
@@ -125,7 +120,7 @@ def _sigterm_after_two_batches(monkeypatch):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     stopped_run, tmp_path, monkeypatch):
   config, stopped = stopped_run
-  workdir = copy_run(stopped, tmp_path)
+  workdir = helpers.copy_run(stopped, tmp_path)
   real = losses.nt_xent
   monkeypatch.setattr(
       losses, 'nt_xent',
@@ -146,12 +141,12 @@ def _steps_per_epoch(config):
 @pytest.mark.usefixtures('fresh_steps')
 def test_train_step_compiles_once(data_dir):
   # The tiny run's own step: its program is in the persistent cache already.
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   mesh = experiment.make_mesh()
   # Built as training builds it, so the donated output matches.
   _, state, step = step_lib.build(config, _steps_per_epoch(config), mesh)
   batch = np.zeros((16, 8, 8, 3), np.uint8)
-  with traces() as traced:
+  with helpers.traces() as traced:
     for _ in range(3):
       state, _ = step(state, experiment.global_batch(batch, mesh),
                       jax.random.key(1))
@@ -161,42 +156,43 @@ def test_train_step_compiles_once(data_dir):
 @pytest.mark.usefixtures('fresh_steps')
 def test_builds_of_one_config_share_one_jitted_step(data_dir):
   mesh = experiment.make_mesh()
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   step = step_lib.build(config, 10, mesh)[2]
-  assert step_lib.build(tiny_config(data_dir), 10, mesh)[2] is step
+  assert step_lib.build(helpers.tiny_config(data_dir), 10, mesh)[2] is step
   # Settings of the other stages of a run are not the step's.
-  assert step_lib.build(tiny_config(data_dir, seed=5, **{
+  assert step_lib.build(helpers.tiny_config(data_dir, seed=5, **{
       'eval.batch_size': 7, 'checkpoint_every_steps': 1,
       'monitor.every_steps': 1}), 10, mesh)[2] is step
   # Read inside the step (the logged steps' Sinkhorn cost).
-  assert step_lib.build(tiny_config(data_dir, log_every_steps=1), 10,
+  assert step_lib.build(helpers.tiny_config(data_dir, log_every_steps=1), 10,
                         mesh)[2] is not step
   assert step_lib.build(config, 20, mesh)[2] is not step
 
 
 def test_initial_state_is_the_floor_and_compiles_the_init_once(data_dir):
-  config = tiny_config(data_dir, method='byol')  # targets copy the network
+  # BYOL: its targets copy the network.
+  config = helpers.tiny_config(data_dir, method='byol')
   run = step_lib.setup(config, steps_per_epoch=10)
   state = step_lib.initial_state(config, run)
   # The state drawn inside one jit, as before the init was shared.
   reference = jax.jit(functools.partial(
       step_lib.init_state, config, run.method, run.model, run.tx))(
           experiment.init_key(config))
-  assert_trees_equal(state, reference)
+  helpers.assert_trees_equal(state, reference)
   # No two leaves share a buffer (a train step donates the state).
   pointers = [x.unsafe_buffer_pointer()
               for x in jax.tree_util.tree_leaves(state)]
   assert len(set(pointers)) == len(pointers)
-  with traces() as traced:
+  with helpers.traces() as traced:
     floor = experiment.initial_variables(config)
   # The floor reuses the init training compiled.
   assert 'init' not in traced, traced
-  assert_trees_equal(floor, {'params': state.params['net'],
-                             'batch_stats': state.batch_stats})
+  helpers.assert_trees_equal(floor, {'params': state.params['net'],
+                                     'batch_stats': state.batch_stats})
 
 
 def test_learning_rate_schedule(data_dir):
-  config = tiny_config(data_dir, batch_size=512)
+  config = helpers.tiny_config(data_dir, batch_size=512)
   config.optim.warmup_epochs = 2
   schedule = jax.jit(optim.learning_rate_schedule(
       config, steps_per_epoch=10, total_steps=100))
@@ -204,11 +200,12 @@ def test_learning_rate_schedule(data_dir):
   assert float(schedule(0)) == 0.0
   # optax in float32. The warm-up: the peak (1), the fraction 10 / 20 and
   # its product (3).
-  assert float(schedule(10)) == pytest.approx(peak / 2, rel=rounding_tol(4))
+  assert float(schedule(10)) == pytest.approx(peak / 2,
+                                              rel=helpers.rounding_tol(4))
   # The cosine decay: the peak (1), count / decay steps (2), pi and its
   # product (2, absolute at the argument's scale pi / 2 to pi: k = 3.2 on
   # them), cos (12), the sum, product and halving (3).
-  rtol = rounding_tol(2, k=3.2) + rounding_tol(1 + 2 + 12 + 3)
+  rtol = helpers.rounding_tol(2, k=3.2) + helpers.rounding_tol(1 + 2 + 12 + 3)
   assert float(schedule(20)) == pytest.approx(peak, rel=rtol)
   assert float(schedule(60)) == pytest.approx(peak / 2, rel=rtol)
   # At the end 1 + cos(pi) cancels: the same errors, absolute, on peak / 2.
@@ -216,7 +213,7 @@ def test_learning_rate_schedule(data_dir):
 
 
 def test_weight_decay_only_on_kernels(data_dir):
-  config = tiny_config(data_dir, **{'ot.learn_alpha': True})
+  config = helpers.tiny_config(data_dir, **{'ot.learn_alpha': True})
   params = {'net': {'conv': {'kernel': np.ones((3, 3, 1, 1), np.float32),
                              'bias': np.ones((1,), np.float32)}},
             'alpha_logit': np.zeros((), np.float32)}
@@ -231,7 +228,7 @@ def test_weight_decay_only_on_kernels(data_dir):
 
 def test_knn_monitor_is_logged_and_leaves_training_unchanged(
     finished_run, tmp_path, data_dir, caplog):
-  monitored = tiny_config(data_dir, **{
+  monitored = helpers.tiny_config(data_dir, **{
       'monitor.every_steps': 2, 'monitor.num_train': 40,
       'monitor.num_test': 20})
   caplog.set_level('INFO')
@@ -239,7 +236,7 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
                              make_monitor=main.make_monitor).state
   lines = [r.getMessage() for r in caplog.records]
   _, plain_workdir, without = finished_run  # no make_monitor: no monitor
-  assert_trees_equal((with_monitor.params, with_monitor.batch_stats),
+  helpers.assert_trees_equal((with_monitor.params, with_monitor.batch_stats),
                      (without.params, without.batch_stats))
   read = lambda run: [json.loads(l) for l in open(os.path.join(
       run, 'metrics.jsonl'))]
@@ -255,10 +252,11 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
 
 
 def test_bfloat16_trains_and_alpha_is_learned(tmp_path, data_dir):
-  config = tiny_config(data_dir, dtype='bfloat16', total_steps=16,
-                       log_every_steps=1, checkpoint_every_steps=100, **{
-                           'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0,
-                           'ot.learn_alpha': True, 'ot.beta': 1.0})
+  config = helpers.tiny_config(
+      data_dir, dtype='bfloat16', total_steps=16, log_every_steps=1,
+      checkpoint_every_steps=100, **{
+          'optim.base_lr': 2.0, 'optim.warmup_epochs': 0.0,
+          'ot.learn_alpha': True, 'ot.beta': 1.0})
   state = train.train(config, str(tmp_path)).state
   assert float(state.params['alpha_logit']) != 0.0
   # Parameters and optimiser state stay float32; only activations are bf16.
@@ -295,7 +293,7 @@ def _poison_batch_stats_at(monkeypatch, bad_step):
 def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
                                                 monkeypatch):
   _poison_batch_stats_at(monkeypatch, 4)
-  config = tiny_config(data_dir, method='simclr')
+  config = helpers.tiny_config(data_dir, method='simclr')
   workdir = str(tmp_path / 'a')
   with pytest.raises(train.DivergedError,
                      match=r'step 4: non-finite batch_stats.*step 2 in'):
@@ -313,7 +311,7 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, data_dir,
   # real step again.
   monkeypatch.undo()
   step_lib.clear_compiled_steps()
-  retry = tiny_config(data_dir, seed=1)
+  retry = helpers.tiny_config(data_dir, seed=1)
   assert train.train(retry, workdir, stop_after_steps=1).status == 'stopped'
   assert rundir.read_config(workdir)['seed'] == 1
 
@@ -324,7 +322,7 @@ def test_resume_skips_a_non_finite_checkpoint(finished_run, stopped_run,
   # run's structure, the finished one's, at step 3).
   _, _, state = finished_run
   config, stopped = stopped_run
-  workdir = copy_run(stopped, tmp_path)
+  workdir = helpers.copy_run(stopped, tmp_path)
   bad = state.replace(step=3, batch_stats=jax.tree_util.tree_map(
       lambda v: np.asarray(v) * np.inf, state.batch_stats))
   ckpt = checkpoint.Checkpointer(workdir)
@@ -347,7 +345,7 @@ def test_second_trainer_in_a_workdir_is_refused(tmp_path, data_dir):
           """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline().strip() == 'held'
-    config = tiny_config(data_dir)
+    config = helpers.tiny_config(data_dir)
     with pytest.raises(cli.WorkdirLockedError,
                        match=f'in use by process {holder.pid}'):
       train.train(config, workdir)
@@ -361,10 +359,10 @@ def test_second_trainer_in_a_workdir_is_refused(tmp_path, data_dir):
 def test_resume_with_other_settings_is_refused(stopped_run, tmp_path,
                                                data_dir):
   _, stopped = stopped_run
-  workdir = copy_run(stopped, tmp_path)
+  workdir = helpers.copy_run(stopped, tmp_path)
   assert rundir.read_config(workdir)['method'] == 'otclr'
   assert rundir.read_status(workdir)['state'] == 'stopped'
-  other = tiny_config(data_dir, method='simclr', seed=3)
+  other = helpers.tiny_config(data_dir, method='simclr', seed=3)
   with pytest.raises(experiment.ConfigError,
                      match=r"method: 'otclr' -> 'simclr'; seed: 0 -> 3"):
     train.train(other, workdir)
@@ -373,10 +371,10 @@ def test_resume_with_other_settings_is_refused(stopped_run, tmp_path,
   for total in (3, 6):
     with pytest.raises(experiment.ConfigError,
                        match=f'4-step run.*asks for {total}'):
-      train.train(tiny_config(data_dir, total_steps=total), workdir)
+      train.train(helpers.tiny_config(data_dir, total_steps=total), workdir)
   # Settings that do not change the result are allowed.
-  same = tiny_config(data_dir, **{'monitor.every_steps': 0,
-                                  'eval.batch_size': 7})
+  same = helpers.tiny_config(data_dir, **{'monitor.every_steps': 0,
+                                          'eval.batch_size': 7})
   result = train.train(same, workdir, stop_after_steps=1)
   assert int(result.state.step) == 3
   assert rundir.read_config(workdir)['eval']['batch_size'] == 7
@@ -384,12 +382,12 @@ def test_resume_with_other_settings_is_refused(stopped_run, tmp_path,
 
 def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
                                                     data_dir, caplog):
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   _, straight_workdir, straight = finished_run
-  workdir = pathlib.Path(copy_run(straight_workdir, tmp_path))
+  workdir = pathlib.Path(helpers.copy_run(straight_workdir, tmp_path))
   # What a crash mid-write leaves: a checkpoint's data cut short, and a
   # half-written metrics line.
-  truncated = truncate_checkpoint(workdir, 4)
+  truncated = helpers.truncate_checkpoint(workdir, 4)
   assert truncated
   with open(workdir / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 5, "lo')
@@ -413,7 +411,7 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
   assert any('torn last line 3 of' in m and 'metrics.jsonl' in m
              for m in messages)
   assert int(resumed.step) == 4
-  assert_trees_equal(straight.params, resumed.params)
+  helpers.assert_trees_equal(straight.params, resumed.params)
   steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
   assert steps == [2, 4]
   assert checkpoint.Checkpointer(str(workdir)).all_steps() == [2, 4]
@@ -423,14 +421,14 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
   finally:
     reader.close()
   assert step == 4
-  assert_trees_equal(straight.params, restored.params)
+  helpers.assert_trees_equal(straight.params, restored.params)
 
 
 def test_no_checkpoint_that_restores_ends_with_one_line(stopped_run, tmp_path,
                                                         caplog):
   config, stopped = stopped_run
-  workdir = pathlib.Path(copy_run(stopped, tmp_path))
-  truncate_checkpoint(workdir, 2)
+  workdir = pathlib.Path(helpers.copy_run(stopped, tmp_path))
+  helpers.truncate_checkpoint(workdir, 2)
   for mode in ('train', 'eval'):
     caplog.clear()
     run_config = config.copy_and_resolve_references()
@@ -447,12 +445,12 @@ def test_no_checkpoint_that_restores_ends_with_one_line(stopped_run, tmp_path,
 def test_a_damaged_metrics_file_refuses_the_resume_before_any_write(
     finished_run, tmp_path, data_dir):
   _, straight_workdir, _ = finished_run
-  workdir = pathlib.Path(copy_run(straight_workdir, tmp_path))
+  workdir = pathlib.Path(helpers.copy_run(straight_workdir, tmp_path))
   lines = (workdir / 'metrics.jsonl').read_text().splitlines(keepends=True)
   (workdir / 'metrics.jsonl').write_text('{"lo\n' + ''.join(lines[1:]))
   before = {name: (workdir / name).read_bytes()
             for name in ('config.json', 'status.json', 'data.json')}
-  assert main.run(tiny_config(data_dir), str(workdir)) == cli.EXIT_USAGE
+  assert main.run(helpers.tiny_config(data_dir), str(workdir)) == cli.EXIT_USAGE
   assert {name: (workdir / name).read_bytes() for name in before} == before
 
 
@@ -473,7 +471,7 @@ def test_a_full_disk_ends_with_one_line_naming_the_path(
 
     monkeypatch.setattr(train.MetricLogger, 'write', write)
   caplog.set_level('INFO')
-  assert main.run(tiny_config(data_dir), workdir) == 1
+  assert main.run(helpers.tiny_config(data_dir), workdir) == 1
   errors = [r.getMessage() for r in caplog.records if r.levelname == 'ERROR']
   assert len(errors) == 1 and caplog.records[-1].levelname == 'ERROR', errors
   assert errors[0].startswith(
@@ -486,7 +484,7 @@ def test_a_full_disk_ends_with_one_line_naming_the_path(
 def test_sigterm_saves_stops_and_exits_with_the_stopped_status(
     tmp_path, data_dir, monkeypatch):
   _sigterm_after_two_batches(monkeypatch)
-  config = tiny_config(data_dir, checkpoint_every_steps=100)
+  config = helpers.tiny_config(data_dir, checkpoint_every_steps=100)
   assert main.run(config, str(tmp_path)) == cli.EXIT_STOPPED == 75
   assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2
   status = rundir.read_status(str(tmp_path))
@@ -538,13 +536,13 @@ def test_sigterm_saves_stops_and_exits_with_the_stopped_status(
 def test_whole_config_is_checked_before_anything_is_created(
     tmp_path, bad, match, caplog):
   workdir = str(tmp_path / 'run')
-  config = tiny_config(str(tmp_path / 'data'), **bad)
+  config = helpers.tiny_config(str(tmp_path / 'data'), **bad)
   with pytest.raises(experiment.ConfigError, match=match):
     experiment.validate_config(config)
   with pytest.raises(experiment.ConfigError, match=match):
     evaluate.validate(config)
-  assert_usage_error(caplog, match,
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, match,
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)
   assert not os.path.exists(tmp_path / 'data')
 
@@ -553,26 +551,25 @@ def test_whole_config_is_checked_before_anything_is_created(
                                   'imagenet300'])
 def test_shipped_configs_pass_validation(name):
   experiment.validate_config(config_files.load(os.path.join(REPO, 'configs',
-                                                       f'{name}.py')))
+                                                            f'{name}.py')))
 
 
 def test_a_resume_on_other_data_is_refused(tmp_path, data_dir):
-  from tests.folder_trees import save_image  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   root = tmp_path / 'tree'
 
   def add_class(name, count):
     for i in range(count):
-      save_image(str(root), 'train', name, f'{i}.png',
-                 rng.integers(0, 256, (8, 8, 3), np.uint8))
+      folder_trees.save_image(str(root), 'train', name, f'{i}.png',
+                              rng.integers(0, 256, (8, 8, 3), np.uint8))
 
   # As many full batches per epoch as the digits of `tiny_config`: the same
   # schedule, so the same compiled step as the tiny run's.
-  per_class = -(-16 * _steps_per_epoch(tiny_config(data_dir)) // 3)
+  per_class = -(-16 * _steps_per_epoch(helpers.tiny_config(data_dir)) // 3)
   for name in ('a', 'b', 'c'):
     add_class(name, per_class)
-  config = tiny_config(str(tmp_path / 'data'), dataset=f'folder:{root}',
-                       total_steps=4)
+  config = helpers.tiny_config(str(tmp_path / 'data'), dataset=f'folder:{root}',
+                               total_steps=4)
   workdir = str(tmp_path / 'run')
   train.train(config, workdir, stop_after_steps=2)
   status = rundir.read_status(workdir)
