@@ -51,6 +51,9 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     _evaluate(config, empty)
   assert not os.path.exists(os.path.join(empty, 'checkpoints'))
+  os.makedirs(os.path.join(empty, 'checkpoints'))
+  with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
+    _evaluate(config, empty)
   workdir = helpers.copy_run(evaluated, tmp_path)
   with pytest.raises(ValueError, match=r'available steps: \[2, 4\]'):
     _evaluate(config, workdir, step=3)
@@ -120,18 +123,6 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
   for tag in ('step4', 'step4_cleanbn'):
     assert sorted(os.listdir(os.path.join(feature_dir, tag))) == [
         'digits_test.npz', 'digits_train.npz']
-
-
-def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
-  config = helpers.tiny_config(data_dir)
-  config.eval.datasets = ('digits', 'mnist')
-  # Checked once per command, before evaluating (`main.run` calls it).
-  with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
-    evaluate.validate(config)
-  config.eval.datasets = ('digits',)
-  (tmp_path / 'checkpoints').mkdir()
-  with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
-    _evaluate(config, str(tmp_path))
 
 
 # ----------------------------------------------------------------------------
@@ -277,6 +268,7 @@ def test_embedding_config_is_checked():
 
 @pytest.mark.parametrize('field, value, match', [
     ('datasets', ('digits', 'digits'), 'config.eval.datasets repeats a name'),
+    ('datasets', ('digits', 'mnist'), "unknown evaluation dataset 'mnist'"),
     ('evaluators', ('probe', 'x'), 'config.eval.evaluators must name'),
     ('evaluators', (), 'config.eval.evaluators must name'),
     ('embedding', 'x', 'config.eval.embedding must be one of'),
