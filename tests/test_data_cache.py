@@ -73,26 +73,33 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
       f'Disk full: could not write {path}')
 
 
-@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape'])
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape',
+                                    'no_source'])
 def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, warnings, damage):
   first = data.load_split('digits', 'test', 8, tmp_path)
-  path = str(tmp_path / 'otclr_cache' / 'digits_test_8px_v1.npz')
+  path = cache.cache_path('digits', 'test', 8, str(tmp_path))
+  assert path == str(tmp_path / 'otclr_cache' / 'digits_test_8px_v1.npz')
   if damage == 'truncate':
     with open(path, 'r+b') as f:
       f.truncate(os.path.getsize(path) // 3)
   elif damage == 'garbage':
     with open(path, 'wb') as f:
       f.write(b'\x00' * 100)
-  else:
-    np.savez(path, images=first.images[:, :4], labels=first.labels,
-             num_classes=10, class_names=np.asarray(first.class_names))
+  else:  # without the source it was made from, or of another shape
+    np.savez(path, labels=first.labels, num_classes=10,
+             class_names=np.asarray(first.class_names),
+             images=first.images[:, :4] if damage == 'wrong_shape'
+             else first.images)
   again = data.load_split('digits', 'test', 8, tmp_path)
   np.testing.assert_array_equal(again.images, first.images)
   np.testing.assert_array_equal(again.labels, first.labels)
   assert len(warnings) == 1 and path in warnings[0], warnings
+  if damage == 'no_source':
+    assert 'does not record' in warnings[0]
   # Rewritten: the next load reads it without a warning.
   data.load_split('digits', 'test', 8, tmp_path)
   assert len(warnings) == 1
+  assert cache.read(path, 8)[1] == sources.describe('digits', 'test')
 
 
 def test_folder_load_split_caches_by_path(tmp_path, monkeypatch):
@@ -173,17 +180,6 @@ def test_changed_file_is_prepared_again(tmp_path, warnings):
   # The test split did not change: its cache is read as it is.
   data.load_split(name, 'test', S, data_dir)
   assert len(warnings) == 1
-
-
-def test_cache_that_records_no_source_is_prepared_again(tmp_path, warnings):
-  first = data.load_split('digits', 'test', 8, tmp_path)
-  path = cache.cache_path('digits', 'test', 8, str(tmp_path))
-  np.savez(path, images=first.images, labels=first.labels, num_classes=10,
-           class_names=np.asarray(first.class_names))
-  again = data.load_split('digits', 'test', 8, tmp_path)
-  np.testing.assert_array_equal(again.images, first.images)
-  assert len(warnings) == 1 and 'does not record' in warnings[0]
-  assert cache.read(path, 8)[1] == sources.describe('digits', 'test')
 
 
 def test_load_splits_refuses_splits_with_different_class_lists(
