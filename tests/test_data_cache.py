@@ -249,7 +249,7 @@ def test_read_only_data_dir_still_trains_digits(tmp_path, warnings):
 
 
 def test_user_home_is_expanded_in_data_dir_and_folder_root(tmp_path,
-                                                          monkeypatch):
+                                                           monkeypatch):
   monkeypatch.setenv('HOME', str(tmp_path))
   root = str(tmp_path / 'tree')
   make_tree(root)

@@ -34,9 +34,8 @@ def trained():
   x = np.random.default_rng(0).random((4, 8, 8, 3), np.float32)
   variables = jax.jit(functools.partial(model.init, train=False))(
       jax.random.key(1), x)
-  _, updates = jax.jit(functools.partial(
-      model.apply, train=True, mutable=['batch_stats']))(variables,
-                                                          x * 0.5 + 0.2)
+  apply = functools.partial(model.apply, train=True, mutable=['batch_stats'])
+  _, updates = jax.jit(apply)(variables, x * 0.5 + 0.2)
   variables = {'params': variables['params'],
                'batch_stats': updates['batch_stats']}
   return config, model, variables, x
@@ -199,7 +198,7 @@ def test_tilde_in_paths_is_the_home_directory(finished_run, tmp_path,
 
 
 def test_a_read_only_output_path_fails_in_one_line(finished_run, tmp_path,
-                                                    capsys):
+                                                   capsys):
   _, workdir, _ = finished_run
   locked = tmp_path / 'ro'
   locked.mkdir()

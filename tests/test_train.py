@@ -2,7 +2,6 @@
 
 import errno
 import functools
-import json
 import os
 import pathlib
 import shutil
@@ -59,8 +58,7 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
   resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
   helpers.assert_trees_equal(straight.params, resumed.params)
-  records = [json.loads(l)
-             for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  records = rundir.read_metrics(workdir)
   assert [(r['step'], r['steps_averaged']) for r in records] == [
       (2, 2), (3, 1), (4, 1)]
   # TensorBoard hides an abandoned run's events past the resumed step.
@@ -236,15 +234,15 @@ def test_knn_monitor_is_logged_and_leaves_training_unchanged(
                              make_monitor=main.make_monitor).state
   lines = [r.getMessage() for r in caplog.records]
   _, plain_workdir, without = finished_run  # no make_monitor: no monitor
-  helpers.assert_trees_equal((with_monitor.params, with_monitor.batch_stats),
-                     (without.params, without.batch_stats))
-  read = lambda run: [json.loads(l) for l in open(os.path.join(
-      run, 'metrics.jsonl'))]
-  records = read(tmp_path / 'a')
+  helpers.assert_trees_equal(
+      (with_monitor.params, with_monitor.batch_stats),
+      (without.params, without.batch_stats))
+  records = rundir.read_metrics(str(tmp_path / 'a'))
   assert [r['step'] for r in records] == [2, 4]
   for record in records:
     assert 0.0 <= record[train.MONITOR_METRIC] <= 100.0
-  assert all(train.MONITOR_METRIC not in r for r in read(plain_workdir))
+  assert all(train.MONITOR_METRIC not in r
+             for r in rundir.read_metrics(plain_workdir))
   progress = [l for l in lines if l.startswith('step 4/4')]
   assert len(progress) == 1 and ' kNN ' in progress[0]
   # The line fits a terminal with absl's prefix (main's, ~25 characters).
@@ -262,7 +260,7 @@ def test_bfloat16_trains_and_alpha_is_learned(tmp_path, data_dir):
   # Parameters and optimiser state stay float32; only activations are bf16.
   assert all(x.dtype == jnp.float32
              for x in jax.tree_util.tree_leaves(state.params))
-  losses_ = [json.loads(l)['loss'] for l in open(tmp_path / 'metrics.jsonl')]
+  losses_ = [r['loss'] for r in rundir.read_metrics(str(tmp_path))]
   assert len(losses_) == 16 and all(np.isfinite(losses_))
   assert np.mean(losses_[-4:]) < np.mean(losses_[:4]) - 0.1
 
@@ -412,7 +410,7 @@ def test_truncated_checkpoint_and_torn_metrics_line(finished_run, tmp_path,
              for m in messages)
   assert int(resumed.step) == 4
   helpers.assert_trees_equal(straight.params, resumed.params)
-  steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl')]
+  steps = [r['step'] for r in rundir.read_metrics(str(workdir))]
   assert steps == [2, 4]
   assert checkpoint.Checkpointer(str(workdir)).all_steps() == [2, 4]
   reader = checkpoint.Checkpointer(str(workdir), read_only=True)
