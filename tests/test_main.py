@@ -139,6 +139,9 @@ def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
 
 def test_a_train_and_evaluate_command_validates_its_config_once(
     tmp_path, data_dir, monkeypatch):
+  # Into ~/run: the home directory's.
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.chdir(tmp_path)
   helpers.small_digits(monkeypatch)
   calls = []
   real = experiment.validate_config
@@ -146,8 +149,11 @@ def test_a_train_and_evaluate_command_validates_its_config_once(
                       lambda config: calls.append(1) or real(config))
   config = _config(data_dir, **{'eval.at_end': True,
                                 'eval.evaluators': ('knn',)})
-  assert main.run(config, str(tmp_path / 'run')) == 0
-  assert os.path.exists(tmp_path / 'run' / rundir.RESULTS_FILE)
+  assert main.run(config, '~/run') == 0
+  workdir = tmp_path / 'home' / 'run'
+  assert os.path.exists(workdir / rundir.RESULTS_FILE)
+  assert rundir.read_status(str(workdir))['state'] == 'finished'
+  assert not os.path.exists(tmp_path / '~')
   assert len(calls) == 1
 
 
@@ -158,18 +164,6 @@ def test_corrupt_config_json_is_a_usage_error(workdir, data_dir, caplog):
     config = _config(data_dir, mode=mode, **RUN)
     helpers.assert_usage_error(caplog, 'config.json is corrupt',
                                lambda: main.run(config, workdir))
-
-
-def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
-                                                    monkeypatch):
-  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
-  monkeypatch.chdir(tmp_path)
-  config = _config(data_dir)  # 4 steps: the step finished_run compiles
-  config.monitor.every_steps = 0
-  assert main.run(config, '~/run') == 0
-  assert rundir.read_status(str(tmp_path / 'home' / 'run'))['state'] == (
-      'finished')
-  assert not os.path.exists(tmp_path / '~')
 
 
 def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
