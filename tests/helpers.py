@@ -465,7 +465,7 @@ def resolved_config(argv):
 
 
 def write_run_files(workdir, config, *, state='finished', step=None,
-                    evaluated=True, results_step=None):
+                    evaluated=True):
   """What training (config.json, status.json, a checkpoint) and evaluation
   (eval/results.json, eval/config.json) leave in a run directory."""
   total = config.total_steps
@@ -479,8 +479,7 @@ def write_run_files(workdir, config, *, state='finished', step=None,
     json.dump({'state': state, 'step': step, 'total_steps': total,
                'updated': '2026-11-21T00:00:00+00:00'}, f)
   if evaluated:
-    fake_results(workdir, step if results_step is None else results_step,
-                 config)
+    fake_results(workdir, step, config)
     with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
       json.dump({**train_config, 'mode': 'eval'}, f)
 
