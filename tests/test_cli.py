@@ -274,7 +274,7 @@ def _in_process_cases(root, data_dir):
       ('interpolation into a JPEG', figures_cli.main, [
           'figures', 'interpolation', f'--out={root}/fig.jpg', '--size=16'],
        2, '.png', []),
-      # It had printed "0 figure(s)" with status 0.
+      # Not "0 figure(s)" with status 0.
       ('report of nothing', figures_cli.main, [
           'figures', 'report', f'--workdir={outdir}'], 2, 'no figure drawn',
        []),

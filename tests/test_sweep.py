@@ -242,8 +242,8 @@ def test_a_failed_run_is_reported_and_the_sweep_goes_on(four_runs, capsys):
 
 @pytest.mark.parametrize('stop', ['signal', 'evaluation', 'preempted'])
 def test_a_stopped_run_stops_the_sweep_with_75(four_runs, capsys, stop):
-  # A stopped evaluation had counted as a failure: the sweep went on, then
-  # exited 1.
+  # A stopped evaluation is no failure (going on, then exiting 1): it stops
+  # the sweep.
   sweep, workdir, names = four_runs
   launcher = FakeLauncher(**{
       'signal': {'stop_during': names[1], 'stop_at_step': 1},
