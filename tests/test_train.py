@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,9 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
   # Stopped again after step 3, then resumed to the end: steps 3 and 4 are
   # logged alone, and say so (their means are not an uninterrupted run's).
   assert train.train(config, workdir, stop_after_steps=1).status == 'stopped'
+  # TensorBoard names its event files by the second: a resume within the
+  # same second would write into the stopped run's file.
+  time.sleep(1.1)
   resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
   helpers.assert_trees_equal(straight.params, resumed.params)
