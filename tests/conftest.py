@@ -171,13 +171,14 @@ def stopped_run(shared_dir, data_dir):
 def evaluated_run(finished_run, shared_dir):
   """(config, workdir) of a copy of `finished_run` evaluated at its step 4.
 
-  `eval_config` on `small_digits`, figures drawn (`main.evaluate_and_draw`),
-  as `python -m otclr_jax.main` evaluates; tests copy it to change it.
+  `eval_config` with BatchNorm statistics recomputed, on `small_digits`,
+  figures drawn (`main.evaluate_and_draw`), as `python -m otclr_jax.main`
+  evaluates; tests copy it to change it.
   """
   from otclr_jax import main  # pylint: disable=g-import-not-at-top
   from tests import helpers  # pylint: disable=g-import-not-at-top
   config, finished, _ = finished_run
-  config = helpers.eval_config(config.data_dir)
+  config = helpers.eval_config(config.data_dir, **{'eval.recompute_bn': True})
 
   def build(folder):
     workdir = helpers.copy_run(finished, folder)
@@ -185,3 +186,25 @@ def evaluated_run(finished_run, shared_dir):
       helpers.small_digits(monkeypatch)
       main.evaluate_and_draw(config, workdir)
   return config, str(_build_once(shared_dir, 'evaluated', build)[0] / 'run')
+
+
+@pytest.fixture(scope='session')
+def simclr_run(shared_dir, data_dir):
+  """(config, workdir) of `eval_config` SimCLR, seed 1, trained and evaluated.
+
+  Another method, seed and temperature than `finished_run`'s and the config
+  files'; evaluated on `small_digits` without figures. Tests copy it to
+  change it.
+  """
+  from otclr_jax import main, train  # pylint: disable=g-import-not-at-top
+  from tests import helpers  # pylint: disable=g-import-not-at-top
+  config = helpers.eval_config(data_dir, method='simclr', seed=1, **{
+      'loss.temperature': 0.2, 'eval.figures': False})
+
+  def build(folder):
+    workdir = str(folder / 'run')
+    train.train(config, workdir)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+      helpers.small_digits(monkeypatch)
+      main.evaluate_and_draw(config, workdir)
+  return config, str(_build_once(shared_dir, 'simclr', build)[0] / 'run')

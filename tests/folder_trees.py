@@ -40,6 +40,17 @@ def save_image(root, split, cls, fname, array, mode=None, **kwargs):
   return path
 
 
+def random_tree(root, layout, size=S, seed=0):
+  """Random RGB PNGs root/<split>/<class>/<i>.png, `layout` {split: {class:
+  number of images}}, `size` px square."""
+  rng = np.random.default_rng(seed)
+  for split, classes in layout.items():
+    for cls, count in classes.items():
+      for i in range(count):
+        save_image(root, split, cls, f'{i}.png',
+                   rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
 def make_tree(root):
   """A tiny root/<split>/<class>/ tree mixing PNG modes, JPEG and shapes.
 

@@ -74,6 +74,25 @@ def is_locked(workdir: str, name: str = rundir.LOCK_FILE) -> bool:
   return False
 
 
+def assert_trees_equal(a, b) -> None:
+  """Trees of one structure whose arrays are equal bit for bit."""
+  a, b = jax.device_get((a, b))
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def truncate_checkpoint(workdir, step) -> list[str]:
+  """Cuts the data files of checkpoint `step` to 10 bytes, as a crash
+  mid-write leaves them; their sorted names."""
+  folder = os.path.join(str(workdir), 'checkpoints', str(step), 'default',
+                        'ocdbt.process_0', 'd')
+  names = sorted(os.listdir(folder))
+  for name in names:
+    os.truncate(os.path.join(folder, name), 10)
+  return names
+
+
 def tiny_config(data_dir, **overrides):
   """8 px digits, batch 16, 4 steps, a ResNet of one block per stage (as
   flax's examples/imagenet tests use `_ResNet1`), small heads and a 4 x 4 OT
@@ -444,7 +463,7 @@ def resolved_config(argv):
 
 
 def write_run_files(workdir, config, *, state='finished', step=None,
-                    evaluated=True, results_step=None):
+                    evaluated=True):
   """What training (config.json, status.json, a checkpoint) and evaluation
   (eval/results.json, eval/config.json) leave in a run directory."""
   total = config.total_steps
@@ -458,8 +477,7 @@ def write_run_files(workdir, config, *, state='finished', step=None,
     json.dump({'state': state, 'step': step, 'total_steps': total,
                'updated': '2026-11-21T00:00:00+00:00'}, f)
   if evaluated:
-    fake_results(workdir, step if results_step is None else results_step,
-                 config)
+    fake_results(workdir, step, config)
     with open(os.path.join(workdir, 'eval', 'config.json'), 'w') as f:
       json.dump({**train_config, 'mode': 'eval'}, f)
 

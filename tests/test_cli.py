@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -20,9 +21,8 @@ from otclr_jax import cli
 from otclr_jax import export
 from otclr_jax import rundir
 from otclr_jax.figures import __main__ as figures_cli
-from tests.helpers import SignalsInAFinaliser
-from tests.helpers import tiny_config
-from tests.folder_trees import save_image
+from tests import helpers
+from tests.folder_trees import random_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = ['--config=configs/digits.py', '--config.total_steps=2',
@@ -38,14 +38,16 @@ def _check_one_line(err, status, expected, match):
   assert status == expected, err
   assert 'Traceback' not in err, err
   errors = [line for line in err.splitlines()
-            if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm'))]
+            if line.startswith(('E', 'F', 'error', 'Sweep', 'launch.slurm',
+                                'Usage', '--aggregate_only'))]
   assert len(errors) == 1, err
   assert match in errors[0], errors[0]
+  return errors[0]
 
 
 # ----------------------------------------------------------------------------
 # python -m otclr_jax.main and python -m otclr_jax.bench: one process each,
-# started together (each start imports JAX).
+# six started together (each start imports JAX).
 
 
 def _main_cases(root, data_dir):
@@ -57,13 +59,12 @@ def _main_cases(root, data_dir):
   (diverged / rundir.STATUS_FILE).write_text(json.dumps(
       {'state': 'diverged', 'step': 3, 'total_steps': 10}))
   tree = root / 'tree'
-  for cls in ('a', 'b'):
-    for i in range(3):
-      save_image(str(tree), 'train', cls, f'{i}.png',
-                 __import__('numpy').zeros((8, 8, 3), 'uint8'))
+  random_tree(str(tree), {'train': {'a': 3, 'b': 3}}, size=8)
   os.symlink(str(root / 'gone.png'), str(tree / 'train' / 'a' / 'x.png'))
+  (root / 'locked').mkdir()
   main = [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
           f'--config.data_dir={data_dir}']
+  bench = [sys.executable, '-m', 'otclr_jax.bench']
   return [
       ('negative seed', main + ['--config.seed=-1', f'--workdir={root}/w1'],
        2, 'config.seed', [root / 'w1']),
@@ -72,9 +73,8 @@ def _main_cases(root, data_dir):
        2, 'config.seed', [root / 'w2']),
       ('workdir is a file', main + [f'--workdir={afile}/run'], 2,
        'not a directory', []),
-      ('data_dir is a file', [sys.executable, '-m', 'otclr_jax.main', *DIGITS,
-                              f'--config.data_dir={afile}',
-                              f'--workdir={root}/w3'],
+      ('data_dir is a file', main + [f'--config.data_dir={afile}',
+                                     f'--workdir={root}/w3'],
        2, 'data_dir', [root / 'w3']),
       ('moco queue below the batch', main + [
           '--config.method=moco', '--config.moco.queue_size=8',
@@ -94,25 +94,60 @@ def _main_cases(root, data_dir):
           "--config.eval.evaluators=('probe', 'nope')",
           '--config.eval.at_end=False', f'--workdir={root}/w7'], 2,
        'eval.evaluators', [root / 'w7']),
-      ('bench without a subcommand', [sys.executable, '-m', 'otclr_jax.bench'],
-       2, 'subcommand', []),
+      ('a typo in an override', main + [
+          '--config.ot.epsilo=0.1', f'--workdir={root}/w8'], 2,
+       'Did you mean "epsilon"', [root / 'w8']),
+      ('an epsilon too small', main + [
+          '--config.ot.epsilon=1e-5', f'--workdir={root}/w9'], 2,
+       'below 0.01145', [root / 'w9']),
+      ('a missing config file', main + [
+          '--config=configs/nope.py', f'--workdir={root}/w10'], 2,
+       'cannot load --config=configs/nope.py', [root / 'w10']),
+      ('a batch larger than the data', main + [
+          '--config.batch_size=4096', f'--workdir={root}/w11'], 2,
+       'batch_size=4096 is larger than digits/train', []),
+      ('half the distributed settings', main + [
+          '--num_processes=2', f'--workdir={root}/w12'], 2,
+       '--coordinator_address', [root / 'w12']),
+      ('evaluating a workdir another evaluation holds', main + [
+          '--config.mode=eval', f'--workdir={root}/locked'], cli.EXIT_LOCKED,
+       f'{root}/locked is in use by process {os.getpid()}',
+       [root / 'locked' / 'eval']),
+      ('bench without a subcommand', bench, 2, 'subcommand', []),
+      ('bench flags out of range', bench + ['ot', '--repeats=0'], 2,
+       'error: --repeats must be >= 1, got 0.', []),
+      ('bench config typo', bench + [
+          'train', '--config=configs/digits.py', '--config.optim.baselr=1'],
+       2, "error: unknown config field 'baselr'", []),
   ]
 
 
 def test_the_command_lines_refuse_bad_inputs_in_one_line(tmp_path, data_dir):
   cases = _main_cases(tmp_path, data_dir)
-  procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-           for _, argv, *_ in cases]
+  # Not the user's: JAX's cluster variables, were they set here.
+  env = {k: v for k, v in os.environ.items() if k not in (
+      'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')}
   failures = []
-  for (name, _, status, match, absent), proc in zip(cases, procs):
-    _, err = proc.communicate(timeout=600)
-    try:
-      _check_one_line(err, proc.returncode, status, match)
-      for path in absent:
-        assert not os.path.exists(path), f'{path} was created'
-    except AssertionError as e:
-      failures.append(f'{name}: {e}')
+  with rundir.lock(str(tmp_path / 'locked'), rundir.EVAL_LOCK_FILE):
+    for start in range(0, len(cases), 6):
+      batch = cases[start:start + 6]
+      procs = [subprocess.Popen(argv, cwd=REPO, env=env, text=True,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+               for _, argv, *_ in batch]
+      for (name, argv, status, match, absent), proc in zip(batch, procs):
+        _, err = proc.communicate(timeout=600)
+        try:
+          line = _check_one_line(err, proc.returncode, status, match)
+          lines = err.strip().splitlines()
+          # The error is what the user sees first (bench's flags) or last,
+          # not buried above a traceback; no usage text, no JAX probe.
+          assert line in (lines[:1] if 'bench' in argv[2] else lines[-2:])
+          assert 'flags:' not in err and "backend 'tpu'" not in err, err
+          for path in absent:
+            assert not os.path.exists(path), f'{path} was created'
+        except AssertionError as e:
+          failures.append(f'{name}: {e}')
   assert not failures, '\n\n'.join(failures)
 
 
@@ -168,11 +203,15 @@ def _in_process_cases(root, data_dir):
   (torn / 'runs.json').write_text('{"runs": [{"name": "a"')
   run = root / 'run'
   run.mkdir()
-  rundir.write_config(str(run), tiny_config(data_dir).to_dict())
+  rundir.write_config(str(run), helpers.tiny_config(data_dir).to_dict())
   outdir = root / 'outdir'
   outdir.mkdir()
   bad_png = root / 'bad.png'
   bad_png.write_bytes(b'\x89PNG\r\n\x1a\n' + b'\0' * 20)
+  slurm = ['slurm', '--config=configs/digits.py']
+  sweep_file = helpers.write_sweep(root / 's.py', helpers.tiny_grid())
+  sweep = ['sweep', f'--config={sweep_file}',
+           f'--workdir={root}/out']
   metrics = root / 'metrics_run'
   metrics.mkdir()
   (metrics / rundir.METRICS_FILE).write_text(
@@ -204,6 +243,54 @@ def _in_process_cases(root, data_dir):
       ('slurm into a file', slurm_lib.main,
        ['slurm', '--config=configs/digits.py', f'--workdir={afile}/x',
         '--nodes=2', '--gpus_per_node=1'], 2, 'not a directory', []),
+      ('slurm of a bad config', slurm_lib.main, slurm + [
+          f'--workdir={root}/j1', '--nodes=2', '--config.batch_size=1'], 2,
+       'batch_size', [root / 'j1']),
+      ('slurm on no nodes', slurm_lib.main, slurm + [
+          f'--workdir={root}/j2', '--nodes=0'], 2, '>= 1 node',
+       [root / 'j2']),
+      # absl's other spellings pass the check but a job would drop or misread
+      # them (--noconfig.x vanished; --config.x v took the next flag as v).
+      *(('slurm with another override spelling', slurm_lib.main, slurm + [
+          f'--workdir={root}/j3', '--nodes=2', *flags], 2,
+         'give config overrides as --config.a.b=v', [root / 'j3'])
+        for flags in (['--noconfig.optim.clip_lr'],
+                      ['--config.data_dir', '/data'])),
+      ('sweep with an override typo', sweep_lib.main, sweep + [
+          '--config.ot.epsilonn=0.1'], 2, 'Did you mean "epsilon"', []),
+      *(('sweep with another override spelling', sweep_lib.main,
+         sweep + [flag], 2, '', []) for flag in (
+             '--override=ot.epsilon=0.1', '--config.ot.epsilon')),
+      # A swept key set on the command line too would be ambiguous.
+      ('sweep setting a swept key', sweep_lib.main,
+       sweep + ['--config.seed=3'], 2, 'sweeps config.seed', []),
+      # One array task's index means nothing to a job or a summary of them.
+      *(('one index of a sweep job or summary', sweep_lib.main,
+         sweep + ['--only_index=0', mode], 2, 'Usage', [])
+        for mode in ('--slurm', '--aggregate_only')),
+      ('summary of no directory', sweep_lib.main, [
+          'sweep', f'--workdir={root}/typo', '--aggregate_only'], 2,
+       f'{root}/typo does not exist', [root / 'typo']),
+      ('interpolation into a JPEG', figures_cli.main, [
+          'figures', 'interpolation', f'--out={root}/fig.jpg', '--size=16'],
+       2, '.png', []),
+      # Not "0 figure(s)" with status 0.
+      ('report of nothing', figures_cli.main, [
+          'figures', 'report', f'--workdir={outdir}'], 2, 'no figure drawn',
+       []),
+      *(('report of no run', figures_cli.main, [
+          'figures', 'report', *flags, f'{flag}={root}/no'], 2,
+         f'{flag}={root}/no is not a run directory', [])
+        for flag, flags in (('--workdir', []),
+                            ('--compare', [f'--workdir={outdir}']))),
+      # One parser with main: a typo fails with a suggestion instead of
+      # adding a field and leaving epsilon unchanged.
+      ('figures with an override typo', figures_cli.main, [
+          'figures', 'tsne', f'--workdir={run}', '--config=configs/digits.py',
+          '--config.ot.epsilonn=0.1'], 2, 'Did you mean "epsilon"', []),
+      ('figures of no kind', figures_cli.main, [
+          'figures', 'nosuch', f'--workdir={run}'], 2, '', []),
+      ('figures of no run', figures_cli.main, ['figures', 'tsne'], 2, '', []),
   ]
 
 
@@ -263,6 +350,51 @@ def test_disk_full_path_from_a_tensorstore_error():
   assert cli.disk_full_path(ValueError('other'), '/w') is None
 
 
+# Each tool in a child whose work is replaced by a signal to itself; the
+# sweep's training child signals the sweep, which waits for it.
+_SIGNALLED = textwrap.dedent("""
+    import os, sys, time
+    tool, signum = sys.argv[1], int(sys.argv[2])
+    def stop(*_):
+      os.kill(os.getpid(), signum)
+      time.sleep(30)
+    if tool == 'export':
+      from otclr_jax import export as module
+      module.export_checkpoint = stop
+    elif tool == 'figures':
+      from otclr_jax.figures import __main__ as module, curves
+      curves.curves_for_runs = stop
+    else:
+      from launch import sweep as module
+      module.command = lambda *_: [sys.executable, '-c', 'import os, time; '
+                                   f'os.kill(os.getppid(), {signum}); '
+                                   'time.sleep(60)']
+    sys.exit(module.main([tool, *sys.argv[3:]]))
+""")
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('tool, argv, line', [
+    ('export', ['--workdir=/nonexistent'], 'Export stopped by {}; nothing '
+     'was written.'),
+    ('figures', ['curves', '--workdir=/nonexistent'], 'Figures stopped by {};'
+     ' rerun to draw them.'),
+    ('sweep', ['--config={tmp}/s.py', '--workdir={tmp}/out'], 'Sweep s '
+     'stopped by {}; rerun the same command to resume.'),
+])
+def test_a_signal_ends_a_tool_with_75_and_one_line(tmp_path, tool, argv, line,
+                                                   signum):
+  helpers.write_sweep(tmp_path / 's.py', helpers.tiny_grid())
+  done = subprocess.run(
+      [sys.executable, '-c', _SIGNALLED, tool, str(signum),
+       *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
+  assert done.returncode == cli.EXIT_STOPPED, done.stderr
+  assert done.stderr.strip().splitlines() == [
+      line.format(signal.Signals(signum).name)]
+  assert 'FAILED' not in done.stdout
+
+
 # ----------------------------------------------------------------------------
 # Signals: a stop raised where it lands, or a flag between steps.
 
@@ -285,7 +417,7 @@ def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
   ran_on = []
   with pytest.raises(cli.StopRequested) as stopped:
     with cli.stop_on_signals():
-      SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
+      helpers.SignalsInAFinaliser(signal.SIGTERM)  # dropped at once
       ran_on.append('after the finaliser')
       cli.check_stop()
       ran_on.append('after check_stop')
@@ -297,7 +429,7 @@ def test_a_stop_raised_in_a_finaliser_is_not_lost(capfd):
 
 def test_work_that_ends_before_a_check_has_ended():
   with cli.stop_on_signals():
-    SignalsInAFinaliser(signal.SIGINT)
+    helpers.SignalsInAFinaliser(signal.SIGINT)
   cli.check_stop()  # the next block starts with nothing pending
   with cli.stop_on_signals():
     cli.check_stop()

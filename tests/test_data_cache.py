@@ -16,8 +16,8 @@ from otclr_jax.data import cache
 from otclr_jax.data import folder
 from otclr_jax.data import sources
 from tests.folder_trees import make_tree
+from tests.folder_trees import random_tree
 from tests.folder_trees import S
-from tests.folder_trees import save_image
 
 
 @pytest.fixture
@@ -73,26 +73,33 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
       f'Disk full: could not write {path}')
 
 
-@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape'])
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'wrong_shape',
+                                    'no_source'])
 def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, warnings, damage):
   first = data.load_split('digits', 'test', 8, tmp_path)
-  path = str(tmp_path / 'otclr_cache' / 'digits_test_8px_v1.npz')
+  path = cache.cache_path('digits', 'test', 8, str(tmp_path))
+  assert path == str(tmp_path / 'otclr_cache' / 'digits_test_8px_v1.npz')
   if damage == 'truncate':
     with open(path, 'r+b') as f:
       f.truncate(os.path.getsize(path) // 3)
   elif damage == 'garbage':
     with open(path, 'wb') as f:
       f.write(b'\x00' * 100)
-  else:
-    np.savez(path, images=first.images[:, :4], labels=first.labels,
-             num_classes=10, class_names=np.asarray(first.class_names))
+  else:  # without the source it was made from, or of another shape
+    np.savez(path, labels=first.labels, num_classes=10,
+             class_names=np.asarray(first.class_names),
+             images=first.images[:, :4] if damage == 'wrong_shape'
+             else first.images)
   again = data.load_split('digits', 'test', 8, tmp_path)
   np.testing.assert_array_equal(again.images, first.images)
   np.testing.assert_array_equal(again.labels, first.labels)
   assert len(warnings) == 1 and path in warnings[0], warnings
+  if damage == 'no_source':
+    assert 'does not record' in warnings[0]
   # Rewritten: the next load reads it without a warning.
   data.load_split('digits', 'test', 8, tmp_path)
   assert len(warnings) == 1
+  assert cache.read(path, 8)[1] == sources.describe('digits', 'test')
 
 
 def test_folder_load_split_caches_by_path(tmp_path, monkeypatch):
@@ -118,12 +125,8 @@ def test_folder_load_split_caches_by_path(tmp_path, monkeypatch):
 
 
 def _two_class_tree(root):
-  rng = np.random.default_rng(3)
-  for split, per_class in (('train', 3), ('test', 2)):
-    for cls in ('bee', 'cow'):
-      for i in range(per_class):
-        save_image(root, split, cls, f'{i}.png',
-                   rng.integers(0, 256, (S, S, 3), dtype=np.uint8))
+  random_tree(root, {'train': {'bee': 3, 'cow': 3},
+                     'test': {'bee': 2, 'cow': 2}}, seed=3)
 
 
 def _assert_fresh(split, root, name):
@@ -141,10 +144,7 @@ def test_class_added_after_train_was_cached_keeps_labels_consistent(
   before = data.load_split(name, 'train', S, data_dir)
   assert before.class_names == ['bee', 'cow']
   # 'ant' sorts first: every existing class id shifts by one.
-  rng = np.random.default_rng(4)
-  for split in ('train', 'test'):
-    save_image(root, split, 'ant', '0.png',
-               rng.integers(0, 256, (S, S, 3), dtype=np.uint8))
+  random_tree(root, {'train': {'ant': 1}, 'test': {'ant': 1}}, seed=4)
   train = data.load_split(name, 'train', S, data_dir)
   test = data.load_split(name, 'test', S, data_dir)
   assert train.class_names == test.class_names == ['ant', 'bee', 'cow']
@@ -180,17 +180,6 @@ def test_changed_file_is_prepared_again(tmp_path, warnings):
   # The test split did not change: its cache is read as it is.
   data.load_split(name, 'test', S, data_dir)
   assert len(warnings) == 1
-
-
-def test_cache_that_records_no_source_is_prepared_again(tmp_path, warnings):
-  first = data.load_split('digits', 'test', 8, tmp_path)
-  path = cache.cache_path('digits', 'test', 8, str(tmp_path))
-  np.savez(path, images=first.images, labels=first.labels, num_classes=10,
-           class_names=np.asarray(first.class_names))
-  again = data.load_split('digits', 'test', 8, tmp_path)
-  np.testing.assert_array_equal(again.images, first.images)
-  assert len(warnings) == 1 and 'does not record' in warnings[0]
-  assert cache.read(path, 8)[1] == sources.describe('digits', 'test')
 
 
 def test_load_splits_refuses_splits_with_different_class_lists(
@@ -260,7 +249,7 @@ def test_read_only_data_dir_still_trains_digits(tmp_path, warnings):
 
 
 def test_user_home_is_expanded_in_data_dir_and_folder_root(tmp_path,
-                                                          monkeypatch):
+                                                           monkeypatch):
   monkeypatch.setenv('HOME', str(tmp_path))
   root = str(tmp_path / 'tree')
   make_tree(root)

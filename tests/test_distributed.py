@@ -47,73 +47,53 @@ def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp('data'))
 
 
-# ----------------------------------------------------------------------------
-# Flags and environment (fast).
+_CLUSTER = {'JAX_COORDINATOR_ADDRESS': 'node0:5000', 'JAX_NUM_PROCESSES': '4',
+            'JAX_PROCESS_ID': '3'}
 
 
-def test_one_process_without_flags_or_environment():
-  assert main.distributed_settings(False, None, None, None, environ={}) is None
-
-
-def test_distributed_alone_lets_jax_read_the_cluster():
-  assert main.distributed_settings(True, None, None, None, 30, 60,
-                                   environ={}) == {
-                                       'heartbeat_timeout_seconds': 30,
-                                       'shutdown_timeout_seconds': 60}
-
-
-def test_flags_give_the_coordinator_and_imply_distributed():
-  settings = main.distributed_settings(False, '127.0.0.1:1234', 2, 1, 10, 20,
-                                       environ={})
-  assert settings == {'coordinator_address': '127.0.0.1:1234',
-                      'num_processes': 2, 'process_id': 1,
-                      'heartbeat_timeout_seconds': 10,
-                      'shutdown_timeout_seconds': 20}
-
-
-def test_environment_fills_what_the_flags_leave_out():
-  env = {'JAX_COORDINATOR_ADDRESS': 'node0:5000', 'JAX_NUM_PROCESSES': '4',
-         'JAX_PROCESS_ID': '3'}
-  settings = main.distributed_settings(False, None, None, None, environ=env)
-  assert (settings['coordinator_address'], settings['num_processes'],
-          settings['process_id']) == ('node0:5000', 4, 3)
-  # A flag wins over its variable.
-  settings = main.distributed_settings(False, None, None, 0, environ=env)
-  assert settings['process_id'] == 0
+@pytest.mark.parametrize('args, env, expected', [
+    # One process without flags or environment.
+    ((False, None, None, None), {}, None),
+    # --distributed alone lets JAX read the cluster.
+    ((True, None, None, None, 30, 60), {},
+     {'heartbeat_timeout_seconds': 30, 'shutdown_timeout_seconds': 60}),
+    # Flags give the coordinator and imply --distributed.
+    ((False, '127.0.0.1:1234', 2, 1, 10, 20), {},
+     {'coordinator_address': '127.0.0.1:1234', 'num_processes': 2,
+      'process_id': 1, 'heartbeat_timeout_seconds': 10,
+      'shutdown_timeout_seconds': 20}),
+    # The environment fills what the flags leave out; a flag wins over its
+    # variable.
+    ((False, None, None, None), _CLUSTER,
+     {'coordinator_address': 'node0:5000', 'num_processes': 4,
+      'process_id': 3}),
+    ((False, None, None, 0), _CLUSTER,
+     {'coordinator_address': 'node0:5000', 'num_processes': 4,
+      'process_id': 0}),
+])
+def test_distributed_settings_from_flags_and_environment(args, env,
+                                                         expected):
+  settings = main.distributed_settings(*args, environ=env)
+  if env:  # the timeouts are the defaults
+    settings = {k: settings[k] for k in expected}
+  assert settings == expected
 
 
 @pytest.mark.parametrize('args, env, match', [
-    (('127.0.0.1:1234', None, 0), {}, r'--num_processes \(or '
+    ((False, '127.0.0.1:1234', None, 0), {}, r'--num_processes \(or '
      r'\$JAX_NUM_PROCESSES\) missing'),
-    ((None, 2, None), {}, '--coordinator_address .* --process_id'),
-    (('127.0.0.1:1234', 2, 2), {}, r'--process_id must lie in \[0, '
+    ((False, None, 2, None), {}, '--coordinator_address .* --process_id'),
+    ((False, '127.0.0.1:1234', 2, 2), {}, r'--process_id must lie in \[0, '
      '--num_processes=2'),
-    (('127.0.0.1', 2, 0), {}, 'host:port'),
-    ((None, None, None), {'JAX_COORDINATOR_ADDRESS': 'h:1',
-                          'JAX_NUM_PROCESSES': 'two', 'JAX_PROCESS_ID': '0'},
-     'must be integers'),
+    ((False, '127.0.0.1', 2, 0), {}, 'host:port'),
+    ((False, None, None, None), {'JAX_COORDINATOR_ADDRESS': 'h:1',
+                                 'JAX_NUM_PROCESSES': 'two',
+                                 'JAX_PROCESS_ID': '0'}, 'must be integers'),
+    ((True, None, None, None, 0, 10), {}, '--heartbeat_timeout'),
 ])
 def test_incomplete_or_malformed_settings_are_usage_errors(args, env, match):
   with pytest.raises(experiment.ConfigError, match=match):
-    main.distributed_settings(False, *args, environ=env)
-
-
-def test_timeouts_must_be_positive():
-  with pytest.raises(experiment.ConfigError, match='--heartbeat_timeout'):
-    main.distributed_settings(True, None, None, None, 0, 10, environ={})
-
-
-def test_the_command_line_refuses_half_the_settings_with_status_2(tmp_path):
-  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
-  proc = subprocess.run(
-      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
-       f'--workdir={tmp_path / "run"}', '--num_processes=2'],
-      capture_output=True, text=True, timeout=300, check=False, cwd=REPO,
-      env=env)
-  assert proc.returncode == 2, proc.stderr
-  errors = [l for l in proc.stderr.splitlines() if l.startswith(('E', 'F'))]
-  assert len(errors) == 1 and '--coordinator_address' in errors[0], errors
-  assert not os.path.exists(tmp_path / 'run')
+    main.distributed_settings(*args, environ=env)
 
 
 # ----------------------------------------------------------------------------

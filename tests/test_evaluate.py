@@ -5,12 +5,10 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
+import types
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,15 +24,8 @@ from otclr_jax.evaluation import view_quality
 from otclr_jax import models
 from otclr_jax import rundir
 from otclr_jax import train
+from tests import helpers
 from tests.folder_trees import save_image
-from tests.helpers import copy_run
-from tests.helpers import eval_config
-from tests.helpers import resnet_chain
-from tests.helpers import rounding_tol
-from tests.helpers import SMALL_DIGITS
-from tests.helpers import small_digits
-from tests.helpers import tiny_config
-from tests.helpers import traces
 
 
 def _evaluate(config, workdir, step=None):
@@ -54,23 +45,29 @@ def test_dataset_keys_are_file_names():
     features.dataset_key('mnist')
 
 
-def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
-  base, trained, _ = finished_run
+def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
+  config, evaluated = evaluated_run
   empty = str(tmp_path / 'empty')
-  config = eval_config(base.data_dir, **{
-      'eval.num_view_images': 40, 'eval.probe_steps': 30,
-      'eval.recompute_bn': True})
-
   with pytest.raises(FileNotFoundError, match='pretrain first'):
     _evaluate(config, empty)
   assert not os.path.exists(os.path.join(empty, 'checkpoints'))
-
-  workdir = copy_run(trained, tmp_path)
+  os.makedirs(os.path.join(empty, 'checkpoints'))
+  with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
+    _evaluate(config, empty)
+  workdir = helpers.copy_run(evaluated, tmp_path)
   with pytest.raises(ValueError, match=r'available steps: \[2, 4\]'):
     _evaluate(config, workdir, step=3)
-  small_digits(monkeypatch)
-  results = _evaluate(config, workdir)
+  first = rundir.read_results(workdir)  # the fixture's evaluation
 
+  def fail(*args, **kwargs):
+    raise AssertionError('features were recomputed instead of read')
+
+  helpers.small_digits(monkeypatch)
+  monkeypatch.setattr(features, 'extract_features', fail)
+  results = _evaluate(config, workdir)
+  for section in ('linear', 'random_init', 'clusters', 'views',
+                  'linear_clean_bn'):
+    assert results[section] == first[section]
   with open(os.path.join(workdir, 'eval', 'results.json')) as f:
     assert json.load(f) == results
   assert os.path.exists(os.path.join(workdir, 'eval', 'results_step4.json'))
@@ -89,13 +86,14 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
       assert 0.0 <= row[key] <= 100.0
     assert row['top5'] >= row['top1']
     assert (row['num_train'], row['num_test']) == tuple(
-        10 * n for n in SMALL_DIGITS)
+        10 * n for n in helpers.SMALL_DIGITS)
     # Fewer train images than the protocol's k = 200: all of them vote.
-    assert row['knn_k'] == 10 * SMALL_DIGITS[0]
+    assert row['knn_k'] == 10 * helpers.SMALL_DIGITS[0]
   assert results['random_init']['digits'] != results['linear']['digits']
   protocol = results['protocol']
   assert (protocol['embedding'], protocol['recompute_bn'],
-          protocol['bn_images']) == ('z', True, 10 * SMALL_DIGITS[0])
+          protocol['bn_images']) == ('z', True,
+                                     10 * helpers.SMALL_DIGITS[0])
   cluster_keys = {'silhouette', 'compactness', 'centroid_margin',
                   'inter_intra_ratio'}
   assert set(results['clusters']['digits']) >= cluster_keys
@@ -126,27 +124,6 @@ def test_evaluate_end_to_end(finished_run, tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(os.path.join(feature_dir, tag))) == [
         'digits_test.npz', 'digits_train.npz']
 
-  def fail(*args, **kwargs):
-    raise AssertionError('features were recomputed instead of read')
-
-  monkeypatch.setattr(features, 'extract_features', fail)
-  again = _evaluate(config, workdir)
-  for section in ('linear', 'random_init', 'clusters', 'views',
-                  'linear_clean_bn'):
-    assert again[section] == results[section]
-
-
-def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
-  config = tiny_config(data_dir)
-  config.eval.datasets = ('digits', 'mnist')
-  # Checked once per command, before evaluating (`main.run` calls it).
-  with pytest.raises(ValueError, match="unknown evaluation dataset 'mnist'"):
-    evaluate.validate(config)
-  config.eval.datasets = ('digits',)
-  (tmp_path / 'checkpoints').mkdir()
-  with pytest.raises(FileNotFoundError, match='No complete checkpoint'):
-    _evaluate(config, str(tmp_path))
-
 
 # ----------------------------------------------------------------------------
 # Embeddings and BatchNorm statistics.
@@ -155,23 +132,26 @@ def test_evaluate_rejects_unknown_dataset_and_empty_workdir(tmp_path, data_dir):
 _TINY_STAGES = (1, 1, 1, 1)
 
 
-def _tiny_net(seed=0, num_images=50):
-  """A cifar-stem SimCLRNet of `_TINY_STAGES` with a small head, its
-  variables and 8 px images.
+def _float(images):
+  return images.astype(np.float32) / 255.0
 
-  The BatchNorm statistics are perturbed away from (0, 1) so that a result
-  that ignored the recomputation (or kept the stored values) would show.
-  """
+
+@pytest.fixture(scope='module')
+def net():
+  """A cifar-stem SimCLRNet of `_TINY_STAGES` with a small head, 50 images of
+  8 px, its jitted eval-mode `apply`, and its `initial` variables and
+  `shifted` ones: BatchNorm statistics moved off (0, 1), so that a result
+  that ignored the recomputation (or kept the stored values) would show."""
   model = models.SimCLRNet(models.ResNet(_TINY_STAGES, stem='cifar'),
                            proj_hidden_dim=8, proj_dim=4)
-  rng = np.random.default_rng(seed)
-  images = rng.integers(0, 256, size=(num_images, 8, 8, 3), dtype=np.uint8)
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(seed), jnp.zeros((2, 8, 8, 3)))
-  variables = {'params': variables['params'],
-               'batch_stats': jax.tree.map(
-                   lambda x: x + 0.5, variables['batch_stats'])}
-  return model, variables, images
+  images = np.random.default_rng(0).integers(0, 256, (50, 8, 8, 3), np.uint8)
+  initial = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(0), np.zeros((2, 8, 8, 3), np.float32))
+  shifted = {'params': initial['params'], 'batch_stats': jax.tree.map(
+      lambda x: np.asarray(x) + 0.5, initial['batch_stats'])}
+  return types.SimpleNamespace(
+      model=model, images=images, initial=initial, shifted=shifted,
+      apply=jax.jit(functools.partial(model.apply, train=False)))
 
 
 def _head_atol(variables, h):
@@ -192,10 +172,10 @@ def _head_atol(variables, h):
   g = head['bn']['scale'] / np.sqrt(stats['var'] + 1e-5)
   pre = h @ w1
   a = np.maximum(0.0, (pre - stats['mean']) * g + head['bn']['bias'])
-  err_a = rounding_tol(512 + 6) * (
+  err_a = helpers.rounding_tol(512 + 6) * (
       np.abs(g) * (np.abs(h) @ np.abs(w1) + np.abs(stats['mean']))
       + np.abs(head['bn']['bias']))
-  err_z = err_a @ np.abs(w2) + rounding_tol(w1.shape[1] + 1) * (
+  err_z = err_a @ np.abs(w2) + helpers.rounding_tol(w1.shape[1] + 1) * (
       a @ np.abs(w2) + np.abs(head['out']['bias']))
   return float(np.max(err_z))
 
@@ -220,7 +200,7 @@ def _bn_inputs(model, variables, images):
       model.apply(variables, x, train=True, mutable=['batch_stats'])
     return seen
 
-  inputs = forward(variables, jnp.asarray(images, jnp.float32) / 255.0)
+  inputs = forward(variables, _float(images))
   return {path: np.asarray(x, np.float64) for path, x in inputs.items()}
 
 
@@ -230,8 +210,8 @@ def _stats_at(tree, path):
   return tree
 
 
-def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
-  model, variables, images = _tiny_net()
+def test_recomputed_batch_stats_are_exact_moments_of_clean_activations(net):
+  model, variables, images = net.model, net.shifted, net.images
   inputs = _bn_inputs(model, variables, images)
   # Stem 1 + 4 blocks x 2 + 3 shortcuts = 12; the head 1.
   assert len(inputs) == 13
@@ -250,9 +230,9 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
   _, updated = jax.jit(functools.partial(
       model.apply, train=True, mutable=['batch_stats']))(
           {'params': variables['params'],
-           'batch_stats': jax.tree.map(jnp.zeros_like,
+           'batch_stats': jax.tree.map(np.zeros_like,
                                        variables['batch_stats'])},
-          jnp.asarray(images, jnp.float32) / 255.0)
+          _float(images))
   jax.tree.map(
       lambda ours, flax_new: np.testing.assert_allclose(
           ours, np.asarray(flax_new) / 0.1, rtol=1e-3, atol=1e-4),
@@ -269,19 +249,17 @@ def test_recomputed_batch_stats_are_exact_moments_of_clean_activations():
                              rtol=1e-4, atol=1e-5)
 
 
-def test_project_equals_the_networks_z():
-  model, variables, images = _tiny_net(seed=1, num_images=12)
-  h, z = model.apply(variables, jnp.asarray(images, jnp.float32) / 255.0,
-                     train=False)
-  # Two programs (jitted batches of 5 against the eager network) of the
-  # head on the same h.
+def test_project_equals_the_networks_z(net):
+  h, z = net.apply(net.shifted, _float(net.images))
+  # Two programs (batches of 5 against the whole network) of the head on the
+  # same h.
   np.testing.assert_allclose(
-      clusters.project(model, variables, np.asarray(h), batch_size=5),
-      np.asarray(z), rtol=0, atol=_head_atol(variables, h))
+      clusters.project(net.model, net.shifted, np.asarray(h), batch_size=5),
+      np.asarray(z), rtol=0, atol=_head_atol(net.shifted, h))
 
 
 def test_embedding_config_is_checked():
-  config = tiny_config('/nonexistent')
+  config = helpers.tiny_config('/nonexistent')
   assert clusters.embedding_of(config) == 'z'  # the paper's default
   config.eval.embedding = 'x'
   with pytest.raises(ValueError, match='config.eval.embedding'):
@@ -290,13 +268,14 @@ def test_embedding_config_is_checked():
 
 @pytest.mark.parametrize('field, value, match', [
     ('datasets', ('digits', 'digits'), 'config.eval.datasets repeats a name'),
+    ('datasets', ('digits', 'mnist'), "unknown evaluation dataset 'mnist'"),
     ('evaluators', ('probe', 'x'), 'config.eval.evaluators must name'),
     ('evaluators', (), 'config.eval.evaluators must name'),
     ('embedding', 'x', 'config.eval.embedding must be one of'),
     ('views_dataset', 'mnist', "unknown evaluation dataset 'mnist'"),
 ])
 def test_evaluation_fields_are_checked_as_config_errors(field, value, match):
-  config = tiny_config('/nonexistent')
+  config = helpers.tiny_config('/nonexistent')
   config.eval[field] = value
   with pytest.raises(experiment.ConfigError, match=match):
     evaluate.validate(config)
@@ -306,22 +285,21 @@ def test_evaluation_fields_are_checked_as_config_errors(field, value, match):
 # Results that cannot be silently wrong.
 
 
-def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
+def test_retrained_workdir_recomputes_cached_features(evaluated_run,
+                                                      simclr_run, tmp_path,
                                                       monkeypatch):
   # Run A is evaluated; its training is then thrown away (as after deleting a
   # diverged run's checkpoints) and run B, another seed and method, is trained
-  # into the same workdir to the same step. B's numbers must be B's.
-  config_a, evaluated = evaluated_run
-  workdir = copy_run(evaluated, tmp_path)
-  small_digits(monkeypatch)
+  # into the same workdir to the same step: `simclr_run`'s files beside A's
+  # eval/. B's numbers must be B's.
+  config_b, trained_b = simclr_run
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(trained_b, workdir, ignore=shutil.ignore_patterns('eval'))
+  shutil.copytree(os.path.join(evaluated_run[1], 'eval'),
+                  os.path.join(workdir, 'eval'))
+  helpers.small_digits(monkeypatch)
   first = rundir.read_results(workdir)
   features_a = features.load_features(workdir, 4, 'digits', 'test', 8)[0]
-  for entry in os.listdir(workdir):
-    if entry != 'eval':
-      path = os.path.join(workdir, entry)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  config_b = eval_config(config_a.data_dir, seed=1, method='simclr')
-  train.train(config_b, workdir)
   warnings = []
   monkeypatch.setattr(evaluate.logging, 'warning',
                       lambda msg, *args: warnings.append(msg % args))
@@ -341,8 +319,8 @@ def test_retrained_workdir_recomputes_cached_features(evaluated_run, tmp_path,
 def test_changed_settings_or_damaged_feature_cache_is_recomputed(
     evaluated_run, tmp_path, monkeypatch):
   config, evaluated = evaluated_run
-  workdir = copy_run(evaluated, tmp_path)
-  small_digits(monkeypatch)
+  workdir = helpers.copy_run(evaluated, tmp_path)
+  helpers.small_digits(monkeypatch)
   first = rundir.read_results(workdir)
   feature_dir = os.path.join(workdir, 'eval', 'features')
   # Same weights, other recorded model settings: must not be trusted.
@@ -370,7 +348,7 @@ def test_changed_settings_or_damaged_feature_cache_is_recomputed(
   for section in ('linear', 'random_init'):
     assert again[section] == first[section]
   with np.load(torn) as f:
-    assert f['features'].shape == (10 * SMALL_DIGITS[0], 512)
+    assert f['features'].shape == (10 * helpers.SMALL_DIGITS[0], 512)
 
 
 def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
@@ -379,16 +357,16 @@ def test_feature_cache_is_bound_to_the_folder_tree(tmp_path):
   for split in ('train', 'test'):
     for cls in ('bee', 'cow'):
       save_image(root, split, cls, '0.png', pixels)
-  config = eval_config(str(tmp_path / 'data'))
+  config = helpers.eval_config(str(tmp_path / 'data'))
   before = features.cache_settings(config, 'folder:' + root, 1)
   assert features.cache_settings(config, 'folder:' + root, 1) == before
   # Another extraction batch or device count rounds the features otherwise.
-  other = eval_config(str(tmp_path / 'data'), **{
+  other = helpers.eval_config(str(tmp_path / 'data'), **{
       'eval.batch_size': config.eval.batch_size + 1})
   assert features.cache_settings(other, 'folder:' + root, 1) != before
   assert features.cache_settings(config, 'folder:' + root, 2) != before
   # bfloat16 activations give other features from the same weights.
-  bf16 = eval_config(str(tmp_path / 'data'), dtype='bfloat16')
+  bf16 = helpers.eval_config(str(tmp_path / 'data'), dtype='bfloat16')
   assert features.cache_settings(bf16, 'folder:' + root, 1) != before
   # 'ant' sorts first and shifts every label: cached features must not be
   # reused with their old labels.
@@ -424,32 +402,32 @@ def test_a_checkpoint_never_restores_into_another_network(finished_run):
 
 
 def test_non_finite_checkpoint_is_refused(finished_run, tmp_path, monkeypatch):
-  workdir = copy_run(finished_run[1], tmp_path)
+  workdir = helpers.copy_run(finished_run[1], tmp_path)
   data_dir = finished_run[0].data_dir
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   restore = checkpoint.restore_part
 
   def poisoned(workdir, step, item):
     part = restore(workdir, step, item)
     part['batch_stats'] = jax.tree_util.tree_map(
-        lambda v: v.at[...].set(jnp.nan), part['batch_stats'])
+        lambda v: np.full_like(np.asarray(v), np.nan), part['batch_stats'])
     return part
 
   monkeypatch.setattr(checkpoint, 'restore_part', poisoned)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: checkpoint step 4 .*non-finite'):
-    _evaluate(eval_config(data_dir), workdir)
+    _evaluate(helpers.eval_config(data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
   # The command line ends in one error line and the data-error status.
-  config = eval_config(data_dir)
+  config = helpers.eval_config(data_dir)
   config.mode = 'eval'
   assert main.run(config, workdir) == cli.EXIT_DIVERGED
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
 def test_non_finite_features_are_refused(finished_run, tmp_path, monkeypatch):
-  workdir = copy_run(finished_run[1], tmp_path)
-  small_digits(monkeypatch)
+  workdir = helpers.copy_run(finished_run[1], tmp_path)
+  helpers.small_digits(monkeypatch)
   extract = features.extract_features
 
   def nan_features(*args, **kwargs):
@@ -461,26 +439,21 @@ def test_non_finite_features_are_refused(finished_run, tmp_path, monkeypatch):
   monkeypatch.setattr(features, 'extract_features', nan_features)
   with pytest.raises(features.NonFiniteError,
                      match=f'{workdir}: the step4 encoder .* on digits/train'):
-    _evaluate(eval_config(finished_run[0].data_dir), workdir)
+    _evaluate(helpers.eval_config(finished_run[0].data_dir), workdir)
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
 def test_restore_falls_back_past_a_truncated_newest_checkpoint(
     finished_run, tmp_path, caplog):
   config, finished, _ = finished_run
-  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
+  # Checkpoints 2 and 4.
+  workdir = pathlib.Path(helpers.copy_run(finished, tmp_path))
   _, expected, _ = evaluate.restore(config, str(workdir), step=2)
-  # What a crash mid-write leaves: the newest checkpoint's data cut short.
-  data = workdir / 'checkpoints' / '4' / 'default' / 'ocdbt.process_0' / 'd'
-  for path in data.iterdir():
-    with open(path, 'r+b') as f:
-      f.truncate(10)
+  helpers.truncate_checkpoint(workdir, 4)  # as a crash mid-write leaves it
   caplog.set_level('WARNING')
   _, state, step = evaluate.restore(config, str(workdir))
   assert step == 2
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
-                  jax.tree_util.tree_leaves(jax.device_get(state))):
-    np.testing.assert_array_equal(a, b)
+  helpers.assert_trees_equal(expected, state)
   skipped = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith('Skipping checkpoint')]
   assert len(skipped) == 1 and os.path.join('checkpoints', '4') in skipped[0]
@@ -496,7 +469,8 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   # A run still training with keep_checkpoints=1: evaluation lists [2], and
   # while it reads 2 the run saves 4 and deletes 2.
   config, finished, _ = finished_run
-  workdir = pathlib.Path(copy_run(finished, tmp_path))  # checkpoints 2 and 4
+  # Checkpoints 2 and 4.
+  workdir = pathlib.Path(helpers.copy_run(finished, tmp_path))
   _, expected, _ = evaluate.restore(config, str(workdir), step=4)
   aside = tmp_path / 'newer'
   (workdir / 'checkpoints' / '4').rename(aside)
@@ -514,9 +488,7 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
   caplog.set_level('INFO')
   _, restored, step = evaluate.restore(config, str(workdir))
   assert (step, calls) == (4, [2, 4])
-  for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(expected)),
-                  jax.tree_util.tree_leaves(jax.device_get(restored))):
-    np.testing.assert_array_equal(a, b)
+  helpers.assert_trees_equal(expected, restored)
   assert any('deleted while being read' in r.getMessage()
              for r in caplog.records)
   # An explicit step that is gone stays an error.
@@ -524,26 +496,13 @@ def test_checkpoint_rotated_away_while_read_is_replaced_by_the_newest(
     evaluate.restore(config, str(workdir), step=2)
 
 
-def test_command_line_takes_the_eval_lock(tmp_path):
-  workdir = str(tmp_path / 'run')
-  os.makedirs(workdir)
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with rundir.lock(workdir, rundir.EVAL_LOCK_FILE):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
-         f'--workdir={workdir}', '--config.mode=eval'],
-        cwd=repo, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == cli.EXIT_LOCKED, proc.stderr[-2000:]
-  assert f'{workdir} is in use by process {os.getpid()}' in proc.stderr
-  assert not os.path.exists(os.path.join(workdir, 'eval'))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('method', ['moco', 'byol', 'dino'])
 def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
                                               method):
-  small_digits(monkeypatch)
-  config = eval_config(data_dir, method=method, views='ot', total_steps=2,
+  helpers.small_digits(monkeypatch)
+  config = helpers.eval_config(
+      data_dir, method=method, views='ot', total_steps=2,
                         **{'moco.queue_size': 32, 'byol.pred_hidden_dim': 16,
                            'dino.hidden_dim': 16, 'dino.bottleneck_dim': 8,
                            'dino.num_prototypes': 32})
@@ -558,12 +517,12 @@ def test_every_method_with_ot_views_evaluates(tmp_path, data_dir, monkeypatch,
 
 
 def test_checkpoint_without_extra_state_still_evaluates(finished_run,
-                                                         tmp_path):
+                                                        tmp_path):
   # Evaluation reads params and batch_stats only: a checkpoint whose other
   # parts (here: no `extra`, as before methods were plug-ins, and another
   # optimiser's state) differ from today's TrainState still restores.
   config, finished, _ = finished_run
-  workdir = copy_run(finished, tmp_path)
+  workdir = helpers.copy_run(finished, tmp_path)
   _, expected, step = evaluate.restore(config, workdir)
   ckpt = checkpoint.Checkpointer(workdir)
   ckpt.save(5, {'step': np.int32(5), 'params': {'net': expected['params']},
@@ -572,46 +531,35 @@ def test_checkpoint_without_extra_state_still_evaluates(finished_run,
   ckpt.close()
   _, restored, step = evaluate.restore(config, workdir)
   assert step == 5
-  for a, b in zip(jax.tree_util.tree_leaves(expected),
-                  jax.tree_util.tree_leaves(restored)):
-    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  helpers.assert_trees_equal(expected, restored)
 
 
-def test_splits_smaller_than_the_batch_share_one_compiled_encoder():
-  model, variables, images = _tiny_net(seed=2, num_images=12)
+def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
   # The compiled encoder is shared per network and process: start this
   # test's from nothing, whatever other tests compiled.
   features._compiled_apply.cache_clear()
-  encoder = features.Encoder(model)
-  h = np.asarray(model.apply(variables, jnp.asarray(images, jnp.float32)
-                             / 255.0, train=False)[0])
+  encoder = features.Encoder(net.model)
+  h = np.asarray(net.apply(net.shifted, _float(net.images))[0])
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
   # is [8, ...] (the smaller splits padded), the features those of the
-  # unpadded network. Two programs (jitted and padded against eager) of the
-  # encoder, whose chain resnet_chain counts, on features of the scale of
-  # the largest.
-  rtol = rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES))
+  # unpadded network. Two programs (padded batches of 8 against one of 50)
+  # of the encoder, whose chain resnet_chain counts, on features of the
+  # scale of the largest.
+  rtol = helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8, _TINY_STAGES))
   atol = rtol * float(np.max(np.abs(h)))
-  with traces() as traced:
-    for split in (images, images[:5], images[7:10]):
-      np.testing.assert_allclose(
-          features.extract_features(encoder, variables, split, 8,
-                                    log_progress=False),
-          model.apply(variables, jnp.asarray(split, jnp.float32) / 255.0,
-                      train=False)[0], rtol=rtol, atol=atol)
-    np.testing.assert_allclose(h[7:10], features.extract_features(
-        encoder, variables, images[7:10], 8, log_progress=False),
-                               rtol=rtol, atol=atol)
+  with helpers.traces() as traced:
+    for rows in (slice(0, 12), slice(0, 5), slice(7, 10)):
+      np.testing.assert_allclose(features.extract_features(
+          encoder, net.shifted, net.images[rows], 8, log_progress=False),
+                                 h[rows], rtol=rtol, atol=atol)
   assert traced.count('apply') == 1, traced
 
 
-def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
+def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
                                                            monkeypatch):
-  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
-  model, _, images = _tiny_net(seed=3, num_images=12)
-  # Initial statistics: _tiny_net's shifted means silence this tiny network.
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
+  config = helpers.tiny_config(data_dir, **{'model.stem': 'cifar'})
+  # Initial statistics: shifted means silence this tiny network.
+  model, variables, images = net.model, net.initial, net.images
   features._compiled_apply.cache_clear()
   encoder = features.Encoder(model)
   features.extract_features(encoder, variables, images, 8, log_progress=False)
@@ -620,54 +568,47 @@ def test_view_embeddings_use_the_features_compiled_encoder(data_dir,
   monkeypatch.setattr(features.Encoder, 'embed', lambda self, v, x: (
       calls.append(x.shape), embed(self, v, x))[1])
   # 10 images in batches of 8 and 2, every set padded to the features' 8 rows.
-  with traces() as traced:
+  with helpers.traces() as traced:
     views = view_quality.view_embeddings(config, model, variables, images,
                                          num_images=10, batch_size=8)
   assert calls == [(8, 8, 8, 3)] * 10  # 5 sets x 2 batches
   assert 'apply' not in traced, traced
-  apply = jax.jit(functools.partial(model.apply, train=False))
-  h, z = (np.asarray(t, np.float64) for t in apply(
-      variables, jnp.asarray(images[views.indices], jnp.float32) / 255.0)[:2])
+  h, z = (np.asarray(t, np.float64)[views.indices]
+          for t in net.apply(variables, _float(images))[:2])
   # Two programs (the compiled, padded encoder against the whole network):
   # the encoder's chain relative to z, the head's bound, then normalising
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
   # one of the unit rows at most twice as large relative to |z|.
   z_norm = np.linalg.norm(z, axis=1, keepdims=True)
-  err = (rounding_tol(resnet_chain('cifar', 8, 8, _TINY_STAGES)) * np.abs(z)
+  err = (helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8,
+                                                   _TINY_STAGES)) * np.abs(z)
          + _head_atol(variables, h))
   np.testing.assert_allclose(
       views.anchors, z / z_norm, rtol=0,
-      atol=float(np.max(2 * err / z_norm)) + rounding_tol(7))
+      atol=float(np.max(2 * err / z_norm)) + helpers.rounding_tol(7))
   for pair in (views.simclr, views.otclr):
     for z_view in pair:
       assert z_view.shape == (10, 4)
       # Unit rows in float32 (7), whose norm NumPy takes in float32 (5).
       np.testing.assert_allclose(np.linalg.norm(z_view, axis=1), 1.0,
-                                 rtol=rounding_tol(12))
+                                 rtol=helpers.rounding_tol(12))
   assert not np.allclose(views.simclr[0], views.otclr[0])
+  # The view metrics do not depend on the evaluation batch size, a
+  # throughput setting: the same views, embedded in other row counts.
+  large = view_quality.view_embeddings(config, model, variables, images,
+                                       num_images=10, batch_size=16)
+  np.testing.assert_allclose(views.pixel_l2, large.pixel_l2, rtol=1e-5)
+  np.testing.assert_allclose(views.pixel_rms, large.pixel_rms, rtol=1e-5)
+  for a, b in ((views.simclr, large.simclr), (views.otclr, large.otclr)):
+    for za, zb in zip(a, b):
+      np.testing.assert_allclose(za, zb, rtol=1e-4, atol=1e-5)
 
 
 def test_the_monitor_reuses_the_evaluation_encoder(data_dir):
-  config = tiny_config(data_dir)
+  config = helpers.tiny_config(data_dir)
   monitor_ = monitor.KnnMonitor(config, experiment.create_model(config))
   # Equal networks built apart (training's and evaluation's) share one jit,
   # and the monitor calls it at the evaluation's batch size.
   assert (monitor_._encoder._apply
           is features.Encoder(experiment.create_model(config))._apply)
   assert monitor_._batch_size == config.eval.batch_size
-
-
-def test_view_metrics_do_not_depend_on_the_evaluation_batch_size(data_dir):
-  config = tiny_config(data_dir, **{'model.stem': 'cifar'})
-  model, _, images = _tiny_net(seed=3, num_images=12)
-  variables = jax.jit(functools.partial(model.init, train=False))(
-      jax.random.key(3), jnp.zeros((2, 8, 8, 3)))
-  small, large = (view_quality.view_embeddings(
-      config, model, variables, images, num_images=10, batch_size=b)
-                  for b in (8, 16))
-  # A throughput setting: the same views, embedded in other row counts.
-  np.testing.assert_allclose(small.pixel_l2, large.pixel_l2, rtol=1e-5)
-  np.testing.assert_allclose(small.pixel_rms, large.pixel_rms, rtol=1e-5)
-  for a, b in ((small.simclr, large.simclr), (small.otclr, large.otclr)):
-    for za, zb in zip(a, b):
-      np.testing.assert_allclose(za, zb, rtol=1e-4, atol=1e-5)

@@ -4,10 +4,6 @@ curves and report on tiny evaluated digits runs."""
 import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -15,7 +11,6 @@ import pytest
 from PIL import Image
 from sklearn import metrics
 
-from otclr_jax import cli
 from otclr_jax import config_files
 from otclr_jax import data
 from otclr_jax.evaluation import features
@@ -32,15 +27,7 @@ from otclr_jax.figures import interpolation
 from otclr_jax.figures import report
 from otclr_jax.figures import top5
 from otclr_jax.figures import tsne
-from otclr_jax import train
-from tests.helpers import copy_run
-from tests.helpers import EPS64
-from tests.helpers import eval_config
-from tests.helpers import rounding_tol
-from tests.helpers import SMALL_DIGITS
-from tests.helpers import small_digits
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import helpers
 
 
 def _blob_image(size, center_col, center_row=None):
@@ -70,20 +57,14 @@ def test_interpolation_figure_is_written(tmp_path):
   assert pdf.read_bytes()[:5] == b'%PDF-'
 
 
-def test_interpolation_rejects_bad_output_suffix(tmp_path, capsys):
-  assert figures_cli.main(['figures', 'interpolation', '--out',
-                           str(tmp_path / 'fig.jpg'), '--size', '16']) == 2
-  assert '.png' in capsys.readouterr().err
-
-
 def test_rows_endpoints():
+  # The figure command's size and grid: its eager programs.
   rng = np.random.default_rng(1)
-  x = rng.random((12, 12, 3)).astype(np.float32)
-  xs = rng.random((12, 12, 3)).astype(np.float32)
+  x, xs = rng.random((2, 16, 16, 3), np.float32)
   m = 4
   linear, displaced = interpolation.interpolation_rows(x, xs, [0.0, 0.5, 1.0],
-                                                 grid_size=m)
-  assert linear.shape == displaced.shape == (3, 12, 12, 3)
+                                                       grid_size=m)
+  assert linear.shape == displaced.shape == (3, 16, 16, 3)
   # (1 - a) x + a xs in float32: at a = 0 and 1 one product is exactly 0 and
   # the other exactly the image; at a = 1/2 both products are exact and the
   # sum rounds once, as halving x + xs does (scaling by 2 commutes with
@@ -118,8 +99,8 @@ def test_ot_row_moves_mass_instead_of_ghosting():
 
 
 def test_load_default_image_and_strong_view():
-  x = interpolation.load_image(None, 24)
-  assert x.shape == (24, 24, 3) and x.dtype == np.float32
+  x = interpolation.load_image(None, 16)
+  assert x.shape == (16, 16, 3) and x.dtype == np.float32
   assert 0.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.05
   a = interpolation.strong_view(x, seed=3)
   np.testing.assert_array_equal(a, interpolation.strong_view(x, seed=3))
@@ -132,23 +113,12 @@ def test_load_default_image_and_strong_view():
 
 
 @pytest.fixture(scope='module')
-def runs(evaluated_run, tmp_path_factory):
-  """Two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}.
-
-  The OTCLR run is a copy of `evaluated_run`, whose evaluation drew its
-  figures (the default); the SimCLR run's evaluation does not
-  (`config.eval.figures = False`).
-  """
-  config, evaluated = evaluated_run
-  out = {'otclr': copy_run(evaluated, tmp_path_factory.mktemp('otclr'))}
-  config = eval_config(config.data_dir, method='simclr')
-  config.eval.figures = False
-  out['simclr'] = str(tmp_path_factory.mktemp('simclr') / 'run')
-  train.train(config, out['simclr'])
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    small_digits(monkeypatch)
-    main.evaluate_and_draw(config, out['simclr'])
-  return out
+def runs(evaluated_run, simclr_run, tmp_path_factory):
+  """Copies of two evaluated tiny runs, {'otclr': workdir, 'simclr': workdir}:
+  `evaluated_run`, whose evaluation drew its figures, and `simclr_run`, whose
+  evaluation did not."""
+  return {name: helpers.copy_run(run[1], tmp_path_factory.mktemp(name))
+          for name, run in (('otclr', evaluated_run), ('simclr', simclr_run))}
 
 
 def _assert_png_and_pdf(png):
@@ -170,14 +140,13 @@ def test_evaluate_draws_tsne_and_curves(runs):
 
 
 def test_figure_failure_does_not_fail_evaluation(runs, evaluated_run,
-                                                monkeypatch, caplog):
+                                                 monkeypatch, caplog):
   def broken(*args, **kwargs):
     raise RuntimeError('no figures today')
 
   monkeypatch.setattr(figures, 'report_single', broken)
-  small_digits(monkeypatch)
-  config = eval_config(evaluated_run[0].data_dir)
-  results = main.evaluate_and_draw(config, runs['otclr'])
+  helpers.small_digits(monkeypatch)
+  results = main.evaluate_and_draw(evaluated_run[0], runs['otclr'])
   assert results['step'] == 4
   assert 'Drawing the figures failed' in caplog.text
 
@@ -193,12 +162,13 @@ def test_probe_file_reproduces_reported_top1(runs, method):
   assert fitted.w.shape == (512, 10) and fitted.b.shape == (10,)
   assert fitted.weight_decay == results['linear']['digits']['weight_decay']
   feats, labels = features.load_features(workdir, 4, 'digits', 'test', 8)
-  assert len(labels) == 10 * SMALL_DIGITS[1]
+  assert len(labels) == 10 * helpers.SMALL_DIGITS[1]
   top1 = 100.0 * np.mean(fitted.logits(feats).argmax(axis=1) == labels)
   # The same correct predictions: 100 k / 60 in float64 both ways, up to
   # the order of the division, the mean and the product (3 roundings).
   assert top1 == pytest.approx(results['linear']['digits']['top1'], rel=0,
-                               abs=rounding_tol(3, eps=EPS64) * 100)
+                               abs=100 * helpers.rounding_tol(
+                                   3, eps=helpers.EPS64))
   # The same probe written out in NumPy, float64.
   logits = ((feats - fitted.mean) / fitted.std) @ fitted.w + fitted.b
   np.testing.assert_allclose(fitted.logits(feats), logits, rtol=1e-4,
@@ -213,7 +183,7 @@ def test_missing_probe_says_to_evaluate(tmp_path):
 
 
 def test_tsne_command(runs, tmp_path, monkeypatch):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   out = tmp_path / 'tsne.png'
   assert figures_cli.main(['figures', 'tsne', '--workdir', runs['simclr'],
                            '--n', '12', '--perplexity', '5', '--out',
@@ -229,8 +199,9 @@ def test_tsne_points_and_classwise_silhouette():
   anchors = unit(centres[labels] + rng.normal(size=(n, 16)))
   pair = lambda s: tuple(unit(centres[labels] + s * rng.normal(size=(n, 16)))
                          for _ in range(2))
-  views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0), pair(0.5),
-                                  0.1)
+  views = view_quality.ViewEmbeddings(np.arange(n), anchors, pair(3.0),
+                                      pair(0.5),
+                                      0.1)
   points = tsne.tsne_points(views, perplexity=5)
   assert points['anchor'].shape == (n, 2)
   assert points['simclr'].shape == points['otclr'].shape == (2 * n, 2)
@@ -276,7 +247,7 @@ def test_the_tsne_map_shows_a_seeded_sample_and_the_panels_all(
 
 
 def test_top5_command(runs, tmp_path, monkeypatch, capsys):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   out = tmp_path / 'top5.png'
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['simclr'],
                            '--workdir', runs['otclr'], '--index', '3',
@@ -289,7 +260,7 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
   # the sum checked here (10).
   for p in preds:
     np.testing.assert_allclose(p.probs.sum(axis=1), 1.0,
-                               rtol=rounding_tol(21, eps=EPS64))
+                               rtol=helpers.rounding_tol(21, eps=helpers.EPS64))
   capsys.readouterr()
   assert figures_cli.main(['figures', 'top5', '--workdir', runs['otclr'],
                            '--index', '60', '--out', str(out)]) == 2
@@ -298,8 +269,8 @@ def test_top5_command(runs, tmp_path, monkeypatch, capsys):
 
 def test_top5_draws_only_the_probe_its_results_were_made_with(
     runs, tmp_path, monkeypatch, capsys):
-  small_digits(monkeypatch)
-  workdir = pathlib.Path(copy_run(runs['otclr'], tmp_path))
+  helpers.small_digits(monkeypatch)
+  workdir = pathlib.Path(helpers.copy_run(runs['otclr'], tmp_path))
   (probe_file,) = (workdir / 'eval').glob('probe_step*_digits*.npz')
   results_file = workdir / 'eval' / 'results.json'
   results = json.loads(results_file.read_text())
@@ -373,7 +344,7 @@ def test_curves_command(tmp_path, capsys):
 
 
 def test_report_draws_every_figure(runs, monkeypatch, capsys):
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   figs = pathlib.Path(runs['simclr']) / 'eval' / 'figures'
   assert figures_cli.main(['figures', 'report', '--workdir', runs['simclr'],
                            '--compare', runs['otclr'], '--n', '12',
@@ -425,43 +396,6 @@ def test_a_config_file_takes_the_runs_own_settings(tmp_path, monkeypatch,
   assert 'ot.grid_size' in capsys.readouterr().err
 
 
-def test_cli_overrides_refuse_typos(tmp_path, capsys):
-  (tmp_path / 'eval').mkdir()
-  (tmp_path / 'eval' / 'config.json').write_text(
-      config_files.load('configs/digits.py').to_json())
-  # One parser with main: a typo fails with a suggestion instead of adding
-  # a field and leaving epsilon unchanged.
-  assert figures_cli.main(['figures', 'tsne', f'--workdir={tmp_path}',
-                           '--config=configs/digits.py',
-                           '--config.ot.epsilonn=0.1']) == 2
-  err = capsys.readouterr().err
-  assert 'Did you mean "epsilon"' in err and 'Traceback' not in err
-  assert figures_cli.main(['figures', 'nosuch', f'--workdir={tmp_path}']) == 2
-  assert figures_cli.main(['figures', 'tsne']) == 2
-
-
-_SIGNALLED_FIGURES = textwrap.dedent("""
-    import os, signal, sys, time
-    from otclr_jax.figures import __main__ as cli
-    from otclr_jax.figures import curves
-    def curves_for_runs(*_):
-      os.kill(os.getpid(), int(sys.argv[1]))
-      time.sleep(30)
-    curves.curves_for_runs = curves_for_runs
-    sys.exit(cli.main(['figures', 'curves', '--workdir=/nonexistent']))
-""")
-
-
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_the_figures_with_75_and_one_line(signum):
-  done = subprocess.run([sys.executable, '-c', _SIGNALLED_FIGURES,
-                         str(signum)], cwd=REPO, capture_output=True,
-                        text=True, timeout=120)
-  assert done.returncode == cli.EXIT_STOPPED, done.stderr
-  assert done.stderr.strip().splitlines() == [
-      f'Figures stopped by {signal.Signals(signum).name}; rerun to draw them.']
-
-
 def test_tilde_in_paths_is_the_home_directory(tmp_path, monkeypatch):
   monkeypatch.setenv('HOME', str(tmp_path))
   monkeypatch.chdir(tmp_path)
@@ -478,7 +412,7 @@ def test_density_level_matches_gaussian_hdr():
   xy = np.random.default_rng(0).normal(size=(20000, 2))
   pdf = np.exp(-0.5 * np.sum(xy**2, axis=1)) / (2 * np.pi)
   assert tsne.density_level(pdf, 0.5) == pytest.approx(1 / (4 * np.pi),
-                                                          rel=0.02)
+                                                       rel=0.02)
   assert np.mean(pdf >= tsne.density_level(pdf, 0.8)) == pytest.approx(
       0.8, abs=1e-3)
   with pytest.raises(ValueError, match='mass'):
@@ -498,7 +432,7 @@ def test_plot_tsne_panels(num_classes):
   sil = {'simclr': np.zeros(num_classes), 'otclr': np.full(num_classes, 0.1)}
   names = [f'kind{c}' for c in range(num_classes)]
   fig = tsne.plot_tsne(points, labels, names, view_rows=rows,
-                          silhouettes=sil, max_classes=4)
+                       silhouettes=sil, max_classes=4)
   titles = [ax.get_title() for ax in fig.axes]
   shown = min(num_classes, 4)
   assert [t for t in titles if t.startswith('kind')] == [
@@ -543,17 +477,3 @@ def test_an_evaluation_without_views_still_draws_the_curves(tmp_path):
   paths = report.report_single(config, str(run), views=None, test=None,
                                results={'step': 10, 'title': 'OTCLR'})
   assert [os.path.basename(p) for p in paths] == ['curves.png', 'curves.pdf']
-
-
-def test_report_without_inputs_is_a_usage_error(tmp_path, capsys):
-  # It had printed "0 figure(s)" with status 0.
-  cli_report = ['figures', 'report']
-  assert figures_cli.main(cli_report + [f'--workdir={tmp_path}']
-                          ) == cli.EXIT_USAGE
-  assert 'no figure drawn' in capsys.readouterr().err
-  for flag, path in (('--workdir', tmp_path / 'nope'),
-                     ('--compare', tmp_path / 'nope')):
-    workdir = [] if flag == '--workdir' else [f'--workdir={tmp_path}']
-    argv = cli_report + workdir + [f'{flag}={path}']
-    assert figures_cli.main(argv) == cli.EXIT_USAGE
-    assert f'{flag}={path} is not a run directory' in capsys.readouterr().err

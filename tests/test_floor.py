@@ -11,9 +11,7 @@ from otclr_jax import rundir
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import floor
 from otclr_jax.evaluation import probe
-from tests.helpers import copy_run
-from tests.helpers import eval_config
-from tests.helpers import small_digits
+from tests import helpers
 
 ROWS = [(('random_init', 'd', 'top1'), 12.5),
         (('random_init', 'd', 'knn_top1'), 1 / 3)]
@@ -71,25 +69,25 @@ def test_a_floor_file_of_another_identity_is_refused(tmp_path):
 def test_runs_of_one_seed_share_one_floor_equal_to_their_own(
     finished_run, tmp_path, monkeypatch):
   base, trained, _ = finished_run
-  small_digits(monkeypatch)
+  helpers.small_digits(monkeypatch)
   fits = []
   original = probe.linear_probe
   monkeypatch.setattr(probe, 'linear_probe',
                       lambda *a, **k: fits.append(1) or original(*a, **k))
   evaluators = {'eval.evaluators': ('probe', 'knn')}
   alone = evaluate.evaluate_run(
-      eval_config(base.data_dir, **evaluators),
-      copy_run(trained, tmp_path / 'alone'), None).results
+      helpers.eval_config(base.data_dir, **evaluators),
+      helpers.copy_run(trained, tmp_path / 'alone'), None).results
   assert len(fits) == 2  # the trained encoder and the floor
-  shared = eval_config(base.data_dir, **evaluators,
-                       **{'eval.floor_dir': str(tmp_path / 'floors')})
+  shared = helpers.eval_config(base.data_dir, **evaluators,
+                               **{'eval.floor_dir': str(tmp_path / 'floors')})
   first = evaluate.evaluate_run(
-      shared, copy_run(trained, tmp_path / 'first'), None).results
+      shared, helpers.copy_run(trained, tmp_path / 'first'), None).results
   assert len(fits) == 4
   # Another run of the same seed and network (here: another method's
   # objective changes nothing the untrained encoder computes) reads it.
   second = evaluate.evaluate_run(
-      shared, copy_run(trained, tmp_path / 'second'), None).results
+      shared, helpers.copy_run(trained, tmp_path / 'second'), None).results
   assert len(fits) == 5
   assert first['random_init'] == second['random_init'] == alone['random_init']
   assert first['linear'] == alone['linear']
@@ -106,7 +104,7 @@ def test_runs_of_one_seed_share_one_floor_equal_to_their_own(
   reseeded = shared.copy_and_resolve_references()
   reseeded.seed = 1
   other = evaluate.evaluate_run(
-      reseeded, copy_run(trained, tmp_path / 'other'), None).results
+      reseeded, helpers.copy_run(trained, tmp_path / 'other'), None).results
   assert other['protocol']['floor']['fitted_here']
   assert other['protocol']['floor']['file'] != first['protocol']['floor'][
       'file']

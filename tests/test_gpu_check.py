@@ -59,10 +59,12 @@ def _sweep_file(tmp_path):
   return str(path)
 
 
-def test_the_cifar_stage_runs_three_seeds_and_tabulates_them(tmp_path):
+def test_the_cifar_stage_runs_the_seeds_asked_for_and_tabulates_them(
+    tmp_path):
   out = tmp_path / 'out'
+  # Two of the sweep's three seeds.
   env = dict(os.environ, TINY='1', PY=sys.executable, PARALLEL='2',
-             SWEEP=_sweep_file(tmp_path), BATCH='16',
+             SWEEP=_sweep_file(tmp_path), BATCH='16', SEEDS='0 1',
              WORK=str(tmp_path / 'work'), PYTHONPATH=REPO_ROOT)
   done = subprocess.run(
       ['bash', 'launch/gpu_check.sh', str(out), '900', _tarball(tmp_path),
@@ -70,27 +72,27 @@ def test_the_cifar_stage_runs_three_seeds_and_tabulates_them(tmp_path):
       timeout=1200, check=False)
   log = (out / 'cifar10.log').read_text()
   assert done.returncode == 0, done.stderr + log
-  assert 'runs 0 1 4 5 8 9, 2 at once' in log
-  assert log.count('rc 0 after') == 7, log  # the data, then six runs
+  assert 'runs 0 1 4 5, 2 at once' in log
+  assert log.count('rc 0 after') == 5, log  # the data, then four runs
   results = [json.load(open(p)) for p in sorted(glob.glob(str(
       tmp_path / 'work' / 'tiny_paper' / '*' / 'eval' / 'results.json')))]
   assert sorted((r['seed'], r['method'], r['batch_size']) for r in results) == [
-      (s, m, 16) for s in (0, 1, 2) for m in ('otclr', 'simclr')]
+      (s, m, 16) for s in (0, 1) for m in ('otclr', 'simclr')]
   for r in results:
     assert set(r) >= {'linear', 'random_init'} and 'clusters' not in r
   # One floor per seed, fitted by one run of the pair and read by the other.
   floors = {r['seed']: r['protocol']['floor'] for r in results}
-  assert len({f['file'] for f in floors.values()}) == 3
-  for seed in (0, 1, 2):
+  assert len({f['file'] for f in floors.values()}) == 2
+  for seed in (0, 1):
     pair = [r for r in results if r['seed'] == seed]
     assert sorted(r['protocol']['floor']['fitted_here'] for r in pair) == [
         False, True]
     assert pair[0]['random_init'] == pair[1]['random_init']
   table = (out / 'cifar10_table.txt').read_text()
   assert '±' in table and 'OTCLR' in table and 'SimCLR' in table, table
-  assert '3 finished runs' in table or 'seeds' in table, table
+  assert '2 finished runs' in table or 'seeds' in table, table
   assert (out / 'env.txt').exists()
   with tarfile.open(out / 'cifar10_results.tar.gz') as tar:
     names = tar.getnames()
-  assert sum(n.endswith('eval/results.json') for n in names) == 6
-  assert sum('/floors/floor_' in n for n in names) == 3
+  assert sum(n.endswith('eval/results.json') for n in names) == 4
+  assert sum('/floors/floor_' in n for n in names) == 2

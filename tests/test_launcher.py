@@ -11,19 +11,17 @@ import time
 import pytest
 
 from launch import launcher as launcher_lib
-from tests.helpers import REPO
-from tests.helpers import STOPPABLE_CHILD
-from tests.helpers import when_ready
+from tests import helpers
 
 
 def test_launcher_passes_a_stop_signal_on_and_shows_progress(tmp_path,
                                                              capsys):
-  (tmp_path / 'child.py').write_text(STOPPABLE_CHILD)
+  (tmp_path / 'child.py').write_text(helpers.STOPPABLE_CHILD)
   stopped, ready = tmp_path / 'stopped', tmp_path / 'ready'
-  launcher = launcher_lib.SubprocessLauncher(REPO, poll_seconds=0.05)
+  launcher = launcher_lib.SubprocessLauncher(helpers.REPO, poll_seconds=0.05)
   launcher.prefix = '[1/1] run: '
-  thread = when_ready(str(ready),
-                       lambda: launcher._handle(signal.SIGTERM, None))
+  thread = helpers.when_ready(str(ready),
+                              lambda: launcher._handle(signal.SIGTERM, None))
   (tmp_path / 'run').mkdir()
   code = launcher([sys.executable, str(tmp_path / 'child.py'), str(stopped),
                    str(ready), str(tmp_path / 'run')],
@@ -74,7 +72,7 @@ def test_children_die_with_a_killed_sweep(tmp_path):
   parent = subprocess.Popen(
       [sys.executable, '-c', _SWEEP_PROCESS, str(tmp_path / 'sleeper.py'),
        str(pid_file),
-       str(tmp_path / 'run' / 'train.log')], cwd=REPO)
+       str(tmp_path / 'run' / 'train.log')], cwd=helpers.REPO)
   deadline = time.time() + 60
   while not (pid_file.exists() and pid_file.read_text()):
     assert time.time() < deadline and parent.poll() is None

@@ -1,4 +1,5 @@
-"""Tests of `otclr_jax.main.run`: which config a command uses, and its statuses."""
+"""Tests of `otclr_jax.main.run`: which config a command uses, and its
+statuses."""
 
 import errno
 import json
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from otclr_jax import cli
@@ -20,125 +20,116 @@ from otclr_jax import main
 from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import features
-from tests.folder_trees import run_python
-from tests.folder_trees import save_image
-from tests.helpers import SignalsInAFinaliser
-from tests.helpers import assert_usage_error
-from tests.helpers import copy_run
-from tests.helpers import eval_config
-from tests.helpers import small_digits
-from tests.helpers import tiny_config
+from tests import folder_trees
+from tests import helpers
+
+
+# `simclr_run`'s settings.
+RUN = {'method': 'simclr', 'seed': 1, 'loss.temperature': 0.2}
 
 
 def _config(data_dir, **overrides):
-  config = eval_config(data_dir, **overrides)
+  config = helpers.eval_config(data_dir, **overrides)
   config.eval.figures = False
   return config
 
 
-@pytest.fixture(scope='module')
-def moco_run(tmp_path_factory, data_dir):
-  """A tiny MoCo run stopped at step 2; tests copy it."""
-  workdir = str(tmp_path_factory.mktemp('moco') / 'run')
-  config = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
-  assert train.train(config, workdir, stop_after_steps=2).status == 'stopped'
+@pytest.fixture
+def workdir(simclr_run, tmp_path):
+  """A copy of `simclr_run` without its evaluation."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(simclr_run[1], workdir, ignore=shutil.ignore_patterns(
+      'eval'))
   return workdir
 
 
-def test_evaluation_uses_the_runs_own_settings(moco_run, tmp_path, data_dir,
+def test_evaluation_uses_the_runs_own_settings(workdir, data_dir,
                                                monkeypatch):
-  small_digits(monkeypatch)
-  workdir = copy_run(moco_run, tmp_path)
+  helpers.small_digits(monkeypatch)
   # The config file's defaults (OTCLR, seed 0) differ from the run's.
   config = _config(data_dir, mode='eval')
   assert main.run(config, workdir) == 0
   with open(os.path.join(workdir, 'eval', 'results.json')) as f:
     results = json.load(f)
   assert (results['method'], results['title'], results['seed']) == (
-      'moco', 'MoCo', 3)
+      'simclr', 'SimCLR', 1)
   with open(os.path.join(workdir, 'eval', 'config.json')) as f:
     stored = json.load(f)
-  assert (stored['method'], stored['seed'], stored['moco']['queue_size']) == (
-      'moco', 3, 32)
+  assert (stored['method'], stored['seed'], stored['loss']['temperature']) == (
+      'simclr', 1, 0.2)
   with open(os.path.join(workdir, 'eval', 'tables.md')) as f:
-    assert '| MoCo' in f.read()
+    assert '| SimCLR' in f.read()
 
 
-def test_evaluation_refuses_a_flag_that_contradicts_the_run(moco_run,
-                                                            tmp_path,
+def test_evaluation_refuses_a_flag_that_contradicts_the_run(workdir,
                                                             data_dir, caplog):
-  workdir = copy_run(moco_run, tmp_path)
-  config = _config(data_dir, mode='eval', method='simclr')
-  assert_usage_error(
-      caplog, r"--config.method contradicts the run in .*checkpoints.2 "
-      r"\(method: 'moco' -> 'simclr'",
+  config = _config(data_dir, mode='eval', method='moco')
+  helpers.assert_usage_error(
+      caplog, r"--config.method contradicts the run in .*checkpoints.4 "
+      r"\(method: 'simclr' -> 'moco'",
       lambda: main.run(config, workdir, overridden=['mode', 'method']))
   assert not os.path.exists(os.path.join(workdir, 'eval'))
   # A flag that agrees with the run, and eval.* settings, are fine.
-  config = _config(data_dir, mode='eval', method='moco')
+  config = _config(data_dir, mode='eval', method='simclr')
   experiment.adopt_run_config(config, workdir, ['method', 'eval.batch_size'])
-  assert config.seed == 3
+  assert config.seed == 1
 
 
-def test_deleted_config_json_still_guards_the_resume(moco_run, tmp_path,
-                                                     data_dir):
-  workdir = copy_run(moco_run, tmp_path)
+def test_deleted_config_json_still_guards_the_resume(workdir, data_dir):
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
-  other = _config(data_dir, method='moco', seed=4, **{'moco.queue_size': 32,
-                                                      'ot.epsilon': 0.1})
+  other = _config(data_dir, **{**RUN, 'seed': 4, 'ot.epsilon': 0.1})
   with pytest.raises(experiment.ConfigError,
-                     match=r'ot.epsilon: 0.05 -> 0.1; seed: 3 -> 4'):
+                     match=r'ot.epsilon: 0.05 -> 0.1; seed: 1 -> 4'):
     train.train(other, workdir)
   assert not os.path.exists(os.path.join(workdir, rundir.CONFIG_FILE))
   # Evaluation recovers the run's settings from the checkpoint as well.
   config = _config(data_dir, mode='eval')
   experiment.adopt_run_config(config, workdir)
-  assert (config.method, config.seed) == ('moco', 3)
-  same = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  assert (config.method, config.seed) == ('simclr', 1)
+  same = _config(data_dir, **RUN)
   assert train.train(same, workdir).status == 'finished'
-  assert rundir.read_config(workdir)['seed'] == 3
+  assert rundir.read_config(workdir)['seed'] == 1
 
 
 def test_checkpoints_without_any_config_are_not_resumed_or_evaluated(
-    moco_run, tmp_path, data_dir, caplog):
-  workdir = copy_run(moco_run, tmp_path)
+    workdir, data_dir, caplog):
   os.remove(os.path.join(workdir, rundir.CONFIG_FILE))
   checkpoints = os.path.join(workdir, 'checkpoints')
   for step in os.listdir(checkpoints):
     shutil.rmtree(os.path.join(checkpoints, step, 'config'))
-  config = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  config = _config(data_dir, **RUN)
   with pytest.raises(experiment.ConfigError, match='no checkpoint holds its '
                      'config'):
     train.train(config, workdir)
   # Evaluating it with this command's settings would report another run.
-  config = _config(data_dir, mode='eval', method='simclr', seed=7)
-  assert_usage_error(caplog, 'no checkpoint holds its config',
-                     lambda: main.run(config, workdir))
+  config = _config(data_dir, mode='eval', method='moco', seed=7)
+  helpers.assert_usage_error(caplog, 'no checkpoint holds its config',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
 @pytest.mark.parametrize('edit, shown', [
     (lambda c: c['model'].update(stage_sizes=[2, 2, 2, 2]),
      "model.stage_sizes: [1, 1, 1, 1] -> [2, 2, 2, 2]"),
-    (lambda c: c.update(seed=1), 'seed: 3 -> 1'),
+    (lambda c: c.update(seed=2), 'seed: 1 -> 2'),
     (lambda c: c.update(batch_size='16'), "batch_size: 16 -> '16'"),
     (lambda c: c.update(ot=None), 'ot: (absent) -> None'),
     (lambda c: c.clear(), 'and '),
 ])
 def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
-    moco_run, tmp_path, data_dir, caplog, capsys, edit, shown):
+    workdir, data_dir, caplog, capsys, edit, shown):
   from otclr_jax import export  # pylint: disable=g-import-not-at-top
-  workdir = copy_run(moco_run, tmp_path)
   path = os.path.join(workdir, rundir.CONFIG_FILE)
   stored = rundir.read_config(workdir)
   edit(stored)
   rundir.write_json(path, stored)
   message = 'disagrees with the config stored in checkpoint'
   config = _config(data_dir, mode='eval')
-  assert_usage_error(caplog, re.escape(message) + '.*' + re.escape(shown),
+  helpers.assert_usage_error(
+      caplog, re.escape(message) + '.*' + re.escape(shown),
                      lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, 'eval'))
-  same = _config(data_dir, method='moco', seed=3, **{'moco.queue_size': 32})
+  same = _config(data_dir, **RUN)
   with pytest.raises(experiment.ConfigError, match=message):
     train.train(same, workdir)
   assert export.main(['export', f'--workdir={workdir}']) == 2
@@ -148,40 +139,31 @@ def test_a_config_json_that_disagrees_with_the_checkpoint_is_refused(
 
 def test_a_train_and_evaluate_command_validates_its_config_once(
     tmp_path, data_dir, monkeypatch):
-  small_digits(monkeypatch)
+  # Into ~/run: the home directory's.
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.chdir(tmp_path)
+  helpers.small_digits(monkeypatch)
   calls = []
   real = experiment.validate_config
   monkeypatch.setattr(experiment, 'validate_config',
                       lambda config: calls.append(1) or real(config))
   config = _config(data_dir, **{'eval.at_end': True,
                                 'eval.evaluators': ('knn',)})
-  assert main.run(config, str(tmp_path / 'run')) == 0
-  assert os.path.exists(tmp_path / 'run' / rundir.RESULTS_FILE)
+  assert main.run(config, '~/run') == 0
+  workdir = tmp_path / 'home' / 'run'
+  assert os.path.exists(workdir / rundir.RESULTS_FILE)
+  assert rundir.read_status(str(workdir))['state'] == 'finished'
+  assert not os.path.exists(tmp_path / '~')
   assert len(calls) == 1
 
 
-def test_corrupt_config_json_is_a_usage_error(moco_run, tmp_path, data_dir,
-                                             caplog):
-  workdir = copy_run(moco_run, tmp_path)
+def test_corrupt_config_json_is_a_usage_error(workdir, data_dir, caplog):
   with open(os.path.join(workdir, rundir.CONFIG_FILE), 'w') as f:
     f.write('{"seed": 3,')
   for mode in ('train', 'eval'):
-    config = _config(data_dir, mode=mode, method='moco', seed=3,
-                     **{'moco.queue_size': 32})
-    assert_usage_error(caplog, 'config.json is corrupt',
-                       lambda: main.run(config, workdir))
-
-
-def test_tilde_in_the_workdir_is_the_home_directory(tmp_path, data_dir,
-                                                    monkeypatch):
-  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
-  monkeypatch.chdir(tmp_path)
-  config = _config(data_dir)  # 4 steps: the step finished_run compiles
-  config.monitor.every_steps = 0
-  assert main.run(config, '~/run') == 0
-  assert rundir.read_status(str(tmp_path / 'home' / 'run'))['state'] == (
-      'finished')
-  assert not os.path.exists(tmp_path / '~')
+    config = _config(data_dir, mode=mode, **RUN)
+    helpers.assert_usage_error(caplog, 'config.json is corrupt',
+                               lambda: main.run(config, workdir))
 
 
 def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
@@ -200,19 +182,13 @@ def test_unwritable_workdir_ends_in_one_line(tmp_path, data_dir, monkeypatch,
 
 
 def _one_class_tree(root):
-  rng = np.random.default_rng(0)
-  for split in ('train', 'test'):
-    for i in range(3):
-      save_image(root, split, 'only', f'{i}.png',
-                 rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+  folder_trees.random_tree(root, {'train': {'only': 3}, 'test': {'only': 3}},
+                           size=8)
 
 
 def _one_image_per_class_tree(root):
-  rng = np.random.default_rng(0)
-  for split in ('train', 'test'):
-    for label in ('a', 'b', 'c'):
-      save_image(root, split, label, '0.png',
-                 rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+  layout = {'a': 1, 'b': 1, 'c': 1}
+  folder_trees.random_tree(root, {'train': layout, 'test': layout}, size=8)
 
 
 @pytest.mark.parametrize('name, message', [
@@ -229,67 +205,55 @@ def test_evaluation_datasets_are_checked_before_training(tmp_path, data_dir,
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.datasets = ('digits', name.format(tmp=tmp_path))
-  assert_usage_error(caplog, message,
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, message,
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)  # nothing was trained
 
 
 def test_a_dataset_the_probe_cannot_use_is_refused_before_evaluating(
-    moco_run, tmp_path, data_dir, caplog):
+    workdir, tmp_path, data_dir, caplog):
   _one_image_per_class_tree(str(tmp_path / 'one_each'))
-  workdir = copy_run(moco_run, tmp_path)
   config = _config(data_dir, mode='eval')
   config.eval.datasets = (f'folder:{tmp_path}/one_each',)
-  assert_usage_error(caplog, 'at most one train image per class',
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, 'at most one train image per class',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(os.path.join(workdir, rundir.RESULTS_FILE))
 
 
 def test_data_errors_are_usage_errors(tmp_path, data_dir, caplog):
-  assert_usage_error(caplog, r'batch_size=2048 is larger than digits/train',
+  helpers.assert_usage_error(
+      caplog, r'batch_size=2048 is larger than digits/train',
                      lambda: main.run(_config(data_dir, batch_size=2048),
                                       str(tmp_path / 'a')))
   _one_class_tree(str(tmp_path / 'tree'))
   shutil.rmtree(tmp_path / 'tree' / 'train')
   config = _config(data_dir, dataset=f'folder:{tmp_path}/tree')
-  assert_usage_error(caplog, 'train',
-                     lambda: main.run(config, str(tmp_path / 'b')))
+  helpers.assert_usage_error(caplog, 'train',
+                             lambda: main.run(config, str(tmp_path / 'b')))
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_evaluation_stops_with_75(moco_run, tmp_path,
-                                                  data_dir, monkeypatch,
-                                                  caplog, signum):
-  workdir = copy_run(moco_run, tmp_path)
+@pytest.mark.parametrize('signal_name, dropped', [
+    ('SIGTERM', False), ('SIGINT', False),
+    # Its raise dropped, as when it lands in JAX's garbage-collection
+    # callback.
+    ('SIGTERM', True)])
+def test_a_signal_during_evaluation_stops_with_75(workdir, data_dir,
+                                                  monkeypatch, caplog,
+                                                  signal_name, dropped):
   real = features.extract_features
 
   def interrupted(*args, **kwargs):
-    os.kill(os.getpid(), signum)
+    if dropped:
+      helpers.SignalsInAFinaliser(signal.Signals[signal_name])
+    else:
+      os.kill(os.getpid(), signal.Signals[signal_name])
     return real(*args, **kwargs)
 
   monkeypatch.setattr(features, 'extract_features', interrupted)
   with caplog.at_level(logging.ERROR):
     assert main.run(_config(data_dir, mode='eval'), workdir) == (
         cli.EXIT_STOPPED)
-  assert f'{signal.Signals(signum).name} during evaluation' in caplog.text
-  assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
-
-
-def test_a_signal_whose_raise_is_dropped_still_stops_evaluation(
-    moco_run, tmp_path, data_dir, monkeypatch, caplog):
-  # As when the signal lands in JAX's garbage-collection callback.
-  workdir = copy_run(moco_run, tmp_path)
-  real = features.extract_features
-
-  def interrupted(*args, **kwargs):
-    SignalsInAFinaliser(signal.SIGTERM)
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(features, 'extract_features', interrupted)
-  with caplog.at_level(logging.ERROR):
-    assert main.run(_config(data_dir, mode='eval'), workdir) == (
-        cli.EXIT_STOPPED)
-  assert 'SIGTERM during evaluation' in caplog.text
+  assert f'{signal_name} during evaluation' in caplog.text
   assert not os.path.exists(os.path.join(workdir, 'eval', 'results.json'))
 
 
@@ -328,34 +292,14 @@ def test_evaluation_settings_are_checked_before_training(tmp_path, data_dir,
   workdir = str(tmp_path / 'run')
   config = _config(data_dir, **{'eval.at_end': True})
   config.eval.evaluators = ('probe', 'knnn')
-  assert_usage_error(caplog, 'evaluators',
-                     lambda: main.run(config, workdir))
+  helpers.assert_usage_error(caplog, 'evaluators',
+                             lambda: main.run(config, workdir))
   assert not os.path.exists(workdir)
 
 
-def test_the_command_line_reports_a_usage_error_in_one_line(tmp_path,
-                                                           data_dir):
-  workdir = str(tmp_path / 'run')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
-       f'--config.data_dir={data_dir}', '--config.batch_size=4096',
-       f'--workdir={workdir}'],
-      capture_output=True, text=True, timeout=300, check=False,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  assert proc.returncode == 2, proc.stderr
-  errors = [line for line in proc.stderr.splitlines()
-            if line.startswith(('E', 'F', 'Traceback'))]
-  assert len(errors) == 1, proc.stderr
-  assert 'batch_size=4096 is larger than digits/train' in errors[0]
-  assert 'flags:' not in proc.stderr  # no usage text
-  assert "backend 'tpu'" not in proc.stderr  # JAX's probe is not the user's
-
-
-def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
-                                                  data_dir):
+def test_the_command_line_stops_evaluation_with_75(workdir, data_dir):
   # SIGTERM alone: both signals take one path, checked in process above; this
   # checks the process's own exit.
-  workdir = copy_run(moco_run, tmp_path)
   proc = subprocess.Popen(
       [sys.executable, '-m', 'otclr_jax.main', '--config=configs/digits.py',
        f'--config.data_dir={data_dir}', '--config.mode=eval',
@@ -383,7 +327,7 @@ def test_the_command_line_stops_evaluation_with_75(moco_run, tmp_path,
 
 def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
   cache = tmp_path / 'xla'
-  out = run_python(f"""
+  out = folder_trees.run_python(f"""
       import jax
       from configs import default
       from otclr_jax import main
@@ -404,7 +348,7 @@ def test_compilation_cache_goes_to_a_directory_per_cpu(tmp_path):
 
 
 def test_compilation_cache_leaves_jax_alone_when_told(monkeypatch):
-  config = tiny_config('unused')
+  config = helpers.tiny_config('unused')
   config.compilation_cache_dir = '/never/used'
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', '/set/by/the/user')
   assert main.use_compilation_cache(config) is None

@@ -12,17 +12,13 @@ from otclr_jax import config_files
 from otclr_jax import rundir
 from otclr_jax.evaluation import knn
 from otclr_jax.evaluation import probe
-from tests.helpers import FakeLauncher
-from tests.helpers import fake_results
-from tests.helpers import sweep_file
-from tests.helpers import tiny_grid
-from tests.helpers import write_run_files
-from tests.helpers import write_sweep
+from tests import helpers
 
 
 def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
   config = config_files.apply_overrides(
-      config_files.load(sweep_file('cifar10_paper')), [('num_epochs', 3)])
+      config_files.load(helpers.sweep_file('cifar10_paper')),
+      [('num_epochs', 3)])
   assert run_state.final_step(config, str(tmp_path)) is None
   with open(tmp_path / 'metrics.jsonl', 'w') as f:
     for step in (50, 100):
@@ -33,10 +29,10 @@ def test_final_step_of_an_epoch_based_run_comes_from_metrics(tmp_path):
     json.dump({'state': 'finished', 'step': 585, 'total_steps': 585}, f)
   with open(tmp_path / 'eval_config.json', 'w') as f:
     json.dump(config.to_dict(), f)
-  fake_results(str(tmp_path), 100)
+  helpers.fake_results(str(tmp_path), 100)
   os.replace(tmp_path / 'eval_config.json', tmp_path / 'eval' / 'config.json')
   assert not run_state.is_finished(config, str(tmp_path))
-  fake_results(str(tmp_path), 585)
+  helpers.fake_results(str(tmp_path), 585)
   assert run_state.is_finished(config, str(tmp_path))
 
 
@@ -52,7 +48,7 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
   sweep, workdir, names = four_runs
   run = sweep.runs(workdir)[0]
   config = sweep.run_config(run)
-  write_run_files(run.workdir, config)
+  helpers.write_run_files(run.workdir, config)
   path = os.path.join(run.workdir, 'eval', 'results.json')
   protocol = {'probe': probe.SOLVER, 'l2_grid': list(probe.L2_GRID),
               'probe_tolerance': probe.GRAD_TOL,
@@ -76,7 +72,7 @@ def test_results_of_another_probe_protocol_are_not_finished(four_runs):
     json.dump({'step': config.total_steps,
                'linear': {'digits': {'top1': 90.0}}}, f)
   assert 'probe None' in run_state.stale_results_reason(config, run.workdir)
-  launcher = FakeLauncher()
+  launcher = helpers.FakeLauncher()
   assert sweep_lib.run_sweep(sweep, workdir, launcher=launcher,
                              aggregate=False) == 0
   assert (names[0], 'eval') in launcher.calls
@@ -87,12 +83,12 @@ def test_an_evaluation_cut_between_its_writes_is_never_finished(
     tmp_path, monkeypatch):
   from otclr_jax import fileio  # pylint: disable=g-import-not-at-top
   from otclr_jax.evaluation import evaluate  # pylint: disable=g-import-not-at-top
-  path = write_sweep(tmp_path / 's.py', tiny_grid())
+  path = helpers.write_sweep(tmp_path / 's.py', helpers.tiny_grid())
   sweep = sweep_lib.load_sweep(path)
   (run,) = sweep.runs(str(tmp_path / 'out'))
   old, new = sweep.run_config(run), sweep_lib.load_sweep(
       path, ['--config.eval.probe_steps=7']).run_config(run)
-  write_run_files(run.workdir, old, evaluated=False)
+  helpers.write_run_files(run.workdir, old, evaluated=False)
 
   def results_of(config):
     return {'step': 2, 'method': 'otclr', 'seed': 0, 'batch_size': 16,

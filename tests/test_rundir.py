@@ -1,4 +1,4 @@
-"""Tests of otclr_jax.rundir: stored files, config diffs and the workdir lock."""
+"""Tests of otclr_jax.rundir: stored files, config diffs, the workdir lock."""
 
 import ast
 import os
@@ -41,25 +41,32 @@ def test_result_changing_diff():
   stored = {'seed': 0, 'method': 'otclr', 'mode': 'train', 'data_dir': '/a',
             'log_every_steps': 5, 'total_steps': 4, 'num_epochs': 1,
             'ot': {'epsilon': 0.05, 'grid_size': 4},
-            'eval': {'datasets': ['digits'], 'batch_size': 8}}
-  # A run stored before compilation_cache_dir existed still resumes.
+            'eval': {'datasets': ['digits'], 'batch_size': 8},
+            'monitor': {'every_steps': 500, 'num_train': 1000}}
+  # A run stored before compilation_cache_dir existed still resumes; the
+  # kNN monitor only reads the state.
   new = {'seed': 1, 'method': 'otclr', 'mode': 'eval', 'data_dir': '/b',
          'compilation_cache_dir': '/c',
          'log_every_steps': 7, 'total_steps': 8, 'num_epochs': 3,
          'ot': {'epsilon': 0.1, 'grid_size': 4, 'extra': 1},
-         'eval': {'datasets': ('cifar10',), 'batch_size': 9}}
+         'eval': {'datasets': ('cifar10',), 'batch_size': 9},
+         'monitor': {'every_steps': 0, 'num_train': 10, 'num_test': 5}}
   names = rundir.result_changing_diff(stored, new)
   assert names == ['ot.epsilon', 'ot.extra', 'seed']
   text = rundir.describe_diff(stored, new, names)
   assert "ot.epsilon: 0.05 -> 0.1" in text and 'ot.extra: (absent) -> 1' in text
   assert rundir.result_changing_diff(stored, stored) == []
+  # A config stored before the monitor existed (no `monitor` at all).
+  del stored['monitor']
+  assert rundir.result_changing_diff(stored, new) == names
 
 
 def test_a_run_stored_before_a_view_option_existed_is_the_same_run():
   # Its absence meant today's default: the run resumes and its results
   # stay current; another value is another run.
   stored = {'seed': 0, 'ot': {'epsilon': 0.05}}
-  new = {'seed': 0, 'ot': {'epsilon': 0.05, **{k.split('.')[1]: v for k, v in rundir.ADDED_FIELDS.items()}}}
+  new = {'seed': 0, 'ot': {'epsilon': 0.05, **{
+      k.split('.')[1]: v for k, v in rundir.ADDED_FIELDS.items()}}}
   assert rundir.result_changing_diff(stored, new) == []
   assert rundir.identity(stored) == rundir.identity(new)
   new['ot']['source'] = 'strong'
@@ -93,16 +100,6 @@ def test_method_blocks_are_the_registered_methods_blocks():
   blocks = {name for name in methods.NAMES
             if isinstance(config.get(name, None), ml_collections.ConfigDict)}
   assert blocks == set(rundir.METHOD_BLOCKS)
-
-
-def test_monitor_settings_never_change_a_result():
-  # The kNN monitor only reads the state; a config stored before it existed
-  # (no `monitor` at all) resumes too.
-  stored = {'seed': 0, 'monitor': {'every_steps': 500, 'num_train': 1000}}
-  new = {'seed': 0, 'monitor': {'every_steps': 0, 'num_train': 10,
-                                'num_test': 5}}
-  assert rundir.result_changing_diff(stored, new) == []
-  assert rundir.result_changing_diff({'seed': 0}, new) == []
 
 
 def test_lock_refuses_a_second_process_and_is_released(tmp_path):
