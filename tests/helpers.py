@@ -290,14 +290,6 @@ def network_chain(model, shape, **kwargs) -> int:
                funcs=len(outputs))
 
 
-def resnet_chain(stem: str, image_size: int, batch: int,
-                 stage_sizes=(2, 2, 2, 2)) -> int:
-  """`network_chain` of `models.ResNet`'s pooled features in train mode."""
-  from otclr_jax import models  # pylint: disable=g-import-not-at-top
-  return network_chain(models.ResNet(stage_sizes=stage_sizes, stem=stem),
-                       (batch, image_size, image_size, 3), train=True)
-
-
 def ot_chain(m: int, num_iters: int, image=(), result='scalings') -> int:
   """`chain` of `ot`'s Sinkhorn `result` on an m x m grid.
 

@@ -132,6 +132,13 @@ def test_evaluate_end_to_end(evaluated_run, tmp_path, monkeypatch, capsys):
 _TINY_STAGES = (1, 1, 1, 1)
 
 
+def _encoder_chain() -> int:
+  """`helpers.network_chain` of the tiny encoder's features, batch 8."""
+  return helpers.network_chain(
+      models.ResNet(stage_sizes=_TINY_STAGES, stem='cifar'), (8, 8, 8, 3),
+      train=True)
+
+
 def _float(images):
   return images.astype(np.float32) / 255.0
 
@@ -543,9 +550,9 @@ def test_splits_smaller_than_the_batch_share_one_compiled_encoder(net):
   # A 12-image split, a 5-image split and a 3-image one, batch 8: every call
   # is [8, ...] (the smaller splits padded), the features those of the
   # unpadded network. Two programs (padded batches of 8 against one of 50)
-  # of the encoder, whose chain resnet_chain counts, on features of the
+  # of the encoder, whose chain `_encoder_chain` counts, on features of the
   # scale of the largest.
-  rtol = helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8, _TINY_STAGES))
+  rtol = helpers.rounding_tol(_encoder_chain())
   atol = rtol * float(np.max(np.abs(h)))
   with helpers.traces() as traced:
     for rows in (slice(0, 12), slice(0, 5), slice(7, 10)):
@@ -580,8 +587,7 @@ def test_view_embeddings_use_the_features_compiled_encoder(net, data_dir,
   # (4 squares' sum, sqrt and division: 7), which turns an error of z into
   # one of the unit rows at most twice as large relative to |z|.
   z_norm = np.linalg.norm(z, axis=1, keepdims=True)
-  err = (helpers.rounding_tol(helpers.resnet_chain('cifar', 8, 8,
-                                                   _TINY_STAGES)) * np.abs(z)
+  err = (helpers.rounding_tol(_encoder_chain()) * np.abs(z)
          + _head_atol(variables, h))
   np.testing.assert_allclose(
       views.anchors, z / z_norm, rtol=0,
