@@ -53,11 +53,12 @@ def test_resume_matches_uninterrupted_run(finished_run, stopped_run,
   config, stopped = stopped_run
   workdir = helpers.copy_run(stopped, tmp_path)
   assert checkpoint.Checkpointer(workdir).all_steps() == [2]
+  # TensorBoard names its event files by the second: a resume within the
+  # second of the run before it would write into that run's file.
+  time.sleep(1.1)
   # Stopped again after step 3, then resumed to the end: steps 3 and 4 are
   # logged alone, and say so (their means are not an uninterrupted run's).
   assert train.train(config, workdir, stop_after_steps=1).status == 'stopped'
-  # TensorBoard names its event files by the second: a resume within the
-  # same second would write into the stopped run's file.
   time.sleep(1.1)
   resumed = train.train(config, workdir).state
   assert int(resumed.step) == 4
