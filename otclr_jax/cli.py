@@ -87,15 +87,13 @@ def status_of(error: BaseException) -> tuple[int, str] | None:
   if isinstance(error, KeyboardInterrupt):
     return EXIT_STOPPED, ('Stopped by SIGINT; rerun the same command to '
                           'resume.')
-  if isinstance(error, WorkdirLockedError):
-    return EXIT_LOCKED, one_line(error)
-  if isinstance(error, DivergedRunError):
-    return EXIT_DIVERGED, one_line(error)
-  if isinstance(error, BrokenRunError):
-    return EXIT_FAILED, one_line(error)
   from absl import app  # pylint: disable=g-import-not-at-top
-  if isinstance(error, (UsageError, app.UsageError)):
-    return EXIT_USAGE, one_line(error)
+  for kinds, status in ((WorkdirLockedError, EXIT_LOCKED),
+                        (DivergedRunError, EXIT_DIVERGED),
+                        (BrokenRunError, EXIT_FAILED),
+                        ((UsageError, app.UsageError), EXIT_USAGE)):
+    if isinstance(error, kinds):
+      return status, one_line(error)
   if isinstance(error, FileNotFoundError) and error.errno is None:
     return EXIT_USAGE, one_line(error)  # a file or run the user named
   where = disk_full_path(error)
@@ -169,12 +167,10 @@ def call(main: Callable[[Sequence[str]], Any], argv: Sequence[str],
   return status if isinstance(status, int) else EXIT_FAILED
 
 
-def run(main: Callable[[Sequence[str]], Any],
-        argv: Sequence[str] | None = None,
-        usage_errors: tuple[type[BaseException], ...] = ()) -> None:
-  """Runs a tool's `main(argv)` and exits with its status (see the table)."""
+def run(main: Callable[[Sequence[str]], Any]) -> None:
+  """Runs a tool's `main(sys.argv)` and exits with its status (the table)."""
   install_early_stop()
-  exit_now(call(main, sys.argv if argv is None else argv, usage_errors))
+  exit_now(call(main, sys.argv))
 
 
 def _stop_during_start_up(signum, _):
@@ -227,17 +223,12 @@ _requested: list[int] = []
 
 
 @contextlib.contextmanager
-def stop_on_signals(
-    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
-) -> Iterator[None]:
-  """Turns `signals` into `StopRequested` inside the block (main thread only).
+def stop_on_signals() -> Iterator[None]:
+  """Turns SIGTERM/SIGINT into `StopRequested` in the block (main thread).
 
   A tool catches it and returns `EXIT_STOPPED` with one line. A `fileio`
   write is complete or absent; a raise dropped in a finaliser surfaces at
   the next `check_stop()`. Handlers are restored on exit; blocks do not nest.
-
-  Args:
-    signals: the signals to turn into `StopRequested`.
   """
 
   def handle(signum, _):
@@ -252,7 +243,8 @@ def stop_on_signals(
   del _requested[:]
   previous_hook = sys.unraisablehook
   sys.unraisablehook = unraisable
-  previous = {s: signal.signal(s, handle) for s in signals}
+  previous = {s: signal.signal(s, handle)
+              for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     yield
   finally:

@@ -32,6 +32,7 @@ from otclr_jax import experiment
 from otclr_jax import rundir
 from otclr_jax import train
 from otclr_jax.evaluation import evaluate
+from otclr_jax.evaluation import monitor
 
 def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
   config_flags.DEFINE_config_file(
@@ -109,11 +110,8 @@ def distributed_settings(distributed: bool, coordinator_address: str | None,
   environ = os.environ if environ is None else environ
   given = {'coordinator_address': coordinator_address,
            'num_processes': num_processes, 'process_id': process_id}
-  values = {}
-  for name, value in given.items():
-    if value is None or value == '':
-      value = environ.get(_ENV[name]) or None
-    values[name] = value
+  values = {n: (environ.get(_ENV[n]) or None) if v in (None, '') else v
+            for n, v in given.items()}
   known = [n for n, v in values.items() if v is not None]
   if known and len(known) < len(values):
     missing = [f'--{n} (or ${_ENV[n]})' for n in values if n not in known]
@@ -147,19 +145,6 @@ def distributed_settings(distributed: bool, coordinator_address: str | None,
           'process_id': index, **timeouts}
 
 
-def draw_figures(config, workdir: str, evaluation: evaluate.Evaluation) -> None:
-  """t-SNE and training curves into `workdir/eval/figures/`; failures logged."""
-  try:
-    from otclr_jax import figures  # pylint: disable=g-import-not-at-top
-    paths = figures.report_single(config, workdir, results=evaluation.results,
-                                  views=evaluation.views, test=evaluation.test)
-    logging.info('Figures: %s', ', '.join(paths))
-  except Exception:  # pylint: disable=broad-except
-    logging.exception('Drawing the figures failed; the evaluation results are '
-                      'complete. Redraw with `python -m otclr_jax.figures '
-                      'report --workdir=%s`.', workdir)
-
-
 def evaluate_and_draw(config, workdir: str,
                       step: int | None = None) -> dict:
   """Evaluates `workdir` under its eval lock, draws figures, returns results."""
@@ -167,15 +152,23 @@ def evaluate_and_draw(config, workdir: str,
   with (rundir.lock(workdir, rundir.EVAL_LOCK_FILE)
         if os.path.isdir(workdir) else contextlib.nullcontext()):
     evaluation = evaluate.evaluate_run(config, workdir, step)
-    if config.eval.figures:
-      draw_figures(config, workdir, evaluation)
+    if not config.eval.figures:
+      return evaluation.results
+    try:
+      from otclr_jax import figures  # pylint: disable=g-import-not-at-top
+      paths = figures.report_single(
+          config, workdir, results=evaluation.results,
+          views=evaluation.views, test=evaluation.test)
+      logging.info('Figures: %s', ', '.join(paths))
+    except Exception:  # pylint: disable=broad-except
+      logging.exception('Drawing the figures failed; the evaluation results '
+                        'are complete. Redraw with `python -m '
+                        'otclr_jax.figures report --workdir=%s`.', workdir)
   return evaluation.results
 
 
-def make_monitor(config, model, train_split):
-  """The kNN monitor training logs (`config.monitor`), built from evaluation's parts."""
-  from otclr_jax.evaluation import monitor  # pylint: disable=g-import-not-at-top
-  return monitor.KnnMonitor(config, model, train_split)
+# The kNN monitor training logs (`config.monitor`).
+make_monitor = monitor.KnnMonitor
 
 
 def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
@@ -201,11 +194,9 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
     if config.mode == 'eval':
       experiment.adopt_run_config(config, workdir, overridden)
     evaluate.validate(config)
-    if config.mode == 'eval':
+    if config.mode == 'eval' or config.eval.at_end:
       evaluate.check_data(config)
     if config.mode == 'train':
-      if config.eval.at_end:
-        evaluate.check_data(config)
       phase = 'training'
       result = train.train(config, workdir, make_monitor=make_monitor)
       if result.status != 'finished':
@@ -219,17 +210,16 @@ def run(config, workdir: str, overridden: Iterable[str] = ()) -> int:
       return 0
     phase = 'evaluation'
     with cli.stop_on_signals():
-      if config.mode == 'train':
-        try:
-          evaluate_and_draw(config, workdir)
-        except cli.WorkdirLockedError as e:
-          # That evaluation began before this run's last checkpoint.
-          logging.warning('Training finished; its evaluation is skipped: '
-                          'the evaluation lock is in use (%s). eval/ may '
-                          'hold an earlier step: rerun with '
-                          '--config.mode=eval once that evaluation ends.', e)
-      else:
+      try:
         evaluate_and_draw(config, workdir)
+      except cli.WorkdirLockedError as e:
+        if config.mode == 'eval':
+          raise
+        # That evaluation began before this run's last checkpoint.
+        logging.warning('Training finished; its evaluation is skipped: the '
+                        'evaluation lock is in use (%s). eval/ may hold an '
+                        'earlier step: rerun with --config.mode=eval once '
+                        'that evaluation ends.', e)
     return 0
   except cli.StopRequested as e:
     logging.error('%s during %s: stopped with nothing half-written; rerun the '
