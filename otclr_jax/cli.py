@@ -1,6 +1,6 @@
 """How every command-line tool ends: one exception -> status table, one line.
 
-Tools end through `run(main)` (or `guarded(main)` under `app.run`):
+Tools end through `run(main)` (`config_files.run` under `app.run`):
 `status_of` maps an escaped exception to a status (docs/operations.md): 2
 `UsageError` or a bad path, 65 `DivergedRunError`, 73 `WorkdirLockedError`
 or an unwritable path, 75 `StopRequested` (also during start-up), 1 a full
@@ -132,25 +132,6 @@ def report(error: BaseException,
   print(line if status == EXIT_STOPPED else f'error: {line}',
         file=sys.stderr, flush=True)
   return status
-
-
-def guarded(main: Callable[[Sequence[str]], Any],
-            usage_errors: tuple[type[BaseException], ...] = ()
-            ) -> Callable[[Sequence[str]], Any]:
-  """`main` for absl's `app.run`: expected failures end in one line."""
-
-  def wrapped(argv):
-    try:
-      status = main(argv)
-    except SystemExit:
-      raise
-    except BaseException as e:  # pylint: disable=broad-except
-      exit_now(report(e, usage_errors))
-    if status:
-      exit_now(int(status))
-    return status
-
-  return wrapped
 
 
 def call(main: Callable[[Sequence[str]], Any], argv: Sequence[str],

@@ -40,15 +40,11 @@ def flatten(tree: dict[str, Any]) -> dict[str, Any]:
   """A nested dict as {dotted name: leaf}: `{'ot': {'b': 1}}` -> `{'ot.b': 1}`;
   JSON round-tripped, so a tuple equals the list it was stored as."""
   flat = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, dict):
-        visit(value, f'{prefix}{key}.')
-      else:
-        flat[f'{prefix}{key}'] = value
-
-  visit(json.loads(json.dumps(tree)), '')
+  for key, value in json.loads(json.dumps(tree)).items():
+    if isinstance(value, dict):
+      flat.update({f'{key}.{k}': v for k, v in flatten(value).items()})
+    else:
+      flat[key] = value
   return flat
 
 
@@ -90,12 +86,12 @@ def override_flag(override: str | tuple[str, Any]) -> str:
     key, value = override
     return f'--{FLAG}.{key}={flag_value(value)}'
   prefix = f'--{FLAG}.'
-  key, sep, value = override[len(prefix):].partition('=')
+  key, sep, _ = override[len(prefix):].partition('=')
   if not override.startswith(prefix) or not sep or not key:
     raise ValueError(
         f'A config override is --{FLAG}.key=value (e.g. '
         f'--{FLAG}.ot.epsilon=0.1), got {override!r}.')
-  return f'--{FLAG}.{key}={value}'
+  return override
 
 
 def apply_overrides(
@@ -288,5 +284,17 @@ def run(main: Callable[[Sequence[str]], Any],
     flags.FLAGS.mark_as_parsed()  # absl's own flags: parsed by `parse_flags`
     return list(argv)
 
-  cli.run(lambda argv: app.run(cli.guarded(main, usage_errors), argv=argv,
+  def guarded(argv):
+    # Before absl's `app.run` sees it: expected failures end in one line.
+    try:
+      status = main(argv)
+    except SystemExit:
+      raise
+    except BaseException as e:  # pylint: disable=broad-except
+      cli.exit_now(cli.report(e, usage_errors))
+    if status:
+      cli.exit_now(int(status))
+    return status
+
+  cli.run(lambda argv: app.run(guarded, argv=argv,
                                flags_parser=parsed_by_main))
