@@ -18,6 +18,7 @@ Override config fields as `--config.a.b=v`.
 
 from __future__ import annotations
 
+import importlib
 from typing import Sequence
 
 from absl import app
@@ -27,7 +28,10 @@ from ml_collections import config_flags
 from otclr_jax import cli
 from otclr_jax import config_files
 
-COMMANDS = ('ot', 'train', 'resnet', 'probe', 'views')
+# Each command's module, imported alone: `ot`'s needs ott-jax, whose import
+# is slow. Its `run(flag_values)` runs the command.
+COMMANDS = {'ot': 'ot_views', 'train': 'train_step', 'resnet': 'resnet',
+            'probe': 'probe', 'views': 'views'}
 
 
 def define_flags(flag_values: flags.FlagValues, argv: list[str]) -> None:
@@ -78,28 +82,12 @@ def main(argv: Sequence[str]) -> int:
   flag_values, rest = parsed
   if len(rest) != 1 or rest[0] not in COMMANDS:
     raise app.UsageError(
-        f'Expected one subcommand of {COMMANDS}, got {rest}.')
+        f'Expected one subcommand of {tuple(COMMANDS)}, got {rest}.')
   command = rest[0]
-  # Each command imports only its own module: `ot` alone needs ott-jax, whose
-  # import is slow.
-  # pylint: disable=g-import-not-at-top
-  if command == 'ot':
-    from otclr_jax.bench import ot_views
-    return ot_views.run_ot(flag_values)
-  if command == 'probe':
-    from otclr_jax.bench import probe
-    return probe.run_probe(flag_values)
-  config = flag_values.config
-  if config is None:
+  if command not in ('ot', 'probe') and flag_values.config is None:
     raise app.UsageError(f'{command} needs --config=configs/X.py.')
-  if command == 'train':
-    from otclr_jax.bench import train_step
-    return train_step.run_train(config, flag_values)
-  if command == 'views':
-    from otclr_jax.bench import views
-    return views.run_views(config, flag_values)
-  from otclr_jax.bench import resnet
-  return resnet.run_resnet(config, flag_values)
+  module = importlib.import_module(f'otclr_jax.bench.{COMMANDS[command]}')
+  return module.run(flag_values)
 
 
 if __name__ == '__main__':

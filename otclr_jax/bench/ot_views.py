@@ -35,22 +35,6 @@ class OTSettings:
   alpha: float = 0.5
 
 
-def _measures(x, x_strong, s: OTSettings):
-  """Histograms `[B * C, m, m]` of both images, interpolated mass and offset."""
-  p_src, mass_src, off_src = ot.image_to_measure(x, s.grid_size)
-  p_str, mass_str, off_str = ot.image_to_measure(x_strong, s.grid_size)
-  mass = (1.0 - s.alpha) * mass_src + s.alpha * mass_str
-  offset = (1.0 - s.alpha) * off_src + s.alpha * off_str
-  m = s.grid_size
-  return p_src.reshape(-1, m, m), p_str.reshape(-1, m, m), mass, offset
-
-
-def _reconstruct(p_bar, mass, offset, height: int, width: int):
-  """`[B * C, m, m]` splatted histograms back to images `[B, H, W, C]`."""
-  p_bar = p_bar.reshape(mass.shape + p_bar.shape[-2:])
-  return ot.measure_to_image(p_bar, mass, offset, height, width)
-
-
 def make_ott_dense(s: OTSettings) -> Callable:
   """(a) ott-jax dense `Geometry` in lse mode, materialised plan, scatter."""
   cost = jnp.asarray(ot.grid_cost(s.grid_size), jnp.float32)
@@ -64,10 +48,12 @@ def make_ott_dense(s: OTSettings) -> Callable:
     out = solver(linear_problem.LinearProblem(geom, a.ravel(), b.ravel()))
     return ot.dense_displace(out.matrix, s.alpha)
 
+  measure, _, _, reconstruct = make_stages(s)
+
   def views(x, x_strong):
-    a, b, mass, offset = _measures(x, x_strong, s)
+    a, b, mass, offset = measure(x, x_strong)
     p_bar = jax.vmap(per_problem)(a, b)
-    return _reconstruct(p_bar, mass, offset, x.shape[1], x.shape[2])
+    return reconstruct(p_bar, mass, offset, x.shape[1], x.shape[2])
 
   return jax.jit(views)
 
@@ -132,17 +118,30 @@ def make_stages(s: OTSettings):
   """(d) `ot_views` split into separately jitted stages.
 
   Returns:
-    `measure(x, x_strong) -> (a, b, mass, offset)`, `sinkhorn(a, b) -> (u,
+    `measure(x, x_strong) -> (a, b, mass, offset)` (histograms `[B * C, m,
+    m]` of both images, interpolated mass and offset), `sinkhorn(a, b) -> (u,
     v)`, `splat(u, v) -> p_bar`, `reconstruct(p_bar, mass, offset, H, W) ->
-    views`; chained, they compute `ot_views`.
+    views [B, H, W, C]`; chained, they compute `ot_views`.
   """
-  measure = jax.jit(functools.partial(_measures, s=s))
+
+  def measure(x, x_strong):
+    p_src, mass_src, off_src = ot.image_to_measure(x, s.grid_size)
+    p_str, mass_str, off_str = ot.image_to_measure(x_strong, s.grid_size)
+    mass = (1.0 - s.alpha) * mass_src + s.alpha * mass_str
+    offset = (1.0 - s.alpha) * off_src + s.alpha * off_str
+    m = s.grid_size
+    return p_src.reshape(-1, m, m), p_str.reshape(-1, m, m), mass, offset
+
+  def reconstruct(p_bar, mass, offset, height, width):
+    p_bar = p_bar.reshape(mass.shape + p_bar.shape[-2:])
+    return ot.measure_to_image(p_bar, mass, offset, height, width)
+
   scalings = jax.jit(
       lambda a, b: ot.sinkhorn_scalings(a, b, s.epsilon, s.num_iters))
   splat = jax.jit(
       lambda u, v: ot.displace_from_scalings(u, v, s.alpha, s.epsilon))
-  reconstruct = jax.jit(_reconstruct, static_argnums=(3, 4))
-  return measure, scalings, splat, reconstruct
+  return (jax.jit(measure), scalings, splat,
+          jax.jit(reconstruct, static_argnums=(3, 4)))
 
 
 @dataclasses.dataclass
@@ -193,12 +192,7 @@ def _time_stages(stages, x, x_strong, repeats: int, min_time_s: float):
           for fn, fn_args in calls]
 
 
-def _ratio_row(label: str, num: Row, den: Row) -> Row:
-  return Row(label, {b: num.values[b] / den.values[b] for b in den.values},
-             unit='x')
-
-
-def run_ot(fv: flags.FlagValues) -> int:
+def run(fv: flags.FlagValues) -> int:
   """The `ot` subcommand. Returns 1 if an implementation disagrees with (c)."""
   s = OTSettings(fv.grid_size, fv.epsilon, fv.num_iters, fv.alpha)
   batch_sizes = [int(b) for b in fv.batch_sizes]
@@ -262,10 +256,11 @@ def run_ot(fv: flags.FlagValues) -> int:
 
   table = [rows[k] for k in ('a', 'b', 'c') if k in rows]
   table += stage_rows + [stage_sum, rows['core']]
-  table += [_ratio_row(f'ratio ({k})/(c)', rows[k], rows['c'])
-            for k in ('a', 'b') if k in rows]
-  table.append(_ratio_row(f'ratio core={other}/(c)', rows['core'], rows['c']))
   c = rows['c']
+  ratios = [(f'ratio ({k})/(c)', k) for k in ('a', 'b') if k in rows]
+  table += [Row(label, {b: rows[k].values[b] / c.values[b]
+                        for b in batch_sizes}, unit='x')
+            for label, k in ratios + [(f'ratio core={other}/(c)', 'core')]]
   table.append(Row('(c) ms per 64 images',
                    {b: c.values[b] * 64 / b for b in batch_sizes},
                    {b: c.minima[b] * 64 / b for b in batch_sizes}))

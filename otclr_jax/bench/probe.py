@@ -17,7 +17,7 @@ from otclr_jax.evaluation import features
 from otclr_jax.evaluation import probe
 
 
-def run_probe(flag_values: flags.FlagValues) -> int:
+def run(flag_values: flags.FlagValues) -> int:
   """Fits the probe `--repeats` times on one cache; prints one table."""
   if not (flag_values.workdir and flag_values.tag):
     raise app.UsageError(

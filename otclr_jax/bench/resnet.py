@@ -89,8 +89,9 @@ def _print_layers(config, repeats: int) -> None:
           f'| {ms["xla"] / ms["matmul"]:.2f} | {auto} |')
 
 
-def run_resnet(config, fv: flags.FlagValues) -> int:
+def run(fv: flags.FlagValues) -> int:
   """The `resnet` subcommand: the encoder fwd+bwd per `model.conv_impl`."""
+  config = fv.config
   impls = list(fv.conv_impls)
   for impl in impls:
     conv.conv_function(impl)

@@ -120,8 +120,9 @@ def _pipeline_per_s(images, batch_size: int, seed: int, mesh) -> float:
   return per_s
 
 
-def run_train(base, fv: flags.FlagValues) -> int:
+def run(fv: flags.FlagValues) -> int:
   """The `train` subcommand: prints the complexity table and the ratios."""
+  base = fv.config
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from otclr_jax import experiment, methods, tables  # pylint: disable=g-import-not-at-top
 

@@ -19,15 +19,14 @@ CUTOFF = 0.25
 RING = 3
 
 
-def view_statistics(config: ml_collections.ConfigDict, images: np.ndarray, *,
-                    batch_size: int = 100, seed: int = 0) -> dict[str, float]:
+def view_statistics(config: ml_collections.ConfigDict, images: np.ndarray,
+                    seed: int = 0) -> dict[str, float]:
   """The positive pairs' statistics of `config`'s views of `images`.
 
   Args:
     config: a validated config (its views, `config.ot`, `config.augment`,
       and `config.model` with `config.seed` for the untrained encoder).
-    images: uint8 [n, S, S, 3] test images, n >= 2.
-    batch_size: images per device call.
+    images: uint8 [n, S, S, 3] test images, n >= 2; 100 per device call.
     seed: the views' key (`view_quality.paired_views`).
 
   Returns:
@@ -48,7 +47,7 @@ def view_statistics(config: ml_collections.ConfigDict, images: np.ndarray, *,
   model = experiment.create_model(config)
   encoder = features.Encoder(model)
   variables = encoder.place(experiment.initial_variables(config))
-  batch_size = -(-min(batch_size, len(images)) // encoder.num_devices) * (
+  batch_size = -(-min(100, len(images)) // encoder.num_devices) * (
       encoder.num_devices)
   parts = []
   for x, pair, real in view_quality.paired_views(
@@ -76,8 +75,7 @@ def view_statistics(config: ml_collections.ConfigDict, images: np.ndarray, *,
   }
 
 
-def run_views(config: ml_collections.ConfigDict,
-              fv: flags.FlagValues) -> int:
+def run(fv: flags.FlagValues) -> int:
   """The `views` subcommand: prints `view_statistics` of `--dataset`'s test
   split, `--num_images` images chosen with `--seed`."""
   # pylint: disable=g-import-not-at-top
@@ -87,7 +85,7 @@ def run_views(config: ml_collections.ConfigDict,
   from otclr_jax.evaluation import view_quality
   if fv.num_images < 2:
     raise app.UsageError(f'--num_images must be >= 2, got {fv.num_images}.')
-  config = config.copy_and_resolve_references()
+  config = fv.config.copy_and_resolve_references()
   config.dataset = fv.dataset
   experiment.validate_config(config)
   test = data.load_split(fv.dataset, 'test', config.image_size,
