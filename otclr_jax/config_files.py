@@ -1,8 +1,9 @@
-"""Configs outside a command line: stored config.json files and overrides.
+"""Configs and the command lines that carry them.
 
-`load` reads a run's `config.json` or a `configs/X.py`; `apply_overrides`
-parses `--config.a.b=v` with `main`'s parser, so a sweep's runs resolve (and
-fail) exactly as their command lines will.
+`parse_flags` is every tool's flag parser and `run` its `__main__`; `load`
+reads a run's `config.json` or a `configs/X.py`; `apply_overrides` parses
+`--config.a.b=v` with the same parser, so a sweep's runs resolve (and fail)
+exactly as their command lines will.
 """
 
 from __future__ import annotations
