@@ -36,7 +36,7 @@ class ViewOptions(NamedTuple):
 
 class Recipe(NamedTuple):
   """What a config trains on: its objective and its positive views."""
-  method: methods.Method  # 'otclr' resolves to SimCLR
+  method: methods.base.Method  # 'otclr' resolves to SimCLR
   views: str  # 'augment' or 'ot'
   options: ViewOptions
   augment: augment.AugmentParams
