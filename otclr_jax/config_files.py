@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import re
-import sys
 import traceback
 from typing import Any, Callable, Sequence
 

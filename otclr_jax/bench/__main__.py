@@ -25,7 +25,6 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from otclr_jax import cli
 from otclr_jax import config_files
 
 # Each command's module, imported alone: `ot`'s needs ott-jax, whose import
