@@ -174,7 +174,8 @@ class UsageError(cli.UsageError):
   """A bad command line: an unknown flag or field, or a bad value."""
 
 
-def _parse_into(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+def _parse_into(flag_values: flags.FlagValues,
+                argv: Sequence[str]) -> list[str]:
   """`flag_values(argv)`: the arguments left, program name first.
 
   Raises:

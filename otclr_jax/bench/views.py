@@ -96,8 +96,8 @@ def run(fv: flags.FlagValues) -> int:
   generator = (f'OT views (source={options.source}, detail={options.detail}, '
                f'colour={options.colour}, alpha={config.ot.alpha:g})'
                if kind == 'ot' else 'strong augmentations')
-  print(f'{method.name} with {generator}: {len(images)} {fv.dataset} test images '
-        f'at {config.image_size} px (seed {fv.seed}), '
+  print(f'{method.name} with {generator}: {len(images)} {fv.dataset} test '
+        f'images at {config.image_size} px (seed {fv.seed}), '
         f'{jax.devices()[0].platform}')
   print(f'views / strong views: high-frequency power (> {CUTOFF:g} '
         f'cycles/pixel) {stats["high_freq"]:.3f}; mean L2 v1-v2 over '
