@@ -353,7 +353,8 @@ def paired_differences(results: Sequence[dict[str, Any]]
   metrics = [m for m, _ in PAIRED_METRICS]
   # Per setting: view comparisons before the floor's, datasets in paper order.
   rows.sort(key=lambda r: (
-      r['pretrain_dataset'], -r['batch_size'], r['label'],
+      _sort_key((r['pretrain_dataset'], r['batch_size'], '', ()))[:2],
+      r['label'],
       r['baseline'] == 'random_init', method_rank(r['method']),
       _rank(DATASET_ORDER, r['dataset']), metrics.index(r['metric'])))
   return rows
