@@ -286,15 +286,11 @@ def run(main: Callable[[Sequence[str]], Any],
     return list(argv)
 
   def guarded(argv):
-    # Before absl's `app.run` sees it: expected failures end in one line.
-    try:
-      status = main(argv)
-    except SystemExit:
-      raise
-    except BaseException as e:  # pylint: disable=broad-except
-      cli.exit_now(cli.report(e, usage_errors))
+    # Before absl's `app.run` sees it: expected failures end in one line, and
+    # a failure's exit skips the runtime's shutdown.
+    status = cli.call(main, argv, usage_errors)
     if status:
-      cli.exit_now(int(status))
+      cli.exit_now(status)
     return status
 
   cli.run(lambda argv: app.run(guarded, argv=argv,
