@@ -34,6 +34,7 @@ from otclr_jax import train
 from otclr_jax.evaluation import evaluate
 from otclr_jax.evaluation import monitor
 
+
 def _define_flags(fv: flags.FlagValues, argv: list[str]) -> None:
   config_flags.DEFINE_config_file(
       'config', None, 'Training configuration file.', lock_config=True,

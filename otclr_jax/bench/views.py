@@ -17,6 +17,12 @@ import numpy as np
 CUTOFF = 0.25
 # Pixels of the image border ring compared with the inside.
 RING = 3
+# The printed table's columns: the views, then every `view_statistics` in
+# its order but ring_clean.
+TABLE_COLUMNS = ('Views', 'HF power / strong', 'L2 v1-v2 / s1-s2',
+                 'Ring / inside, views', 'Ring / inside, strong',
+                 'Retrieval, encoder: views', 'strong',
+                 'Retrieval, pixels: views', 'strong')
 
 
 def view_statistics(config: ml_collections.ConfigDict, images: np.ndarray,
@@ -118,10 +124,3 @@ def run(fv: flags.FlagValues) -> int:
       for k, v in stats.items() if k != 'ring_clean') + ' |')
   return 0
 
-
-# The printed table's columns: the views, then every `view_statistics` in
-# its order but ring_clean.
-TABLE_COLUMNS = ('Views', 'HF power / strong', 'L2 v1-v2 / s1-s2',
-                 'Ring / inside, views', 'Ring / inside, strong',
-                 'Retrieval, encoder: views', 'strong',
-                 'Retrieval, pixels: views', 'strong')
